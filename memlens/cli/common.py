@@ -1,0 +1,82 @@
+"""Flags shared by every verb that takes a TrainingSpec, and output helpers."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import SpecError
+from ..spec import ATTENTION, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
+
+
+def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    """The spec flags (exact names reused by every verb). Defaults are None so YAML values show through."""
+    g = p.add_argument_group("training spec (flags override --config)")
+    g.add_argument("--config", metavar="SPEC.yaml", help="YAML file with spec fields (flags given too win)")
+    g.add_argument("--model", help="built-in name | Hugging Face id | directory or config.json | pkg.module:factory")
+    g.add_argument("--batch-size", type=int, metavar="N", help="micro-batch per GPU (default 1)")
+    g.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample (default 512, capped at the model's limit)")
+    g.add_argument("--image-size", type=int, metavar="PX", help="image side in pixels (vision models; default from config)")
+    g.add_argument("--images-per-sample", type=int, metavar="N", help="images per sample (VLMs; default 1)")
+    g.add_argument("--precision", choices=PRECISIONS, help="fp16/bf16: weights in that dtype; amp-*: fp32 weights under autocast (default fp32)")
+    g.add_argument("--grad-checkpointing", action="store_const", const=True, help="recompute activations in backward")
+    g.add_argument("--attn", choices=ATTENTION, help="attention implementation (default sdpa)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
+    g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
+    g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
+    g.add_argument("--qlora", action="store_const", const=True, help="4-bit NF4 base weights (needs --lora-rank)")
+    g.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters whose name matches (repeatable), e.g. vision_tower")
+    g.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
+    g.add_argument("--dp", action="store_const", const=True, help="DP-SGD with Opacus (per-sample gradients)")
+    g.add_argument("--physical-batch-size", type=int, metavar="N", help="DP-SGD: samples materialized at once")
+    g.add_argument("--world-size", type=int, metavar="N", help="GPUs (default 1)")
+    g.add_argument("--sharding", choices=SHARDING, help="how model states are split over --world-size GPUs")
+    g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
+
+
+_FLAG_FIELDS = (
+    "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
+    "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
+    "physical_batch_size", "world_size", "sharding", "offload_optimizer",
+)
+
+
+def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
+    """Merge --config YAML and explicit flags into one validated TrainingSpec."""
+    base: dict = {}
+    if getattr(args, "config", None):
+        base = TrainingSpec.from_yaml(args.config).to_dict()
+    for name in _FLAG_FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            base[name] = v
+    if "model" not in base or not base["model"]:
+        raise SpecError("no model given", hint="add --model gpt2 (or a YAML file with `model:` via --config)")
+    return TrainingSpec.from_dict(base)
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--json", action="store_true", help="print the Result JSON on stdout")
+    g.add_argument("--out", metavar="DIR", help="also write result.json (and plots) into DIR")
+
+
+def emit_json(result) -> None:
+    sys.stdout.write(result.to_json() + "\n")
+
+
+def out_dir(args: argparse.Namespace) -> Path | None:
+    if not getattr(args, "out", None):
+        return None
+    d = Path(args.out)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SpecError(f"cannot create output directory {d}: {e.strerror}", hint="choose a writable --out DIR") from None
+    return d
+
+
+def dump_json(obj, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")

@@ -1,0 +1,83 @@
+"""`memlens` entry point: dispatches to one module per verb.
+
+Each verb module in this package defines ``add_parser(subparsers)`` and ``run(args) -> int`` and
+can be run alone (``python -m memlens.cli.estimate ...``). Bad input raises MemlensError, which
+is printed as one line with a hint and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from ..errors import MemlensError
+
+# verb -> module name under memlens.cli
+VERBS = {
+    "estimate": "estimate",
+    "profile": "profile",
+    "compare": "compare",
+    "sweep": "sweep",
+    "fit": "fit",
+    "doctor": "doctor",
+    "watch": "watch",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as MemlensError (one line, exit 2)."""
+
+    def error(self, message: str):  # noqa: D401 - argparse API
+        raise MemlensError(message, hint=f"see `{self.prog} --help`")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="memlens", description="Predict, measure and explain the GPU memory of PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for internal errors")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
+    for verb, modname in VERBS.items():
+        try:
+            mod = importlib.import_module(f"memlens.cli.{modname}")
+        except ModuleNotFoundError as e:
+            if e.name == f"memlens.cli.{modname}":
+                continue  # verb not built yet
+            raise
+        mod.add_parser(sub)
+    return parser
+
+
+def run_verb(module_run, args) -> int:
+    """Run a verb's ``run(args)``, turning MemlensError into one line and exit 2."""
+    try:
+        return int(module_run(args) or 0)
+    except MemlensError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:  # an internal bug: one line unless --debug
+        if getattr(args, "debug", False) or os.environ.get("MEMLENS_DEBUG"):
+            raise
+        print(f"ERROR: internal error: {type(e).__name__}: {e}  HINT: rerun with --debug and report it", file=sys.stderr)
+        return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except MemlensError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    if not args.verb:
+        parser.print_help()
+        return 0
+    return run_verb(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

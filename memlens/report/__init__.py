@@ -1,0 +1,1 @@
+"""Renderings of a Result: JSON schema, terminal tables, CSV, plots, HTML."""

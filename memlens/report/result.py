@@ -1,0 +1,121 @@
+"""The one Result schema every verb writes.
+
+A Result is a flat JSON object. Memory verbs (estimate, profile) fill the common memory fields;
+every verb may add its own top-level keys through ``data`` (e.g. ``rows`` for sweep,
+``requested_bytes`` for ``doctor oom``). Tables, CSV, PNG and HTML are renderings of it.
+
+>>> r = Result(verb="estimate", peak_allocated_bytes=1024, data={"method": "simulate"})
+>>> d = r.to_dict()
+>>> d["schema_version"], d["peak_allocated_bytes"], d["method"]
+('1', 1024, 'simulate')
+>>> Result.from_dict(d).data["method"]
+'simulate'
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import MemlensError
+
+SCHEMA_VERSION = "1"
+
+# Category names shared by the estimator and the profiler (PyTorch's own words where it has them).
+CATEGORIES = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+    "per_sample_gradients",
+    "workspace",
+)
+PHASES = ("setup", "forward", "backward", "optimizer")
+
+_CORE = (
+    "verb", "spec", "peak_allocated_bytes", "peak_reserved_bytes", "by_category", "by_phase",
+    "by_module", "timeline", "notes", "environment",
+)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("memlens")
+    except Exception:  # not installed (running from a checkout)
+        return "0+unknown"
+
+
+@dataclass
+class Result:
+    """Output of any memlens verb; see the module docstring."""
+
+    verb: str
+    spec: dict | None = None
+    peak_allocated_bytes: int | None = None
+    peak_reserved_bytes: int | None = None
+    by_category: dict[str, int] = field(default_factory=dict)
+    by_phase: dict[str, dict[str, Any]] = field(default_factory=dict)
+    by_module: list[dict[str, Any]] = field(default_factory=list)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    environment: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "memlens_version": _version(),
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        }
+        for k in _CORE:
+            out[k] = getattr(self, k)
+        clash = set(self.data) & set(out)
+        if clash:
+            raise ValueError(f"Result.data may not redefine core keys: {sorted(clash)}")
+        out.update(self.data)
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=_json_default)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Result":
+        if not isinstance(d, dict) or "verb" not in d:
+            raise MemlensError("not a memlens result (no 'verb' key)", hint="pass a result.json written by memlens --out or --json")
+        d = dict(d)
+        for k in ("schema_version", "memlens_version", "created_at"):
+            d.pop(k, None)
+        core = {k: d.pop(k) for k in _CORE if k in d}
+        return cls(**core, data=d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Result":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except FileNotFoundError:
+            raise MemlensError(f"result file {path} does not exist", hint="check the path") from None
+        except json.JSONDecodeError as e:
+            raise MemlensError(f"{path} is not valid JSON ({e.msg} at line {e.lineno})", hint="pass a result.json written by memlens") from None
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "to_dict"):
+        return o.to_dict()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"cannot serialize {type(o).__name__}")

@@ -1,0 +1,224 @@
+"""TrainingSpec: what is trained and how. Built from flags or YAML, validated, serializable.
+
+>>> s = TrainingSpec(model="gpt2", batch_size=8, seq_len=1024, precision="amp-bf16")
+>>> s.effective_batch_size
+8
+>>> TrainingSpec.from_dict(s.to_dict()) == s
+True
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from .errors import SpecError
+
+PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+ATTENTION = ("sdpa", "eager")
+OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
+SHARDING = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """One training configuration. Every field has the name of its CLI flag (``--batch-size`` ...)."""
+
+    model: str
+    batch_size: int = 1
+    seq_len: int | None = None          # tokens per sample (text); None: 512 or the model's limit
+    image_size: int | None = None       # pixels per side (vision); None: the model's config
+    images_per_sample: int = 1          # VLMs: images per sample
+    precision: str = "fp32"             # fp16/bf16: weights in that dtype; amp-*: fp32 weights + autocast
+    grad_checkpointing: bool = False
+    attn: str = "sdpa"
+    optimizer: str = "adamw"
+    lora_rank: int | None = None
+    lora_alpha: float | None = None     # None: 2 x rank
+    lora_targets: tuple[str, ...] | None = None  # None: q_proj,v_proj style defaults per architecture
+    qlora: bool = False                 # 4-bit (NF4) frozen base weights, LoRA on top
+    freeze: tuple[str, ...] = ()        # module-name patterns whose parameters get no gradient
+    grad_accum: int = 1
+    dp: bool = False                    # DP-SGD (Opacus): per-sample gradients
+    physical_batch_size: int | None = None  # DP: micro-batch that is materialized at once
+    world_size: int = 1
+    sharding: str = "none"
+    offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
+
+    # ---------- validation ----------
+    def __post_init__(self):
+        _check_int(self, "batch_size", 1)
+        _check_int(self, "images_per_sample", 1)
+        _check_int(self, "grad_accum", 1)
+        _check_int(self, "world_size", 1)
+        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, 1)
+        _check_choice("precision", self.precision, PRECISIONS)
+        _check_choice("attn", self.attn, ATTENTION)
+        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        _check_choice("sharding", self.sharding, SHARDING)
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise SpecError("model is empty", hint="give --model gpt2 (see `memlens estimate --list-models`)")
+        if self.seq_len is not None and self.seq_len > 1_048_576:
+            raise SpecError(f"seq_len {self.seq_len} is impossibly long", hint="use at most 1048576 tokens")
+        if self.batch_size > 1_000_000:
+            raise SpecError(f"batch_size {self.batch_size} is impossibly large", hint="use a micro-batch under 1000000")
+        if self.qlora and self.lora_rank is None:
+            raise SpecError("--qlora needs --lora-rank", hint="add --lora-rank 16 (QLoRA trains LoRA adapters on 4-bit weights)")
+        if self.lora_alpha is not None and self.lora_rank is None:
+            raise SpecError("--lora-alpha needs --lora-rank", hint="add --lora-rank 16")
+        if self.lora_targets is not None and self.lora_rank is None:
+            raise SpecError("--lora-targets needs --lora-rank", hint="add --lora-rank 16")
+        if self.physical_batch_size is not None and not self.dp:
+            raise SpecError("--physical-batch-size is a DP-SGD setting", hint="add --dp, or use --grad-accum for plain accumulation")
+        if self.physical_batch_size is not None and self.physical_batch_size > self.batch_size:
+            raise SpecError(
+                f"physical batch {self.physical_batch_size} is larger than batch {self.batch_size}",
+                hint="the physical batch is the part of --batch-size materialized at once",
+            )
+        if self.sharding != "none" and self.world_size == 1:
+            raise SpecError(f"sharding {self.sharding!r} needs --world-size > 1", hint="add --world-size 8")
+        if self.precision in ("fp16",) and self.optimizer == "adamw-8bit":
+            pass  # allowed: bnb 8-bit optimizers work with fp16 params
+
+    # ---------- derived ----------
+    @property
+    def effective_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks: micro-batch x accumulation x data-parallel ranks."""
+        return self.batch_size * self.grad_accum * self.world_size
+
+    @property
+    def autocast_dtype(self) -> str | None:
+        return {"amp-fp16": "float16", "amp-bf16": "bfloat16"}.get(self.precision)
+
+    @property
+    def param_dtype(self) -> str:
+        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
+
+    @property
+    def uses_lora(self) -> bool:
+        return self.lora_rank is not None
+
+    # ---------- (de)serialization ----------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("lora_targets", "freeze"):
+            if d[k] is not None:
+                d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrainingSpec":
+        if not isinstance(d, dict):
+            raise SpecError("the spec must be a mapping of field: value", hint="see `memlens estimate --help` for the fields")
+        known = {f.name for f in fields(cls)}
+        clean: dict[str, Any] = {}
+        for key, value in d.items():
+            name = str(key).replace("-", "_")
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                raise SpecError(f"unknown spec field {key!r}", hint=f"did you mean {close[0]!r}?" if close else f"fields: {', '.join(sorted(known))}")
+            clean[name] = _coerce(name, value)
+        if "model" not in clean:
+            raise SpecError("the spec has no model", hint="add `model: gpt2`")
+        return cls(**clean)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "TrainingSpec":
+        import yaml
+
+        p = Path(path)
+        if not p.exists():
+            raise SpecError(f"config file {p} does not exist", hint="check the path given to --config")
+        try:
+            data = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise SpecError(f"{p} is not valid YAML{where}", hint="fix the YAML syntax (key: value per line)") from None
+        if data is None:
+            raise SpecError(f"{p} is empty", hint="write at least `model: gpt2`")
+        if isinstance(data, dict) and isinstance(data.get("spec"), dict):
+            data = data["spec"]  # a memlens result.json / YAML with a spec section
+        return cls.from_dict(data)
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def replace(self, **changes: Any) -> "TrainingSpec":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def describe(self) -> str:
+        """A short one-line description for tables."""
+        parts = [self.model, f"b={self.batch_size}"]
+        if self.seq_len:
+            parts.append(f"L={self.seq_len}")
+        if self.image_size:
+            parts.append(f"img={self.image_size}")
+        parts.append(self.precision)
+        if self.grad_checkpointing:
+            parts.append("ckpt")
+        if self.attn != "sdpa":
+            parts.append(self.attn)
+        parts.append(self.optimizer)
+        if self.lora_rank:
+            parts.append(("qlora" if self.qlora else "lora") + f"-r{self.lora_rank}")
+        if self.grad_accum > 1:
+            parts.append(f"accum={self.grad_accum}")
+        if self.dp:
+            parts.append("dp")
+        if self.world_size > 1:
+            parts.append(f"{self.sharding}x{self.world_size}")
+        return " ".join(parts)
+
+
+def _check_int(spec: TrainingSpec, name: str, minimum: int) -> None:
+    v = getattr(spec, name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SpecError(f"{name.replace('_', '-')} must be a whole number, got {v!r}", hint=f"e.g. --{name.replace('_', '-')} 8")
+    if v < minimum:
+        raise SpecError(f"{name.replace('_', '-')} must be >= {minimum}, got {v}", hint=f"e.g. --{name.replace('_', '-')} 8")
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
+
+
+_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer"}
+_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size"}
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """YAML-friendly coercion: '8' -> 8 for ints, 'q_proj,v_proj' -> tuple, yes/no -> bool."""
+    if value is None:
+        return None
+    if name in _INTS and isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    if name in _INTS and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if name in _BOOLS:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "on", "1", "false", "no", "off", "0"):
+            return value.lower() in ("true", "yes", "on", "1")
+        raise SpecError(f"{name.replace('_', '-')} must be true or false, got {value!r}", hint="write true or false")
+    if name in ("lora_targets", "freeze"):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
+        return tuple(value)
+    if name == "lora_alpha":
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise SpecError(f"lora-alpha must be a number, got {value!r}", hint="e.g. --lora-alpha 32") from None
+    return value
