@@ -1,0 +1,32 @@
+"""The accuracy cases of issue 2: varied models, precisions, attention, optimizers, sizes."""
+
+CASES = [
+    # name, spec fields
+    ("gpt2-fp32-b4-L512", dict(model="gpt2", batch_size=4, seq_len=512)),
+    ("gpt2-ampfp16-b8-L1024", dict(model="gpt2", batch_size=8, seq_len=1024, precision="amp-fp16")),
+    ("gpt2-ampbf16-eager-b8-L1024", dict(model="gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", attn="eager")),
+    ("gpt2-ampbf16-ckpt-b16-L1024", dict(model="gpt2", batch_size=16, seq_len=1024, precision="amp-bf16", grad_checkpointing=True)),
+    ("gpt2-fp32-sgd-b2-L256", dict(model="gpt2", batch_size=2, seq_len=256, optimizer="sgd")),
+    ("gpt2-fp16-b4-L512", dict(model="gpt2", batch_size=4, seq_len=512, precision="fp16")),
+    ("gpt2m-ampfp16-b2-L256", dict(model="gpt2-medium", batch_size=2, seq_len=256, precision="amp-fp16")),
+    ("gpt2m-ampfp16-ckpt-b16-L1024", dict(model="gpt2-medium", batch_size=16, seq_len=1024, precision="amp-fp16", grad_checkpointing=True)),
+    ("gpt2m-ampfp16-b16-L1024", dict(model="gpt2-medium", batch_size=16, seq_len=1024, precision="amp-fp16")),
+    ("gpt2l-bf16-b4-L1024", dict(model="gpt2-large", batch_size=4, seq_len=1024, precision="bf16")),
+    ("gpt2xl-bf16-sgdm-b2-L512", dict(model="gpt2-xl", batch_size=2, seq_len=512, precision="bf16", optimizer="sgd-momentum")),
+    ("llama1b-bf16-b4-L2048", dict(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16")),
+    ("llama1b-ampbf16-ckpt-b8-L1024", dict(model="llama-3.2-1b", batch_size=8, seq_len=1024, precision="amp-bf16", grad_checkpointing=True)),
+    ("llama1b-fp32-eager-b2-L512", dict(model="llama-3.2-1b", batch_size=2, seq_len=512, attn="eager")),
+    ("llama1b-bf16-accum4-b4-L1024", dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16", grad_accum=4)),
+    ("llama1b-ampfp16-eager-accum2-b2-L1024", dict(model="llama-3.2-1b", batch_size=2, seq_len=1024, precision="amp-fp16", attn="eager", grad_accum=2)),
+    ("qwen0.5b-bf16-b8-L1024", dict(model="qwen2.5-0.5b", batch_size=8, seq_len=1024, precision="bf16")),
+    ("qwen0.5b-ampbf16-sgd-b4-L2048", dict(model="qwen2.5-0.5b", batch_size=4, seq_len=2048, precision="amp-bf16", optimizer="sgd")),
+    ("llama3b-bf16-ckpt-b2-L1024", dict(model="llama-3.2-3b", batch_size=2, seq_len=1024, precision="bf16", grad_checkpointing=True)),
+    ("vit-fp32-b64", dict(model="vit-base-patch16-224", batch_size=64)),
+    ("vit-ampfp16-b128", dict(model="vit-base-patch16-224", batch_size=128, precision="amp-fp16")),
+    ("bert-ampfp16-b32-L512", dict(model="bert-base-uncased", batch_size=32, seq_len=512, precision="amp-fp16")),
+    ("llama8b-lora16-bf16-b4-L1024", dict(model="llama-3.1-8b", batch_size=4, seq_len=1024, precision="bf16", lora_rank=16)),
+    ("llama8b-lora16-bf16-ckpt-b2-L2048", dict(model="llama-3.1-8b", batch_size=2, seq_len=2048, precision="bf16", lora_rank=16, grad_checkpointing=True)),
+    ("mistral7b-lora8-bf16-ckpt-b2-L1024", dict(model="mistral-7b", batch_size=2, seq_len=1024, precision="bf16", lora_rank=8, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"), grad_checkpointing=True)),
+    ("clip-ampbf16-b32", dict(model="clip-vit-large-patch14-336", batch_size=32, precision="amp-bf16")),
+    ("llava7b-lora16-bf16-ckpt-b1", dict(model="llava-1.5-7b", batch_size=1, precision="bf16", lora_rank=16, grad_checkpointing=True, freeze=("vision_tower",))),
+]

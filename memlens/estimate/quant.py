@@ -1,0 +1,101 @@
+"""Memory-faithful stand-ins for bitsandbytes pieces (4-bit base weights, 8-bit optimizer states).
+
+bitsandbytes needs a GPU, so the estimator models what its kernels allocate:
+
+- NF4 weights (QLoRA): 4 bits per weight packed in uint8 (numel / 2 bytes) plus block-wise
+  absmax statistics, blocks of 64 (double quantization: one uint8 per block plus one fp32 per 256
+  blocks). Forward and backward dequantize the whole weight to the compute dtype for the matmul
+  and free it: a transient of out x in elements per layer (bitsandbytes MatMul4Bit).
+- AdamW8bit: two uint8 states per parameter for tensors of >= 4096 elements, with one fp32
+  absmax per block of 256 (blockwise quantization); smaller tensors keep fp32 states.
+"""
+from __future__ import annotations
+
+import torch
+
+NF4_BLOCK = 64
+DOUBLE_QUANT_BLOCK = 256
+OPT8_MIN_SIZE = 4096
+OPT8_BLOCK = 256
+
+
+class _Dequant4bitMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, packed, absmax, out_features, in_features, compute_dtype):
+        w = torch.empty(out_features, in_features, dtype=compute_dtype, device=x.device)
+        out = x.to(compute_dtype) @ w.t()
+        del w
+        ctx.save_for_backward(packed, absmax)
+        ctx.shape = (out_features, in_features, compute_dtype)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        out_f, in_f, dt = ctx.shape
+        w = torch.empty(out_f, in_f, dtype=dt, device=grad_out.device)
+        grad_x = grad_out @ w
+        del w
+        return grad_x, None, None, None, None, None
+
+
+class Linear4bitSim(torch.nn.Module):
+    """A frozen linear layer stored as NF4 (what bitsandbytes.nn.Linear4bit keeps on the GPU)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        n = in_features * out_features
+        blocks = (n + NF4_BLOCK - 1) // NF4_BLOCK
+        self.register_buffer("weight_packed", torch.empty((n + 1) // 2, dtype=torch.uint8, device=device))
+        # double-quantized absmax: uint8 per block + fp32 per 256 blocks
+        self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=device))
+        self.register_buffer("absmax2", torch.empty((blocks + DOUBLE_QUANT_BLOCK - 1) // DOUBLE_QUANT_BLOCK, dtype=torch.float32, device=device))
+        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False) if bias else None
+
+    def forward(self, x):
+        out = _Dequant4bitMatmul.apply(x, self.weight_packed, self.absmax, self.out_features, self.in_features, self.compute_dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+
+def quantize_frozen_linears(model, compute_dtype: torch.dtype) -> int:
+    """Replace every frozen nn.Linear (LoRA base layers included, lm_head excluded) by Linear4bitSim."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and not child.weight.requires_grad and "lm_head" not in name:
+                new = Linear4bitSim(child.in_features, child.out_features, child.bias is not None, compute_dtype, child.weight.device)
+                setattr(parent, name, new)
+                count += 1
+    return count
+
+
+class AdamW8bitSim(torch.optim.Optimizer):
+    """AdamW with 8-bit block-wise states, as bitsandbytes.optim.AdamW8bit allocates them.
+
+    The update runs in place inside one kernel, so there are no parameter-sized temporaries.
+    """
+
+    def __init__(self, params, lr: float = 1e-3):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=torch.float32)
+                    if p.numel() >= OPT8_MIN_SIZE:
+                        blocks = (p.numel() + OPT8_BLOCK - 1) // OPT8_BLOCK
+                        st["state1"] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
+                        st["state2"] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
+                        st["absmax1"] = torch.empty(blocks, dtype=torch.float32, device=p.device)
+                        st["absmax2"] = torch.empty(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        st["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        st["state2"] = torch.zeros_like(p, dtype=torch.float32)
+        return None

@@ -1,0 +1,137 @@
+"""Track every tensor storage of a step as ledger events (used on fake and on real CPU tensors).
+
+A TorchDispatchMode sees each op's outputs; a new storage becomes an ``alloc`` event and a
+``weakref.finalize`` on it emits the ``free``. The tracker holds no strong reference to any
+tensor, so autograd's buffer stealing and freeing work as they do without it.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.module_tracker import ModuleTracker
+
+from ..ledger import EventLog
+
+
+class StorageTracker(TorchDispatchMode):
+    """Turns storages created by ops into EventLog events, with category, module and phase."""
+
+    def __init__(self, log: EventLog, root_name: str = ""):
+        super().__init__()
+        self.log = log
+        self.phase = "setup"
+        self.step = 0
+        self.category_default = "temporaries"
+        self.modules: ModuleTracker | None = None
+        self._root = root_name
+        self._keys: dict[int, int] = {}      # id(storage) -> key
+        self._category: dict[int, str] = {}  # key -> current category
+        self._next = 0
+        self._mod_cache: dict[frozenset, int] = {}
+
+    # ---------------------------------------------------------------- registration
+    def current_module(self) -> int:
+        mt = self.modules
+        if mt is None:
+            return -1
+        parents = mt.parents
+        key = frozenset(parents)
+        mid = self._mod_cache.get(key)
+        if mid is None:
+            deepest = max(parents, key=len)
+            mid = self.log.module_id(self.module_label(deepest))
+            self._mod_cache[key] = mid
+        return mid
+
+    def module_label(self, fqn: str) -> str:
+        if fqn == "Global":
+            return "(outside modules)"
+        parts = fqn.split(".")[1:]  # drop the root class name
+        while parts[:2] == ["base_model", "model"]:  # peft wrappers
+            parts = parts[2:]
+        return ".".join(parts) if parts else "(model: loss and glue)"
+
+    def register(self, t: torch.Tensor, category: str, module: str | None = None, op: str = "") -> int | None:
+        """Account a tensor created outside the mode (parameters, inputs). Returns its key."""
+        st = t.untyped_storage()
+        sid = id(st)
+        if sid in self._keys:
+            return self._keys[sid]
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return None
+        key = self._new_key(st, sid)
+        mid = self.log.module_id(module) if module is not None else self.current_module()
+        self._category[key] = category
+        self.log.alloc(key, nbytes, category, mid, self.phase, op)
+        return key
+
+    def _new_key(self, st, sid: int) -> int:
+        key = self._next
+        self._next += 1
+        self._keys[sid] = key
+        weakref.finalize(st, self._on_free, sid, key)
+        return key
+
+    def _on_free(self, sid: int, key: int) -> None:
+        if self._keys.get(sid) == key:
+            del self._keys[sid]
+        self._category.pop(key, None)
+        self.log.free(key)
+
+    def key_of(self, t: torch.Tensor) -> int | None:
+        return self._keys.get(id(t.untyped_storage()))
+
+    def retag(self, t: torch.Tensor, category: str, only_from: tuple[str, ...] | None = None) -> None:
+        key = self.key_of(t)
+        if key is None:
+            return
+        cur = self._category.get(key)
+        if cur == category or (only_from is not None and cur not in only_from):
+            return
+        self._category[key] = category
+        self.log.tag(key, category)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Stop accounting a storage that lives off the device (e.g. optimizer step counters)."""
+        key = self.key_of(t)
+        if key is not None and key in self._category:
+            self._category[key] = "host"
+            self.log.free(key)
+
+    def set_phase(self, name: str, step: int) -> None:
+        self.phase, self.step = name, step
+        self.log.phase(name, step)
+
+    # ---------------------------------------------------------------- the mode
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat = out if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+        for t in (flat,) if isinstance(flat, torch.Tensor) else flat:
+            if not isinstance(t, torch.Tensor):
+                continue
+            st = t.untyped_storage()
+            sid = id(st)
+            if sid in self._keys:
+                continue
+            nbytes = st.nbytes()
+            if nbytes == 0:
+                continue
+            key = self._new_key(st, sid)
+            self._category[key] = self.category_default
+            self.log.alloc(key, nbytes, self.category_default, self.current_module(), self.phase, func)
+        return out
+
+
+def pack_hook_for(tracker: StorageTracker):
+    """saved_tensors_hooks pack function: tensors autograd saves become 'activations'."""
+
+    def pack(t: torch.Tensor) -> Any:
+        tracker.retag(t, "activations", only_from=("temporaries",))
+        return t
+
+    return pack

@@ -1,0 +1,151 @@
+"""Model sources: how to get a model's skeleton without weights.
+
+A source is one of: a built-in registry name (offline), a Hugging Face id (config.json only),
+a local directory or config.json, or ``package.module:factory`` returning ``(model, batch)``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ModelSourceError
+from . import registry
+
+TASKS = ("causal-lm", "masked-lm", "image-classification", "clip", "vlm", "factory")
+
+
+@dataclass
+class ModelSource:
+    """Where a model comes from and what kind of task it trains."""
+
+    name: str
+    kind: str                      # builtin | hf | local | factory
+    task: str                      # one of TASKS
+    config: Any = None             # transformers PretrainedConfig (None for factories)
+    factory: Callable | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "kind": self.kind, "task": self.task,
+                "model_type": getattr(self.config, "model_type", None)}
+
+
+def resolve(model: str) -> ModelSource:
+    """Resolve a --model string to a ModelSource, failing with one clear line.
+
+    >>> resolve("gpt2").task
+    'causal-lm'
+    """
+    model = model.strip()
+    doc = registry.get(model)
+    if doc is not None:
+        return ModelSource(doc["name"], "builtin", doc["task"], config=_config_from_dict(doc["config"], doc["name"]))
+    if ":" in model and not os.path.exists(model):
+        return _factory_source(model)
+    path = Path(model).expanduser()
+    if path.exists():
+        cfg_path = path / "config.json" if path.is_dir() else path
+        if not cfg_path.exists():
+            raise ModelSourceError(f"{path} has no config.json", hint="point --model at a Hugging Face model directory or its config.json")
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelSourceError(f"{cfg_path} is not valid JSON ({e})", hint="check the file is a Hugging Face config.json") from None
+        return _source_from_config_dict(cfg, str(path), "local")
+    if "/" in model and model.count("/") == 1 and not model.startswith((".", "/")):
+        return _source_from_config_dict(_download_config(model), model, "hf")
+    close = registry.suggest(model)
+    hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+    raise ModelSourceError(f"unknown model {model!r}", hint=hint + "see `memlens estimate --list-models`, or give a Hugging Face id, a directory, or pkg.module:factory")
+
+
+def _download_config(repo_id: str) -> dict:
+    """Fetch config.json only (never weights). HF_TOKEN is used for gated repositories."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:  # pragma: no cover - transformers depends on it
+        raise ModelSourceError("huggingface_hub is not installed", hint="pip install huggingface_hub") from None
+    try:
+        p = hf_hub_download(repo_id, "config.json", token=os.environ.get("HF_TOKEN") or None)
+    except Exception as e:  # offline, 404, gated: all one line
+        name = type(e).__name__
+        if "Gated" in name or "401" in str(e) or "403" in str(e):
+            hint = "the repository is gated: accept its licence on the Hub and set HF_TOKEN"
+        elif "NotFound" in name or "404" in str(e):
+            hint = "check the id, or use a built-in name (`memlens estimate --list-models`)"
+        else:
+            hint = "no network? use a built-in name, or download config.json and pass its path"
+        raise ModelSourceError(f"cannot fetch config.json of {repo_id!r} ({name})", hint=hint) from None
+    return json.loads(Path(p).read_text())
+
+
+def _config_from_dict(cfg: dict, label: str):
+    from transformers import AutoConfig
+
+    cfg = dict(cfg)
+    model_type = cfg.pop("model_type", None)
+    if not model_type:
+        raise ModelSourceError(f"{label}: config has no model_type", hint="a Hugging Face config.json names its model_type")
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as e:
+        raise ModelSourceError(f"{label}: transformers cannot build model_type {model_type!r} ({str(e).splitlines()[0][:120]})",
+                               hint="upgrade transformers, or use pkg.module:factory for custom models") from None
+
+
+_ARCH_TASKS = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForPreTraining", "masked-lm"),
+    ("ForImageClassification", "image-classification"),
+    ("ForConditionalGeneration", "vlm"),
+    ("ForImageTextToText", "vlm"),
+)
+
+
+def _source_from_config_dict(cfg: dict, name: str, kind: str) -> ModelSource:
+    config = _config_from_dict(cfg, name)
+    task = infer_task(config)
+    return ModelSource(name, kind, task, config=config)
+
+
+def infer_task(config) -> str:
+    """The training task for a transformers config (from `architectures`, else the model type)."""
+    for arch in getattr(config, "architectures", None) or []:
+        if arch in ("CLIPModel", "SiglipModel"):
+            return "clip"
+        for suffix, task in _ARCH_TASKS:
+            if arch.endswith(suffix):
+                if task == "vlm" and not hasattr(config, "vision_config"):
+                    continue  # e.g. T5ForConditionalGeneration: not supported as a VLM
+                return task
+    mt = config.model_type
+    if mt in ("clip", "siglip"):
+        return "clip"
+    if hasattr(config, "vision_config") and hasattr(config, "text_config"):
+        return "vlm"
+    if mt in ("vit", "deit", "beit", "swin", "convnext", "dinov2", "resnet"):
+        return "image-classification"
+    if mt in ("bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "albert", "xlm-roberta", "modernbert"):
+        return "masked-lm"
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "causal-lm"
+    raise ModelSourceError(f"cannot tell what task model_type {mt!r} trains", hint="add `architectures` to config.json, or use pkg.module:factory")
+
+
+def _factory_source(target: str) -> ModelSource:
+    mod_name, _, fn_name = target.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ModelSourceError(f"cannot import {mod_name!r} for factory {target!r} ({e})", hint="make the module importable (PYTHONPATH) and write it as pkg.module:function") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ModelSourceError(f"{mod_name!r} has no callable {fn_name!r}", hint="the factory is `def fn(spec) -> (model, batch)`")
+    return ModelSource(target, "factory", "factory", factory=fn)
