@@ -21,20 +21,24 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# CUDA autocast policies (aten/src/ATen/autocast_mode.cpp, AutocastCUDA registrations).
+# CUDA autocast policies (aten/src/ATen/autocast_mode.cpp: AT_FORALL_LOWER_PRECISION_FP,
+# AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by the Python names of the calls that reach them.
 LOWER_PRECISION = {
     "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm", "addmv", "addr",
     "mv", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "prelu",
     "chain_matmul", "einsum", "scaled_dot_product_attention", "_convolution", "convolution", "conv_tbc",
+    "linalg_vecdot", "multi_dot",
 }
-FP32 = {
-    "softmax", "log_softmax", "softmin", "layer_norm", "group_norm", "rms_norm", "cross_entropy", "nll_loss",
-    "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div", "binary_cross_entropy_with_logits",
-    "cosine_similarity", "cosine_embedding_loss", "exp", "expm1", "log", "log10", "log1p", "log2", "pow", "__pow__",
-    "__rpow__", "rsqrt", "reciprocal", "sum", "prod", "cumsum", "cumprod", "acos", "asin", "cosh", "sinh", "tan",
-    "erfinv", "softplus", "norm", "dist", "cdist", "pdist", "renorm", "logsumexp", "poisson_nll_loss",
-    "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss", "triplet_margin_loss", "multi_margin_loss",
-    "multilabel_margin_loss", "__rtruediv__", "__rdiv__",
+FP32 = {  # inputs cast to fp32 (a copy) before the op
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "__pow__", "__rpow__", "softplus", "layer_norm", "native_layer_norm", "group_norm",
+    "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss",
+    "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+}
+SET_OPT_DTYPE = {  # output dtype set to fp32 unless given: the kernel upcasts, no input copy
+    "softmax", "log_softmax", "cumprod", "cumsum", "prod", "sum", "linalg_vector_norm", "linalg_matrix_norm",
 }
 
 
@@ -57,15 +61,19 @@ class CudaRules:
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool) -> str:
-    """The kernel CUDA's SDPA dispatcher picks on sm80+ (torch 2.4-2.13 default priority).
+    """The kernel CUDA's SDPA dispatcher picks on Hopper (measured: H100, torch 2.11,
+    bench/results/raw/gpu_calibration.json, `torch._fused_sdp_choice`).
 
-    flash: fp16/bf16, head dim <= 256, no explicit mask; memory-efficient: masks, fp32, any head
-    dim multiple of 8; math otherwise (and for memory-efficient with grouped-query attention).
+    fp16/bf16: cuDNN attention, with or without masks, dropout or grouped-query attention
+    (head dim <= 128; flash above). fp32: memory-efficient attention, or math with grouped-query
+    attention (the memory-efficient kernel does not take enable_gqa).
     """
     half = q.dtype in (torch.float16, torch.bfloat16)
     d = q.shape[-1]
     gqa = enable_gqa and k.shape[-3] != q.shape[-3]
-    if half and attn_mask is None and d <= 256 and d % 8 == 0:
+    if half and d <= 128 and d % 8 == 0:
+        return "cudnn"
+    if half and d <= 256 and d % 8 == 0 and attn_mask is None:
         return "flash"
     if not gqa and d % 8 == 0 and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
         return "efficient"
@@ -76,45 +84,67 @@ def _ceil_to(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
 
-class FusedAttention(torch.autograd.Function):
-    """What CUDA's fused SDPA kernels allocate, on fake tensors.
+def _bhld(like: torch.Tensor, B: int, H: int, L: int, D: int) -> torch.Tensor:
+    """A (B, H, L, D) tensor laid out as (B, L, H, D), as the fused kernels write it."""
+    return torch.empty(B, L, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
-    forward keeps q, k, v, the output (B, L, H, Dv layout) and a float32 logsumexp;
-    backward allocates dq, dk, dv plus the kernel's float32 scratch (flash: dq accumulator
-    B x L128 x H x D32 and softmax_d B x H x L128; efficient: none for these sizes).
+
+class FusedAttention(torch.autograd.Function):
+    """What CUDA's fused SDPA kernels allocate, on fake tensors (sizes measured on an H100).
+
+    forward keeps q, k, v, the output and the softmax statistics:
+      cudnn: stats (B, H, L) fp32 plus two 8-byte RNG tensors; a bool mask becomes an additive
+      mask in the query dtype, kept for backward;
+      efficient: logsumexp (B, H, ceil32(L)) fp32; a bool mask becomes an fp32 additive mask;
+      flash: logsumexp (B, H, L) fp32 plus the RNG pair.
+    backward allocates dq, dk, dv and the kernel's scratch while they are written:
+      cudnn: two output-sized buffers, one stats-sized buffer, and with grouped-query attention
+      dk/dv expanded to all query heads before they are summed;
+      efficient: one output-sized buffer and two logsumexp-sized buffers;
+      flash: a float32 dq accumulator (B, ceil128(L), H, ceil32(D)) and softmax_d (B, H, ceil128(L)).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, backend):
         B, H, L, _ = q.shape
-        Dv = v.shape[-1]
-        out = torch.empty(B, L, H, Dv, dtype=q.dtype, device=q.device).transpose(1, 2)
-        lse_len = L if backend == "flash" else _ceil_to(L, 32)
-        lse = torch.empty(B, H, lse_len, dtype=torch.float32, device=q.device)
-        ctx.backend = backend
-        ctx.has_mask = attn_mask is not None
-        if attn_mask is not None:
-            ctx.save_for_backward(q, k, v, out, lse, attn_mask)
+        out = _bhld(q, B, H, L, v.shape[-1])
+        dev = q.device
+        if backend == "efficient":
+            stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
+            rng = ()
         else:
-            ctx.save_for_backward(q, k, v, out, lse)
+            stats = torch.empty(B, H, L, dtype=torch.float32, device=dev)
+            rng = (torch.empty((), dtype=torch.int64, device=dev), torch.empty((), dtype=torch.int64, device=dev))
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            attn_mask = torch.empty(attn_mask.shape, dtype=q.dtype, device=dev)  # additive mask
+        ctx.backend = backend
+        ctx.save_for_backward(q, k, v, out, stats, *rng, *(() if attn_mask is None else (attn_mask,)))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors[:5]
+        q, k, v, out, stats = ctx.saved_tensors[:5]
         B, H, L, D = q.shape
-        grad_out = grad_out.contiguous() if grad_out.stride(-1) != 1 else grad_out
-        dq = torch.empty(B, L, H, D, dtype=q.dtype, device=q.device).transpose(1, 2)
-        Hk = k.shape[1]
-        dk = torch.empty(B, k.shape[2], H, k.shape[3], dtype=k.dtype, device=k.device).transpose(1, 2)
-        dv = torch.empty(B, v.shape[2], H, v.shape[3], dtype=v.dtype, device=v.device).transpose(1, 2)
-        if ctx.backend == "flash":
-            dq_accum = torch.empty(B, _ceil_to(L, 128), H, _ceil_to(D, 32), dtype=torch.float32, device=q.device)
-            softmax_d = torch.empty(B, H, _ceil_to(L, 128), dtype=torch.float32, device=q.device)
-            del dq_accum, softmax_d
-        if Hk != H:  # grouped-query attention: sum expanded head grads down to the kv heads
-            dk = dk.reshape(B, Hk, H // Hk, k.shape[2], k.shape[3]).sum(2)
-            dv = dv.reshape(B, Hk, H // Hk, v.shape[2], v.shape[3]).sum(2)
+        Hk, S = k.shape[1], k.shape[2]
+        dev = q.device
+        dq = _bhld(q, B, H, L, D)
+        scratch = []
+        if ctx.backend == "cudnn":
+            scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
+                       torch.empty(B, H, L, dtype=torch.float32, device=dev)]
+        elif ctx.backend == "efficient":
+            scratch = [_bhld(out, B, H, L, out.shape[-1]), torch.empty_like(stats), torch.empty_like(stats)]
+        elif ctx.backend == "flash":
+            scratch = [torch.empty(B, _ceil_to(L, 128), H, _ceil_to(D, 32), dtype=torch.float32, device=dev),
+                       torch.empty(B, H, _ceil_to(L, 128), dtype=torch.float32, device=dev)]
+        if Hk != H:  # grouped-query attention: grads for every query head, then summed per kv head
+            dk_full, dv_full = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
+            del scratch
+            dk = dk_full.reshape(B, Hk, H // Hk, S, k.shape[-1]).sum(2)
+            dv = dv_full.reshape(B, Hk, H // Hk, S, v.shape[-1]).sum(2)
+        else:
+            dk, dv = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
+            del scratch
         return dq, dk, dv, None, None
 
 
@@ -200,6 +230,12 @@ class CudaEmulation(TorchFunctionMode):
                 args, kwargs = _cast_args(args, kwargs, self._lower)
             elif name in FP32:
                 args, kwargs = _cast_args(args, kwargs, self._fp32)
+            elif name in SET_OPT_DTYPE:
+                if "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args) and _first_half(args):
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif func is F.cross_entropy:
+                with torch._C._DisableAutocast():
+                    return _cross_entropy_decomposed(*args, **kwargs)
             with torch._C._DisableAutocast():
                 return self._call(func, name, args, kwargs)
         return self._call(func, name, args, kwargs)
@@ -209,7 +245,48 @@ class CudaEmulation(TorchFunctionMode):
             return cuda_sdpa(self.rules, *args, **kwargs)
         if func is F.dropout or func is torch.dropout:
             return _cuda_dropout(*args, **kwargs)
+        if name in ("softmax", "log_softmax"):
+            out = _half_to_float_softmax(name, args, kwargs)
+            if out is not None:
+                return out
         return func(*args, **kwargs)
+
+
+def _half_to_float_softmax(name: str, args, kwargs):
+    """CUDA computes softmax/log_softmax of an fp16 input with dtype=float32 in one kernel
+    (`half_to_float`), keeping no fp32 copy of the input; the CPU (and bf16 on CUDA) first
+    converts the input (aten/src/ATen/native/SoftMax.cpp)."""
+    if not args or not isinstance(args[0], torch.Tensor) or args[0].dtype != torch.float16:
+        return None
+    x = args[0]
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    dtype = kwargs.get("dtype")
+    if dtype is None:
+        dtype = next((a for a in args[2:] if isinstance(a, torch.dtype)), None)
+    if dim is None or dtype != torch.float32 or not isinstance(dim, int):
+        return None
+    op = torch._softmax if name == "softmax" else torch._log_softmax
+    return op(x, dim, True)
+
+
+def _first_half(args) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float16, torch.bfloat16)
+
+
+def _cross_entropy_decomposed(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                              reduction="mean", label_smoothing=0.0):
+    """cross_entropy under CUDA autocast: it has no policy of its own, so it decomposes into
+    log_softmax (fp32 output, no input copy) and nll_loss (fp32)."""
+    if target.is_floating_point():  # class probabilities
+        return F.cross_entropy(input.float(), target, weight, None, ignore_index, None, reduction, label_smoothing)
+    lp = _half_to_float_softmax("log_softmax", (input, 1), {"dtype": torch.float32})
+    if lp is None:
+        lp = F.log_softmax(input, 1, dtype=torch.float32)
+    loss = F.nll_loss(lp, target, weight, None, ignore_index, None, reduction)
+    if label_smoothing > 0:
+        smooth = -lp.sum(dim=1)
+        loss = (1 - label_smoothing) * loss + label_smoothing * smooth.mean() / input.shape[1]
+    return loss
 
 
 def _cuda_dropout(input, p=0.5, training=True, inplace=False):

@@ -22,7 +22,7 @@ from ..models.source import ModelSource, resolve
 from ..spec import TrainingSpec
 from ..step import train_step
 from . import cuda_rules
-from .tracker import StorageTracker, pack_hook_for
+from .tracker import ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for
 
 # Memory CUDA libraries take through PyTorch's caching allocator (so it is in memory_allocated).
 # cuBLAS keeps one workspace per (handle, stream); the autograd engine's device thread gets its
@@ -101,7 +101,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         with fake, _quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for step in range(1, steps + 1):
-                with ModuleScope(tracker):
+                with ModuleScope(tracker, model):
                     def on_phase(name: str, step=step) -> None:
                         tracker.set_phase(name, step)
                         tracker.category_default = "temporaries"
@@ -185,25 +185,6 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None
             mod._gradient_checkpointing_func = w
 
 
-class ModuleScope:
-    """Per-step torch ModuleTracker, so the tracker can name the module of each allocation."""
-
-    def __init__(self, tracker: StorageTracker):
-        from torch.utils.module_tracker import ModuleTracker
-
-        self.tracker = tracker
-        self.mt = ModuleTracker()
-
-    def __enter__(self):
-        self.mt.__enter__()
-        self.tracker.modules = self.mt
-        return self
-
-    def __exit__(self, *exc):
-        self.tracker.modules = None
-        self.mt.__exit__(*exc)
-
-
 class _WorkspaceRule:
     """cuBLAS workspaces: one appears with the first forward and one with the first backward."""
 
@@ -224,12 +205,12 @@ def _register_model(tracker: StorageTracker, model) -> None:
     names = {}
     for mname, mod in model.named_modules():
         for pname, p in mod.named_parameters(recurse=False):
-            names.setdefault(id(p), tracker.module_label("root." + mname) if mname else "(model: loss and glue)")
+            names.setdefault(id(p), tracker.module_label(mname))
     for p in model.parameters():
-        tracker.register(p, "parameters", names.get(id(p), "(model: loss and glue)"), op="model")
+        tracker.register(p, "parameters", names.get(id(p), ROOT_LABEL), op="model")
     for mname, mod in model.named_modules():
         for b in mod.buffers(recurse=False):
-            tracker.register(b, "buffers", tracker.module_label("root." + mname) if mname else "(model: loss and glue)", op="model")
+            tracker.register(b, "buffers", tracker.module_label(mname), op="model")
 
 
 def _register_inputs(tracker: StorageTracker, batch: Any) -> None:

@@ -12,9 +12,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.module_tracker import ModuleTracker
-
 from ..ledger import EventLog
+
+
+ROOT_LABEL = "(model: loss and glue)"
+OUTSIDE_LABEL = "(outside modules)"
 
 
 class StorageTracker(TorchDispatchMode):
@@ -26,34 +28,22 @@ class StorageTracker(TorchDispatchMode):
         self.phase = "setup"
         self.step = 0
         self.category_default = "temporaries"
-        self.modules: ModuleTracker | None = None
-        self._root = root_name
+        self.module = -1                     # module id allocations are charged to
         self._keys: dict[int, int] = {}      # id(storage) -> key
         self._category: dict[int, str] = {}  # key -> current category
         self._next = 0
-        self._mod_cache: dict[frozenset, int] = {}
 
     # ---------------------------------------------------------------- registration
     def current_module(self) -> int:
-        mt = self.modules
-        if mt is None:
-            return -1
-        parents = mt.parents
-        key = frozenset(parents)
-        mid = self._mod_cache.get(key)
-        if mid is None:
-            deepest = max(parents, key=len)
-            mid = self.log.module_id(self.module_label(deepest))
-            self._mod_cache[key] = mid
-        return mid
+        return self.module
 
-    def module_label(self, fqn: str) -> str:
-        if fqn == "Global":
-            return "(outside modules)"
-        parts = fqn.split(".")[1:]  # drop the root class name
-        while parts[:2] == ["base_model", "model"]:  # peft wrappers
+    @staticmethod
+    def module_label(name: str) -> str:
+        """Module name without peft's wrapper prefixes; the root is the loss and glue code."""
+        parts = name.split(".") if name else []
+        while parts[:2] == ["base_model", "model"]:
             parts = parts[2:]
-        return ".".join(parts) if parts else "(model: loss and glue)"
+        return ".".join(parts) if parts else ROOT_LABEL
 
     def register(self, t: torch.Tensor, category: str, module: str | None = None, op: str = "") -> int | None:
         """Account a tensor created outside the mode (parameters, inputs). Returns its key."""
@@ -65,7 +55,7 @@ class StorageTracker(TorchDispatchMode):
         if nbytes == 0:
             return None
         key = self._new_key(st, sid)
-        mid = self.log.module_id(module) if module is not None else self.current_module()
+        mid = self.log.module_id(module) if module is not None else self.module
         self._category[key] = category
         self.log.alloc(key, nbytes, category, mid, self.phase, op)
         return key
@@ -123,7 +113,7 @@ class StorageTracker(TorchDispatchMode):
                 continue
             key = self._new_key(st, sid)
             self._category[key] = self.category_default
-            self.log.alloc(key, nbytes, self.category_default, self.current_module(), self.phase, func)
+            self.log.alloc(key, nbytes, self.category_default, self.module, self.phase, func)
         return out
 
 
@@ -135,3 +125,58 @@ def pack_hook_for(tracker: StorageTracker):
         return t
 
     return pack
+
+
+class ModuleScope:
+    """Charge allocations to the module running: forward pre/post hooks keep a stack, and a
+    pre-hook on each module output's grad_fn marks where backward enters that module.
+
+    Hooks hold module names only (never tensors or graph nodes), so nothing is kept alive:
+    torch's own ModuleTracker keeps multi-grad hooks that retain recomputed graphs.
+    """
+
+    def __init__(self, tracker: StorageTracker, model: torch.nn.Module):
+        self.tracker = tracker
+        self.ids = {id(m): tracker.log.module_id(tracker.module_label(n)) for n, m in model.named_modules()}
+        self.outside = tracker.log.module_id(OUTSIDE_LABEL)
+        self.stack: list[int] = []
+        self._handles: list = []
+
+    def _pre(self, mod, args):
+        mid = self.ids.get(id(mod))
+        if mid is not None:
+            self.stack.append(mid)
+            self.tracker.module = mid
+
+    def _post(self, mod, args, out):
+        mid = self.ids.get(id(mod))
+        if mid is None:
+            return
+        if self.stack:
+            self.stack.pop()
+        self.tracker.module = self.stack[-1] if self.stack else self.outside
+        if torch.is_grad_enabled():
+            tracker = self.tracker
+
+            def enter(grad_outputs, mid=mid):
+                tracker.module = mid
+
+            seen = set()
+            for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+                fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
+                if fn is not None and id(fn) not in seen:
+                    seen.add(id(fn))
+                    fn.register_prehook(enter)
+
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
+        self.tracker.module = self.outside
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.tracker.module = self.outside
