@@ -290,15 +290,6 @@ RENDER = {"oom": _render_oom, "log": _render_log, "snapshot": _render_snapshot, 
 
 
 if __name__ == "__main__":
-    from .main import _Parser, run_verb
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
-    _root = _Parser(prog="memlens")
-    _root.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
-    _sub = _root.add_subparsers(dest="verb", parser_class=_Parser)
-    add_parser(_sub)
-    try:
-        _args = _root.parse_args(["doctor", *sys.argv[1:]])
-    except MemlensError as _e:
-        print(_e.render(), file=sys.stderr)
-        sys.exit(_e.exit_code)
-    sys.exit(run_verb(run, _args))
+    sys.exit(main(["doctor", *sys.argv[1:]]))
