@@ -15,7 +15,7 @@ import sys
 
 from ..errors import MemlensError
 from ..units import fmt_bytes, parse_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import _FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 WHATS = ("oom", "log", "snapshot", "stats")
 
@@ -92,7 +92,8 @@ def _oom(args):
     from ..doctor.oom import diagnose_oom
 
     text = _read_text_arg(args.text, "OOM message")
-    spec = spec_from_args(args) if (args.model or args.config) else None
+    wants_spec = args.config or any(getattr(args, name, None) is not None for name in _FLAG_FIELDS)
+    spec = spec_from_args(args) if wants_spec else None
     return diagnose_oom(text, spec=spec), None
 
 

@@ -257,8 +257,9 @@ def diagnose(msg: OomMessage) -> Diagnosis:
        (the allocator refuses before asking CUDA); MPS's "max allowed" watermark likewise.
     2. other_processes: other processes hold at least the shortfall (requested - free) and at
        least 10% of the GPU: without them the request would have fit.
-    3. fragmentation: reserved-but-unallocated >= requested (enough cached memory, in pieces too
-       small), or reserved-but-unallocated + free >= requested with the cached part >= 5% of the GPU.
+    3. fragmentation: reserved-but-unallocated + free >= requested. Before raising, the allocator
+       has already returned every unsplit cached segment to CUDA, so what is still reserved but
+       unallocated sits in pieces of partly used segments; in one piece it would have fit.
     4. capacity: the job needs more than the device has.
     """
     from .advice import oom_advice
@@ -289,9 +290,7 @@ def diagnose(msg: OomMessage) -> Diagnosis:
     elif others and others >= max(req - free, 0) and others >= 0.10 * total:
         diagnosis = "other_processes"
         reasons.append(f"{len(msg.other_processes)} other process(es) hold {f(others)}; {f(free)} is free and {f(req)} was requested")
-    elif msg.reserved_unallocated_bytes is not None and (
-        unalloc >= req or (unalloc + free >= req and total and unalloc >= 0.05 * total)
-    ):
+    elif msg.reserved_unallocated_bytes is not None and unalloc > 0 and unalloc + free >= req:
         diagnosis = "fragmentation"
         reasons.append(f"{f(unalloc)} is reserved by PyTorch but unallocated, {f(free)} is free, yet no piece holds {f(req)}")
     else:

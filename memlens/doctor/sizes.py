@@ -18,7 +18,7 @@ writers such as PyTorch's MPS allocator that print "GB" for 2**30 bytes.
 from __future__ import annotations
 
 import re
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Context, Decimal, InvalidOperation
 
 _BINARY = {
     "": 1, "b": 1, "byte": 1, "bytes": 1,
@@ -53,11 +53,12 @@ def size_to_bytes(number: str | float, unit: str, binary_decimal: bool = False) 
     if factor is None:
         raise ValueError(f"not a size unit: {unit!r}")
     try:
-        value = Decimal(str(number)) * factor
+        exact = Decimal(str(number))
     except InvalidOperation:
         raise ValueError(f"not a number: {number!r}") from None
-    if not value.is_finite() or value < 0:
+    if not exact.is_finite() or exact < 0 or exact.adjusted() > 30:
         raise ValueError(f"not a size: {number!r}")
+    value = Context(prec=exact.adjusted() + 40).multiply(exact, factor)  # enough digits to stay exact
     return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
 
 
