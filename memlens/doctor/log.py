@@ -218,7 +218,7 @@ def _from_records(records: list[Any], unit: str | None, fmt: str) -> MemorySerie
             numbered = True
             step = i + 1
         for k, v in rec.items():
-            if isinstance(v, bool) or not isinstance(v, (int, float, str)) or not _MEM_KEY.fullmatch(str(k)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, str)) or not _is_memory_column(str(k)):
                 continue
             num, u = _split_value(v)
             if num is not None:
@@ -253,6 +253,12 @@ def _from_json(text: str, unit: str | None) -> MemorySeries | None:
     return None
 
 
+def _is_memory_column(name: str) -> bool:
+    """A key or column holding memory in use ('gpu_mem', '.../allocated_bytes.all.current'), not capacity or free."""
+    low = name.lower()
+    return bool(_MEM_KEY.search(name)) and not any(w in low for w in ("total", "free", "num_", "count"))
+
+
 def _looks_like_csv(text: str) -> bool:
     """A header row with a step (or time) column and a memory column."""
     first = text.strip().splitlines()[0]
@@ -261,7 +267,7 @@ def _looks_like_csv(text: str) -> bool:
     except (csv.Error, StopIteration):
         return False
     has_x = any(c in _STEP_COLUMNS + _TIME_COLUMNS for c in cells)
-    return len(cells) >= 2 and has_x and any(_MEM_KEY.fullmatch(c) for c in cells)
+    return len(cells) >= 2 and has_x and any(_is_memory_column(c) for c in cells)
 
 
 def _from_csv(text: str, unit: str | None, gpu: int | None) -> MemorySeries | None:
@@ -277,7 +283,7 @@ def _from_csv(text: str, unit: str | None, gpu: int | None) -> MemorySeries | No
     if x_col is None:
         x_col = next((c for c in cols if c.strip().lower() in _TIME_COLUMNS), None)
         x_name = "time_s"
-    mem_cols = [c for c in cols if c != x_col and _MEM_KEY.fullmatch(c.strip()) and "total" not in c.lower()]
+    mem_cols = [c for c in cols if c != x_col and _is_memory_column(c)]
     if x_col is None or not mem_cols:
         return None
     if gpu is None and "gpu" in cols:

@@ -39,11 +39,15 @@ _LIVE = "active_allocated"
 _MAX_TIMELINE = 2000
 
 
+class _Refused(pickle.UnpicklingError):
+    """The pickle names a class or function."""
+
+
 class _PlainUnpickler(pickle.Unpickler):
     """Only dicts, lists, tuples, strings and numbers: a snapshot never needs more."""
 
     def find_class(self, module: str, name: str):  # noqa: D401 - pickle API
-        raise pickle.UnpicklingError(f"the pickle refers to {module}.{name}")
+        raise _Refused(f"the pickle refers to {module}.{name}")
 
 
 def load_snapshot(path: str | Path) -> dict[str, Any]:
@@ -60,12 +64,12 @@ def load_snapshot(path: str | Path) -> dict[str, Any]:
         raise MemlensError(f"cannot read snapshot {p}: {e.strerror}", hint="check the path and its permissions") from None
     try:
         snap = _PlainUnpickler(io.BytesIO(raw)).load()
-    except pickle.UnpicklingError as e:
-        raise MemlensError(f"{p} is not a memory snapshot pickle ({e})", hint=hint) from None
-    except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError, RecursionError,
-            OverflowError, UnicodeDecodeError) as e:
-        kind = "truncated" if isinstance(e, EOFError) else "not a valid pickle"
-        raise MemlensError(f"{p} is {kind} ({type(e).__name__})", hint=hint) from None
+    except _Refused as e:
+        raise MemlensError(f"{p} is not a memory snapshot pickle ({e}; refused, as loading it could run code)", hint=hint) from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, MemoryError,
+            RecursionError, OverflowError, UnicodeDecodeError) as e:
+        kind = "truncated" if isinstance(e, EOFError) or "truncated" in str(e) else "not a valid pickle"
+        raise MemlensError(f"{p} is {kind} ({type(e).__name__}: {e})", hint=hint) from None
     return validate_snapshot(snap, str(p))
 
 
