@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from ..errors import MemlensError
@@ -77,7 +78,7 @@ def _read_text_arg(value: str | None, what: str) -> str:
     from ..doctor.log import read_text
 
     if value not in (None, "-"):
-        if os.path.isfile(value):
+        if os.path.isfile(value) or _looks_like_path(value):
             return read_text(value, what)
         return value
     if sys.stdin is None or sys.stdin.isatty():
@@ -86,6 +87,12 @@ def _read_text_arg(value: str | None, what: str) -> str:
         return sys.stdin.read()
     except (OSError, UnicodeDecodeError) as e:
         raise MemlensError(f"cannot read the {what} from stdin ({type(e).__name__})", hint=f"pass the {what} as a file") from None
+
+
+def _looks_like_path(value: str) -> bool:
+    """'logs/crash.txt' or 'crash.log' (one short word with a path separator or a file extension), not a message."""
+    return len(value) < 256 and not any(c.isspace() for c in value) and (
+        os.sep in value or re.fullmatch(r"[\w.-]+\.(?:log|txt|out|err|json|csv)", value) is not None)
 
 
 def _oom(args):

@@ -276,6 +276,7 @@ class _Tty(io.StringIO):
 @pytest.mark.parametrize("argv,stdin,message", [
     (["doctor", "oom", "hello world"], None, "ERROR: not an OOM message"),
     (["doctor", "oom", ""], None, "ERROR: not an OOM message"),
+    (["doctor", "oom", "crash.log"], None, "ERROR: OOM message crash.log does not exist"),
     (["doctor", "oom"], _Tty(""), "ERROR: no OOM message given"),
     (["doctor", "oom", "-"], io.StringIO("\x00\x01 binary junk"), "ERROR: not an OOM message"),
     (["doctor"], None, "ERROR: doctor needs what to read"),
