@@ -56,7 +56,7 @@ def plot_snapshot(result: Result, path: str | Path) -> Path:
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 7))
     if result.timeline:
         ax1.plot([p["t"] for p in result.timeline], [p["allocated_bytes"] / _GIB for p in result.timeline], lw=1)
-        ax1.set_xlabel("time (us)" if any(p["t"] > 10**6 for p in result.timeline) else "trace event")
+        ax1.set_xlabel("time (us)" if d.get("timeline_axis") == "time_us" else "trace event")
     else:
         ax1.text(0.5, 0.5, "no trace recorded", ha="center", va="center", transform=ax1.transAxes)
     ax1.set_ylabel("allocated GiB")

@@ -147,6 +147,7 @@ class SnapshotSummary:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     trace_entries: int = 0
     oom_events: int = 0
+    timed: bool = False           # timeline's t is time_us (else the event's index)
 
 
 def _frame_str(fr: Any) -> str | None:
@@ -228,24 +229,27 @@ def summarize_snapshot(snap: dict[str, Any], top: int = 10) -> SnapshotSummary:
         timeline=allocated_timeline(snap, allocated),
         trace_entries=len(traces),
         oom_events=sum(1 for e in traces if e.get("action") == "oom"),
+        timed=bool(traces) and all(_is_int(e.get("time_us")) for e in traces),
     )
 
 
 def allocated_timeline(snap: dict[str, Any], final_allocated: int) -> list[dict[str, Any]]:
-    """Allocated bytes after each trace event (device 0's trace, or every device's in turn).
+    """Allocated bytes after each trace event (every device's trace in turn); ``t`` is the event's
+    ``time_us`` when every event has one (torch >= 2.4), else its index in the trace.
 
     The trace keeps only the last ``max_entries`` events, so the level before it is unknown;
     it is recovered from the end: the snapshot's allocated total minus the trace's net change.
     Thinned to at most 2000 points (keeping each bucket's maximum).
     """
     events = [e for t in snap.get("device_traces", []) for e in t if isinstance(e, dict)]
+    timed = bool(events) and all(_is_int(e.get("time_us")) for e in events)
     deltas = []
     for i, e in enumerate(events):
         size = e.get("size")
         action = e.get("action")
         sign = 1 if action == "alloc" else -1 if action == "free_completed" else 0
         if sign and _is_int(size):
-            deltas.append((_int(e.get("time_us"), i), sign * size, action))
+            deltas.append((e["time_us"] if timed else i, sign * size, action))
     level = final_allocated - sum(d for _, d, _ in deltas)
     points = []
     for t, d, action in deltas:
@@ -316,6 +320,7 @@ def _summary_data(s: SnapshotSummary) -> dict[str, Any]:
         "allocation_sites": s.sites[:20],
         "segments": [dict(asdict(x), fragmentation=round(x.fragmentation, 4)) for x in worst[:20]],
         "trace_entries": s.trace_entries,
+        "timeline_axis": "time_us" if s.timeline and s.timed else "trace event",
         "oom_events": s.oom_events,
     }
 
