@@ -171,7 +171,7 @@ def allocation_site(frames: Any) -> str:
             return _frame_str(fr) or "?"
     if py:
         return _frame_str(py[0]) or "?"
-    return "(no Python frames: record with stacks='python' or 'all')"
+    return "(no Python frames: allocated from C++, e.g. a cuBLAS workspace, or recorded without stacks)"
 
 
 def _blocks(snap: dict[str, Any]):

@@ -92,7 +92,7 @@ class PynvmlBackend:
     def process_name(self, pid: int) -> str:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
             if cmd:
                 return cmd
         except OSError:

@@ -86,3 +86,12 @@ def test_gpu_watch_once_lists_the_holding_process():
     assert truth["holder_pid"] in procs
     used = procs[truth["holder_pid"]]["used_bytes"]
     assert used is None or used >= truth["holder_bytes"]
+
+
+def test_gpu_watch_log_reads_back_as_a_steady_series():
+    from memlens.doctor.log import doctor_log
+
+    r = doctor_log(gpu_fixture("gpu_watch_log.csv").read_text(), capacity_bytes=80 * 2**30)
+    d = r.data
+    assert d["x_axis"] == "time_s" and d["memory_key"] == "memory_used_bytes" and d["readings"] == 3
+    assert d["verdict"] == "steady" and d["projected_oom_step"] is None

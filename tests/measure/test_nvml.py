@@ -180,7 +180,11 @@ def test_no_nvidia_ml_py(monkeypatch, capsys):
 
 # ---------------------------------------------------------------- the real thing
 
-def _nvml_works() -> bool:
+def _gpu_and_nvml() -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
     try:
         nvml.PynvmlBackend().close()
         return True
@@ -189,7 +193,7 @@ def _nvml_works() -> bool:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _nvml_works(), reason="needs an NVIDIA driver (NVML)")
+@pytest.mark.skipif(not _gpu_and_nvml(), reason="needs CUDA and an NVIDIA driver (NVML)")
 def test_real_watch_once_json_lists_this_process():
     import torch
 
