@@ -1,11 +1,11 @@
-"""`doctor snapshot` on hand-built snapshots (tests/doctor/synthetic.py) and bad files; `doctor stats`."""
+"""`doctor snapshot` on hand-built snapshots (tests/doctor/doctor_synthetic.py) and bad files; `doctor stats`."""
 from __future__ import annotations
 
 import json
 import pickle
 
 import pytest
-import synthetic
+import doctor_synthetic as synthetic
 from doctor_support import FIXTURES
 from hypothesis import given, settings
 from hypothesis import strategies as st

@@ -1,6 +1,6 @@
 """Hand-built memory snapshots with the documented structure of torch.cuda.memory._snapshot().
 
-`python tests/doctor/synthetic.py` rewrites tests/fixtures/doctor/synthetic_snapshot_{before,after}.pickle;
+`python tests/doctor/doctor_synthetic.py` rewrites tests/fixtures/doctor/synthetic_snapshot_{before,after}.pickle;
 test_doctor_snapshot checks the committed files still equal what this builds.
 
 The story: a training step's live memory (weights 64 MiB, AdamW state 128 MiB, a 2 MiB small segment),
