@@ -1,0 +1,131 @@
+"""`memlens watch`: live memory of every GPU and process (NVML), with the OOM risk of the trend.
+
+    memlens watch                       refreshing table, Ctrl-C to stop
+    memlens watch --once --json         one reading as JSON
+    memlens watch --log mem.csv         also append every reading to a CSV (read it back with `doctor log`)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+
+from ..errors import MemlensError
+from ..report.result import Result
+from ..units import fmt_bytes
+from .common import emit_json
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("watch", help="live GPU memory per device and process (NVML) with OOM-risk warnings",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between readings (default 1)")
+    p.add_argument("--once", action="store_true", help="one reading, then exit")
+    p.add_argument("--count", type=int, metavar="N", help="stop after N readings")
+    p.add_argument("--gpu", type=int, action="append", metavar="N", help="only this GPU (repeatable)")
+    p.add_argument("--log", metavar="FILE.csv", help="append every reading to this CSV")
+    p.add_argument("--window", type=float, default=60.0, metavar="S", help="seconds of history for the trend (default 60)")
+    p.add_argument("--warn-fraction", type=float, default=0.90, metavar="F", help="warn above this used fraction (default 0.9)")
+    p.add_argument("--warn-minutes", type=float, default=10.0, metavar="M", help="warn when full within M minutes (default 10)")
+    p.add_argument("--json", action="store_true", help="print each reading as a Result JSON (one per line unless --once)")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace, sleep=time.sleep) -> int:
+    from ..measure import nvml
+
+    if args.interval <= 0:
+        raise MemlensError("--interval must be positive", hint="e.g. --interval 0.5")
+    if not 0 < args.warn_fraction <= 1:
+        raise MemlensError("--warn-fraction must be in (0, 1]", hint="e.g. --warn-fraction 0.9")
+    count = 1 if args.once else args.count
+    if count is not None and count < 1:
+        raise MemlensError("--count must be at least 1", hint="e.g. --count 10")
+    backend = nvml.open_backend()
+    log = _open_log(args.log) if args.log else None
+    watcher = nvml.Watcher(backend, args.gpu, args.window, args.warn_fraction, args.warn_minutes * 60)
+    live = None
+    try:
+        if not args.json and count != 1 and sys.stdout.isatty():
+            from rich.live import Live
+
+            live = Live(auto_refresh=False)
+            live.start()
+        n = 0
+        while count is None or n < count:
+            if n:
+                sleep(args.interval)
+            sample = watcher.sample()
+            n += 1
+            if log is not None:
+                log[1].writerows(nvml.csv_rows(sample))
+                log[0].flush()
+            if args.json:
+                sys.stdout.write(_result(sample).to_json(indent=2 if count == 1 else None) + "\n")
+                sys.stdout.flush()
+            elif live is not None:
+                live.update(_table(sample), refresh=True)
+            else:
+                _print(sample)
+    finally:
+        if live is not None:
+            live.stop()
+        if log is not None:
+            log[0].close()
+        backend.close()
+    return 0
+
+
+def _open_log(path: str):
+    from ..measure.nvml import CSV_COLUMNS
+
+    try:
+        new = not _exists_nonempty(path)
+        f = open(path, "a", newline="")
+    except OSError as e:
+        raise MemlensError(f"cannot write the log {path}: {e.strerror}", hint="choose a writable --log path") from None
+    w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+    if new:
+        w.writeheader()
+    return f, w
+
+
+def _exists_nonempty(path: str) -> bool:
+    import os
+
+    return os.path.isfile(path) and os.path.getsize(path) > 0
+
+
+def _result(sample) -> Result:
+    warnings = [f"GPU {g['index']}: {g['risk']['message']}" for g in sample["gpus"] if g["risk"]["level"] != "ok"]
+    return Result(verb="watch", data={"time_s": sample["time_s"], "gpus": sample["gpus"]}, notes=warnings)
+
+
+def _table(sample):
+    from rich.table import Table
+
+    t = Table(title=f"GPU memory (NVML used), t={sample['time_s']:.0f}s", box=None)
+    for col in ("gpu", "name / process", "used", "total", "used %", "trend / risk"):
+        t.add_column(col, justify="right" if col in ("used", "total", "used %") else "left")
+    for g in sample["gpus"]:
+        r = g["risk"]
+        style = {"ok": "green", "warn": "yellow", "critical": "bold red"}[r["level"]]
+        t.add_row(str(g["index"]), g["name"], fmt_bytes(g["used_bytes"]), fmt_bytes(g["total_bytes"]),
+                  f"{100 * g['used_fraction']:.0f}%", f"[{style}]{r['level']}: {r['message']}[/{style}]")
+        for p in g["processes"]:
+            t.add_row("", f"  {p['pid']} {p['name'][:50]}", fmt_bytes(p["used_bytes"]), "", "", "")
+    return t
+
+
+def _print(sample) -> None:
+    from rich.console import Console
+
+    Console(soft_wrap=False).print(_table(sample))
+
+
+if __name__ == "__main__":
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+
+    sys.exit(main(["watch", *sys.argv[1:]]))

@@ -1,0 +1,113 @@
+"""What to do about a diagnosed OOM or memory pattern: ordered, concrete, with the numbers filled in.
+
+The orders follow the seeds' emergency list (checkpointing, batch halving with accumulation, AMP,
+optimizer state, offload) after the cause-specific step that fixes the actual cause first.
+
+>>> from memlens.doctor.oom import OomMessage
+>>> m = OomMessage(form="torch>=2.1", message="", requested_bytes=2 * 1024**3, free_bytes=0,
+...                total_capacity_bytes=80 * 1024**3, allocated_by_pytorch_bytes=60 * 1024**3,
+...                reserved_unallocated_bytes=10 * 1024**3)
+>>> oom_advice(m, "fragmentation")[0].startswith("Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+True
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..units import fmt_bytes as f
+
+if TYPE_CHECKING:
+    from .oom import OomMessage
+
+_REDUCE = [
+    "Halve the micro-batch and double gradient accumulation: the same effective batch, about half the activations.",
+    "Enable gradient checkpointing (model.gradient_checkpointing_enable()): activation memory grows with "
+    "sqrt(layers) instead of layers, for about 20-30% more compute.",
+    "Train under autocast (bf16, or fp16 with a GradScaler): activations in 2 bytes instead of 4.",
+    "Shrink optimizer state: 8-bit AdamW (bitsandbytes) or Adafactor, or train LoRA adapters only "
+    "(AdamW keeps 2 fp32 tensors per trained parameter).",
+    "Shard or offload the model states: FSDP / ZeRO over several GPUs, or optimizer states on the CPU.",
+    "Run `memlens estimate` and `memlens fit` with your configuration to see which category dominates "
+    "and the largest micro-batch that fits.",
+]
+
+
+def oom_advice(msg: "OomMessage", diagnosis: str) -> list[str]:
+    """Ordered advice for one OOM message and its diagnosis (see ``oom.diagnose``)."""
+    req = msg.requested_bytes or 0
+    total = msg.total_capacity_bytes or 0
+    out: list[str] = []
+    if diagnosis == "fragmentation":
+        out += [
+            f"Set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True before the process starts: "
+            f"{f(msg.reserved_unallocated_bytes)} is reserved by PyTorch but unallocated, split into pieces "
+            f"smaller than the {f(req)} requested; expandable segments let the allocator grow one segment instead.",
+            "Pad or bucket variable shapes (sequence lengths, image sizes) to a few fixed sizes so cached blocks are reused.",
+            "Call torch.cuda.empty_cache() between phases with different shapes (e.g. after evaluation) "
+            "to return unsplit cached segments to the driver.",
+            "On torch without expandable segments, PYTORCH_CUDA_ALLOC_CONF=max_split_size_mb:128 stops large cached "
+            "blocks from being split.",
+        ]
+    elif diagnosis == "other_processes":
+        pids = ", ".join(str(p.pid) for p in msg.other_processes[:5])
+        out += [
+            f"Free the GPU: other processes ({pids}) hold {f(msg.other_processes_bytes)}; stop them "
+            f"(a leftover notebook kernel or DataLoader worker is the usual culprit) or use another GPU "
+            f"(CUDA_VISIBLE_DEVICES).",
+            "See who holds what with `memlens watch --once` (or nvidia-smi).",
+            "If the GPU is shared on purpose, give each job a budget with torch.cuda.set_per_process_memory_fraction "
+            "and size the micro-batch to it with `memlens fit`.",
+        ]
+    elif diagnosis == "memory_fraction_limit":
+        if msg.form == "mps":
+            out.append("PyTorch's MPS high watermark capped this process: lower the batch, or raise "
+                       "PYTORCH_MPS_HIGH_WATERMARK_RATIO (0.0 disables the cap and may freeze the system).")
+        else:
+            out.append(f"Raise the limit: this process may use only {f(msg.allowed_bytes)} of the GPU's {f(total)} "
+                       f"(torch.cuda.set_per_process_memory_fraction or a framework setting); if the GPU is not "
+                       f"shared, a fraction of 1.0 removes the cap.")
+        out += _REDUCE[:3]
+    else:
+        if msg.form == "cuda_error":
+            out.append("This OOM came from CUDA itself (context creation, cuBLAS/cuDNN workspace, NCCL), not from "
+                       "PyTorch's allocator: check with `memlens watch --once` whether the GPU was already full.")
+        if total and req >= 0.10 * total:
+            out.append(f"A single request of {f(req)} ({100 * req / total:.0f}% of the GPU) is typical of the logits "
+                       f"(batch x seq_len x vocab x 4 bytes) or an eager attention matrix (batch x heads x seq_len^2): "
+                       f"use SDPA/flash attention, a chunked cross-entropy, or a shorter sequence.")
+        out += _REDUCE
+    if (msg.non_pytorch_bytes or 0) >= 2 * 1024**3:
+        out.append(f"{f(msg.non_pytorch_bytes)} of this process' memory is outside PyTorch's allocator (CUDA context, "
+                   f"cuBLAS/cuDNN workspaces, NCCL buffers, other libraries): check extensions that allocate on their own.")
+    return out
+
+
+LOG_CAUSES = {
+    "accelerating": [
+        "Something kept per step grows itself: an autograd graph kept alive across steps "
+        "(`total_loss += loss` instead of `loss.item()`), so each step holds a longer chain.",
+        "A cache keyed by shape (dynamic image sizes, sequence lengths) that never evicts.",
+        "Forward hooks that store activations and are never removed (keep the handle, call handle.remove()).",
+        "Growing inputs: sequence length or number of images per sample increasing over the run.",
+    ],
+    "linear": [
+        "A fixed-size tensor kept every step: `losses.append(loss)` or metrics appended as CUDA tensors "
+        "(append `loss.item()` or `.detach().cpu()`).",
+        "Outputs or logits kept for later evaluation on the GPU.",
+        "Forward hooks that store activations and are never removed.",
+    ],
+    "stepwise": [
+        "Reserved memory grows when a new, larger shape arrives (longest batch so far) and the allocator caches it; "
+        "pad or bucket shapes, or sort by length.",
+        "Periodic evaluation or checkpoint saving that leaves tensors behind: free them, wrap eval in torch.no_grad().",
+    ],
+    "steady": [
+        "No leak: memory per step is flat. If it is close to the capacity, peaks (not the trend) decide OOMs: "
+        "see `memlens estimate` for the peak by phase.",
+    ],
+}
+
+
+def log_causes(pattern: str) -> list[str]:
+    """Likely causes of a memory-per-step pattern ("accelerating", "linear", "stepwise", "steady")."""
+    return list(LOG_CAUSES.get(pattern, LOG_CAUSES["steady"]))

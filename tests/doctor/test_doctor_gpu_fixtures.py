@@ -1,0 +1,97 @@
+"""Fixtures captured on a real GPU by bench/gpu_doctor.py (torch >= 2.1 messages, snapshots, memory_stats, watch).
+
+Each gpu_oom_<case>.txt has a gpu_oom_<case>.json holding the truth at the moment of the OOM
+(requested size, torch.cuda.memory_stats(), cudaMemGetInfo, the other process): the parsed numbers
+must be exactly PyTorch's printed rounding of those. Skipped, with the reason, while the files are absent.
+"""
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+from doctor_support import FIXTURES, format_size, gpu_fixture
+
+from memlens.doctor.oom import diagnose, parse_oom
+from memlens.doctor.snapshot import diff_snapshots, load_snapshot, summarize_snapshot
+from memlens.doctor.stats import analyze_memory_stats, load_memory_stats
+
+_UNIT = {"bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+CASES = ["plain", "fraction", "other_process", "fragmentation"]
+
+
+def printed(n: int) -> int:
+    """What PyTorch prints for n bytes, read back: the exact value a parser must return."""
+    num, unit = format_size(n).split()
+    return round(Fraction(num) * _UNIT[unit])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_oom_message_parsed_exactly(case):
+    msg = parse_oom(gpu_fixture(f"gpu_oom_{case}.txt").read_text())
+    truth = json.loads(gpu_fixture(f"gpu_oom_{case}.json").read_text())
+    assert msg.form == "torch>=2.1" and msg.device_type == "cuda" and msg.device_index == 0
+    assert msg.requested_bytes == printed(truth["requested_bytes"])
+    assert msg.total_capacity_bytes == printed(truth["total_bytes"])
+    assert msg.allocated_by_pytorch_bytes == printed(truth["allocated_bytes"])
+    assert msg.reserved_unallocated_bytes == printed(truth["reserved_bytes"] - truth["allocated_bytes"])
+    assert msg.this_process_bytes is not None and msg.this_process_bytes >= msg.reserved_by_pytorch_bytes * 0.99
+    assert diagnose(msg).diagnosis == truth["expected_diagnosis"]
+
+
+def test_gpu_oom_fraction_prints_the_allowed_limit():
+    msg = parse_oom(gpu_fixture("gpu_oom_fraction.txt").read_text())
+    truth = json.loads(gpu_fixture("gpu_oom_fraction.json").read_text())
+    assert msg.allowed_bytes == printed(int(truth["fraction"] * truth["total_bytes"]))
+    assert parse_oom(gpu_fixture("gpu_oom_plain.txt").read_text()).allowed_bytes is None
+
+
+def test_gpu_oom_other_process_is_listed():
+    msg = parse_oom(gpu_fixture("gpu_oom_other_process.txt").read_text())
+    truth = json.loads(gpu_fixture("gpu_oom_other_process.json").read_text())
+    other = {p.pid: p.used_bytes for p in msg.other_processes}
+    assert truth["other_pid"] in other
+    assert other[truth["other_pid"]] >= truth["other_gib"] * 2**30
+
+
+def test_gpu_snapshots_top_allocations_and_planted_leak():
+    before = load_snapshot(gpu_fixture("gpu_snapshot_step5.pickle"))
+    after = load_snapshot(gpu_fixture("gpu_snapshot_step15.pickle"))
+    truth = json.loads(gpu_fixture("gpu_snapshot_truth.json").read_text())
+    s = summarize_snapshot(after)
+    assert s.live_blocks > 0 and s.top and all(a.size > 0 for a in s.top)
+    assert any(a.frames for a in s.top), "allocations carry their Python frames"
+    assert s.reserved_bytes >= s.allocated_bytes > 0 and s.timeline
+    grown = diff_snapshots(before, after)
+    leak = grown[0]
+    assert leak.site.endswith(truth["leak_function"])
+    assert leak.growth_bytes == truth["steps_between"] * truth["leak_bytes_per_step"]
+    assert leak.after_blocks - leak.before_blocks == truth["steps_between"]
+    for p in ("gpu_snapshot_step5.pickle", "gpu_snapshot_step15.pickle"):
+        assert (FIXTURES / p).stat().st_size < 2 * 2**20
+
+
+def test_gpu_memory_stats_after_the_fragmentation_oom():
+    a = analyze_memory_stats(load_memory_stats(gpu_fixture("gpu_memory_stats.json")))
+    kinds = [f["kind"] for f in a["findings"]]
+    assert "fragmentation" in kinds and "ooms" in kinds
+    assert a["num_ooms"] >= 1 and a["fragmentation"] > 0.2
+
+
+def test_gpu_watch_once_lists_the_holding_process():
+    d = json.loads(gpu_fixture("gpu_watch_once.json").read_text())
+    truth = json.loads(gpu_fixture("gpu_watch_truth.json").read_text())
+    assert d["verb"] == "watch" and d["gpus"]
+    procs = {p["pid"]: p for g in d["gpus"] for p in g["processes"]}
+    assert truth["holder_pid"] in procs
+    used = procs[truth["holder_pid"]]["used_bytes"]
+    assert used is None or used >= truth["holder_bytes"]
+
+
+def test_gpu_watch_log_reads_back_as_a_steady_series():
+    from memlens.doctor.log import doctor_log
+
+    r = doctor_log(gpu_fixture("gpu_watch_log.csv").read_text(), capacity_bytes=80 * 2**30)
+    d = r.data
+    assert d["x_axis"] == "time_s" and d["memory_key"] == "memory_used_bytes" and d["readings"] == 3
+    assert d["verdict"] == "steady" and d["projected_oom_step"] is None
