@@ -38,14 +38,19 @@ def main() -> None:
         r = estimate(spec)
         dt = time.perf_counter() - t0
         est, meas = r.peak_allocated_bytes, t["max_allocated"]
+        try:
+            formula = estimate(spec, method="formula").peak_allocated_bytes
+        except Exception:  # noqa: BLE001
+            formula = None
         est_r, meas_r = r.peak_reserved_bytes, t["max_reserved"]
         row = {"name": t["name"], "measured_peak_allocated": meas, "estimated_peak_allocated": est,
                "error_pct": 100.0 * (est - meas) / meas, "measured_peak_reserved": meas_r,
                "estimated_peak_reserved": est_r, "reserved_error_pct": 100.0 * (est_r - meas_r) / meas_r,
-               "estimate_seconds": dt, "peak_phase": r.data.get("peak_phase"), "attention": r.data.get("attention_backends")}
+               "estimate_seconds": dt, "formula_peak_allocated": formula,
+               "formula_error_pct": None if formula is None else 100.0 * (formula - meas) / meas, "peak_phase": r.data.get("peak_phase"), "attention": r.data.get("attention_backends")}
         rows.append(row)
         print(f"{t['name']:42s} meas {meas / 2**30:8.3f} est {est / 2**30:8.3f} GiB  err {row['error_pct']:+6.2f}%  "
-              f"res err {row['reserved_error_pct']:+6.2f}%  {dt:4.1f}s", flush=True)
+              f"res err {row['reserved_error_pct']:+6.2f}%  formula err {row['formula_error_pct'] or 0:+6.1f}%  {dt:4.1f}s", flush=True)
     ok = [r for r in rows if "error_pct" in r]
     errs = [abs(r["error_pct"]) for r in ok]
     summary = {"cases": len(ok), "median_abs_error_pct": statistics.median(errs) if errs else None,
@@ -53,6 +58,7 @@ def main() -> None:
                "within_5pct": sum(e <= 5 for e in errs),
                "median_abs_reserved_error_pct": statistics.median(abs(r["reserved_error_pct"]) for r in ok) if ok else None,
                "max_abs_reserved_error_pct": max(abs(r["reserved_error_pct"]) for r in ok) if ok else None,
+               "median_abs_formula_error_pct": statistics.median(abs(r["formula_error_pct"]) for r in ok if r["formula_error_pct"] is not None) if ok else None,
                "gpu": env, "estimator_machine": f"{platform.machine()} {os.cpu_count()} cores (CPU only)"}
     print(json.dumps({k: v for k, v in summary.items() if k != "gpu"}, indent=1))
     if args:
@@ -64,13 +70,14 @@ def main() -> None:
         f.write(f"# estimate accuracy vs real steps on {env['device']} (torch {env['torch']}, transformers {env['transformers']})\n\n")
         f.write(f"{summary['cases']} cases; median |error| {summary['median_abs_error_pct']:.2f}%, max {summary['max_abs_error_pct']:.2f}%; "
                 f"reserved: median {summary['median_abs_reserved_error_pct']:.2f}%, max {summary['max_abs_reserved_error_pct']:.2f}%.\n\n")
-        f.write("| case | measured peak allocated | estimated | error | reserved error | estimate time (2-core CPU) |\n|---|---|---|---|---|---|\n")
+        f.write(f"Closed form (`--method formula`, cross-check): median |error| {summary['median_abs_formula_error_pct']:.1f}%.\n\n")
+        f.write("| case | measured peak allocated | estimated | error | reserved error | formula error | estimate time (2-core CPU) |\n|---|---|---|---|---|---|---|\n")
         for r in rows:
             if "error" in r:
-                f.write(f"| {r['name']} | run failed: {r['error'][:60]} | | | | |\n")
+                f.write(f"| {r['name']} | run failed: {r['error'][:60]} | | | | | |\n")
                 continue
             f.write(f"| {r['name']} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
-                    f"{r['error_pct']:+.2f}% | {r['reserved_error_pct']:+.2f}% | {r['estimate_seconds']:.1f} s |\n")
+                    f"{r['error_pct']:+.2f}% | {r['reserved_error_pct']:+.2f}% | {r['formula_error_pct'] or 0:+.1f}% | {r['estimate_seconds']:.1f} s |\n")
 
 
 if __name__ == "__main__":

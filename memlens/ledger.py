@@ -264,6 +264,8 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
     a = None
     for i, ev, a in _replay(log):
         if ev[0] == PHASE:
+            if ev[1] == "done":
+                break  # what follows is teardown, not training
             phase, step = ev[1], ev[2]
             if phase == "end":
                 st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
@@ -312,8 +314,11 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
 def _breakdown_at(log: EventLog, index: int, module_depth: int | None):
     """Live bytes by category and by (module, category) right after event ``index``.
 
-    Bytes are the allocator's block sizes, so the categories sum to the peak exactly.
+    Bytes are the allocator's block sizes, so the categories sum to the peak exactly. A tag says
+    what a storage *is* (a gradient, a saved activation, optimizer state), which is often known
+    only a little after it appears, so each storage gets its last tag.
     """
+    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
     live: dict[Any, list] = {}
     alloc = CachingAllocatorModel()
     for i, ev in enumerate(log.events):
@@ -322,12 +327,10 @@ def _breakdown_at(log: EventLog, index: int, module_depth: int | None):
         kind = ev[0]
         if kind == ALLOC and ev[1] not in live:
             size = alloc.malloc(ev[1], ev[2])
-            live[ev[1]] = [size, ev[3], ev[4]]
+            live[ev[1]] = [size, final.get(ev[1], ev[3]), ev[4]]
         elif kind == FREE and ev[1] in live:
             alloc.free(ev[1])
             del live[ev[1]]
-        elif kind == TAG and ev[1] in live:
-            live[ev[1]][1] = ev[2]
     by_cat: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_mod: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for size, cat, mod in live.values():

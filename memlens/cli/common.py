@@ -36,7 +36,7 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
 
 
-_FLAG_FIELDS = (
+SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "world_size", "sharding", "offload_optimizer",
@@ -48,7 +48,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     base: dict = {}
     if getattr(args, "config", None):
         base = TrainingSpec.from_yaml(args.config).to_dict()
-    for name in _FLAG_FIELDS:
+    for name in SPEC_FLAG_FIELDS:
         v = getattr(args, name, None)
         if v is not None:
             base[name] = v

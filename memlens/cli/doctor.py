@@ -16,7 +16,7 @@ import sys
 
 from ..errors import MemlensError
 from ..units import fmt_bytes, parse_bytes
-from .common import _FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 WHATS = ("oom", "log", "snapshot", "stats")
 
@@ -99,7 +99,7 @@ def _oom(args):
     from ..doctor.oom import diagnose_oom
 
     text = _read_text_arg(args.text, "OOM message")
-    wants_spec = args.config or any(getattr(args, name, None) is not None for name in _FLAG_FIELDS)
+    wants_spec = args.config or any(getattr(args, name, None) is not None for name in SPEC_FLAG_FIELDS)
     spec = spec_from_args(args) if wants_spec else None
     return diagnose_oom(text, spec=spec), None
 

@@ -22,7 +22,7 @@ from ..models.source import ModelSource, resolve
 from ..spec import TrainingSpec
 from ..step import train_step
 from . import cuda_rules
-from .tracker import ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for
+from .tracker import OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for
 
 # Memory CUDA libraries take through PyTorch's caching allocator (so it is in memory_allocated).
 # cuBLAS keeps one workspace per (handle, stream); the autograd engine's device thread gets its
@@ -96,6 +96,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     scaler = _FakeGradScaler() if spec.precision == "amp-fp16" else None
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     workspace = _WorkspaceRule(tracker)
+    phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
+                    "optimizer": log.module_id("(optimizer step)")}
 
     try:
         with fake, _quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
@@ -104,12 +106,14 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                 with ModuleScope(tracker, model):
                     def on_phase(name: str, step=step) -> None:
                         tracker.set_phase(name, step)
+                        tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
                         workspace.on_phase(name)
 
                     train_step(model, optimizer, batch, grad_accum=spec.grad_accum, autocast=autocast,
                                scaler=scaler, loss_fn=built.loss_fn, on_phase=on_phase)
                     _tag_optimizer_state(tracker, optimizer)
+            tracker.set_phase("done", steps)
     except MemlensError:
         raise
     except Exception as e:  # data-dependent ops and other untraceable code

@@ -1,0 +1,63 @@
+"""`memlens estimate`: peak GPU memory of a training step, predicted on the CPU.
+
+    memlens estimate --model llama-3.2-1b --batch-size 4 --seq-len 2048 --precision bf16
+    memlens estimate --config spec.yaml --json
+    memlens estimate --model llama-3.1-8b --lora-rank 16 --precision bf16 --out est/
+    memlens estimate --list-models
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("estimate", help="predict a training step's peak GPU memory on the CPU (no GPU, no weights)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_spec_args(p)
+    p.add_argument("--method", choices=("simulate", "formula"), default="simulate",
+                   help="simulate: run the real step on fake tensors (exact); formula: closed form (instant, any size)")
+    p.add_argument("--list-models", action="store_true", help="list the built-in models and exit")
+    p.add_argument("--top", type=int, default=12, metavar="N", help="modules to show (default 12)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_models:
+        from ..models import registry
+
+        for name in registry.names():
+            doc = registry.get(name)
+            print(f"{name:30s} {doc['task']:22s} {doc['hf_id']}")
+        return 0
+    spec = spec_from_args(args)
+    from ..estimate import estimate
+
+    result = estimate(spec, method=args.method)
+    d = out_dir(args)
+    if d is not None:
+        result.save(d / "result.json")
+        if result.timeline:
+            from ..report.plots import timeline_png
+
+            timeline_png(result, d / "timeline.png")
+    if args.json:
+        emit_json(result)
+    else:
+        from ..report.table import print_memory
+
+        print_memory(result, top_modules=args.top)
+        if d is not None:
+            print(f"wrote {d / 'result.json'}" + (f" and {d / 'timeline.png'}" if result.timeline else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    from .main import build_parser, run_verb
+
+    parser = build_parser()
+    sys.exit(run_verb(lambda a: run(a), parser.parse_args(["estimate", *sys.argv[1:]])))

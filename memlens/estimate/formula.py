@@ -1,0 +1,174 @@
+"""Closed-form estimate: instant for any size, every term explained.
+
+Model states are exact (parameter counts come from the model built on the meta device, no
+memory). Activations use bytes-per-token-per-layer constants for each architecture family,
+measured with the simulator (bench/formula_constants.py regenerates them), in the spirit of
+Korthikanti et al. 2022 (activations of a layer = s*b*h*(34 + 5*a*s/h) bytes with fp16 and
+dropout). The logits chain of a language model (logits, their fp32 upcast, log-softmax, and
+its gradient) is counted apart because it often decides the peak.
+
+Peak = max(forward/backward peak, optimizer-step peak):
+  forward/backward = params + grads (of all but the first layer reached) + optimizer states
+                     + activations of all layers + logits chain + workspaces
+  optimizer step   = params + grads + optimizer states + optimizer temporaries
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..report.result import Result
+from ..spec import TrainingSpec
+
+MiB = 1024 * 1024
+WORKSPACES = 2 * 32 * MiB  # cuBLAS: one per handle, forward thread and autograd thread (sm90)
+
+# Activation bytes kept per token, per layer, per unit of hidden size, in units of the
+# activation element size (2 for fp16/bf16/amp, 4 for fp32), measured with the simulator at
+# batch 2 x 512 tokens (bench/formula_constants.py). "ckpt": with gradient checkpointing
+# (the layer input only, plus one layer recomputed at a time, accounted separately).
+ACT_PER_TOKEN = {  # measured in bf16 at batch 2 x 512 tokens (ViT: 197 patches)
+    "gpt2": 31.6,   # GELU-tanh in Python ops and three dropout masks per layer
+    "llama": 26.5,  # SwiGLU MLP, RMSNorm in fp32, rotary embeddings
+    "bert": 17.1,
+    "vit": 16.1,
+    "default": 28.0,
+}
+FAMILY = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "bert": "bert", "vit": "vit",
+          "clip": "vit", "llava": "llama"}
+
+
+@dataclass
+class Term:
+    name: str
+    bytes: int
+    why: str
+
+
+def _counts(spec: TrainingSpec):
+    import torch
+
+    from ..models.build import build
+    from ..models.source import resolve
+    from .simulate import _quiet
+
+    source = resolve(spec.model)
+    with torch.device("meta"), _quiet():
+        built = build(spec.replace(batch_size=1, seq_len=min(spec.seq_len or 8, 8)) if source.task in ("causal-lm", "masked-lm") else spec.replace(batch_size=1), source)
+    model = built.model
+    seen, p_bytes, t_numel, t_bytes, buf = set(), 0, 0, 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        p_bytes += p.numel() * p.element_size()
+        if p.requires_grad:
+            t_numel += p.numel()
+            t_bytes += p.numel() * p.element_size()
+    for b in model.buffers():
+        buf += b.numel() * b.element_size()
+    return source, p_bytes, t_numel, t_bytes, buf
+
+
+def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
+    """(forward/backward terms, optimizer-step terms, facts) of the closed form."""
+    from ..models.build import default_seq_len
+
+    source, p_bytes, t_numel, t_bytes, buf = _counts(spec)
+    cfg = source.config
+    text = getattr(cfg, "text_config", None) or cfg
+    H = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 768)
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", 12)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 12)
+    V = getattr(text, "vocab_size", 0)
+    B = spec.batch_size
+    if source.task in ("causal-lm", "masked-lm", "vlm"):
+        L = default_seq_len(spec, source)
+    elif source.task == "image-classification":
+        v = cfg
+        L = (spec.image_size or v.image_size) ** 2 // v.patch_size**2 + 1
+    else:
+        L = default_seq_len(spec, source)
+    e = 2 if spec.precision != "fp32" else 4
+    fam = FAMILY.get(cfg.model_type, "default")
+    c = ACT_PER_TOKEN[fam]
+    tokens = B * L
+    if spec.grad_checkpointing:
+        act = layers * tokens * H * e + int(c * tokens * H * e)  # layer inputs + one layer recomputed
+        act_why = f"checkpointing: {layers} layer inputs of B*L*H*{e} B + one layer recomputed ({c:g}*B*L*H*{e} B)"
+    else:
+        act = int(layers * c * tokens * H * e)
+        act_why = f"{layers} layers x {c:g} x B*L*H x {e} B ({fam} family constant, Korthikanti-style)"
+    if spec.attn == "eager":
+        extra = layers * B * heads * L * L * (e + 4 + (1 if fam in ("gpt2", "bert") else 0))
+        act += 0 if spec.grad_checkpointing else extra
+        act_why += "; eager attention keeps B*heads*L*L scores, probabilities (fp32) and dropout masks per layer"
+    logits = 0
+    logits_why = ""
+    if source.task in ("causal-lm", "vlm", "masked-lm") and V:
+        # logits in the activation dtype, the fp32 upcast / log-softmax output, and its gradient
+        logits = tokens * V * (e + 4 + 4)
+        logits_why = f"B*L*V logits ({e} B) + fp32 log-softmax ({4} B) + its gradient ({4} B)"
+    bpe = 2 if spec.param_dtype != "float32" else 4
+    opt_bytes = {"adamw": 2 * t_bytes, "adam": 2 * t_bytes, "sgd": 0, "sgd-momentum": t_bytes,
+                 "adafactor": int(0.02 * t_bytes) + 4 * 1024, "adamw-8bit": 2 * t_numel}[spec.optimizer]
+    opt_tmp = {"adamw": t_bytes, "adam": t_bytes, "sgd": 0, "sgd-momentum": 0, "adafactor": t_bytes,
+               "adamw-8bit": 0}[spec.optimizer]
+    if spec.offload_optimizer:
+        opt_bytes, opt_tmp = 0, 0
+    shard = spec.world_size if spec.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    grads = t_bytes
+    params = p_bytes + buf
+    if shard > 1:
+        opt_bytes //= shard
+        opt_tmp //= shard
+        if spec.sharding in ("zero2", "zero3", "fsdp"):
+            grads //= shard
+        if spec.sharding in ("zero3", "fsdp"):
+            params //= shard
+    fb = [
+        Term("parameters", params, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"),
+        Term("gradients", grads, "one gradient per trainable parameter, in its dtype"),
+        Term("optimizer_state", opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
+        Term("activations", act, act_why),
+        Term("temporaries", logits, logits_why or "none counted"),
+        Term("workspace", WORKSPACES, "cuBLAS workspaces (forward and autograd threads)"),
+    ]
+    opt = [
+        Term("parameters", params, "weights"),
+        Term("gradients", grads, "all gradients exist during the step"),
+        Term("optimizer_state", opt_bytes, "states"),
+        Term("temporaries", opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
+        Term("workspace", WORKSPACES, "cuBLAS workspaces"),
+    ]
+    facts = {"hidden_size": H, "layers": layers, "heads": heads, "vocab_size": V, "tokens_per_micro_batch": tokens,
+             "family": fam, "trainable_param_count": t_numel, "param_bytes": p_bytes}
+    return fb, opt, facts
+
+
+def formula_estimate(spec: TrainingSpec) -> Result:
+    """The closed-form estimate as a Result (method "formula")."""
+    from . import CUDA_CONTEXT_BYTES
+
+    fb, opt, facts = formula_terms(spec)
+    fb_total, opt_total = sum(t.bytes for t in fb), sum(t.bytes for t in opt)
+    terms = fb if fb_total >= opt_total else opt
+    peak = max(fb_total, opt_total)
+    by_cat: dict[str, int] = {}
+    for t in terms:
+        by_cat[t.name] = by_cat.get(t.name, 0) + t.bytes
+    reserved = int(peak * 1.05)
+    return Result(
+        verb="estimate",
+        spec=spec.to_dict(),
+        peak_allocated_bytes=peak,
+        peak_reserved_bytes=reserved,
+        by_category=by_cat,
+        by_phase={"forward/backward": {"peak_allocated_bytes": fb_total}, "optimizer": {"peak_allocated_bytes": opt_total}},
+        notes=["closed form: model states exact, activations from per-family constants (approximate);",
+               "peak_reserved_bytes assumes 5% allocator overhead; use --method simulate for exact figures."],
+        data={"method": "formula", "peak_phase": "backward" if fb_total >= opt_total else "optimizer",
+              "terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in terms],
+              "forward_backward_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in fb],
+              "optimizer_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in opt], "facts": facts,
+              "cuda_context_bytes": CUDA_CONTEXT_BYTES, "nvidia_smi_estimate_bytes": reserved + CUDA_CONTEXT_BYTES},
+    )

@@ -1,0 +1,97 @@
+"""Terminal renderings of a memory Result (rich tables). Data in, text out: nothing is computed here."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..units import fmt_bytes
+
+
+def _pct(part: int, whole: int | None) -> str:
+    return f"{100.0 * part / whole:5.1f}%" if whole else "-"
+
+
+def memory_tables(result: Any, top_modules: int = 12):
+    """The rich renderables for an estimate/profile Result: headline, categories, phases, modules."""
+    from rich.table import Table
+    from rich.text import Text
+
+    d = result.to_dict() if hasattr(result, "to_dict") else result
+    peak = d.get("peak_allocated_bytes")
+    spec = d.get("spec") or {}
+    out = []
+    head = Text()
+    head.append(f"{d.get('verb', '')}: ", style="bold")
+    head.append(_describe(spec))
+    head.append("\n")
+    head.append("peak allocated ", style="bold")
+    head.append(f"{fmt_bytes(peak)}", style="bold green")
+    head.append("  (torch.cuda.max_memory_allocated)\n")
+    if d.get("peak_reserved_bytes") is not None:
+        head.append("peak reserved  ", style="bold")
+        head.append(f"{fmt_bytes(d['peak_reserved_bytes'])}  (max_memory_reserved: caching allocator segments)\n")
+    if d.get("cuda_context_bytes"):
+        head.append("nvidia-smi     ", style="bold")
+        head.append(f"~{fmt_bytes(d.get('nvidia_smi_estimate_bytes'))}  (reserved + ~{fmt_bytes(d['cuda_context_bytes'])} CUDA context)\n")
+    if d.get("peak_phase"):
+        head.append(f"peak reached in the {d['peak_phase']} phase" + (f" of step {d['peak_step']}" if d.get("peak_step") else ""))
+        if d.get("attention_backends"):
+            head.append(f"; attention kernel: {', '.join(d['attention_backends'])}")
+    out.append(head)
+
+    cats = Table(title="at the peak, by category", title_justify="left")
+    cats.add_column("category")
+    cats.add_column("bytes", justify="right")
+    cats.add_column("share", justify="right")
+    for k, v in sorted((d.get("by_category") or {}).items(), key=lambda kv: -kv[1]):
+        if v:
+            cats.add_row(k.replace("_", " "), fmt_bytes(v), _pct(v, peak))
+    out.append(cats)
+
+    if d.get("by_phase"):
+        ph = Table(title="peak of each phase", title_justify="left")
+        ph.add_column("phase")
+        ph.add_column("peak allocated", justify="right")
+        for k in ("setup", "forward", "backward", "optimizer"):
+            if k in d["by_phase"]:
+                ph.add_row(k, fmt_bytes(d["by_phase"][k]["peak_allocated_bytes"]))
+        out.append(ph)
+
+    if d.get("terms"):
+        tt = Table(title="closed-form terms at the peak", title_justify="left")
+        tt.add_column("term")
+        tt.add_column("bytes", justify="right")
+        tt.add_column("how it is counted")
+        for t in d["terms"]:
+            tt.add_row(t["name"].replace("_", " "), fmt_bytes(t["bytes"]), t["why"])
+        out.append(tt)
+
+    mods = d.get("by_module") or []
+    if mods:
+        mt = Table(title=f"at the peak, top {min(top_modules, len(mods))} modules", title_justify="left")
+        mt.add_column("module")
+        mt.add_column("bytes", justify="right")
+        mt.add_column("mostly", justify="left")
+        for row in mods[:top_modules]:
+            cat = max(row["by_category"].items(), key=lambda kv: kv[1])[0] if row.get("by_category") else ""
+            mt.add_row(row["module"], fmt_bytes(row["bytes"]), cat.replace("_", " "))
+        out.append(mt)
+    return out
+
+
+def _describe(spec: dict) -> str:
+    if not spec:
+        return ""
+    try:
+        from ..spec import TrainingSpec
+
+        return TrainingSpec.from_dict(spec).describe()
+    except Exception:  # a spec from another version: show its model only
+        return str(spec.get("model", ""))
+
+
+def print_memory(result: Any, top_modules: int = 12) -> None:
+    from rich.console import Console
+
+    console = Console()
+    for r in memory_tables(result, top_modules):
+        console.print(r)

@@ -1,0 +1,67 @@
+"""The CPU -> CUDA mapping rules, on fake tensors."""
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memlens.estimate import cuda_rules as cr
+
+
+def test_backend_choice_matches_hopper_measurements():
+    fake = FakeTensorMode()
+    with fake:
+        qh = torch.empty(2, 12, 1024, 64, dtype=torch.bfloat16)
+        kg = torch.empty(2, 4, 1024, 64, dtype=torch.float32)
+        q32 = torch.empty(2, 12, 1024, 64)
+    assert cr.sdpa_backend(qh, qh, None, 0.0, False) == "cudnn"
+    assert cr.sdpa_backend(qh, qh, torch.empty(0), 0.1, False) == "cudnn"
+    assert cr.sdpa_backend(q32, q32, None, 0.1, False) == "efficient"
+    assert cr.sdpa_backend(q32, kg, None, 0.0, True) == "math"
+
+
+def test_cudnn_attention_keeps_output_and_stats_only():
+    from memlens.estimate.tracker import StorageTracker
+    from memlens.ledger import EventLog, analyze
+
+    fake = FakeTensorMode()
+    log = EventLog()
+    tr = StorageTracker(log)
+    rules = cr.CudaRules()
+    with fake:
+        q = torch.empty(2, 1024, 12, 64, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    with fake, cr.CudaEmulation(rules), tr:
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1)
+    a = analyze(log)
+    out_bytes = 2 * 1024 * 12 * 64 * 2
+    stats = 2 * 12 * 1024 * 4
+    # measured on an H100: output + stats (B,H,L) fp32 + two 512-byte RNG blocks
+    assert a.end_allocated_bytes == out_bytes + stats + 2 * 512
+    assert rules.attention_calls[0].backend == "cudnn"
+    del out
+
+
+def test_autocast_policy_and_weight_cache():
+    fake = FakeTensorMode()
+    rules = cr.CudaRules(autocast_dtype=torch.float16)
+    emu = cr.CudaEmulation(rules)
+    with fake:
+        lin = torch.nn.Linear(8, 8)
+        x = torch.empty(4, 8)
+    with fake, emu, cr.cuda_autocast(emu, torch.float16):
+        y = lin(x)
+        y2 = lin(x)
+        assert y.dtype == torch.float16
+        assert len(emu._cache) == 2  # weight and bias cast once, reused
+        s = torch.softmax(y, dim=-1)
+        assert s.dtype == torch.float32  # fp32_set_opt_dtype
+        ln = F.layer_norm(y2, (8,))
+        assert ln.dtype == torch.float32  # fp32 policy
+    assert emu._cache == {}  # cleared when autocast exits
+
+
+def test_dropout_keeps_a_bool_mask():
+    fake = FakeTensorMode()
+    with fake:
+        x = torch.empty(1000, requires_grad=True)
+    with fake, cr.CudaEmulation(cr.CudaRules()):
+        y = F.dropout(x, 0.1, training=True)
+    assert y.grad_fn.name() == "NativeDropoutBackward0"

@@ -1,0 +1,59 @@
+import pytest
+
+from memlens.errors import SpecError
+from memlens.spec import TrainingSpec
+from memlens.units import fmt_bytes, parse_bytes
+
+
+def test_yaml_round_trip(tmp_path):
+    s = TrainingSpec(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16", grad_checkpointing=True,
+                     lora_rank=16, lora_targets=("q_proj", "v_proj"), freeze=("vision",), grad_accum=4)
+    p = tmp_path / "spec.yaml"
+    p.write_text(s.to_yaml())
+    assert TrainingSpec.from_yaml(p) == s
+    assert s.effective_batch_size == 16
+
+
+def test_yaml_coercions(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("model: gpt2\nbatch-size: '8'\ngrad_checkpointing: yes\nlora_rank: 8\nlora_targets: c_attn\n")
+    s = TrainingSpec.from_yaml(p)
+    assert (s.batch_size, s.grad_checkpointing, s.lora_targets) == (8, True, ("c_attn",))
+
+
+@pytest.mark.parametrize("fields,needle", [
+    ({"batch_size": 0}, "batch-size must be >= 1"),
+    ({"batch_size": -3}, "batch-size must be >= 1"),
+    ({"precision": "fp8"}, "precision 'fp8' is not one of"),
+    ({"optimizer": "adamw8"}, "did you mean"),
+    ({"qlora": True}, "--qlora needs --lora-rank"),
+    ({"sharding": "zero3"}, "needs --world-size"),
+    ({"seq_len": 10**7}, "impossibly long"),
+])
+def test_invalid_specs(fields, needle):
+    with pytest.raises(SpecError) as e:
+        TrainingSpec(model="gpt2", **fields)
+    assert needle in e.value.render()
+
+
+def test_malformed_yaml(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("model: gpt2\nbatch_size: [1, 2\n")
+    with pytest.raises(SpecError, match="not valid YAML at line"):
+        TrainingSpec.from_yaml(p)
+
+
+def test_unknown_yaml_field_suggests(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("model: gpt2\nbatchsize: 4\n")
+    with pytest.raises(SpecError) as e:
+        TrainingSpec.from_yaml(p)
+    assert "batch_size" in e.value.hint
+
+
+def test_units():
+    assert parse_bytes("16GiB") == 16 * 1024**3
+    assert parse_bytes("24 GB") == 24 * 10**9
+    assert fmt_bytes(1536) == "1.50 KiB"
+    with pytest.raises(Exception, match="cannot read size"):
+        parse_bytes("lots")
