@@ -1,2 +1,28 @@
-"""memlens: predict, measure and explain the GPU memory of PyTorch training."""
-__all__: list[str] = []
+"""memlens: predict, measure and explain the GPU memory of PyTorch training.
+
+>>> from memlens import TrainingSpec, estimate
+>>> spec = TrainingSpec(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16")
+>>> estimate(spec).peak_allocated_bytes  # doctest: +SKIP
+34470950912
+
+Importing memlens does not import torch; the functions do when called.
+"""
+from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
+from .errors import MemlensError
+from .estimate import estimate
+from .measure.monitor import Monitor
+from .report.result import Result
+from .spec import TrainingSpec
+
+__all__ = [
+    "TrainingSpec",
+    "Result",
+    "MemlensError",
+    "estimate",
+    "Monitor",
+    "diagnose_oom",
+    "parse_oom",
+    "doctor_log",
+    "doctor_snapshot",
+    "doctor_stats",
+]

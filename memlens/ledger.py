@@ -359,5 +359,35 @@ def _downsample(raw: list[tuple], max_points: int) -> list[dict[str, Any]]:
     return out
 
 
+def module_group(name: str) -> str:
+    """The block-level group of a module: `model.layers.3.mlp.up_proj` -> `model.layers.3.mlp`;
+    LoRA adapters apart (`... .self_attn (LoRA)`); names without a numbered block stay whole.
+
+    >>> module_group("model.layers.3.mlp.up_proj"), module_group("h.0.attn.c_attn.lora_A.default")
+    ('model.layers.3.mlp', 'h.0.attn (LoRA)')
+    """
+    parts = name.split(".")
+    lora = any(p.startswith("lora_") for p in parts)
+    if lora:
+        parts = parts[: next(i for i, p in enumerate(parts) if p.startswith("lora_"))]
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            parts = parts[: i + 2]
+            break
+    return ".".join(parts) + (" (LoRA)" if lora else "")
+
+
+def group_modules(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """by_module rows summed per :func:`module_group`, largest first."""
+    acc: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in rows:
+        g = module_group(r["module"])
+        for c, v in r["by_category"].items():
+            acc[g][c] += v
+    out = [{"module": g, "bytes": sum(c.values()), "by_category": dict(c)} for g, c in acc.items()]
+    out.sort(key=lambda r: -r["bytes"])
+    return out
+
+
 def sum_categories(by_category: dict[str, int], names: Iterable[str]) -> int:
     return sum(by_category.get(n, 0) for n in names)

@@ -28,7 +28,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
         from .formula import formula_estimate
 
         return formula_estimate(spec)
-    from ..ledger import analyze
+    from ..ledger import analyze, group_modules
     from .simulate import simulate
 
     sim = simulate(spec, steps=steps)
@@ -56,6 +56,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
             "peak_requested_bytes": a.peak_requested_bytes,
             "steps": a.steps,
             "attention_backends": sim.attention,
+            "by_module_group": group_modules(a.by_module),
             "param_count": sim.param_count,
             "trainable_param_count": sim.trainable_count,
             "seq_len": sim.seq_len,

@@ -65,9 +65,9 @@ def memory_tables(result: Any, top_modules: int = 12):
             tt.add_row(t["name"].replace("_", " "), fmt_bytes(t["bytes"]), t["why"])
         out.append(tt)
 
-    mods = d.get("by_module") or []
+    mods = d.get("by_module_group") or d.get("by_module") or []
     if mods:
-        mt = Table(title=f"at the peak, top {min(top_modules, len(mods))} modules", title_justify="left")
+        mt = Table(title=f"at the peak, top {min(top_modules, len(mods))} modules (blocks grouped; JSON by_module has every module)", title_justify="left")
         mt.add_column("module")
         mt.add_column("bytes", justify="right")
         mt.add_column("mostly", justify="left")
