@@ -3,9 +3,12 @@ import torch
 
 
 def linear(spec=None):
-    """One bias-free 1024x1024 linear layer; batch of 16 x 1024 fp32; loss = sum of outputs."""
+    """One bias-free 1024x1024 linear layer; batch of 16 (or the spec's) x 1024 fp32; loss = sum of outputs."""
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False))
-    x = torch.randn(16, 1024)
+    batch = 16 if spec is None or spec.batch_size == 1 else spec.batch_size
+    if spec is not None and spec.physical_batch_size:
+        batch = spec.physical_batch_size
+    x = torch.randn(batch, 1024)
     return model, x, lambda out, batch: out.sum()
 
 

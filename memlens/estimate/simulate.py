@@ -81,7 +81,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     emulation = cuda_rules.CudaEmulation(rules)
 
     with torch.device("meta"), _quiet():
-        built: Built = build(spec, source)  # no init work, no memory
+        # DP-SGD materializes the physical batch at once (Opacus BatchMemoryManager)
+        built: Built = build(spec.replace(batch_size=spec.physical_batch_size) if spec.dp and spec.physical_batch_size else spec, source)
     model = materialize_on_fake(built.model, fake)
     batch = _fake_batch(built.batch, fake)
     _wrap_checkpoint_funcs(model, emulation)
@@ -91,8 +92,21 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     params = [p for p in model.parameters()]
     n_params = sum(p.numel() for p in params)
     n_train = sum(p.numel() for p in params if p.requires_grad)
-    hooks = [p.register_post_accumulate_grad_hook(lambda p: tracker.retag(p.grad, "gradients"))
-             for p in params if p.requires_grad]
+    dp = None
+    if spec.dp:
+        from .dp import PerSampleGradients
+
+        from torch.utils._pytree import tree_flatten
+
+        first = next(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
+        dp = PerSampleGradients(tracker, first.shape[0])  # samples actually in the micro-batch
+
+    def on_grad(p) -> None:
+        tracker.retag(p.grad, "gradients")
+        if dp is not None:
+            dp.on_grad(p)
+
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
     scaler = _FakeGradScaler() if spec.precision == "amp-fp16" else None
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     workspace = _WorkspaceRule(tracker)
@@ -109,6 +123,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
                         workspace.on_phase(name)
+                        if dp is not None and name == "optimizer":
+                            dp.clip_and_noise()
 
                     train_step(model, optimizer, batch, grad_accum=spec.grad_accum, autocast=autocast,
                                scaler=scaler, loss_fn=built.loss_fn, on_phase=on_phase)
