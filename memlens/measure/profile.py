@@ -986,7 +986,10 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
             e, m = est.by_category.get(c, 0), measured.by_category.get(c, 0)
             if e or m:
                 cats.append(row(c, e, m))
-    return {"available": True, "rows": rows, "by_phase": phases, "by_category": cats,
-            "estimate_peak_phase": est.data.get("peak_phase"),
-            "note": "estimate: the same spec simulated on fake tensors (2 steps); measured: this run. "
-                    "Categories are compared at each side's own peak."}
+    note = ("estimate: the same spec simulated on fake tensors (2 steps); measured: this run. "
+            "Categories are compared at each side's own peak.")
+    if not str(measured.data.get("device", "")).startswith("cuda"):
+        note += (" On CPU the comparison is not like for like: estimate predicts CUDA memory (512-byte blocks, "
+                 "cuBLAS workspaces, CUDA kernels), the CPU ledger counts raw storage bytes.")
+    return {"available": True, "rows": rows, "by_phase": phases, "by_category": cats, "note": note,
+            "estimate_peak_phase": est.data.get("peak_phase")}
