@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -83,11 +84,11 @@ class _CudaMeter:
         self.device = device
 
     def read(self) -> tuple[int, int, int, int, int]:
-        c = self.torch.cuda
-        st = c.memory_stats(self.device)
-        return (st.get("allocated_bytes.all.current", 0), st.get("reserved_bytes.all.current", 0),
-                st.get("active_bytes.all.current", 0), st.get("allocated_bytes.all.peak", 0),
-                st.get("reserved_bytes.all.peak", 0))
+        # the raw nested stats: one C++ call, no Python flattening (memory_allocated() and friends
+        # each build and flatten the whole memory_stats() dict)
+        st = self.torch._C._cuda_memoryStats(self.device.index)
+        a, r, act = st["allocated_bytes"]["all"], st["reserved_bytes"]["all"], st["active_bytes"]["all"]
+        return a["current"], r["current"], act["current"], a["peak"], r["peak"]
 
     def reset_peak(self) -> None:
         self.torch.cuda.reset_peak_memory_stats(self.device)
@@ -163,7 +164,27 @@ def _device_tracker(log, device_type: str):
 
     from ..estimate.tracker import StorageTracker
 
+    Tensor = torch.Tensor
+
     class DeviceStorageTracker(StorageTracker):
+        """Leaner than the estimator's tracker (real tensors, every op of a real step): a plain
+        weakref callback instead of weakref.finalize, and no pytree walk for tensor/tuple outputs."""
+
+        def __init__(self, log):
+            super().__init__(log)
+            self._refs: dict[int, Any] = {}
+
+        def _new_key(self, st, sid):
+            key = self._next
+            self._next += 1
+            self._keys[sid] = key
+            self._refs[key] = weakref.ref(st, lambda _r, sid=sid, key=key: self._on_free(sid, key))
+            return key
+
+        def _on_free(self, sid, key):
+            self._refs.pop(key, None)
+            super()._on_free(sid, key)
+
         def register(self, t, category, module=None, op=""):
             if t.device.type != device_type:
                 return None
@@ -171,9 +192,14 @@ def _device_tracker(log, device_type: str):
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            flat = (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
+            if type(out) is Tensor or isinstance(out, Tensor):
+                flat = (out,)
+            elif type(out) in (tuple, list):
+                flat = out
+            else:
+                flat = tree_flatten(out)[0]
             for t in flat:
-                if not isinstance(t, torch.Tensor) or t.device.type != device_type:
+                if not isinstance(t, Tensor) or t.device.type != device_type:
                     continue
                 st = t.untyped_storage()
                 sid = id(st)
@@ -203,7 +229,7 @@ class Profiler:
 
     def __init__(self, model=None, optimizer=None, *, device: Any = None, mode: str = "phases",
                  record_snapshot: bool = False, snapshot_max_entries: int = 200_000, torch_profiler: bool = False,
-                 spec: dict | None = None):
+                 spec: dict | None = None, optimizer_hooks: bool = True):
         if mode not in MODES:
             raise MemlensError(f"profile mode {mode!r} is not one of {', '.join(MODES)}", hint="use mode='phases' or 'full'")
         import torch
@@ -215,6 +241,7 @@ class Profiler:
         self.device_type = self.device.type
         self.mode = mode
         self.spec = spec
+        self.optimizer_hooks = optimizer_hooks
         self.snapshots: list[Snapshot] = []
         self.steps: list[dict[str, Any]] = []
         self.step = 1
@@ -345,6 +372,8 @@ class Profiler:
         self._backward_seen = name == "backward"
 
     def _end_step(self) -> None:
+        if self.tracker is not None and self.optimizer is not None:
+            _tag_optimizer_state(self.tracker, self.optimizer)
         ended = self.current_phase
         s = self._snap(f"step {self.step} end", "end", ended)
         now = time.perf_counter()
@@ -364,9 +393,9 @@ class Profiler:
         torch = self.torch
         m, opt = self.model, self.optimizer
         if m is not None:
-            self._handles.append(m.register_forward_pre_hook(self._on_forward_pre))
+            self._handles.append(m.register_forward_pre_hook(self._on_forward_pre, with_kwargs=True))
             self._handles.append(m.register_forward_hook(self._on_forward_post))
-        if opt is not None:
+        if opt is not None and self.optimizer_hooks:
             self._handles.append(opt.register_step_pre_hook(lambda o, a, k: self._enter_phase("optimizer")))
             self._handles.append(opt.register_step_post_hook(self._on_step_post))
         if self.tracker is not None and m is not None:
@@ -376,12 +405,12 @@ class Profiler:
                     self._handles.append(p.register_post_accumulate_grad_hook(lambda p: tr.retag(p.grad, "gradients")))
         del torch
 
-    def _on_forward_pre(self, module, args):
+    def _on_forward_pre(self, module, args, kwargs):
         if not self.torch.is_grad_enabled():
             return
         self._enter_phase("forward")
         if self.tracker is not None:
-            self._tag_inputs(args)
+            self._tag_inputs((args, kwargs))
 
     def _on_forward_post(self, module, args, out):
         if not self.torch.is_grad_enabled():
@@ -405,8 +434,6 @@ class Profiler:
                 fn.register_prehook(on_backward)
 
     def _on_step_post(self, opt, args, kwargs):
-        if self.tracker is not None:
-            _tag_optimizer_state(self.tracker, opt)
         self._end_step()
 
     # ledger --------------------------------------------------------------
@@ -425,7 +452,9 @@ class Profiler:
             _tag_optimizer_state(tr, self.optimizer, register=True)
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
-            untracked = torch.cuda.memory_allocated(self.device) - self.log.current
+            from ..ledger import round_size
+
+            untracked = torch.cuda.memory_allocated(self.device) - sum(round_size(n) for n in self.log._sizes.values())
             self.extra["untracked_at_start_bytes"] = int(untracked)
         self._ctx.enter_context(tr)
         if self.model is not None:
