@@ -19,7 +19,7 @@ storage bytes *are* the figures ("allocated" = bytes of live tensor storages; re
 >>> model = torch.nn.Linear(4, 8)
 >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
 >>> with mp.profile(model, opt, device="cpu") as prof:
-...     prof.mark("before step")
+...     _ = prof.mark("before step")
 ...     model(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
 >>> r = prof.result
 >>> r.by_category["parameters"]          # (4*8 + 8) float32 values
