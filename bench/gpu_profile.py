@@ -1,0 +1,172 @@
+"""Done-means of `memlens profile` on a CUDA GPU: peak equality, category sums, overhead, estimate.
+
+Run on the GPU machine from a directory holding memlens/ and bench/:
+    python bench/gpu_profile.py OUT_DIR [case-substring ...]
+Each case runs in its own subprocess and appends one JSON line to OUT_DIR/profile_accuracy.jsonl:
+  - baseline: STEPS reference steps, no profiler (per-step time with a device sync around each step),
+    torch.cuda.max_memory_allocated() over them = the truth;
+  - phases mode and full mode around the same number of steps: their peak vs the truth, the sum of
+    the full mode's categories vs its peak, the median step-time overhead vs the baseline;
+  - `estimate` of the same spec vs the full-mode measurement (compare_with_estimate).
+Then the CLI writes a complete --out report for GPT-2 (full mode, torch profiler, memory snapshot).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+STEPS = 4
+WARMUP = 2
+ROUNDS = 3
+CASES = [
+    ("gpt2-ampbf16-b8-L512", dict(model="gpt2", batch_size=8, seq_len=512, precision="amp-bf16")),
+    ("llama1b-bf16-b4-L2048", dict(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16")),
+    ("llama8b-lora16-bf16-b4-L1024", dict(model="llama-3.1-8b", batch_size=4, seq_len=1024, precision="bf16", lora_rank=16)),
+]
+
+
+def run_case(name: str, fields: dict) -> dict:
+    import torch
+
+    from memlens.estimate.simulate import _quiet
+    from memlens.measure.profile import Profiler, amp_setup, compare_with_estimate
+    from memlens.models.build import build, make_optimizer
+    from memlens.models.source import resolve
+    from memlens.spec import TrainingSpec
+    from memlens.step import train_step
+
+    spec = TrainingSpec(**fields)
+    dev = torch.device("cuda:0")
+    torch.cuda.set_device(dev)
+    rec: dict = {"name": name, "spec": spec.to_dict()}
+    with _quiet():
+        built = build(spec, resolve(spec.model), device=dev)
+    model, batch = built.model, built.batch
+    opt = make_optimizer(spec, model)
+    autocast, scaler = amp_setup(spec, dev)
+
+    def step():
+        return train_step(model, opt, batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler, loss_fn=built.loss_fn)
+
+    def timed(n):
+        ts = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t)
+        return ts
+
+    with _quiet():
+        for _ in range(WARMUP):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = timed(STEPS)
+        truth = torch.cuda.max_memory_allocated()
+        truth_reserved = torch.cuda.max_memory_reserved()
+        results = {}
+        times = {"phases": [], "full": []}
+        # interleaved rounds (base, phases, full, base, ...) so clock drift hits every mode alike
+        for rnd in range(ROUNDS):
+            for mode in ("phases", "full"):
+                prof = Profiler(model, opt, device=dev, mode=mode, spec=spec.to_dict())
+                with prof:
+                    times[mode] += timed(STEPS)
+                if rnd == 0:
+                    results[mode] = prof.result
+                elif prof.result.peak_allocated_bytes != results[mode].peak_allocated_bytes:
+                    rec.setdefault("peak_changed_between_rounds", []).append(mode)
+            base += timed(STEPS)
+    base2 = []
+    med_base = statistics.median(base)
+    rec["truth_max_memory_allocated"] = truth
+    rec["truth_max_memory_reserved"] = truth_reserved
+    rec["baseline_step_s"] = [round(x, 5) for x in base + base2]
+    rec["baseline_median_s"] = med_base
+    for mode, r in results.items():
+        m = {"peak_allocated_bytes": r.peak_allocated_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,
+             "peak_equals_truth": r.peak_allocated_bytes == truth, "peak_error": (r.peak_allocated_bytes - truth) / truth,
+             "step_s": [round(x, 5) for x in times[mode]], "median_s": statistics.median(times[mode]),
+             "overhead": statistics.median(times[mode]) / med_base - 1, "peak_phase": r.data.get("peak_phase"),
+             "by_phase": r.by_phase}
+        if r.by_category:
+            m["by_category"] = r.by_category
+            m["categories_sum_bytes"] = r.data.get("categories_sum_bytes")
+            m["categories_error"] = r.data.get("categories_error")
+            m["ledger_peak_bytes"] = r.data["ledger"]["peak_bytes"]
+            m["untracked_at_start_bytes"] = r.data.get("untracked_at_start_bytes")
+            m["top_modules"] = r.by_module[:8]
+            m["lora_bytes_at_peak"] = r.data.get("lora_bytes_at_peak")
+        if mode == "phases":
+            m["allocator"] = {k: v for k, v in r.data.get("allocator", {}).items() if k not in ("labels", "findings")}
+            m["nvml"] = r.data.get("nvml")
+        rec[mode] = m
+    t = time.perf_counter()
+    rec["compare_estimate"] = compare_with_estimate(spec, results["full"])
+    rec["estimate_seconds"] = time.perf_counter() - t
+    return rec
+
+
+def main() -> None:
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    if len(sys.argv) > 2 and sys.argv[2] == "--child":
+        name = sys.argv[3]
+        try:
+            rec = run_case(name, dict(CASES)[name])
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            rec = {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
+        with open(os.path.join(out, "profile_accuracy.jsonl"), "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        return
+    import torch
+
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    with open(os.path.join(out, "profile_env.json"), "w") as f:
+        json.dump(env, f)
+    wanted = [w for w in sys.argv[2:] if not w.startswith("--")]
+    if "--report" in sys.argv:
+        # the CLI end to end: full mode, torch profiler, memory snapshot, compare-estimate
+        t = time.time()
+        r = subprocess.run([sys.executable, "-m", "memlens.cli.main", "profile", "--model", "gpt2", "--batch-size", "4",
+                            "--seq-len", "512", "--precision", "amp-bf16", "--mode", "full", "--steps", "2",
+                            "--compare-estimate", "--torch-profiler", "--snapshot", "--out", os.path.join(out, "gpt2_report")],
+                           capture_output=True, text=True, timeout=240)
+        with open(os.path.join(out, "gpt2_report_stdout.txt"), "w") as f:
+            f.write(r.stdout + "\n--- stderr\n" + r.stderr[-4000:])
+        print(f"report rc={r.returncode} {time.time() - t:5.1f}s", flush=True)
+    if "--fixture" in sys.argv:
+        # a small snapshot pickle for the test fixtures
+        code = ("import pickle,torch;from memlens.spec import TrainingSpec;from memlens.measure.profile import profile_spec;"
+                "r,a=profile_spec(TrainingSpec(model='gpt2',batch_size=1,seq_len=32),steps=1,warmup=1,device='cuda:0',snapshot=True);"
+                f"pickle.dump(a['memory_snapshot'],open({os.path.join(out, 'fixture_snapshot.pickle')!r},'wb'));"
+                f"r.save({os.path.join(out, 'fixture_snapshot_result.json')!r})")
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        print(f"fixture rc={r.returncode} {r.stderr[-500:]}", flush=True)
+    for name, _ in CASES:
+        if wanted and not any(w in name for w in wanted):
+            continue
+        t = time.time()
+        r = subprocess.run([sys.executable, __file__, out, "--child", name], capture_output=True, text=True, timeout=330)
+        tail = (r.stderr or "").strip().splitlines()[-3:] if r.returncode else []
+        print(f"{name:35s} rc={r.returncode} {time.time() - t:5.1f}s {tail}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

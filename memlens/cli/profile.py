@@ -1,0 +1,178 @@
+"""`memlens profile`: run real training steps of a spec and measure where the memory goes.
+
+    memlens profile --model gpt2 --batch-size 4 --seq-len 512 --precision amp-bf16
+    memlens profile --model llama-3.2-1b --precision bf16 --mode full --out prof/      (categories, modules, report.html)
+    memlens profile --model gpt2 --compare-estimate --torch-profiler --snapshot --out prof/
+    memlens profile --model mypkg.models:tiny --device cpu --steps 2                   (CPU ledger mode, no GPU)
+
+The model is built with random weights (no download) on the device, then --warmup steps run
+unmeasured and --steps are profiled.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MemlensError
+from ..units import fmt_bytes
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("profile", help="measure a real training step: phases, peaks, categories, modules",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_spec_args(p)
+    g = p.add_argument_group("profile")
+    g.add_argument("--steps", type=int, default=3, metavar="N", help="profiled optimizer steps (default 3)")
+    g.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured steps first (default 1)")
+    g.add_argument("--device", default=None, metavar="DEV", help="cuda:0 | cpu (default: cuda if available)")
+    g.add_argument("--mode", choices=("phases", "full"), default=None,
+                   help="phases: allocator counters at phase boundaries (<5%% overhead); full: + categories and modules "
+                        "(default: full on cpu, phases on cuda)")
+    g.add_argument("--compare-estimate", action="store_true", help="also run `estimate` for the spec: predicted vs measured")
+    g.add_argument("--torch-profiler", action="store_true", help="torch.profiler tables (top ops by time and memory) + Chrome trace")
+    g.add_argument("--snapshot", action="store_true", help="record memory history; write memory_snapshot.pickle (CUDA; needs --out)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    d = out_dir(args)
+    if args.snapshot and d is None:
+        raise MemlensError("--snapshot writes a pickle file", hint="add --out DIR")
+    device = args.device
+    if device is not None and not (device == "cpu" or device.startswith("cuda")):
+        raise MemlensError(f"--device {device!r} is not cuda[:N] or cpu", hint="use --device cuda:0 or --device cpu")
+    import torch  # lazy: the CLI stays light until a verb runs
+
+    from ..measure.profile import profile_spec
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    mode = args.mode or ("full" if device == "cpu" else "phases")
+    trace = str(d / "trace.json") if (d is not None and args.torch_profiler) else None
+    with _progress(args, args.steps) as progress:
+        result, artifacts = profile_spec(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
+                                         torch_profiler=args.torch_profiler, snapshot=args.snapshot,
+                                         compare_estimate=args.compare_estimate, trace_path=trace, progress=progress)
+    if d is not None:
+        from ..report.profile_report import write_report
+
+        write_report(result, d, artifacts.get("memory_snapshot"))
+    if args.json:
+        emit_json(result)
+    else:
+        render(result)
+        if d is not None:
+            _console().print(f"[dim]written to {d}/ (result.json, timeline.csv, *.png, report.html)[/dim]")
+    return 0
+
+
+class _progress:
+    """A rich progress bar on stderr over the profiled steps (silent for --json or a non-terminal)."""
+
+    def __init__(self, args, total: int):
+        self.on = not args.json and sys.stderr.isatty()
+        self.total = total
+        self.bar = None
+
+    def __enter__(self):
+        if not self.on:
+            return None
+        from rich.console import Console
+        from rich.progress import Progress
+
+        self.bar = Progress(console=Console(stderr=True), transient=True)
+        self.bar.start()
+        task = self.bar.add_task("profiling steps", total=self.total)
+        return lambda done, total: self.bar.update(task, completed=done)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(soft_wrap=False)
+
+
+def render(result) -> None:
+    """The terminal summary of a profile Result."""
+    from rich.table import Table
+
+    c = _console()
+    d = result.data
+    spec = result.spec or {}
+    c.print(f"[bold]memlens profile[/bold] {spec.get('model', '')} on {d.get('device')} ({d.get('mode')} mode, "
+            f"{d.get('profiled_steps', len(d.get('steps', [])))} steps after {d.get('warmup_steps', 0)} warmup)")
+    what = "max_memory_allocated()" if str(d.get("device", "")).startswith("cuda") else "live tensor storages (CPU ledger)"
+    c.print(f"  peak allocated [bold]{fmt_bytes(result.peak_allocated_bytes)}[/bold] ({what}) in {d.get('peak_phase')} "
+            f"of step {d.get('peak_step')}; peak reserved {fmt_bytes(result.peak_reserved_bytes)}")
+    nv = d.get("nvml") or {}
+    if nv.get("available"):
+        c.print(f"  nvidia-smi for this process {fmt_bytes(nv['process_used_bytes'])} (NVML: reserved + CUDA context + libraries)")
+    t = Table(title="peak of every phase", box=None)
+    t.add_column("phase")
+    t.add_column("peak allocated", justify="right")
+    t.add_column("step", justify="right")
+    for ph, v in result.by_phase.items():
+        t.add_row(ph, fmt_bytes(v["peak_allocated_bytes"]), str(v.get("peak_step")))
+    c.print(t)
+    if result.by_category:
+        total = result.peak_allocated_bytes or 1
+        t = Table(title="at the peak, by category", box=None)
+        t.add_column("category")
+        t.add_column("bytes", justify="right")
+        t.add_column("share", justify="right")
+        for k, v in result.by_category.items():
+            if v:
+                t.add_row(k, fmt_bytes(v), f"{100 * v / total:.1f}%")
+        c.print(t)
+    if result.by_module:
+        t = Table(title="top modules", box=None)
+        for col in ("module", "live at peak", "forward peak", "backward peak"):
+            t.add_column(col, justify="left" if col == "module" else "right")
+        for r in result.by_module[:10]:
+            t.add_row(r["module"] + (" [LoRA]" if r.get("lora") else ""), fmt_bytes(r["bytes"]),
+                      fmt_bytes(r.get("forward_peak_bytes")), fmt_bytes(r.get("backward_peak_bytes")))
+        c.print(t)
+    ml = d.get("model_load") or {}
+    if "loaded_bytes" in ml:
+        c.print(f"  model load: {fmt_bytes(ml['loaded_bytes'])} allocated vs {fmt_bytes(ml['theoretical_param_bytes'])} of parameters "
+                f"(overhead {fmt_bytes(ml['overhead_bytes'])}: buffers, batch, rounding)")
+    al = d.get("allocator")
+    if al:
+        c.print(f"  allocator: reserved-allocated {fmt_bytes(al['reserved_unallocated_bytes'])}, inactive split "
+                f"{fmt_bytes(al['inactive_split_bytes'])} (fragmentation {100 * al['fragmentation']:.1f}%), "
+                f"alloc retries {al['num_alloc_retries']}, OOMs {al['num_ooms']}")
+    ce = d.get("compare_estimate")
+    if ce:
+        if not ce.get("available"):
+            c.print(f"  [yellow]estimate unavailable: {ce.get('reason')}[/yellow]")
+        else:
+            t = Table(title="estimate vs measured", box=None)
+            for col in ("figure", "estimated", "measured", "error"):
+                t.add_column(col, justify="left" if col == "figure" else "right")
+            for r in ce["rows"] + ce["by_phase"] + ce["by_category"]:
+                t.add_row(r["name"], fmt_bytes(r["estimated_bytes"]), fmt_bytes(r["measured_bytes"]),
+                          "-" if r["error"] is None else f"{100 * r['error']:+.2f}%")
+            c.print(t)
+    tp = d.get("torch_profiler")
+    if tp:
+        t = Table(title="torch.profiler: top operators by time", box=None)
+        t.add_column("operator")
+        t.add_column("calls", justify="right")
+        t.add_column(tp["time_key"], justify="right")
+        for r in tp["by_time"][:8]:
+            t.add_row(r["name"], str(r["calls"]), f"{r[tp['time_key']]:.0f}")
+        c.print(t)
+
+
+if __name__ == "__main__":
+    from .main import main
+
+    sys.exit(main(["profile", *sys.argv[1:]]))

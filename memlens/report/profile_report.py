@@ -1,0 +1,303 @@
+"""Renderings of a profile Result: timeline.csv, PNG plots and one self-contained report.html.
+
+Every figure is read from the Result (never recomputed). matplotlib is imported only here, with
+the Agg backend. The HTML inlines its CSS and its PNGs (base64): no CDN, opens offline.
+
+>>> from memlens.report.result import Result
+>>> r = Result(verb="profile", peak_allocated_bytes=1024, timeline=[{"label": "start", "step": 1, "phase": "start",
+...            "t_s": 0.0, "allocated_bytes": 512, "reserved_bytes": 2048, "peak_allocated_bytes": 512}])
+>>> timeline_csv(r).splitlines()[0]
+'index,label,step,phase,t_s,allocated_bytes,reserved_bytes,peak_allocated_bytes'
+"""
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+from pathlib import Path
+
+from ..errors import MemlensError
+from ..units import fmt_bytes
+from .result import Result
+
+_GIB = 1024**3
+COLUMNS = ("index", "label", "step", "phase", "t_s", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes")
+CAT_COLORS = {
+    "parameters": "#4c72b0", "buffers": "#8172b3", "gradients": "#dd8452", "optimizer_state": "#55a868",
+    "activations": "#c44e52", "temporaries": "#937860", "inputs": "#da8bc3", "workspace": "#8c8c8c",
+    "per_sample_gradients": "#ccb974", "unattributed": "#cccccc",
+}
+
+
+def timeline_csv(result: Result) -> str:
+    """The labelled snapshots as CSV (one row per snapshot)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(COLUMNS)
+    for i, p in enumerate(result.timeline):
+        w.writerow([i, p.get("label"), p.get("step"), p.get("phase"), p.get("t_s"), p.get("allocated_bytes"),
+                    p.get("reserved_bytes"), p.get("peak_allocated_bytes")])
+    return buf.getvalue()
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]', or drop --out") from None
+    return plt
+
+
+def _unit(n: float) -> tuple[float, str]:
+    return (_GIB, "GiB") if n >= 0.5 * _GIB else (1024**2, "MiB") if n >= 1024**2 else (1024, "KiB")
+
+
+def plot_snapshots(result: Result):
+    """Bars of allocated / reserved / peak at every labelled snapshot (the seeds' plot_snapshots)."""
+    plt = _pyplot()
+    tl = result.timeline
+    div, u = _unit(max([p["reserved_bytes"] for p in tl] + [1]))
+    fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(tl) + 3), 4.8))
+    x = range(len(tl))
+    w = 0.27
+    ax.bar([i - w for i in x], [p["allocated_bytes"] / div for p in tl], w, label="allocated", color="#3498db")
+    ax.bar(list(x), [p["reserved_bytes"] / div for p in tl], w, label="reserved", color="#95a5a6")
+    ax.bar([i + w for i in x], [p["peak_allocated_bytes"] / div for p in tl], w, label="peak since previous", color="#e74c3c")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([p["label"] for p in tl], rotation=60, ha="right", fontsize=8)
+    ax.set_ylabel(u)
+    ax.set_title("memory at each snapshot")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_timeline(result: Result):
+    """Allocated and reserved over host time, with each interval's peak and the overall peak."""
+    plt = _pyplot()
+    tl = result.timeline
+    div, u = _unit(max([p["reserved_bytes"] for p in tl] + [result.peak_allocated_bytes or 1]))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    t = [p["t_s"] for p in tl]
+    ax.step(t, [p["allocated_bytes"] / div for p in tl], where="post", label="allocated (at snapshot)", color="#3498db")
+    ax.step(t, [p["reserved_bytes"] / div for p in tl], where="post", label="reserved", color="#95a5a6")
+    ax.plot(t, [p["peak_allocated_bytes"] / div for p in tl], "v", color="#e74c3c", ms=5, label="peak of the interval ending here")
+    if result.peak_allocated_bytes:
+        ax.axhline(result.peak_allocated_bytes / div, ls="--", color="#e74c3c", lw=0.8, label="peak allocated")
+    for p in tl:
+        if p["phase"] == "forward":
+            ax.axvline(p["t_s"], color="#bbbbbb", lw=0.5)
+    ax.set_xlabel("host seconds since the profiler started (vertical lines: forward starts)")
+    ax.set_ylabel(u)
+    ax.set_title("memory timeline")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_categories(result: Result):
+    """One stacked bar: what was live at the peak, by category."""
+    plt = _pyplot()
+    cats = [(k, v) for k, v in result.by_category.items() if v > 0]
+    div, u = _unit(sum(v for _, v in cats) or 1)
+    fig, ax = plt.subplots(figsize=(6, 5))
+    bottom = 0.0
+    for k, v in cats:
+        ax.bar([0], [v / div], bottom=bottom, color=CAT_COLORS.get(k, "#999999"), label=f"{k} {fmt_bytes(v)}")
+        bottom += v / div
+    if result.peak_allocated_bytes:
+        ax.axhline(result.peak_allocated_bytes / div, ls="--", color="k", lw=0.8, label=f"peak allocated {fmt_bytes(result.peak_allocated_bytes)}")
+    ax.set_xticks([])
+    ax.set_xlim(-1, 2.5)
+    ax.set_ylabel(u)
+    ax.set_title("at the peak, by category")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_modules(result: Result, top: int = 15):
+    """Top modules: bytes live at the peak, and the forward / backward peak of their own allocations."""
+    plt = _pyplot()
+    rows = sorted(result.by_module, key=lambda r: -max(r["bytes"], r.get("forward_peak_bytes", 0), r.get("backward_peak_bytes", 0)))[:top]
+    rows.reverse()
+    div, u = _unit(max([max(r["bytes"], r.get("forward_peak_bytes", 0), r.get("backward_peak_bytes", 0)) for r in rows] + [1]))
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.8))
+    y = range(len(rows))
+    h = 0.27
+    ax.barh([i + h for i in y], [r["bytes"] / div for r in rows], h, label="live at the peak", color="#4c72b0")
+    ax.barh(list(y), [r.get("forward_peak_bytes", 0) / div for r in rows], h, label="forward peak (own allocations)", color="#c44e52")
+    ax.barh([i - h for i in y], [r.get("backward_peak_bytes", 0) / div for r in rows], h, label="backward peak (own allocations)", color="#dd8452")
+    ax.set_yticks(list(y))
+    ax.set_yticklabels([(r["module"][-48:] + ("  [LoRA]" if r.get("lora") else "")) for r in rows], fontsize=8)
+    ax.set_xlabel(u)
+    ax.set_title(f"top {len(rows)} modules")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+PLOTS = {"snapshots.png": plot_snapshots, "timeline.png": plot_timeline, "categories.png": plot_categories, "modules.png": plot_modules}
+
+
+def _wanted(result: Result) -> list[str]:
+    names = ["snapshots.png", "timeline.png"]
+    if any(v > 0 for v in result.by_category.values()):
+        names.append("categories.png")
+    if result.by_module:
+        names.append("modules.png")
+    return names
+
+
+def render_pngs(result: Result) -> dict[str, bytes]:
+    """PNG bytes of every plot that has data, by file name."""
+    plt = _pyplot()
+    out = {}
+    for name in _wanted(result):
+        fig = PLOTS[name](result)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        out[name] = buf.getvalue()
+    return out
+
+
+def write_report(result: Result, out_dir: str | Path, memory_snapshot: dict | None = None) -> list[Path]:
+    """Write result.json, timeline.csv, the PNGs and report.html into ``out_dir``; return the paths."""
+    import pickle
+
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = [result.save(d / "result.json")]
+    (d / "timeline.csv").write_text(timeline_csv(result))
+    paths.append(d / "timeline.csv")
+    pngs = render_pngs(result)
+    for name, data in pngs.items():
+        (d / name).write_bytes(data)
+        paths.append(d / name)
+    if memory_snapshot is not None:
+        with open(d / "memory_snapshot.pickle", "wb") as f:
+            pickle.dump(memory_snapshot, f)
+        paths.append(d / "memory_snapshot.pickle")
+    (d / "report.html").write_text(report_html(result, pngs))
+    paths.append(d / "report.html")
+    return paths
+
+
+# ---------------------------------------------------------------- HTML
+
+_CSS = """
+body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1100px;color:#222;padding:0 16px}
+h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #ddd;padding-bottom:4px}
+.sub{color:#666;font-size:13px} table{border-collapse:collapse;font-size:13px;margin:8px 0}
+td,th{padding:3px 10px;border-bottom:1px solid #eee;text-align:right} th{background:#f5f5f5}
+td:first-child,th:first-child{text-align:left} .kpi{display:inline-block;margin:8px 18px 8px 0}
+.kpi b{display:block;font-size:20px} .kpi span{color:#666;font-size:12px} img{max-width:100%;border:1px solid #eee;margin:6px 0}
+.note{color:#666;font-size:12px} .bad{color:#b00} .good{color:#070} code{background:#f4f4f4;padding:1px 4px}
+"""
+
+
+def _e(x) -> str:
+    return html.escape(str(x))
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    h = "".join(f"<th>{_e(c)}</th>" for c in headers)
+    body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><tr>{h}</tr>{body}</table>"
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:+.2f}%"
+
+
+def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
+    """One self-contained HTML page (inline CSS, PNGs as data: URIs)."""
+    pngs = render_pngs(result) if pngs is None else pngs
+    d = result.data
+    spec = result.spec or {}
+    title = f"memlens profile: {spec.get('model', 'your loop')}"
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>{_e(title)}</h1>",
+             f"<div class='sub'>device {_e(d.get('device'))}{_e(' (' + result.environment['device_name'] + ')' if result.environment.get('device_name') else '')} · mode "
+             f"{_e(d.get('mode'))} · torch {_e(result.environment.get('torch'))} · measured by {_e(d.get('measured_by'))}</div>"]
+    kpis = [("peak allocated", fmt_bytes(result.peak_allocated_bytes), "max_memory_allocated()" if str(d.get("device", "")).startswith("cuda") else "live storages"),
+            ("peak reserved", fmt_bytes(result.peak_reserved_bytes), "max_memory_reserved()" if str(d.get("device", "")).startswith("cuda") else "CPU: same as allocated"),
+            ("peak phase", f"{d.get('peak_phase')} (step {d.get('peak_step')})", "where the peak happened")]
+    nv = d.get("nvml") or {}
+    if nv.get("available"):
+        kpis.append(("nvidia-smi (this process)", fmt_bytes(nv.get("process_used_bytes")), "NVML: reserved + CUDA context"))
+    parts.append("".join(f"<div class='kpi'><b>{_e(v)}</b><span>{_e(k)}: {_e(s)}</span></div>" for k, v, s in kpis))
+    if spec:
+        parts.append(f"<div class='note'>spec: {_e(', '.join(f'{k}={v}' for k, v in spec.items() if v not in (None, False, (), [])))}</div>")
+    # phases
+    parts.append("<h2>Peak of every phase</h2>")
+    parts.append(_table(["phase", "peak allocated", "step", "peak reserved"],
+                        [[ph, fmt_bytes(v["peak_allocated_bytes"]), v.get("peak_step"), fmt_bytes(v.get("peak_reserved_bytes"))]
+                         for ph, v in result.by_phase.items()]))
+    if result.by_category:
+        total = result.peak_allocated_bytes or 1
+        parts.append("<h2>At the peak, by category</h2>")
+        parts.append(_table(["category", "bytes", "share of peak"],
+                            [[k, fmt_bytes(v), f"{100 * v / total:.1f}%"] for k, v in result.by_category.items() if v]))
+        parts.append(f"<div class='note'>categories sum to {fmt_bytes(d.get('categories_sum_bytes'))} "
+                     f"({_pct(d.get('categories_error'))} of the peak before the unattributed row)</div>")
+    if d.get("by_operation"):
+        parts.append("<h2>By operation (which phase allocated what was live at the peak)</h2>")
+        parts.append(_table(["allocated in", "bytes live at the peak"], [[k, fmt_bytes(v)] for k, v in d["by_operation"].items()]))
+    for name, caption in (("snapshots.png", "Snapshots"), ("timeline.png", "Timeline"), ("categories.png", "Category stack at the peak"),
+                          ("modules.png", "Top modules")):
+        if name in pngs:
+            b64 = base64.b64encode(pngs[name]).decode()
+            parts.append(f"<h2>{caption}</h2><img alt='{name}' src='data:image/png;base64,{b64}'>")
+    if result.by_module:
+        parts.append("<h2>Modules (top 25)</h2>")
+        rows = result.by_module[:25]
+        parts.append(_table(["module", "live at the peak", "forward peak", "backward peak", "LoRA"],
+                            [[r["module"], fmt_bytes(r["bytes"]), fmt_bytes(r.get("forward_peak_bytes")),
+                              fmt_bytes(r.get("backward_peak_bytes")), "yes" if r.get("lora") else ""] for r in rows]))
+    ml = d.get("model_load")
+    if ml:
+        parts.append("<h2>Model load</h2>")
+        rows = [["parameters (theoretical)", fmt_bytes(ml.get("theoretical_param_bytes"))], ["buffers", fmt_bytes(ml.get("buffer_bytes"))],
+                ["batch", fmt_bytes(ml.get("batch_bytes"))]]
+        if "loaded_bytes" in ml:
+            rows += [["allocated by loading", fmt_bytes(ml["loaded_bytes"])], ["overhead vs parameters", f"{fmt_bytes(ml['overhead_bytes'])} ({_pct(ml.get('overhead_fraction'))})"]]
+        parts.append(_table(["", "bytes"], rows))
+    al = d.get("allocator")
+    if al:
+        parts.append("<h2>Allocator (memory_stats) and NVML</h2>")
+        lab = al.get("labels", {})
+        rows = [[k, fmt_bytes(al[k]) if k.endswith("bytes") else al[k], lab.get(k, "")]
+                for k in ("reserved_unallocated_bytes", "inactive_split_bytes", "fragmentation", "num_alloc_retries", "num_ooms")]
+        if nv:
+            rows.append(["nvml process used", fmt_bytes(nv.get("process_used_bytes")) if nv.get("available") else f"n/a ({nv.get('reason')})", nv.get("label", "")])
+        parts.append(_table(["figure", "value", "what it is"], rows))
+    ce = d.get("compare_estimate")
+    if ce and ce.get("available"):
+        parts.append("<h2>Estimate vs measured</h2>")
+        rows = [[r["name"], fmt_bytes(r["estimated_bytes"]), fmt_bytes(r["measured_bytes"]), _pct(r["error"])]
+                for r in ce["rows"] + ce["by_phase"] + ce["by_category"]]
+        parts.append(_table(["figure", "estimated", "measured", "error"], rows))
+        parts.append(f"<div class='note'>{_e(ce.get('note'))}</div>")
+    tp = d.get("torch_profiler")
+    if tp:
+        parts.append("<h2>torch.profiler: top operators</h2>")
+        tk, mk = tp["time_key"], tp["memory_key"]
+        parts.append(_table(["operator (by time)", "calls", tk], [[r["name"], r["calls"], f"{r[tk]:.0f}"] for r in tp["by_time"][:12]]))
+        parts.append(_table(["operator (by memory)", "calls", mk], [[r["name"], r["calls"], fmt_bytes(r[mk])] for r in tp["by_memory"][:12]]))
+        if tp.get("chrome_trace"):
+            parts.append(f"<div class='note'>Chrome trace: <code>{_e(tp['chrome_trace'])}</code> (open in chrome://tracing or ui.perfetto.dev)</div>")
+    parts.append("<h2>Snapshots</h2>")
+    parts.append(_table(["label", "allocated", "reserved", "peak since previous"],
+                        [[p["label"], fmt_bytes(p["allocated_bytes"]), fmt_bytes(p["reserved_bytes"]), fmt_bytes(p["peak_allocated_bytes"])]
+                         for p in result.timeline]))
+    parts.append("<h2>Notes</h2><ul>" + "".join(f"<li class='note'>{_e(n)}</li>" for n in result.notes) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)

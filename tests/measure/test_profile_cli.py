@@ -1,0 +1,84 @@
+"""`memlens profile` end to end on CPU with a tiny factory model, and its bad-input paths."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlens.cli.main import main
+
+TINY = "tests.measure.profile_models:tiny_mlp"
+PARAM_BYTES = 58 * 4
+
+
+def test_cli_json(capsys):
+    assert main(["profile", "--model", TINY, "--device", "cpu", "--steps", "2", "--warmup", "1", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["verb"] == "profile" and d["mode"] == "full" and d["device"] == "cpu"
+    assert d["by_category"]["parameters"] == PARAM_BYTES
+    assert d["by_category"]["gradients"] == PARAM_BYTES
+    assert d["by_category"]["optimizer_state"] == 2 * PARAM_BYTES + 16     # AdamW (default) after the warmup step
+    assert d["profiled_steps"] == 2 and d["warmup_steps"] == 1 and len(d["steps"]) == 2
+    assert d["model_load"]["theoretical_param_bytes"] == PARAM_BYTES
+    assert d["model_load"]["batch_bytes"] == 48
+    assert d["spec"]["model"] == TINY
+
+
+def test_cli_out_dir_and_summary(tmp_path, capsys):
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", TINY, "--device", "cpu", "--steps", "1", "--optimizer", "sgd",
+                 "--torch-profiler", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "peak allocated" in text and "at the peak, by category" in text and "written to" in text
+    for name in ("result.json", "timeline.csv", "snapshots.png", "timeline.png", "categories.png", "modules.png",
+                 "report.html", "trace.json"):
+        assert (out / name).is_file(), name
+    d = json.loads((out / "result.json").read_text())
+    assert d["by_category"]["optimizer_state"] == 0
+    tp = d["torch_profiler"]
+    assert tp["chrome_trace"] == "trace.json" and tp["by_time"] and tp["by_memory"]
+    assert {r["name"] for r in tp["regions"]} >= {"memlens/forward", "memlens/backward", "memlens/optimizer"}
+    assert json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert "torch.profiler: top operators" in (out / "report.html").read_text()
+
+
+def test_cli_compare_estimate(capsys):
+    assert main(["profile", "--model", TINY, "--device", "cpu", "--steps", "1", "--compare-estimate", "--json"]) == 0
+    ce = json.loads(capsys.readouterr().out)["compare_estimate"]
+    assert ce["available"]
+    names = [r["name"] for r in ce["rows"] + ce["by_phase"] + ce["by_category"]]
+    assert "peak allocated" in names and "parameters" in names and "backward peak" in names
+    assert "not like for like" in ce["note"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "gtp2", "--device", "cpu"], "unknown model"),
+    (["--model", TINY, "--device", "cpu", "--steps", "0"], "--steps"),
+    (["--model", TINY, "--device", "cpu", "--warmup", "-1"], "--warmup"),
+    (["--model", TINY, "--device", "tpu"], "--device"),
+    (["--model", TINY, "--device", "cpu", "--snapshot"], "--out"),
+    (["--model", TINY, "--device", "cpu", "--snapshot", "--out", "OUTDIR"], "CUDA"),
+    (["--model", TINY, "--device", "cuda:0"], "cuda"),
+    (["--model", "/no/such/dir"], "unknown model"),
+    (["--model", "no_such_module_xyz:fn", "--device", "cpu"], "cannot import"),
+    (["--model", TINY, "--device", "cpu", "--config", "/no/such.yaml"], "does not exist"),
+    (["--device", "cpu"], "no model"),
+    (["--model", TINY, "--device", "cpu", "--mode", "fast"], "invalid choice"),
+])
+def test_bad_input_one_line_exit_2(argv, needle, capsys, tmp_path):
+    argv = [str(tmp_path / "o") if a == "OUTDIR" else a for a in argv]
+    import torch
+
+    if "cuda:0" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["profile", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ERROR:") and "HINT:" in err
+    assert needle.lower() in err.lower()
+
+
+def test_bad_out_dir(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert main(["profile", "--model", TINY, "--device", "cpu", "--out", str(f / "sub")]) == 2
+    assert "cannot create output directory" in capsys.readouterr().err
