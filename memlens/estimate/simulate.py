@@ -171,10 +171,14 @@ def materialize_on_fake(model, fake: FakeTensorMode):
 def _fake_batch(batch: Any, fake: FakeTensorMode) -> Any:
     from torch.utils._pytree import tree_map
 
+    memo: dict[int, torch.Tensor] = {}
+
     def conv(t):
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            with fake:
-                return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            if id(t) not in memo:  # one tensor used twice (input_ids is labels) stays one
+                with fake:
+                    memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            return memo[id(t)]
         return t
 
     return tree_map(conv, batch)
