@@ -11,6 +11,7 @@ from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, par
 from .errors import MemlensError
 from .estimate import estimate
 from .measure.monitor import Monitor
+from .measure.profile import Profiler, profile, profile_spec
 from .report.result import Result
 from .spec import TrainingSpec
 
@@ -19,6 +20,9 @@ __all__ = [
     "Result",
     "MemlensError",
     "estimate",
+    "profile",
+    "Profiler",
+    "profile_spec",
     "Monitor",
     "diagnose_oom",
     "parse_oom",

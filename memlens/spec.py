@@ -9,7 +9,7 @@ True
 from __future__ import annotations
 
 import difflib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 

@@ -14,7 +14,6 @@ import time
 from ..errors import MemlensError
 from ..report.result import Result
 from ..units import fmt_bytes
-from .common import emit_json
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -3,21 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import MemlensError
 from ..report.result import Result
+from ..report.plots import pyplot as _pyplot
 
 _GIB = 1024**3
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]', or drop --out") from None
-    return plt
 
 
 def plot_log(result: Result, path: str | Path) -> Path:

@@ -128,7 +128,7 @@ class FusedAttention(torch.autograd.Function):
         Hk, S = k.shape[1], k.shape[2]
         dev = q.device
         dq = _bhld(q, B, H, L, D)
-        scratch = []
+        scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
         if ctx.backend == "cudnn":
             scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
                        torch.empty(B, H, L, dtype=torch.float32, device=dev)]
@@ -139,12 +139,12 @@ class FusedAttention(torch.autograd.Function):
                        torch.empty(B, H, _ceil_to(L, 128), dtype=torch.float32, device=dev)]
         if Hk != H:  # grouped-query attention: grads for every query head, then summed per kv head
             dk_full, dv_full = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
-            del scratch
+            scratch.clear()
             dk = dk_full.reshape(B, Hk, H // Hk, S, k.shape[-1]).sum(2)
             dv = dv_full.reshape(B, Hk, H // Hk, S, v.shape[-1]).sum(2)
         else:
             dk, dv = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
-            del scratch
+            scratch.clear()
         return dq, dk, dv, None, None
 
 

@@ -22,9 +22,11 @@ OUTSIDE_LABEL = "(outside modules)"
 class StorageTracker(TorchDispatchMode):
     """Turns storages created by ops into EventLog events, with category, module and phase."""
 
-    def __init__(self, log: EventLog, root_name: str = ""):
+    def __init__(self, log: EventLog, device_type: str | None = None):
         super().__init__()
         self.log = log
+        self.device_type = device_type       # account only storages on this device (None: all)
+        self._refs: dict[int, Any] = {}      # key -> weakref whose callback logs the free
         self.phase = "setup"
         self.step = 0
         self.category_default = "temporaries"
@@ -47,6 +49,8 @@ class StorageTracker(TorchDispatchMode):
 
     def register(self, t: torch.Tensor, category: str, module: str | None = None, op: str = "") -> int | None:
         """Account a tensor created outside the mode (parameters, inputs). Returns its key."""
+        if self.device_type is not None and t.device.type != self.device_type:
+            return None
         st = t.untyped_storage()
         sid = id(st)
         if sid in self._keys:
@@ -64,10 +68,12 @@ class StorageTracker(TorchDispatchMode):
         key = self._next
         self._next += 1
         self._keys[sid] = key
-        weakref.finalize(st, self._on_free, sid, key)
+        # a plain weakref callback is cheaper than weakref.finalize on every op of a real step
+        self._refs[key] = weakref.ref(st, lambda _r, sid=sid, key=key: self._on_free(sid, key))
         return key
 
     def _on_free(self, sid: int, key: int) -> None:
+        self._refs.pop(key, None)
         if self._keys.get(sid) == key:
             del self._keys[sid]
         self._category.pop(key, None)
@@ -100,9 +106,15 @@ class StorageTracker(TorchDispatchMode):
     # ---------------------------------------------------------------- the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        flat = out if isinstance(out, torch.Tensor) else tree_flatten(out)[0]
-        for t in (flat,) if isinstance(flat, torch.Tensor) else flat:
-            if not isinstance(t, torch.Tensor):
+        if isinstance(out, torch.Tensor):
+            flat = (out,)
+        elif type(out) in (tuple, list):
+            flat = out
+        else:
+            flat = tree_flatten(out)[0]
+        dev = self.device_type
+        for t in flat:
+            if not isinstance(t, torch.Tensor) or (dev is not None and t.device.type != dev):
                 continue
             st = t.untyped_storage()
             sid = id(st)

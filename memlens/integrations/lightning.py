@@ -12,7 +12,6 @@ on_train_batch_end (end of the step). Works with ``lightning`` or ``pytorch_ligh
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 try:
     from lightning.pytorch.callbacks import Callback

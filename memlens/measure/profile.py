@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import weakref
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -159,61 +158,9 @@ def _counting_log():
 def _device_tracker(log, device_type: str):
     """A StorageTracker that only accounts storages on ``device_type`` (CPU scalars of a CUDA
     run, e.g. optimizer step counters, are not device memory)."""
-    import torch
-    from torch.utils._pytree import tree_flatten
-
     from ..estimate.tracker import StorageTracker
 
-    Tensor = torch.Tensor
-
-    class DeviceStorageTracker(StorageTracker):
-        """Leaner than the estimator's tracker (real tensors, every op of a real step): a plain
-        weakref callback instead of weakref.finalize, and no pytree walk for tensor/tuple outputs."""
-
-        def __init__(self, log):
-            super().__init__(log)
-            self._refs: dict[int, Any] = {}
-
-        def _new_key(self, st, sid):
-            key = self._next
-            self._next += 1
-            self._keys[sid] = key
-            self._refs[key] = weakref.ref(st, lambda _r, sid=sid, key=key: self._on_free(sid, key))
-            return key
-
-        def _on_free(self, sid, key):
-            self._refs.pop(key, None)
-            super()._on_free(sid, key)
-
-        def register(self, t, category, module=None, op=""):
-            if t.device.type != device_type:
-                return None
-            return super().register(t, category, module, op)
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if type(out) is Tensor or isinstance(out, Tensor):
-                flat = (out,)
-            elif type(out) in (tuple, list):
-                flat = out
-            else:
-                flat = tree_flatten(out)[0]
-            for t in flat:
-                if not isinstance(t, Tensor) or t.device.type != device_type:
-                    continue
-                st = t.untyped_storage()
-                sid = id(st)
-                if sid in self._keys:
-                    continue
-                nbytes = st.nbytes()
-                if nbytes == 0:
-                    continue
-                key = self._new_key(st, sid)
-                self._category[key] = self.category_default
-                self.log.alloc(key, nbytes, self.category_default, self.module, self.phase, func.__name__)
-            return out
-
-    return DeviceStorageTracker(log)
+    return StorageTracker(log, device_type=device_type)
 
 
 # ---------------------------------------------------------------- the profiler

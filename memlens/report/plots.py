@@ -7,22 +7,23 @@ from typing import Any
 _PHASE_COLOURS = {"setup": "#95a5a6", "forward": "#3498db", "backward": "#e67e22", "optimizer": "#27ae60", "end": "#7f8c8d"}
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or one clear line if matplotlib is missing."""
     try:
         import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
     except ImportError:
         from ..errors import MemlensError
 
-        raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+        raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]', or drop --out") from None
     return plt
 
 
 def timeline_png(result: Any, path: str | Path) -> Path:
     """Allocated and reserved memory over the step(s), coloured by phase, with the peak marked."""
-    plt = _plt()
+    plt = pyplot()
     d = result.to_dict() if hasattr(result, "to_dict") else result
     tl = d.get("timeline") or []
     fig, ax = plt.subplots(figsize=(11, 4.5))

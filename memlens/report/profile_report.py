@@ -17,9 +17,9 @@ import html
 import io
 from pathlib import Path
 
-from ..errors import MemlensError
 from ..units import fmt_bytes
 from .result import Result
+from .plots import pyplot as _pyplot
 
 _GIB = 1024**3
 COLUMNS = ("index", "label", "step", "phase", "t_s", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes")
@@ -39,17 +39,6 @@ def timeline_csv(result: Result) -> str:
         w.writerow([i, p.get("label"), p.get("step"), p.get("phase"), p.get("t_s"), p.get("allocated_bytes"),
                     p.get("reserved_bytes"), p.get("peak_allocated_bytes")])
     return buf.getvalue()
-
-
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]', or drop --out") from None
-    return plt
 
 
 def _unit(n: float) -> tuple[float, str]:
