@@ -14,13 +14,16 @@ from torch import nn
 
 class TinyLM(nn.Module):
     def __init__(self, vocab: int = 64, hidden: int = 32, fail_over: int | None = None, sleep: float = 0.0,
-                 die: bool = False):
+                 die: bool = False, checkpoint: bool = False):
         super().__init__()
         self.emb = nn.Embedding(vocab, hidden)
         self.l1 = nn.Linear(hidden, 4 * hidden)
         self.l2 = nn.Linear(4 * hidden, hidden)
         self.head = nn.Linear(hidden, vocab)
-        self.fail_over, self.sleep, self.die = fail_over, sleep, die
+        self.fail_over, self.sleep, self.die, self.checkpoint = fail_over, sleep, die, checkpoint
+
+    def block(self, h):
+        return h + self.l2(torch.relu(self.l1(h)))
 
     def forward(self, input_ids, labels):
         b = input_ids.shape[0]
@@ -31,7 +34,12 @@ class TinyLM(nn.Module):
         if self.fail_over is not None and b > self.fail_over:
             raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {b} GiB (fake, batch {b})")
         h = self.emb(input_ids)
-        h = h + self.l2(torch.relu(self.l1(h)))
+        if self.checkpoint:
+            from torch.utils.checkpoint import checkpoint
+
+            h = checkpoint(self.block, h, use_reentrant=False)
+        else:
+            h = self.block(h)
         logits = self.head(h)
         return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())}
 
@@ -43,7 +51,7 @@ def _batch(spec):
 
 
 def tiny(spec):
-    return TinyLM(), _batch(spec)
+    return TinyLM(checkpoint=spec.grad_checkpointing), _batch(spec)
 
 
 def oom_over_4(spec):
