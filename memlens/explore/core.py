@@ -37,13 +37,18 @@ class Point:
     trainable_param_count: int = 0
     seq_len: int | None = None
     derived: str | None = None          # how the peak was derived from a simulated one, if it was
+    timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
 
     @classmethod
     def from_result(cls, r) -> "Point":
         d = r.data
+        tl = list(getattr(r, "timeline", None) or [])
+        step = max(1, len(tl) // 120)
+        keep = tuple({k: pt.get(k) for k in ("event", "phase", "step", "allocated_bytes")} for pt in tl[::step])
         return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
-                   int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"))
+                   int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
+                   timeline=keep)
 
 
 EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
@@ -95,7 +100,7 @@ class _Fake:  # for the docstring above
     def __init__(self, b):
         self.peak_allocated_bytes = b * 1000
         self.peak_reserved_bytes = b * 1000
-        self.by_category, self.by_phase, self.data = {}, {}, {}
+        self.by_category, self.by_phase, self.data, self.timeline = {}, {}, {}, []
 
 
 # ---------------------------------------------------------------- sharding / offload (derived)
