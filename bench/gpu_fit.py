@@ -39,9 +39,9 @@ def exhaustive(fields: dict, frac: float, bmax: int) -> list[dict]:
     from memlens.spec import TrainingSpec
     from memlens.step import train_step
 
-    dev = torch.device("cuda")
     torch.cuda.init()
-    torch.cuda.set_per_process_memory_fraction(frac, dev)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.set_per_process_memory_fraction(frac, dev.index)
     spec = TrainingSpec(**fields)
     src = resolve(spec.model)
     torch.manual_seed(0)
@@ -78,6 +78,19 @@ def exhaustive(fields: dict, frac: float, bmax: int) -> list[dict]:
     return out
 
 
+def _estimate(case) -> dict:
+    import torch
+
+    from memlens.explore.fit import fit
+    from memlens.spec import TrainingSpec
+
+    torch.set_num_threads(3)
+    name, fields, budget = case
+    r = fit(TrainingSpec(**fields), budget, context_bytes=0, plan=False)
+    return {k: r.data[k] for k in ("max_batch_size", "usable_bytes", "margin_bytes", "predicted_peak_bytes",
+                                   "predicted_peak_allocated_bytes", "estimates", "estimate_calls", "estimate_seconds")}
+
+
 def main() -> None:
     if sys.argv[1] == "--exhaustive":
         fields, frac, bmax = json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
@@ -88,7 +101,7 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     import torch
 
-    from memlens.explore.fit import fit, verify
+    from memlens.explore.fit import verify
     from memlens.explore.search import doubling_bisection
     from memlens.spec import TrainingSpec
     from memlens.units import parse_bytes
@@ -96,18 +109,21 @@ def main() -> None:
     total = torch.cuda.get_device_properties(0).total_memory
     env = {"device": torch.cuda.get_device_name(0), "total_memory": total, "torch": torch.__version__}
     wanted = sys.argv[2:]
-    for name, fields, budget in CASES:
-        if wanted and not any(w in name for w in wanted):
-            continue
+    cases = [c for c in CASES if not wanted or any(w in c[0] for w in wanted)]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    t_est = time.time()
+    with ProcessPoolExecutor(len(cases), mp_context=mp.get_context("spawn")) as ex:   # estimates on the CPU, in parallel
+        ests = list(ex.map(_estimate, cases))
+    print(f"estimates: {time.time() - t_est:.0f}s", flush=True)
+    for (name, fields, budget), est in zip(cases, ests):
         t0 = time.time()
         spec = TrainingSpec(**fields)
         bb = parse_bytes(budget)
         frac = bb / total
-        r = fit(spec, budget, context_bytes=0, plan=False)
-        e = r.data["max_batch_size"]
-        rec = {"name": name, "spec": spec.to_dict(), "budget_bytes": bb, "memory_fraction": frac, "env": env,
-               "estimate": {k: r.data[k] for k in ("max_batch_size", "usable_bytes", "margin_bytes", "predicted_peak_bytes",
-                                                   "predicted_peak_allocated_bytes", "estimates", "estimate_calls", "estimate_seconds")}}
+        e = est["max_batch_size"]
+        rec = {"name": name, "spec": spec.to_dict(), "budget_bytes": bb, "memory_fraction": frac, "env": env, "estimate": est}
         p = subprocess.run([sys.executable, __file__, "--exhaustive", json.dumps(fields), str(frac), str(e + 8)],
                            capture_output=True, text=True, timeout=300)
         rows = next((json.loads(ln[len("EXHAUSTIVE "):]) for ln in p.stdout.splitlines() if ln.startswith("EXHAUSTIVE ")), None)

@@ -53,8 +53,10 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
     rec: dict[str, Any] = {"status": "ok", "device": device, "memory_measured": cuda, "steps": steps}
     if cuda:
         torch.cuda.init()
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
         if memory_fraction is not None:
-            torch.cuda.set_per_process_memory_fraction(float(memory_fraction), dev)
+            torch.cuda.set_per_process_memory_fraction(float(memory_fraction), dev.index)
         rec["device_name"] = torch.cuda.get_device_name(dev)
         rec["total_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
     torch.manual_seed(seed)
