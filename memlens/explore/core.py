@@ -51,6 +51,25 @@ class Point:
                    timeline=keep)
 
 
+# What a step needs under a memory limit. Unconstrained, the caching allocator keeps freed blocks
+# (peak reserved); pressed against a limit (set_per_process_memory_fraction, a full GPU) it frees
+# its cached segments and retries before raising OOM, so a step needs about its peak allocated
+# plus the fragmentation inside live segments. Measured on an H100 (bench/results/fit_gpu.md):
+# GPT-2 medium AMP + checkpointing, batch 9: 10.21 GiB allocated, 11.64 GiB reserved unconstrained
+# at batch 8, yet batch 9 runs under a 12 GiB cap; batch 10 (10.89 GiB allocated) fits in one process
+# and OOMs in another. 10% over allocated covers both measured cases.
+PRESSED_ALLOCATOR_OVERHEAD = 0.10
+
+
+def need_bytes(p: "Point") -> int:
+    """Bytes a step needs under a hard limit: min(peak reserved, peak allocated x 1.10).
+
+    >>> need_bytes(Point(peak_allocated_bytes=1000, peak_reserved_bytes=1500))
+    1100
+    """
+    return int(min(p.peak_reserved_bytes, p.peak_allocated_bytes * (1 + PRESSED_ALLOCATOR_OVERHEAD)))
+
+
 EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
 
 

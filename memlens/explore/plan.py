@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import MemlensError
 from ..spec import TrainingSpec
-from .core import CachedEstimator, ceil_div, largest_divisor_at_most, predict_step_time
+from .core import CachedEstimator, ceil_div, largest_divisor_at_most, need_bytes, predict_step_time
 from .search import max_fitting_among
 
 # what each kind of change means for training
@@ -135,7 +135,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     per_gpu = ceil_div(target_batch, n)
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
     try:
-        search = max_fitting_among(divisors, lambda b: est(s.replace(**{field_name: b})).peak_reserved_bytes, usable_bytes)
+        search = max_fitting_among(divisors, lambda b: need_bytes(est(s.replace(**{field_name: b}))), usable_bytes)
     except MemlensError as e:
         return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
                          None, None, error=e.message, estimates=est.calls - before)

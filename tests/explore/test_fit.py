@@ -174,7 +174,7 @@ def test_cli_fit_json(capsys):
     d = json.loads(out)
     for k in ("max_batch_size", "budget_bytes", "predicted_peak_bytes", "grad_accum", "plan"):
         assert k in d
-    assert d["max_batch_size"] >= 8 and d["grad_accum"] == 1 and d["predicted_peak_bytes"] <= GiB
+    assert d["max_batch_size"] >= 8 and d["grad_accum"] == 1 and d["predicted_need_bytes"] <= GiB
 
 
 @pytest.mark.parametrize("argv,needle", [
