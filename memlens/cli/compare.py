@@ -1,0 +1,135 @@
+"""`memlens compare`: one spec, many techniques side by side (what each saves and costs).
+
+    memlens compare --model gpt2-medium --batch-size 8 --seq-len 512
+    memlens compare --model gpt2-medium --batch-size 8 --seq-len 512 --measure --out cmp/   (on a GPU)
+    memlens compare --model gpt2 --techniques fp32,amp-bf16,checkpointing,amp-bf16+checkpointing
+
+Techniques: fp32 amp-fp16 amp-bf16 bf16 fp16 checkpointing accumulation lora qlora adamw-8bit
+adafactor sgd offload; join with + to combine. The first is the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MemlensError, NoDeviceError
+from ..units import fmt_bytes
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("compare", help="techniques side by side: memory saved, time cost (estimated or measured)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_spec_args(p)
+    g = p.add_argument_group("compare")
+    g.add_argument("--techniques", metavar="T1,T2+T3", help="comma-separated techniques, + combines (default: the seeds' set)")
+    g.add_argument("--measure", action="store_true", help="run real steps, each configuration in a fresh subprocess")
+    g.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu measures time and loss only)")
+    g.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per measured configuration (default 3)")
+    g.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured configuration (default 600)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..explore.compare import compare, parse_techniques, plot_compare
+
+    spec = spec_from_args(args)
+    names = parse_techniques(args.techniques)
+    if args.steps < 1:
+        raise MemlensError(f"--steps must be >= 1, got {args.steps}", hint="e.g. --steps 3")
+    if args.measure and args.device.startswith("cuda"):
+        try:
+            import torch
+
+            ok = torch.cuda.is_available()
+        except ImportError:
+            ok = False
+        if not ok:
+            raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
+                                hint="drop --measure for estimates, or --device cpu to time the steps only")
+    od = out_dir(args)
+    status = None
+    if not args.json and sys.stderr.isatty():
+        from rich.console import Console
+
+        status = Console(stderr=True).status("comparing ...")
+        status.start()
+    try:
+        result = compare(spec, names, measure=args.measure, device=args.device, steps=args.steps, timeout=args.timeout,
+                         progress=(lambda n: status.update(f"{'measuring' if args.measure else 'estimating'}: {n}")) if status else None)
+    finally:
+        if status:
+            status.stop()
+    if od is not None:
+        result.save(od / "result.json")
+        plot_compare(result, od / "compare.png")
+    if args.json:
+        emit_json(result)
+    else:
+        render(result)
+        if od is not None:
+            print(f"written to {od}/ (result.json, compare.png)")
+    return 0
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x * 100:+.1f}%"
+
+
+def render(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    d = result.data
+    measured = d["measured"]
+    t = Table(title=f"{result.spec['model']}: techniques vs {d['baseline']}" + (f" (measured on {d['device']})" if measured else " (estimated)"),
+              title_justify="left")
+    cols = ["technique", "config", "est. peak alloc", "est. vs base"]
+    if measured:
+        cols += ["measured peak", "vs base", "est. error", "step", "overhead", "loss (steps)"]
+    else:
+        cols += ["step (pred.)", "overhead (pred.)"]
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("technique", "config", "loss (steps)") else "right", no_wrap=col != "config")
+    for r in d["rows"]:
+        if r["status"] == "invalid":
+            t.add_row(r["technique"], f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 2))
+            continue
+        row = [r["technique"], r.get("describe", ""), fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "[dim]n/a[/dim]",
+               _pct(-r["estimated_saving"]) if r.get("estimated_saving") is not None else "-"]
+        if measured:
+            if r["status"] != "ok":
+                row += [f"[red]{r['status']}[/red]", "-", "-", "-", "-", (r.get("error") or "")[:50]]
+            else:
+                row += [fmt_bytes(r.get("measured_peak_allocated_bytes")) if r.get("measured_peak_allocated_bytes") else "not measured",
+                        _pct(-r["saving"]) if r.get("saving") is not None and r.get("measured_peak_allocated_bytes") else "-",
+                        _pct(r.get("estimate_error")), f"{r['step_seconds'] * 1000:.0f} ms" if r.get("step_seconds") else "-",
+                        _pct(r.get("time_overhead")), " ".join(f"{x:.4f}" for x in (r.get("losses") or []) if x is not None)]
+        else:
+            row += [f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-", _pct(r.get("predicted_time_overhead"))]
+        t.add_row(*row)
+    c.print(t)
+    for r in d["rows"]:
+        if r.get("estimate_error_message"):
+            c.print(f"[dim]{r['technique']}: no estimate ({r['estimate_error_message']})[/dim]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .main import _Parser, run_verb
+
+    parser = _Parser(prog="memlens")
+    sub = parser.add_subparsers(dest="verb", parser_class=_Parser)
+    add_parser(sub)
+    try:
+        args = parser.parse_args(["compare", *(sys.argv[1:] if argv is None else argv)])
+    except MemlensError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    return run_verb(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""`memlens fit`: the largest micro-batch that fits a budget, the accumulation that keeps the
+effective batch, and a ranked plan of settings that make the target fit.
+
+    memlens fit --model gpt2 --seq-len 1024 --budget 16GiB
+    memlens fit --model llama-3.2-1b --precision amp-bf16 --seq-len 2048 --budget 24GiB --target-batch 64
+    memlens fit --model gpt2-medium --budget 16GiB --verify          (confirm on this GPU, <= 3 real runs)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MemlensError, NoDeviceError
+from ..units import fmt_bytes, parse_bytes
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("fit", help="largest micro-batch under a memory budget, accumulation, and a ranked plan",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_spec_args(p)
+    g = p.add_argument_group("fit")
+    g.add_argument("--budget", metavar="SIZE", help="GPU memory for the process, e.g. 16GiB (default: this GPU's free memory)")
+    g.add_argument("--target-batch", type=int, metavar="N", help="effective batch to keep with accumulation (default: batch x grad-accum)")
+    g.add_argument("--margin", metavar="F|SIZE", help="safety margin: a fraction (0.05) or a size (512MiB); default 5%%, >= 256 MiB")
+    g.add_argument("--context", metavar="SIZE", help="CUDA context taken off the budget (default 740MiB; 0 for an allocator-only limit)")
+    g.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs for the plan's ZeRO/FSDP entries (default 8; 1: leave them out)")
+    g.add_argument("--no-plan", action="store_true", help="only the max micro-batch (fewer estimates)")
+    g.add_argument("--method", choices=("simulate", "formula"), default="simulate", help="estimator (default simulate)")
+    v = p.add_argument_group("verify on a GPU")
+    v.add_argument("--verify", action="store_true", help="confirm the limit with real steps (fresh subprocesses), seeded by the estimate")
+    v.add_argument("--device", default="cuda", help="device for --verify (default cuda)")
+    v.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per trial (default 600)")
+    v.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per trial (default 3)")
+    add_output_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _margin(text: str | None):
+    if text is None:
+        return None
+    try:
+        f = float(text)
+    except ValueError:
+        return parse_bytes(text)
+    if f < 0:
+        raise MemlensError(f"--margin {text} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
+    return f if f < 1 else int(f)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..explore.fit import fit, verify
+
+    spec = spec_from_args(args)
+    if args.gpus < 1:
+        raise MemlensError(f"--gpus must be >= 1, got {args.gpus}", hint="e.g. --gpus 8 (1 leaves multi-GPU plans out)")
+    if args.verify and not args.device.startswith("cuda"):
+        raise MemlensError("--verify needs a CUDA device (CPU steps never run out of GPU memory)", hint="drop --verify, or run on a GPU")
+    if args.verify:
+        try:
+            import torch
+
+            ok = torch.cuda.is_available()
+        except ImportError:
+            ok = False
+        if not ok:
+            raise NoDeviceError("--verify needs a CUDA GPU and this machine has none", hint="drop --verify for the estimate alone")
+    context = parse_bytes(args.context) if args.context is not None else None
+    status = _status(args)
+    try:
+        result = fit(spec, args.budget, target_batch=args.target_batch, margin=_margin(args.margin), context_bytes=context,
+                     plan=not args.no_plan, gpus=args.gpus, method=args.method,
+                     progress=(lambda what: status.update(f"estimating: {what}")) if status else None)
+    finally:
+        if status:
+            status.stop()
+    d = result.data
+    if d["max_batch_size"] == 0:
+        best = next((e for e in d.get("plan", []) if e["fits"]), None)
+        hint = (f"the best plan entry fits: {best['name']} ({best['flags']}, predicted {fmt_bytes(best['predicted_peak_bytes'])})"
+                if best else "no plan entry fits either: a larger GPU or more GPUs (--gpus) are needed")
+        raise MemlensError(f"even batch 1 needs {fmt_bytes(d.get('batch1_peak_bytes'))} reserved, more than the "
+                           f"{fmt_bytes(d['usable_bytes'])} usable of the {fmt_bytes(d['budget_bytes'])} budget", hint=hint)
+    if args.verify:
+        import torch
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        frac = min(1.0, (d["budget_bytes"] - d["context_bytes"]) / total)
+        s = verify(spec, d["max_batch_size"], device=args.device, memory_fraction=frac, timeout=args.timeout, steps=args.steps)
+        d["verify"] = {"max_batch_size": s.limit, "trials": s.trials, "memory_fraction": frac,
+                       "estimate_within_one_below": 0 <= s.limit - d["max_batch_size"] <= 1}
+    od = out_dir(args)
+    if od is not None:
+        result.save(od / "result.json")
+    if args.json:
+        emit_json(result)
+    else:
+        render(result)
+        if od is not None:
+            print(f"written to {od}/")
+    return 0
+
+
+def _status(args):
+    if args.json or not sys.stderr.isatty():
+        return None
+    from rich.console import Console
+
+    st = Console(stderr=True).status("estimating ...")
+    st.start()
+    return st
+
+
+def render(result) -> None:
+    """The answer and the plan as rich tables."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    d = result.data
+    c.print(f"[bold]{result.spec['model']}[/bold]: largest micro-batch [bold]{d['max_batch_size']}[/bold] "
+            f"(predicted peak reserved {fmt_bytes(d['predicted_peak_bytes'])}, allocated {fmt_bytes(d['predicted_peak_allocated_bytes'])})")
+    c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
+            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates, {d['estimate_seconds']} s")
+    c.print(f"target batch {d['target_batch']}: micro-batch {d['micro_batch_size']} x accumulation {d['grad_accum']}")
+    v = d.get("verify")
+    if v:
+        c.print(f"verified on the GPU: largest batch {v['max_batch_size']} in {len(v['trials'])} trials "
+                f"({', '.join(str(t['batch']) + ('✓' if t['fits'] else '✗') for t in v['trials'])})")
+    if d.get("plan"):
+        t = Table(title=f"plan for batch {d['target_batch']} (step times predicted)", title_justify="left")
+        for col, j in (("#", "right"), ("setting", "left"), ("fits", "center"), ("micro x accum", "right"), ("peak reserved", "right"),
+                       ("step (pred.)", "right"), ("GPU-s vs as-is", "right"), ("kind", "left"), ("flags", "left")):
+            t.add_column(col, justify=j, no_wrap=col in ("setting", "micro x accum", "flags"))
+        for e in d["plan"]:
+            if e.get("error"):
+                t.add_row(str(e["rank"]), e["name"], "?", "-", "-", "-", "-", e["kind"], f"[dim]{e['error'][:60]}[/dim]")
+                continue
+            mxa = f"{e['micro_batch']} x {e['grad_accum']}" + (f" x {e['gpus']} GPUs" if e["gpus"] > 1 else "") if e["fits"] else "-"
+            t.add_row(str(e["rank"]), e["name"] + (" *" if e.get("derived") else ""), "yes" if e["fits"] else "[red]no[/red]", mxa,
+                      fmt_bytes(e["predicted_peak_bytes"]), f"{e['predicted_step_seconds']:.3f} s",
+                      f"{e['step_time_factor']:.2f}x" if e.get("step_time_factor") else "-", e["kind"], e["flags"])
+        c.print(t)
+        if any(e.get("derived") for e in d["plan"]):
+            c.print("[dim]* peak derived from a one-GPU simulation (sharded / offloaded model states), not simulated itself[/dim]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .main import _Parser, run_verb
+
+    parser = _Parser(prog="memlens")
+    sub = parser.add_subparsers(dest="verb", parser_class=_Parser)
+    add_parser(sub)
+    try:
+        args = parser.parse_args(["fit", *(sys.argv[1:] if argv is None else argv)])
+    except MemlensError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    return run_verb(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""`memlens sweep`: a grid (batch x seq len x LoRA rank x physical batch x technique), estimated or
+measured, as results.jsonl (one line per finished cell, resumable), sweep.csv, heatmaps,
+memory-vs-batch lines and per-config timelines.
+
+    memlens sweep --model gpt2 --batch-sizes 1,2,4,8 --seq-lens 128,512 --techniques fp32,amp-bf16 --out sw/
+    memlens sweep --model gpt2-medium --batch-sizes 4 8 16 32 --seq-lens 512 1024 --measure --out sw/   (GPU)
+    memlens sweep ... --out sw/ --resume          (after a crash or kill: skips the finished cells)
+
+The Opacus profiler's flags (seeds/004): --seq_lengths -> --seq-lens, --batch_sizes -> --batch-sizes,
+--max_physical_batch_sizes -> --physical-batch-sizes (DP-SGD), --lora_ranks -> --lora-ranks,
+--num_steps -> --steps, --results_dir -> --out.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import MemlensError, NoDeviceError
+from ..units import fmt_bytes, parse_bytes
+from .common import add_output_args, add_spec_args, emit_json, spec_from_args
+
+
+def _int_list(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a whole number >= 1")
+        out.append(int(part))
+    return out
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("sweep", help="a grid of configurations, estimated or measured: CSV, heatmaps, lines",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_spec_args(p)
+    g = p.add_argument_group("grid (each: values separated by commas or spaces)")
+    g.add_argument("--batch-sizes", "--batch_sizes", nargs="+", type=_int_list, metavar="N", help="e.g. 1,2,4,8")
+    g.add_argument("--seq-lens", "--seq_lengths", nargs="+", type=_int_list, metavar="L", help="e.g. 128,512,1024")
+    g.add_argument("--lora-ranks", "--lora_ranks", nargs="+", type=_int_list, metavar="R", help="e.g. 8,16 (LoRA on)")
+    g.add_argument("--physical-batch-sizes", "--max_physical_batch_sizes", nargs="+", type=_int_list, metavar="N",
+                   help="DP-SGD physical batches, e.g. 1,2,4 (turns --dp on; cells with physical > batch are skipped)")
+    g.add_argument("--techniques", metavar="T1,T2+T3", help="techniques as in `memlens compare` (default: the spec as given)")
+    r = p.add_argument_group("running")
+    r.add_argument("--measure", action="store_true", help="real steps, each cell in a fresh subprocess with --timeout")
+    r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time and loss only)")
+    r.add_argument("--steps", "--num_steps", type=int, default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
+    r.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured cell (default 600)")
+    r.add_argument("--budget", metavar="SIZE", help="memory limit: measured cells run under it (OOM above), estimated cells are marked")
+    r.add_argument("--resume", action="store_true", help="continue the sweep in --out: skip cells already in results.jsonl")
+    add_output_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def _flat(v) -> list[int]:
+    return [x for part in (v or []) for x in part]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..explore.compare import parse_techniques
+    from ..explore.sweep import Grid, plot_sweep, sweep, write_csv
+
+    spec = spec_from_args(args)
+    grid = Grid(_flat(args.batch_sizes), _flat(args.seq_lens), _flat(args.lora_ranks), _flat(args.physical_batch_sizes),
+                parse_techniques(args.techniques) if args.techniques is not None else [])
+    for name in ("batch_sizes", "seq_lens", "lora_ranks", "physical_batch_sizes"):
+        if getattr(args, name) is not None and not getattr(grid, name):
+            raise MemlensError(f"--{name.replace('_', '-')} has no values", hint="e.g. --batch-sizes 1,2,4,8")
+    if not any(grid.to_dict().values()):
+        raise MemlensError("the grid is empty: no axis given", hint="add --batch-sizes 1,2,4,8 (and --seq-lens, --techniques ...)")
+    if args.steps < 1:
+        raise MemlensError(f"--steps must be >= 1, got {args.steps}", hint="e.g. --steps 3")
+    if args.timeout <= 0:
+        raise MemlensError(f"--timeout must be > 0, got {args.timeout:g}", hint="e.g. --timeout 600")
+    budget = parse_bytes(args.budget) if args.budget else None
+    if budget == 0:
+        raise MemlensError("--budget is 0", hint="e.g. --budget 16GiB")
+    if args.measure and args.device.startswith("cuda"):
+        try:
+            import torch
+
+            ok = torch.cuda.is_available()
+        except ImportError:
+            ok = False
+        if not ok:
+            raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
+                                hint="drop --measure for estimates, or --device cpu to time the steps only")
+    out = args.out or "memlens-sweep"
+    prog = _Progress(enabled=not args.json)
+    try:
+        result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
+                       timeout=args.timeout, budget_bytes=budget, progress=prog)
+    finally:
+        prog.close()
+    from pathlib import Path
+
+    od = Path(out)
+    result.save(od / "result.json")
+    write_csv(result, od / "sweep.csv")
+    plots = plot_sweep(result, od)
+    if args.json:
+        emit_json(result)
+    else:
+        render(result)
+        print(f"written to {od}/ (results.jsonl, sweep.csv, result.json, {len(plots)} plots)")
+    return 0
+
+
+class _Progress:
+    """A rich progress bar with ETA on a terminal; one line per cell on stderr otherwise."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+        self.task = None
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, done: int, total: int, key: str, rec) -> None:
+        if not self.enabled:
+            return
+        status = "done before (resume)" if rec is None else rec.get("status")
+        if self.tty:
+            if self.bar is None:
+                from rich.console import Console
+                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+                self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                    TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
+                                    console=Console(stderr=True))
+                self.bar.start()
+                self.task = self.bar.add_task("", total=total)
+            self.bar.update(self.task, completed=done, description=f"{key}: {status}")
+        else:
+            print(f"[{done}/{total}] {key}: {status}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def render(result) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    d = result.data
+    t = Table(title=f"{result.spec['model']}: sweep ({'measured on ' + d['device'] if d['measured'] else 'estimated'}); "
+              + ", ".join(f"{k}: {v}" for k, v in d["status_counts"].items()), title_justify="left")
+    cols = ["cell", "status", "est. peak alloc"] + (["measured peak", "est. error", "step"] if d["measured"] else ["est. reserved", "step (pred.)"])
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("cell", "status") else "right")
+    for r in d["rows"]:
+        st = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
+        row = [r["key"], st, fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "-"]
+        if d["measured"]:
+            m, e = r.get("peak_allocated_bytes"), r.get("estimated_peak_allocated_bytes")
+            row += [fmt_bytes(m) if m else "-", f"{(e / m - 1) * 100:+.1f}%" if m and e else "-",
+                    f"{r['step_seconds'] * 1000:.0f} ms" if r.get("step_seconds") else "-"]
+        else:
+            row += [fmt_bytes(r.get("estimated_peak_reserved_bytes")) if r.get("estimated_peak_reserved_bytes") else "-",
+                    f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-"]
+        t.add_row(*row)
+    c.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .main import _Parser, run_verb
+
+    parser = _Parser(prog="memlens")
+    sub = parser.add_subparsers(dest="verb", parser_class=_Parser)
+    add_parser(sub)
+    try:
+        args = parser.parse_args(["sweep", *(sys.argv[1:] if argv is None else argv)])
+    except MemlensError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    return run_verb(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""`compare`: one spec, many techniques side by side: what each saves and what it costs.
+
+The seeds' "technique comparison" (baseline, AMP, checkpointing, accumulation x4, AMP +
+checkpointing, all three) plus bf16, LoRA and the 8-bit / Adafactor optimizers. A technique is a
+name from ``TECHNIQUES``; ``a+b`` combines techniques. Estimated (CPU, seconds each) by default;
+``measure=True`` runs each configuration in a fresh subprocess on the device (``trial.run_trial``)
+and keeps the estimate beside the measurement.
+
+>>> from memlens.spec import TrainingSpec
+>>> technique_spec(TrainingSpec(model="gpt2", batch_size=8), "amp-fp16+checkpointing").describe()
+'gpt2 b=8 amp-fp16 ckpt adamw'
+>>> technique_spec(TrainingSpec(model="gpt2", batch_size=8), "accumulation").describe()
+'gpt2 b=2 fp32 adamw accum=4'
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..errors import MemlensError
+from ..report.result import Result
+from ..spec import TrainingSpec
+from .core import CachedEstimator, predict_step_time
+
+
+def _accumulation(spec: TrainingSpec) -> dict[str, Any]:
+    """Same effective batch with 4 (or 2) micro-batches: batch b -> b/k x k."""
+    k = next((k for k in (4, 2) if spec.batch_size % k == 0 and spec.batch_size >= k), None)
+    if k is None:
+        raise MemlensError(f"accumulation needs a batch divisible by 2 (batch is {spec.batch_size})", hint="use --batch-size 8")
+    return {"batch_size": spec.batch_size // k, "grad_accum": spec.grad_accum * k}
+
+
+# name -> changes to the spec (a dict, or a function of the spec)
+TECHNIQUES: dict[str, dict[str, Any] | Callable[[TrainingSpec], dict[str, Any]]] = {
+    "fp32": {"precision": "fp32"},
+    "amp-fp16": {"precision": "amp-fp16"},
+    "amp-bf16": {"precision": "amp-bf16"},
+    "bf16": {"precision": "bf16"},
+    "fp16": {"precision": "fp16"},
+    "checkpointing": {"grad_checkpointing": True},
+    "accumulation": _accumulation,
+    "lora": {"lora_rank": 16},
+    "qlora": {"lora_rank": 16, "qlora": True, "precision": "bf16"},
+    "adamw-8bit": {"optimizer": "adamw-8bit"},
+    "adafactor": {"optimizer": "adafactor"},
+    "sgd": {"optimizer": "sgd"},
+    "offload": {"offload_optimizer": True},
+}
+
+# the seeds' six configurations and the single techniques the issue names
+DEFAULT_TECHNIQUES = ("fp32", "amp-fp16", "amp-bf16", "bf16", "checkpointing", "accumulation", "lora", "adamw-8bit",
+                      "adafactor", "amp-fp16+checkpointing", "amp-fp16+checkpointing+accumulation", "amp-bf16+checkpointing+lora")
+
+
+def technique_spec(spec: TrainingSpec, name: str) -> TrainingSpec:
+    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied."""
+    s = spec
+    parts = [p.strip() for p in name.split("+")]
+    for part in parts:
+        if part not in TECHNIQUES:
+            import difflib
+
+            close = difflib.get_close_matches(part, TECHNIQUES, n=1)
+            raise MemlensError(f"unknown technique {part!r}", hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(TECHNIQUES)}")
+        ch = TECHNIQUES[part]
+        s = s.replace(**(ch(s) if callable(ch) else ch))
+    return s
+
+
+def parse_techniques(text: str | None) -> list[str]:
+    """'fp32,amp-bf16,checkpointing' -> names (validated); None -> the defaults."""
+    if text is None:
+        return list(DEFAULT_TECHNIQUES)
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise MemlensError("no techniques given", hint="e.g. --techniques fp32,amp-bf16,checkpointing")
+    probe = TrainingSpec(model="x", batch_size=8)
+    for n in names:
+        technique_spec(probe, n)
+    return list(dict.fromkeys(names))
+
+
+def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure: bool = False, device: str = "cuda",
+            steps: int = 3, timeout: float = 600, estimator: CachedEstimator | None = None, runner=None,
+            progress: Callable[[str], None] | None = None) -> Result:
+    """Estimate (and with ``measure``, run) ``spec`` under each technique; the first is the baseline.
+
+    Each row: ``technique``, ``spec``, ``estimated_peak_allocated_bytes``/``reserved``,
+    ``saving`` (fraction of the baseline's peak saved), ``predicted_step_seconds``; measured rows add
+    ``measured_peak_allocated_bytes``/``reserved``, ``step_seconds`` (median after the first step),
+    ``time_overhead`` (vs the baseline), ``losses`` and ``estimate_error`` (estimated / measured - 1).
+    """
+    names = list(techniques) if techniques else list(DEFAULT_TECHNIQUES)
+    est = estimator or CachedEstimator()
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        if progress:
+            progress(name)
+        row: dict[str, Any] = {"technique": name, "status": "ok"}
+        try:
+            s = technique_spec(spec, name)
+        except MemlensError as e:
+            rows.append({**row, "status": "invalid", "error": e.message})
+            continue
+        row["spec"] = s.to_dict()
+        row["describe"] = s.describe()
+        try:
+            p = est(s)
+            row.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
+                       predicted_step_seconds=predict_step_time(s, p).seconds, derived=p.derived)
+        except MemlensError as e:
+            row.update(estimated_peak_allocated_bytes=None, estimated_peak_reserved_bytes=None, estimate_error_message=e.message)
+        if measure:
+            from .trial import run_trial
+
+            rec = (runner or run_trial)(s, device=device, steps=steps, timeout=timeout)
+            row["status"] = rec["status"]
+            row.update(measured_peak_allocated_bytes=rec.get("peak_allocated_bytes"), measured_peak_reserved_bytes=rec.get("peak_reserved_bytes"),
+                       step_seconds=rec.get("seconds"), losses=rec.get("losses"), memory_measured=rec.get("memory_measured", False))
+            if rec.get("error"):
+                row["error"] = rec["error"]
+            if rec.get("peak_allocated_bytes") and row.get("estimated_peak_allocated_bytes"):
+                row["estimate_error"] = row["estimated_peak_allocated_bytes"] / rec["peak_allocated_bytes"] - 1
+        rows.append(row)
+    _relative(rows, measure)
+    d: dict[str, Any] = {"rows": rows, "baseline": names[0], "measured": measure, "device": device if measure else None,
+                         "estimate_calls": est.calls}
+    notes = ["saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
+             "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
+    if measure and device.startswith("cpu"):
+        notes.append("device cpu: step times and losses are measured, memory is not (estimates shown)")
+    base = rows[0] if rows else {}
+    return Result(verb="compare", spec=spec.to_dict(), peak_allocated_bytes=base.get("measured_peak_allocated_bytes") or base.get("estimated_peak_allocated_bytes"),
+                  notes=notes, data=d)
+
+
+def _peak(row: dict[str, Any]) -> int | None:
+    return row.get("measured_peak_allocated_bytes") or row.get("estimated_peak_allocated_bytes")
+
+
+def _relative(rows: list[dict[str, Any]], measured: bool) -> None:
+    """Savings and time overheads against the first row."""
+    if not rows:
+        return
+    b = rows[0]
+    bp = _peak(b)
+    for r in rows:
+        p = _peak(r)
+        r["saving"] = (1 - p / bp) if (p and bp) else None
+        if r.get("estimated_peak_allocated_bytes") and b.get("estimated_peak_allocated_bytes"):
+            r["estimated_saving"] = 1 - r["estimated_peak_allocated_bytes"] / b["estimated_peak_allocated_bytes"]
+        if measured and r.get("step_seconds") and b.get("step_seconds"):
+            r["time_overhead"] = r["step_seconds"] / b["step_seconds"] - 1
+        if r.get("predicted_step_seconds") and b.get("predicted_step_seconds"):
+            r["predicted_time_overhead"] = r["predicted_step_seconds"] / b["predicted_step_seconds"] - 1
+        if measured and r.get("losses") and b.get("losses") and r["losses"][0] is not None and b["losses"][0] is not None:
+            r["loss_delta_first_step"] = r["losses"][0] - b["losses"][0]
+
+
+def plot_compare(result: Result, path) -> None:
+    """Bar chart of peak memory per technique (estimated and measured side by side), saving labelled."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.data["rows"] if r.get("estimated_peak_allocated_bytes") or r.get("measured_peak_allocated_bytes")]
+    names = [r["technique"] for r in rows]
+    est = [(r.get("estimated_peak_allocated_bytes") or 0) / 2**30 for r in rows]
+    meas = [(r.get("measured_peak_allocated_bytes") or 0) / 2**30 for r in rows]
+    has_meas = any(meas)
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4.8))
+    x = range(len(rows))
+    w = 0.4 if has_meas else 0.7
+    b1 = ax.bar([i - (w / 2 if has_meas else 0) for i in x], est, w, label="estimated", color="#3498db")
+    if has_meas:
+        ax.bar([i + w / 2 for i in x], meas, w, label="measured", color="#e67e22")
+    for i, r in enumerate(rows):
+        top = max(est[i], meas[i])
+        s = r.get("saving")
+        ax.text(i, top, f"{top:.2f}" + (f"\n{-s * 100:+.0f}%" if s is not None and i else ""), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x))
+    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+    ax.set_ylabel("peak allocated (GiB)")
+    ax.set_title(f"{result.spec['model']}: peak memory per technique" + (" (measured vs estimated)" if has_meas else " (estimated)"))
+    ax.legend() if has_meas else None
+    ax.grid(axis="y", alpha=0.3)
+    _ = b1
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,277 @@
+"""Shared pieces of compare / sweep / fit: a cached estimator, derived peaks for sharding and
+offload, and the step-time model.
+
+Everything here returns numbers; nothing prints.
+
+>>> from memlens.explore.core import Point, derive_peak
+>>> p = Point(peak_allocated_bytes=10_000, peak_reserved_bytes=11_000,
+...           by_category={"parameters": 1000, "gradients": 1000, "optimizer_state": 2000},
+...           by_phase={"forward": {"peak_allocated_bytes": 8000}, "optimizer": {"peak_allocated_bytes": 10_000}},
+...           peak_phase="optimizer", param_count=250, trainable_param_count=250)
+>>> derive_peak(p, sharding="zero1", world_size=2).peak_allocated_bytes
+9000
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..spec import TrainingSpec
+
+
+# ---------------------------------------------------------------- one estimate, reduced
+@dataclass(frozen=True)
+class Point:
+    """What the search needs from one estimate (or one measurement) of a spec.
+
+    ``peak_allocated_bytes`` is max_memory_allocated(); ``peak_reserved_bytes`` max_memory_reserved().
+    """
+
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    by_category: dict = field(default_factory=dict, compare=False)
+    by_phase: dict = field(default_factory=dict, compare=False)
+    peak_phase: str = ""
+    param_count: int = 0
+    trainable_param_count: int = 0
+    seq_len: int | None = None
+    derived: str | None = None          # how the peak was derived from a simulated one, if it was
+    timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
+
+    @classmethod
+    def from_result(cls, r) -> "Point":
+        d = r.data
+        tl = list(getattr(r, "timeline", None) or [])
+        step = max(1, len(tl) // 120)
+        keep = tuple({k: pt.get(k) for k in ("event", "phase", "step", "allocated_bytes")} for pt in tl[::step])
+        return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
+                   dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
+                   int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
+                   timeline=keep)
+
+
+# What a step needs under a memory limit. Unconstrained, the caching allocator keeps freed blocks
+# (peak reserved); pressed against a limit (set_per_process_memory_fraction, a full GPU) it frees
+# its cached segments and retries before raising OOM, so a step needs about its peak allocated
+# plus the fragmentation inside live segments. Measured on an H100 (bench/results/fit_gpu.md):
+# GPT-2 medium AMP + checkpointing, batch 9: 10.21 GiB allocated, 11.64 GiB reserved unconstrained
+# at batch 8, yet batch 9 runs under a 12 GiB cap; batch 10 (10.89 GiB allocated) fits in one process
+# and OOMs in another. 10% over allocated covers both measured cases.
+PRESSED_ALLOCATOR_OVERHEAD = 0.10
+
+
+def need_bytes(p: "Point") -> int:
+    """Bytes a step needs under a hard limit: min(peak reserved, peak allocated x 1.10).
+
+    >>> need_bytes(Point(peak_allocated_bytes=1000, peak_reserved_bytes=1500))
+    1100
+    """
+    return int(min(p.peak_reserved_bytes, p.peak_allocated_bytes * (1 + PRESSED_ALLOCATOR_OVERHEAD)))
+
+
+EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
+
+
+class CachedEstimator:
+    """Estimates specs once each (a simulated 1B step takes seconds) and derives sharded/offloaded peaks.
+
+    ``fn`` defaults to ``memlens.estimate.estimate`` with ``method``. Specs with sharding or
+    ``offload_optimizer`` are simulated as one unsharded rank and derived (see ``derive_peak``).
+
+    >>> est = CachedEstimator(fn=lambda s: _Fake(s.batch_size))
+    >>> est(TrainingSpec(model="m", batch_size=3)).peak_allocated_bytes, est.calls
+    (3000, 1)
+    """
+
+    def __init__(self, fn: EstimateFn | None = None, method: str = "simulate"):
+        self.method = method
+        self._fn = fn
+        self.cache: dict[TrainingSpec, Point] = {}
+        self.calls = 0
+        self.seconds = 0.0
+
+    def raw(self, spec: TrainingSpec) -> Point:
+        if spec not in self.cache:
+            t = time.perf_counter()
+            if self._fn is None:
+                from ..estimate import estimate
+
+                r = estimate(spec, method=self.method)
+            else:
+                r = self._fn(spec)
+            self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
+            self.calls += 1
+            self.seconds += time.perf_counter() - t
+        return self.cache[spec]
+
+    def __call__(self, spec: TrainingSpec) -> Point:
+        base = spec
+        if spec.sharding != "none" or spec.world_size > 1 or spec.offload_optimizer:
+            base = spec.replace(sharding="none", world_size=1, offload_optimizer=False)
+        p = self.raw(base)
+        if base is spec:
+            return p
+        return derive_peak(p, sharding=spec.sharding, world_size=spec.world_size, offload_optimizer=spec.offload_optimizer)
+
+
+class _Fake:  # for the docstring above
+    def __init__(self, b):
+        self.peak_allocated_bytes = b * 1000
+        self.peak_reserved_bytes = b * 1000
+        self.by_category, self.by_phase, self.data, self.timeline = {}, {}, {}, []
+
+
+# ---------------------------------------------------------------- sharding / offload (derived)
+ZERO_SHARDS = {  # which model states each stage splits over the ranks
+    "none": (), "ddp": (), "zero1": ("optimizer_state",), "zero2": ("optimizer_state", "gradients"),
+    "zero3": ("optimizer_state", "gradients", "parameters"), "fsdp": ("optimizer_state", "gradients", "parameters"),
+}
+
+
+def derive_peak(p: Point, *, sharding: str = "none", world_size: int = 1, offload_optimizer: bool = False) -> Point:
+    """Per-rank peak of a sharded / offloaded run, derived from one simulated unsharded rank.
+
+    ZeRO (Rajbhandari et al. 2020): stage 1 splits optimizer states, 2 also gradients, 3 (= FSDP
+    full shard) also parameters, each to 1/N per rank. At the simulated peak the bytes of those
+    categories (``by_category``) shrink by (1 - 1/N); optimizer-step temporaries shrink alike
+    (each rank updates its shard). Other phases' peaks lose the states that live through them
+    (optimizer states, and parameters under stage 3). Stage 3 adds back one all-gathered layer:
+    parameters / number of blocks, approximated as 1/12 of the parameters (a rough upper bound for
+    models of >= 12 blocks). DDP adds its gradient buckets (= one more copy of the gradients).
+    ``offload_optimizer`` (ZeRO-Offload): optimizer states and the step live on the CPU, so the
+    optimizer phase leaves the GPU and the other phases lose the optimizer states.
+    The result is marked ``derived``: it is arithmetic on a simulation, not a simulation.
+    """
+    n = max(int(world_size), 1)
+    shard = ZERO_SHARDS.get(sharding, ()) if n > 1 else ()
+    cut = 1.0 - 1.0 / n
+    cats = p.by_category or {}
+    pb = int(cats.get("parameters", 0))
+    ob = int(cats.get("optimizer_state", 0))
+    notes = []
+    # the peak phase, with its full breakdown
+    saved = 0.0
+    for c in shard:
+        saved += cut * cats.get(c, 0)
+    if shard and p.peak_phase == "optimizer":
+        saved += cut * cats.get("temporaries", 0)
+    extra = 0
+    if "parameters" in shard:
+        extra += pb // 12
+    if sharding == "ddp" and n > 1:
+        extra += int(cats.get("gradients", 0)) or int(p.trainable_param_count * 4)
+    phase_peaks: dict[str, float] = {}
+    phase_peaks[p.peak_phase or "peak"] = p.peak_allocated_bytes - saved + extra
+    # other phases: only their totals are known; subtract the states that live through them
+    for ph, st in (p.by_phase or {}).items():
+        if ph == p.peak_phase or ph in ("setup", "end"):
+            continue
+        v = float(st.get("peak_allocated_bytes", 0))
+        lost = 0.0
+        if "optimizer_state" in shard:
+            lost += cut * ob
+        if "parameters" in shard:
+            lost += cut * pb
+        phase_peaks[ph] = v - lost + extra
+    if offload_optimizer:
+        phase_peaks.pop("optimizer", None)
+        off = ob if "optimizer_state" not in shard else ob / n
+        for ph in list(phase_peaks):
+            phase_peaks[ph] -= off
+        if not phase_peaks:
+            phase_peaks["peak"] = p.peak_allocated_bytes - ob - cats.get("temporaries", 0)
+        notes.append("offload: optimizer states and step on the CPU")
+    if shard:
+        notes.append(f"{sharding} over {n} GPUs: {', '.join(shard)} / {n}")
+    if sharding == "ddp" and n > 1:
+        notes.append("ddp: + gradient buckets")
+    new_alloc = int(max(max(phase_peaks.values()), pb / n if "parameters" in shard else pb))
+    ratio = (p.peak_reserved_bytes / p.peak_allocated_bytes) if p.peak_allocated_bytes else 1.0
+    return Point(new_alloc, int(new_alloc * ratio), p.by_category, p.by_phase, p.peak_phase, p.param_count,
+                 p.trainable_param_count, p.seq_len, derived="; ".join(notes) or None)
+
+
+# ---------------------------------------------------------------- step time (predicted)
+# A deliberately simple, documented model, labelled "predicted" wherever it is shown. Reference GPU
+# (H100-class, effective rates at typical utilisation, not peak): matmul throughput 40 TFLOP/s in
+# fp32 and 120 TFLOP/s under fp16/bf16 (autocast or half weights); PCIe 20 GB/s; CPU Adam
+# 1e9 parameters/s; GPU interconnect 100 GB/s per GPU.
+FLOPS_FP32 = 40e12
+FLOPS_HALF = 120e12
+PCIE_BYTES_PER_S = 20e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+LINK_BYTES_PER_S = 100e9
+UTIL_HALF_TOKENS = 2048   # utilisation(t) = t / (t + 2048) for t tokens per micro-batch
+
+
+@dataclass(frozen=True)
+class StepTime:
+    seconds: float                      # one optimizer step of the effective batch (all micro-batches)
+    parts: dict[str, float]             # compute, recompute, offload, communication
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "parts": self.parts}
+
+
+def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None = None, grad_accum: int | None = None,
+                      tokens_per_sample: int | None = None) -> StepTime:
+    """Predicted seconds of one optimizer step (all its micro-batches), with its parts.
+
+    Matmul FLOPs per token (Kaplan et al. 2020 / nanoGPT: 6N for training): forward 2N, backward
+    2N for activation gradients + 2N_trainable for weight gradients (LoRA keeps only the first);
+    checkpointing recomputes the forward (+2N). Utilisation falls for small micro-batches:
+    t / (t + 2048) for t tokens per micro-batch (so 8 x 256 tokens run at ~50%, 8 x 2048 at ~89%).
+    QLoRA dequantizes weights each matmul (x1.25). Offload adds moving gradients to the CPU and
+    parameters back over PCIe, plus the CPU Adam step. ZeRO/FSDP over N GPUs splits the batch N
+    ways and adds collectives: 2x (N-1)/N gradient bytes (stages 1-2, like DDP), 3x for stage 3.
+
+    >>> s = TrainingSpec(model="m", batch_size=8, seq_len=1024)
+    >>> p = Point(0, 0, param_count=100_000_000, trainable_param_count=100_000_000)
+    >>> round(predict_step_time(s, p).seconds, 3)
+    0.154
+    >>> round(predict_step_time(s.replace(grad_checkpointing=True), p).seconds / predict_step_time(s, p).seconds, 2)
+    1.33
+    """
+    mb = micro_batch if micro_batch is not None else spec.batch_size
+    acc = grad_accum if grad_accum is not None else spec.grad_accum
+    L = tokens_per_sample or p.seq_len or spec.seq_len or 512
+    n, nt = max(p.param_count, 1), p.trainable_param_count
+    n_ranks = spec.world_size if spec.sharding not in ("none",) or spec.world_size > 1 else 1
+    tokens_micro = mb * L
+    flops_per_token = 2 * n + 2 * n + 2 * nt
+    recompute = 2 * n if spec.grad_checkpointing else 0
+    rate = FLOPS_FP32 if spec.precision == "fp32" else FLOPS_HALF
+    util = tokens_micro / (tokens_micro + UTIL_HALF_TOKENS)
+    slow = 1.25 if spec.qlora else 1.0
+    micro_steps = acc
+    compute = micro_steps * tokens_micro * flops_per_token * slow / (rate * util)
+    recomp = micro_steps * tokens_micro * recompute * slow / (rate * util)
+    parts = {"compute": compute, "recompute": recomp}
+    grad_bytes = nt * (2 if spec.param_dtype != "float32" else 4)
+    if spec.offload_optimizer:
+        param_bytes = nt * (2 if spec.param_dtype != "float32" else 4)
+        parts["offload"] = (grad_bytes + param_bytes) / PCIE_BYTES_PER_S + nt / CPU_ADAM_PARAMS_PER_S
+    if n_ranks > 1:
+        factor = 3.0 if spec.sharding in ("zero3", "fsdp") else 2.0
+        parts["communication"] = factor * (n_ranks - 1) / n_ranks * grad_bytes / LINK_BYTES_PER_S
+    # the batch per rank: the spec's micro-batch is per GPU, so each rank does all its micro-steps
+    return StepTime(sum(parts.values()), {k: v for k, v in parts.items()})
+
+
+def largest_divisor_at_most(n: int, cap: int) -> int:
+    """Largest d <= cap dividing n (micro-batch that keeps the effective batch exact).
+
+    >>> largest_divisor_at_most(48, 10), largest_divisor_at_most(7, 4)
+    (8, 1)
+    """
+    cap = max(1, min(cap, n))
+    for d in range(cap, 0, -1):
+        if n % d == 0:
+            return d
+    return 1
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+

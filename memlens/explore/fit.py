@@ -1,0 +1,254 @@
+"""`fit`: the largest micro-batch whose step fits a memory budget, the accumulation that keeps the
+effective batch, and a ranked plan of settings that make a target fit.
+
+The budget is what the training process may use on the GPU, as nvidia-smi counts it. From it come
+off the CUDA context (``CUDA_CONTEXT_BYTES``, not PyTorch's) and a safety margin (default: 5% of
+the rest, at least 256 MiB). What a step needs under a limit is ``core.need_bytes``: the smaller
+of its estimated peak reserved (``max_memory_reserved``, unconstrained) and its estimated peak
+allocated + 10% (a pressed caching allocator frees its cache and retries before OOM; measured,
+see bench/results/fit_gpu.md). It must stay under what is left (``usable_bytes``). The margin
+covers estimator error (median 0.01% allocated, reserved ~3%) and run-to-run allocator variation.
+
+>>> from memlens import TrainingSpec                                       # doctest: +SKIP
+>>> r = fit(TrainingSpec(model="gpt2", seq_len=1024), "16GiB", target_batch=64)  # doctest: +SKIP
+>>> r.data["max_batch_size"], r.data["grad_accum"]                        # doctest: +SKIP
+(11, 8)
+"""
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import MemlensError, NoDeviceError
+from ..report.result import Result
+from ..spec import TrainingSpec
+from ..units import fmt_bytes, parse_bytes
+from .core import PRESSED_ALLOCATOR_OVERHEAD, CachedEstimator, largest_divisor_at_most, need_bytes
+from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
+
+MARGIN_FRACTION = 0.05
+MARGIN_MIN_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Bytes: ``budget`` as given, minus the CUDA context and the margin = ``usable`` for reserved memory.
+
+    >>> b = Budget.make("16GiB", context_bytes=0)
+    >>> b.margin_bytes == int(0.05 * 16 * 2**30), b.usable_bytes == 16 * 2**30 - b.margin_bytes
+    (True, True)
+    """
+
+    budget_bytes: int
+    context_bytes: int
+    margin_bytes: int
+    source: str = "given"
+
+    @property
+    def usable_bytes(self) -> int:
+        return self.budget_bytes - self.context_bytes - self.margin_bytes
+
+    @classmethod
+    def make(cls, budget: int | str | None, *, context_bytes: int | None = None, margin: float | int | str | None = None) -> "Budget":
+        """``budget`` None: this GPU's free memory now. ``margin``: bytes, a size string, or a fraction < 1."""
+        from ..estimate import CUDA_CONTEXT_BYTES
+
+        source = "given"
+        if budget is None:
+            total = gpu_free_bytes()
+            source = "free memory of the current GPU"
+        else:
+            total = parse_bytes(budget)
+        if total <= 0:
+            raise MemlensError("the budget is 0 bytes", hint="give a size such as --budget 16GiB")
+        ctx = CUDA_CONTEXT_BYTES if context_bytes is None else int(context_bytes)
+        rest = total - ctx
+        if margin is None:
+            m = max(int(MARGIN_FRACTION * rest), MARGIN_MIN_BYTES)
+        elif isinstance(margin, float) and margin < 1:
+            if margin < 0:
+                raise MemlensError(f"margin {margin} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
+            m = int(margin * rest)
+        else:
+            m = parse_bytes(margin)
+        b = cls(total, ctx, m, source)
+        if b.usable_bytes <= 0:
+            raise MemlensError(f"budget {fmt_bytes(total)} leaves nothing after the CUDA context ({fmt_bytes(ctx)}) and the margin ({fmt_bytes(m)})",
+                               hint="give a larger --budget, or --margin 0 / --context 0 for an allocator-only limit")
+        return b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget_bytes, "context_bytes": self.context_bytes,
+                "margin_bytes": self.margin_bytes, "usable_bytes": self.usable_bytes, "budget_source": self.source}
+
+
+def gpu_free_bytes() -> int:
+    """Free memory of the current CUDA device (cudaMemGetInfo)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.mem_get_info()[0])
+    except Exception:  # noqa: BLE001 - any driver problem means "no GPU to ask"
+        pass
+    raise NoDeviceError("no --budget given and no CUDA GPU to read free memory from", hint="give --budget 16GiB")
+
+
+def search_field(spec: TrainingSpec) -> str:
+    """DP-SGD materializes ``physical_batch_size`` samples at once; everything else ``batch_size``."""
+    return "physical_batch_size" if spec.dp else "batch_size"
+
+
+def find_max_batch_size(spec: TrainingSpec, usable_bytes: int, *, estimator: CachedEstimator | None = None,
+                        cap: int = MAX_BATCH) -> Search:
+    """Largest micro-batch whose estimated reserved peak stays <= ``usable_bytes`` (a few estimates)."""
+    est = estimator or CachedEstimator()
+    f = search_field(spec)
+    if f == "physical_batch_size":
+        cap = min(cap, spec.batch_size)
+    start = getattr(spec, f) or 8
+    return max_fitting_budget(lambda b: need_bytes(est(spec.replace(**{f: b}))), usable_bytes, cap=cap, start=start)
+
+
+def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: int | None = None,
+        margin: float | int | str | None = None, context_bytes: int | None = None, plan: bool = True, gpus: int = 8,
+        estimator: CachedEstimator | None = None, method: str = "simulate", cap: int = MAX_BATCH,
+        progress: Callable[[str], None] | None = None) -> Result:
+    """The largest micro-batch of ``spec`` that fits ``budget``, its accumulation, and a ranked plan.
+
+    ``target_batch``: the effective batch to keep (default: the spec's batch x accumulation).
+    The result's data holds ``max_batch_size``, ``budget_bytes``, ``usable_bytes``,
+    ``predicted_peak_bytes`` (reserved at max_batch_size), ``micro_batch_size`` and ``grad_accum``
+    for the target, ``plan`` (ranked entries) and ``estimates`` (every probe).
+    """
+    if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
+        raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
+    b = Budget.make(budget, context_bytes=context_bytes, margin=margin)
+    est = estimator or CachedEstimator(method=method)
+    f = search_field(spec)
+    target = target_batch or (spec.batch_size * spec.grad_accum if f == "batch_size" else spec.batch_size)
+    if progress:
+        progress("max micro-batch")
+    base = spec.replace(grad_accum=1) if f == "batch_size" else spec
+    s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
+    mbs = s.limit
+    data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
+                            "estimates": s.trials, "method": est.method}
+    notes = [
+        f"fits: need = min(estimated peak reserved, estimated peak allocated x {1 + PRESSED_ALLOCATOR_OVERHEAD:.2f}) "
+        f"<= budget - CUDA context ({fmt_bytes(b.context_bytes)}) - margin ({fmt_bytes(b.margin_bytes)}) = {fmt_bytes(b.usable_bytes)}",
+        "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
+    ]
+    peak_alloc = peak_res = None
+    if mbs:
+        p = est(base.replace(**{f: mbs}))
+        peak_alloc, peak_res = p.peak_allocated_bytes, p.peak_reserved_bytes
+        data["predicted_need_bytes"] = need_bytes(p)
+        if f == "batch_size":
+            micro = largest_divisor_at_most(target, mbs)
+            accum = target // micro
+        else:
+            micro, accum = min(mbs, target), 1
+        data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum,
+                    predicted_peak_bytes=peak_res, predicted_peak_allocated_bytes=peak_alloc)
+        if micro < mbs and f == "batch_size":
+            notes.append(f"micro-batch {micro} (not {mbs}) so that micro x accumulation = {target} exactly")
+    else:
+        p1 = est(base.replace(**{f: 1}))
+        data.update(micro_batch_size=None, grad_accum=None, effective_batch_size=None, predicted_peak_bytes=None,
+                    predicted_peak_allocated_bytes=None, batch1_peak_bytes=need_bytes(p1))
+    if plan:
+        from .plan import make_plan
+
+        entries = make_plan(spec, est, b.usable_bytes, target, gpus=gpus, field_name=f, progress=progress)
+        data["plan"] = [e.to_dict() for e in entries]
+        data["gpus"] = gpus
+    else:
+        data["plan"] = []
+    data["estimate_calls"] = est.calls
+    data["estimate_seconds"] = round(est.seconds, 2)
+    return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
+                  notes=notes, data=data)
+
+
+# ---------------------------------------------------------------- real trials
+def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fraction: float | None = None,
+           timeout: float = 600, steps: int = 3, cap: int = MAX_BATCH, runner=None) -> Search:
+    """Confirm the largest batch with real steps, each in a fresh subprocess (``trial.run_trial``).
+
+    Seeded by the estimate: seed+1 then seed (or seed+2): 2 trials when the estimate is exact or
+    one below. ``memory_fraction`` caps the process (torch.cuda.set_per_process_memory_fraction).
+    """
+    from .trial import run_trial
+
+    runner = runner or run_trial
+    f = search_field(spec)
+    base = spec.replace(grad_accum=1) if f == "batch_size" else spec
+    outcomes: dict[int, dict] = {}
+
+    def t(bs: int) -> bool:
+        rec = runner(base.replace(**{f: bs}), device=device, steps=steps, timeout=timeout, memory_fraction=memory_fraction)
+        outcomes[bs] = rec
+        if rec["status"] not in ("ok", "oom"):
+            raise MemlensError(f"trial at batch {bs} ended with {rec['status']}: {rec.get('error', '')[:200]}",
+                               hint="run `memlens profile` with that batch to see the error")
+        return rec["status"] == "ok"
+
+    s = verify_limit(t, seed, cap=cap)
+    for tr in s.trials:
+        rec = outcomes.get(tr["batch"], {})
+        tr.update({k: rec.get(k) for k in ("status", "peak_allocated_bytes", "peak_reserved_bytes", "seconds")})
+    return s
+
+
+def fit_batch_size(train_step: Callable[[int], Any], *, spec: TrainingSpec | None = None, budget: int | str | None = None,
+                   start: int | None = None, cap: int = MAX_BATCH, margin: float | int | str | None = None) -> Search:
+    """The largest batch your own ``train_step(batch_size)`` runs without CUDA OOM, OOM-safe.
+
+    Seeded by the estimate of ``spec`` under ``budget`` (default: free GPU memory) when given, else
+    by ``start`` (default 1). Each OOM is caught, the cache emptied, and the search goes on: with a
+    good seed it takes 2 calls, without one it steps up by doubling and bisects.
+
+    >>> fit_batch_size(lambda b: None if b <= 5 else (_ for _ in ()).throw(RuntimeError("CUDA out of memory")), start=4).limit
+    5
+    """
+    if spec is not None:
+        b = Budget.make(budget, margin=margin)
+        seed = find_max_batch_size(spec, b.usable_bytes, cap=cap).limit
+    else:
+        seed = start if start is not None else 1
+
+    def t(bs: int) -> bool:
+        try:
+            train_step(bs)
+            return True
+        except Exception as e:  # noqa: BLE001 - only OOMs are swallowed
+            if not _is_oom(e):
+                raise
+        _free_cuda()   # outside the except block: the traceback (and its tensors) is gone by now
+        return False
+
+    return verify_limit(t, seed, cap=cap)
+
+
+def _is_oom(e: BaseException) -> bool:
+    try:
+        import torch
+
+        if isinstance(e, torch.OutOfMemoryError):
+            return True
+    except (ImportError, AttributeError):
+        pass
+    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+
+
+def _free_cuda() -> None:
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass

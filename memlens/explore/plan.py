@@ -1,0 +1,192 @@
+"""A ranked plan of settings that make a training target fit a memory budget.
+
+The seeds' suggestion generator (``generate_optimization_suggestions``: "AMP saves ~50%,
+checkpointing ~40%, ...") with real numbers: every candidate setting is estimated, given the
+largest micro-batch that fits (with accumulation keeping the effective batch), a predicted peak
+and a predicted step time.
+
+Ranking: entries that fit first; among them, those that train the same model (everything but
+LoRA/QLoRA) before those that change what is trained; then by predicted step time, then by peak.
+
+>>> from memlens.spec import TrainingSpec
+>>> [c.name for c in candidates(TrainingSpec(model="gpt2", batch_size=8), gpus=1)][:4]
+['as given', 'AMP bf16', 'bf16 weights', 'checkpointing']
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import MemlensError
+from ..spec import TrainingSpec
+from .core import CachedEstimator, ceil_div, largest_divisor_at_most, need_bytes, predict_step_time
+from .search import max_fitting_among
+
+# what each kind of change means for training
+EXACT, NUMERICS, MODEL = "same math", "numerics", "changes the model"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    changes: dict[str, Any]
+    kind: str
+    tradeoff: str
+
+
+def candidates(spec: TrainingSpec, gpus: int = 8, lora_rank: int = 16) -> list[Candidate]:
+    """The settings a plan considers for ``spec`` (those that change something)."""
+    out: list[Candidate] = [Candidate("as given", {}, EXACT, "only accumulation if the micro-batch must shrink")]
+    fp32 = spec.precision == "fp32"
+    half_weights = spec.precision in ("fp16", "bf16")
+    if fp32:
+        out.append(Candidate("AMP bf16", {"precision": "amp-bf16"}, NUMERICS,
+                             "bf16 autocast: activations in half, fp32 master weights; faster matmuls"))
+    if not half_weights and not spec.qlora:
+        out.append(Candidate("bf16 weights", {"precision": "bf16"}, NUMERICS,
+                             "pure bf16 training: half the model states; watch for precision loss in the update"))
+    if not spec.grad_checkpointing:
+        out.append(Candidate("checkpointing", {"grad_checkpointing": True}, EXACT, "recomputes the forward in backward (~+33% compute)"))
+        if fp32:
+            out.append(Candidate("AMP bf16 + checkpointing", {"precision": "amp-bf16", "grad_checkpointing": True}, NUMERICS,
+                                 "both: the seeds' 'best practice' combination"))
+    if spec.optimizer in ("adamw", "adam") and not spec.uses_lora:
+        out.append(Candidate("8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS, "bitsandbytes AdamW8bit: states in 8 bits (2 B/param instead of 8)"))
+        out.append(Candidate("Adafactor", {"optimizer": "adafactor"}, NUMERICS, "factored second moment, no first moment: tiny states"))
+        combo: dict[str, Any] = {"optimizer": "adamw-8bit"}
+        if not half_weights:
+            combo["precision"] = "bf16"
+        if not spec.grad_checkpointing:
+            combo["grad_checkpointing"] = True
+        if len(combo) > 1:
+            out.append(Candidate("bf16 + checkpointing + 8-bit AdamW", combo, NUMERICS, "everything that keeps full fine-tuning"))
+    if not spec.offload_optimizer and not spec.uses_lora:
+        out.append(Candidate("CPU offload of the optimizer", {"offload_optimizer": True}, EXACT,
+                             "ZeRO-Offload: optimizer states and step on the CPU; PCIe transfers each step"))
+    if not spec.uses_lora:
+        out.append(Candidate(f"LoRA r={lora_rank}", {"lora_rank": lora_rank}, MODEL, "trains low-rank adapters only; base frozen"))
+        q: dict[str, Any] = {"lora_rank": lora_rank, "qlora": True}
+        if spec.precision == "fp32":
+            q["precision"] = "bf16"
+        out.append(Candidate(f"QLoRA r={lora_rank}", q, MODEL, "4-bit NF4 frozen base + LoRA adapters (bitsandbytes)"))
+    if gpus > 1 and spec.world_size == 1:
+        out.append(Candidate(f"ZeRO-2 over {gpus} GPUs", {"world_size": gpus, "sharding": "zero2"}, EXACT,
+                             "DeepSpeed ZeRO-2: optimizer states and gradients sharded; batch split over GPUs"))
+        out.append(Candidate(f"FSDP (ZeRO-3) over {gpus} GPUs", {"world_size": gpus, "sharding": "fsdp"}, EXACT,
+                             "parameters sharded too; all-gathers each layer (1.5x the communication of DDP)"))
+    return out
+
+
+@dataclass
+class PlanEntry:
+    name: str
+    kind: str
+    tradeoff: str
+    changes: dict[str, Any]
+    fits: bool
+    micro_batch: int | None              # largest divisor of the per-GPU target batch that fits
+    grad_accum: int | None
+    effective_batch: int | None
+    predicted_peak_bytes: int | None     # reserved (what the budget is held against)
+    predicted_peak_allocated_bytes: int | None
+    predicted_step_seconds: float | None
+    step_time_factor: float | None       # GPU-seconds vs the target run as given on one GPU (predicted)
+    gpus: int = 1
+    derived: str | None = None           # set when the peak is arithmetic on a simulation (sharding, offload)
+    error: str | None = None
+    flags: str = ""
+    rank: int = 0
+    estimates: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def gpu_seconds(self) -> float:
+        return (self.predicted_step_seconds or 0.0) * self.gpus
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "extra"}
+        d["predicted_gpu_seconds"] = self.gpu_seconds if self.predicted_step_seconds is not None else None
+        d.update(self.extra)
+        return d
+
+
+def _flags(changes: dict[str, Any], micro: int | None, accum: int | None) -> str:
+    parts = []
+    for k, v in changes.items():
+        flag = "--" + k.replace("_", "-")
+        parts.append(flag if v is True else f"{flag} {v}")
+    if micro is not None:
+        parts.append(f"--batch-size {micro}")
+    if accum and accum > 1:
+        parts.append(f"--grad-accum {accum}")
+    return " ".join(parts)
+
+
+def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable_bytes: int, target_batch: int,
+               field_name: str = "batch_size") -> PlanEntry:
+    """Estimate one candidate: its largest micro-batch under the budget and what it costs."""
+    before = est.calls
+    try:
+        s = spec.replace(grad_accum=1, **cand.changes)
+    except MemlensError as e:
+        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
+                         None, None, error=e.message)
+    n = s.world_size if s.world_size > 1 else 1
+    per_gpu = ceil_div(target_batch, n)
+    divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
+    try:
+        search = max_fitting_among(divisors, lambda b: need_bytes(est(s.replace(**{field_name: b}))), usable_bytes)
+    except MemlensError as e:
+        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
+                         None, None, error=e.message, estimates=est.calls - before)
+    m = search.limit
+    micro = m or 1
+    accum = per_gpu // micro
+    run = s.replace(**{field_name: micro}, grad_accum=max(1, accum))
+    p = est(run)
+    t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
+    return PlanEntry(
+        cand.name, cand.kind, cand.tradeoff, cand.changes, fits=m > 0,
+        micro_batch=micro if m else None, grad_accum=accum if m else None,
+        effective_batch=micro * accum * n if m else None,
+        predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes,
+        predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n, derived=p.derived,
+        flags=_flags(cand.changes, micro if m else None, accum if m else None), estimates=est.calls - before,
+        extra={"step_time_parts": t.parts},
+    )
+
+
+def rank_entries(entries: list[PlanEntry], baseline_seconds: float | None) -> list[PlanEntry]:
+    """Order: fits first; same model before LoRA/QLoRA; fewer predicted GPU-seconds per step first
+    (step seconds x GPUs: 8 GPUs finishing a step 5x sooner still cost more); smaller peak first."""
+    for e in entries:
+        if baseline_seconds and e.predicted_step_seconds is not None:
+            e.step_time_factor = e.gpu_seconds / baseline_seconds
+
+    def key(e: PlanEntry):
+        return (not e.fits, e.error is not None, e.kind == MODEL,
+                e.gpu_seconds if e.predicted_step_seconds is not None else float("inf"),
+                e.predicted_peak_bytes or 0)
+
+    out = sorted(entries, key=key)
+    for i, e in enumerate(out, 1):
+        e.rank = i
+    return out
+
+
+def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, target_batch: int, *, gpus: int = 8,
+              field_name: str = "batch_size", progress=None) -> list[PlanEntry]:
+    """Every candidate estimated and ranked (see the module docstring)."""
+    cands = candidates(spec, gpus=gpus)
+    entries = []
+    for c in cands:
+        if progress:
+            progress(c.name)
+        entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
+    # the baseline: the target as given, at its full micro-batch (whether or not it fits)
+    base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
+    try:
+        bt = predict_step_time(base, est(base)).seconds
+    except MemlensError:
+        bt = None
+    return rank_entries(entries, bt)

@@ -1,0 +1,225 @@
+"""Searches for the largest batch that fits: over estimates (cheap, monotone) and over real trials.
+
+Three searches share one vocabulary ("fits(b)" is monotone: if b fits, every smaller b fits):
+
+- ``max_fitting_budget(value, budget)``: over *estimates*. Seeded by a linear model of peak vs batch
+  (peak ~ states + b x activations, Korthikanti et al. 2022), then secant/bisection. A handful of
+  estimates, each cached.
+- ``verify_limit(try_batch, seed)``: over *real trials*, seeded by the estimate. If the estimate
+  is exact or one below the real limit (what the estimator's accuracy gives), it takes 2 trials.
+- ``doubling_bisection(try_batch)``: the classic finder (Lightning's ``scale_batch_size``,
+  the seeds' loop), for comparison: 1, 2, 4, ... until OOM, then bisection.
+
+>>> fits = lambda b: b <= 37
+>>> max_fitting_budget(lambda b: b * 10, 375, cap=1000).limit
+37
+>>> verify_limit(fits, seed=36).limit, len(verify_limit(fits, seed=36).trials)
+(37, 2)
+>>> doubling_bisection(fits).limit, len(doubling_bisection(fits).trials)
+(37, 12)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+MAX_BATCH = 1 << 16
+
+
+@dataclass
+class Search:
+    """A search's answer and every probe it made, in order."""
+
+    limit: int                                   # largest fitting batch; 0 if 1 does not fit
+    trials: list[dict[str, Any]] = field(default_factory=list)   # {"batch", "fits", "value"?}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"limit": self.limit, "trials": self.trials}
+
+
+def max_fitting_budget(value: Callable[[int], float], budget: float, *, cap: int = MAX_BATCH,
+                       start: int | None = None) -> Search:
+    """``max_fitting`` when the budget is known: the linear model predicts the crossing directly.
+
+    ``value(b)`` is the peak to compare with ``budget`` (fits when value <= budget).
+
+    >>> s = max_fitting_budget(lambda b: 1000 + 300 * b, 10_000, cap=512)
+    >>> s.limit, len(s.trials)
+    (30, 4)
+    """
+    cap = max(1, int(cap))
+    seen: dict[int, float] = {}
+    trials: list[dict[str, Any]] = []
+
+    def run(b: int) -> bool:
+        if b not in seen:
+            seen[b] = float(value(b))
+            trials.append({"batch": b, "value": int(seen[b]), "fits": seen[b] <= budget})
+        return seen[b] <= budget
+
+    if not run(1):
+        return Search(0, trials)
+    lo, hi = 1, None
+    b = min(cap, max(2, start or 8))
+    for i in range(64):
+        if run(b):
+            lo = max(lo, b)
+        else:
+            hi = b if hi is None else min(hi, b)
+        if lo == cap:
+            return Search(cap, trials)
+        if hi is not None and hi - lo <= 1:
+            return Search(lo, trials)
+        upper = hi if hi is not None else cap + 1
+        nxt = None
+        if i < 4:
+            # line through the two probes nearest the boundary (lo and hi, or lo and the one below)
+            pts = sorted(seen)
+            a = lo
+            c = hi if hi is not None else max((x for x in pts if x < lo), default=None)
+            if c is not None and c != a and seen[a] != seen[c]:
+                slope = (seen[c] - seen[a]) / (c - a)
+                if slope > 0:
+                    nxt = a + int((budget - seen[a]) // slope)
+                    # land on the boundary pair: if the guess fits, its successor decides
+                    if nxt in seen and seen[nxt] <= budget:
+                        nxt += 1
+        if nxt is None:
+            nxt = (lo + upper) // 2 if hi is not None else min(cap, lo * 2)
+        nxt = min(max(nxt, lo + 1), upper - 1)
+        if nxt in seen:
+            nxt = (lo + upper) // 2
+        b = nxt
+    return Search(lo, trials)
+
+
+def verify_limit(try_batch: Callable[[int], bool], seed: int, *, cap: int = MAX_BATCH) -> Search:
+    """The exact largest batch for which ``try_batch(b)`` succeeds, seeded by an estimate.
+
+    Trials: seed+1 (fails -> seed, checked: 2 trials; succeeds -> seed+2 fails -> seed+1: 2 trials).
+    Only if the estimate was off by more than one does it widen: doubling steps up from the last
+    success, or bisection down from the first failure.
+    """
+    trials: list[dict[str, Any]] = []
+    known: dict[int, bool] = {}
+
+    def t(b: int) -> bool:
+        if b not in known:
+            known[b] = bool(try_batch(b))
+            trials.append({"batch": b, "fits": known[b]})
+        return known[b]
+
+    seed = max(0, min(int(seed), cap))
+    lo, hi = 0, cap + 1     # lo fits (0 trivially), hi fails (cap + 1 by definition)
+    if seed + 1 <= cap:
+        if t(seed + 1):
+            lo = seed + 1
+        else:
+            hi = seed + 1
+    if hi == seed + 1 and seed >= 1:
+        if t(seed):
+            lo = seed
+        else:
+            hi = seed
+    elif lo == seed + 1:
+        step = 1
+        while lo + step < hi:           # upward: seed+2, then doubling steps
+            b = lo + step
+            if t(b):
+                lo = b
+                step *= 2
+            else:
+                hi = b
+                break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if t(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Search(lo, trials)
+
+
+def doubling_bisection(try_batch: Callable[[int], bool], *, cap: int = MAX_BATCH) -> Search:
+    """The classic finder: 1, 2, 4, ... until a failure, then bisection between the last two."""
+    trials: list[dict[str, Any]] = []
+
+    def t(b: int) -> bool:
+        ok = bool(try_batch(b))
+        trials.append({"batch": b, "fits": ok})
+        return ok
+
+    if not t(1):
+        return Search(0, trials)
+    lo, b = 1, 2
+    hi = cap + 1
+    while b <= cap:
+        if t(b):
+            lo, b = b, b * 2
+        else:
+            hi = b
+            break
+    else:
+        if lo < cap and t(cap):
+            return Search(cap, trials)
+        hi = cap + 1 if lo == cap else cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if t(mid):
+            lo = mid
+        else:
+            hi = mid
+    return Search(lo, trials)
+
+
+def max_fitting_among(values: list[int], value: Callable[[int], float], budget: float) -> Search:
+    """Largest of the sorted ``values`` with ``value(v) <= budget`` (0 if none): the largest divisor
+    of a target batch that fits, say. Probes the largest, then the smallest, then the line's guess.
+
+    >>> s = max_fitting_among([1, 2, 4, 8, 16, 32], lambda b: 1000 + 300 * b, 4000)
+    >>> s.limit, [t["batch"] for t in s.trials]
+    (8, [32, 1, 8, 16])
+    """
+    vals = sorted(set(int(v) for v in values))
+    seen: dict[int, float] = {}
+    trials: list[dict[str, Any]] = []
+
+    def run(i: int) -> bool:
+        b = vals[i]
+        if b not in seen:
+            seen[b] = float(value(b))
+            trials.append({"batch": b, "value": int(seen[b]), "fits": seen[b] <= budget})
+        return seen[b] <= budget
+
+    if not vals:
+        return Search(0, trials)
+    hi_i = len(vals) - 1
+    if run(hi_i):
+        return Search(vals[hi_i], trials)
+    if hi_i == 0 or not run(0):
+        return Search(0, trials)
+    lo_i, guesses = 0, 0
+    while hi_i - lo_i > 1:
+        nxt = None
+        if guesses < 2:
+            a, c = vals[lo_i], vals[hi_i]
+            slope = (seen[c] - seen[a]) / (c - a)
+            if slope > 0:
+                g = a + (budget - seen[a]) / slope
+                cand = [i for i in range(lo_i + 1, hi_i) if vals[i] <= g]
+                nxt = cand[-1] if cand else lo_i + 1
+                if vals[nxt] in seen:
+                    nxt = None
+            guesses += 1
+        if nxt is None:
+            nxt = (lo_i + hi_i) // 2
+        if run(nxt):
+            lo_i = nxt
+            if guesses <= 2 and nxt + 1 < hi_i:   # the guess fits: its successor usually decides
+                if run(nxt + 1):
+                    lo_i = nxt + 1
+                else:
+                    hi_i = nxt + 1
+        else:
+            hi_i = nxt
+    return Search(vals[lo_i], trials)

@@ -1,0 +1,342 @@
+"""`sweep`: a grid over batch size x sequence length x LoRA rank x physical batch x technique,
+estimated or measured, as a CSV, heatmaps, memory-vs-batch lines and per-config timelines.
+
+The Opacus profiler's flags map onto it (seeds/004): ``--batch_sizes`` -> ``batch_sizes``,
+``--seq_lengths`` -> ``seq_lens``, ``--lora_ranks`` -> ``lora_ranks``,
+``--max_physical_batch_sizes`` -> ``physical_batch_sizes`` (DP-SGD; cells with a physical batch
+larger than the batch are skipped, as the profiler requires), ``--num_steps`` -> ``steps``,
+``--results_dir`` -> ``out``.
+
+Every finished cell is appended to ``results.jsonl`` (flushed and fsynced) at once; ``resume``
+skips the cells already there, so a sweep killed at any point (kill -9 included) loses nothing
+but the cell that was running. Measured cells run in fresh subprocesses with a timeout: an OOM,
+a crash or a hang marks that cell and the sweep goes on.
+
+>>> from memlens.spec import TrainingSpec
+>>> g = Grid(batch_sizes=[1, 2], seq_lens=[128], techniques=["fp32", "amp-bf16"])
+>>> [c.key for c in grid_cells(TrainingSpec(model="gpt2"), g)]
+['t=fp32,b=1,L=128', 't=fp32,b=2,L=128', 't=amp-bf16,b=1,L=128', 't=amp-bf16,b=2,L=128']
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import MemlensError
+from ..report.result import Result
+from ..spec import TrainingSpec
+from .compare import technique_spec
+from .core import CachedEstimator, predict_step_time
+
+RESULTS = "results.jsonl"
+
+
+@dataclass
+class Grid:
+    """Axes of a sweep; an empty axis means "the spec's own value"."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    lora_ranks: list[int] = field(default_factory=list)
+    physical_batch_sizes: list[int] = field(default_factory=list)
+    techniques: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(getattr(self, k)) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Cell:
+    key: str                      # stable id, used by resume
+    params: dict[str, Any]        # technique, batch_size, seq_len, lora_rank, physical_batch_size
+    spec: TrainingSpec | None     # None: the combination is invalid (``skip`` says why)
+    skip: str | None = None
+
+
+def grid_cells(spec: TrainingSpec, grid: Grid) -> list[Cell]:
+    """All cells in a fixed order (technique, LoRA rank, physical batch, seq len, batch)."""
+    techs = grid.techniques or [None]
+    ranks = grid.lora_ranks or [None]
+    pbs = grid.physical_batch_sizes or [None]
+    seqs = grid.seq_lens or [None]
+    bss = grid.batch_sizes or [None]
+    cells = []
+    for t in techs:
+        for r in ranks:
+            for pb in pbs:
+                for L in seqs:
+                    for b in bss:
+                        params = {"technique": t, "batch_size": b if b is not None else spec.batch_size,
+                                  "seq_len": L if L is not None else spec.seq_len, "lora_rank": r, "physical_batch_size": pb}
+                        key = ",".join(f"{k}={v}" for k, v in (("t", t), ("r", r), ("pb", pb), ("b", b), ("L", L)) if v is not None)
+                        changes: dict[str, Any] = {}
+                        if b is not None:
+                            changes["batch_size"] = b
+                        if L is not None:
+                            changes["seq_len"] = L
+                        if r is not None:
+                            changes["lora_rank"] = r
+                        if pb is not None:
+                            changes["dp"] = True
+                            changes["physical_batch_size"] = pb
+                        try:
+                            s = spec.replace(**changes)
+                            if t is not None:
+                                s = technique_spec(s, t)
+                        except MemlensError as e:
+                            cells.append(Cell(key or "base", params, None, e.message))
+                            continue
+                        cells.append(Cell(key or "base", params, s))
+    return cells
+
+
+def read_results(path: Path) -> dict[str, dict[str, Any]]:
+    """Finished cells by key. A torn last line (the writer was killed mid-write) is ignored."""
+    done: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and "key" in rec:
+            done[rec["key"]] = rec
+    return done
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """A writer killed mid-line leaves a line without its newline: cut it so the next append starts clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _append(path: Path, rec: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = False, resume: bool = False,
+          device: str = "cuda", steps: int = 3, timeout: float = 600, budget_bytes: int | None = None,
+          estimator: CachedEstimator | None = None, runner=None,
+          progress: Callable[[int, int, str, dict | None], None] | None = None) -> Result:
+    """Run (or estimate) every cell of ``grid`` and return all rows in grid order.
+
+    ``budget_bytes``: estimated cells get ``fits`` (estimated reserved <= budget); measured cells on
+    CUDA run under ``set_per_process_memory_fraction(budget / total)``, so cells above it OOM.
+    """
+    cells = grid_cells(spec, grid)
+    if not cells:
+        raise MemlensError("the grid is empty", hint="give at least one value per axis, e.g. --batch-sizes 1,2,4")
+    runnable = [c for c in cells if c.spec is not None]
+    if not runnable:
+        raise MemlensError(f"no valid cell in the grid ({cells[0].skip})", hint="e.g. physical batch sizes must be <= batch sizes")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULTS
+    done = read_results(path)
+    if done and not resume:
+        raise MemlensError(f"{path} already holds {len(done)} finished cells", hint="add --resume to continue that sweep, or choose another --out")
+    if resume and done:
+        _check_same_sweep(done, cells)
+    _drop_torn_tail(path)
+    est = estimator or CachedEstimator()
+    frac = None
+    if measure and budget_bytes and device.startswith("cuda"):
+        import torch
+
+        frac = min(1.0, budget_bytes / torch.cuda.get_device_properties(0).total_memory)
+    total = len(cells)
+    n_done = 0
+    for c in cells:
+        if c.key in done:
+            n_done += 1
+            if progress:
+                progress(n_done, total, c.key, None)
+            continue
+        rec: dict[str, Any] = {"key": c.key, **c.params}
+        if c.spec is None:
+            rec.update(status="skipped", error=c.skip)
+        else:
+            rec["spec"] = c.spec.to_dict()
+            t0 = time.perf_counter()
+            try:
+                p = est(c.spec)
+                rec.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
+                           predicted_step_seconds=predict_step_time(c.spec, p).seconds)
+                if budget_bytes:
+                    rec["estimated_fits"] = p.peak_reserved_bytes <= budget_bytes
+                if not measure:
+                    rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
+                    rec["timeline"] = [dict(pt) for pt in p.timeline]
+            except MemlensError as e:
+                rec.update(estimated_peak_allocated_bytes=None, estimate_error_message=e.message)
+                if not measure:
+                    rec["status"] = "error"
+            if measure:
+                from .trial import run_trial
+
+                t = (runner or run_trial)(c.spec, device=device, steps=steps, timeout=timeout, memory_fraction=frac)
+                rec.update(status=t["status"], peak_allocated_bytes=t.get("peak_allocated_bytes"),
+                           peak_reserved_bytes=t.get("peak_reserved_bytes"), step_seconds=t.get("seconds"),
+                           losses=t.get("losses"), timeline=t.get("timeline") or [], memory_measured=t.get("memory_measured", False))
+                if t.get("error"):
+                    rec["error"] = t["error"]
+            rec["seconds_taken"] = round(time.perf_counter() - t0, 3)
+        _append(path, rec)
+        done[c.key] = rec
+        n_done += 1
+        if progress:
+            progress(n_done, total, c.key, rec)
+    rows = [done[c.key] for c in cells]
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
+            "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac}
+    return Result(verb="sweep", spec=spec.to_dict(), notes=[
+        "peak_allocated_bytes: measured max_memory_allocated; estimated_*: memlens estimate of the same cell",
+        "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimate above --budget)"], data=data)
+
+
+def _check_same_sweep(done: dict[str, dict[str, Any]], cells: list[Cell]) -> None:
+    keys = {c.key for c in cells}
+    foreign = [k for k in done if k not in keys]
+    if foreign and len(foreign) == len(done):
+        raise MemlensError(f"the results to resume are from another grid (e.g. cell {foreign[0]!r})",
+                           hint="resume with the same grid flags, or choose another --out")
+    for c in cells:
+        rec = done.get(c.key)
+        if rec and c.spec is not None and rec.get("spec") and TrainingSpec.from_dict(rec["spec"]) != c.spec:
+            raise MemlensError(f"cell {c.key!r} in the results has another spec", hint="resume with the same spec flags, or choose another --out")
+
+
+# ---------------------------------------------------------------- outputs
+CSV_COLUMNS = ("key", "technique", "batch_size", "seq_len", "lora_rank", "physical_batch_size", "status",
+               "peak_allocated_bytes", "peak_reserved_bytes", "estimated_peak_allocated_bytes", "estimated_peak_reserved_bytes",
+               "estimated_fits", "step_seconds", "predicted_step_seconds", "error")
+
+
+def write_csv(result: Result, path) -> None:
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in result.data["rows"]:
+            w.writerow({k: r.get(k) for k in CSV_COLUMNS})
+
+
+def _value(r: dict[str, Any]) -> float | None:
+    v = r.get("peak_allocated_bytes") or r.get("estimated_peak_allocated_bytes")
+    return v / 2**30 if v else None
+
+
+def _groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    g: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        name = ",".join(f"{k}={r.get(k)}" for k in ("technique", "lora_rank", "physical_batch_size") if r.get(k) is not None) or "spec"
+        g.setdefault(name, []).append(r)
+    return g
+
+
+def plot_sweep(result: Result, out_dir) -> list[Path]:
+    """heatmap_<group>.png (batch x seq, per technique / rank / physical batch), memory_vs_batch.png,
+    timelines/<cell>.png for cells with a timeline. Returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    rows = result.data["rows"]
+    written: list[Path] = []
+    measured = result.data.get("measured")
+    for gname, grows in _groups(rows).items():
+        bs = sorted({r["batch_size"] for r in grows if r.get("batch_size") is not None})
+        ls = sorted({r["seq_len"] for r in grows if r.get("seq_len") is not None}) or [None]
+        if not bs:
+            continue
+        fig, ax = plt.subplots(figsize=(1.2 * len(bs) + 2.5, 0.7 * len(ls) + 2))
+        import numpy as np
+
+        m = np.full((len(ls), len(bs)), np.nan)
+        for r in grows:
+            if r.get("batch_size") in bs and r.get("seq_len") in ls:
+                i, j = ls.index(r.get("seq_len")), bs.index(r["batch_size"])
+                v = _value(r) if r["status"] == "ok" else None
+                m[i, j] = v if v is not None else np.nan
+                label = f"{v:.2f}" if v is not None and r["status"] == "ok" else r["status"].upper().replace("-ESTIMATED", "*")
+                ax.text(j, i, label, ha="center", va="center", fontsize=8, color="black" if r["status"] == "ok" else "red")
+        im = ax.imshow(m, cmap="viridis", aspect="auto", alpha=0.85)
+        ax.set_xticks(range(len(bs)), [str(b) for b in bs])
+        ax.set_yticks(range(len(ls)), [str(x) for x in ls])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("seq len")
+        ax.set_title(f"{result.spec['model']} {gname}: peak allocated (GiB, {'measured' if measured else 'estimated'})", fontsize=9)
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        p = out_dir / f"heatmap_{_safe(gname)}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        written.append(p)
+    # memory vs batch: one line per (group, seq len)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    any_line = False
+    for gname, grows in _groups(rows).items():
+        for L in sorted({r.get("seq_len") for r in grows}, key=lambda x: (x is None, x)):
+            pts = sorted((r["batch_size"], _value(r)) for r in grows if r.get("seq_len") == L and r["status"] == "ok" and _value(r))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{gname} L={L}")
+                any_line = True
+            ooms = [r["batch_size"] for r in grows if r.get("seq_len") == L and r["status"] in ("oom", "oom-estimated")]
+            if ooms and pts:
+                ax.scatter(ooms, [pts[-1][1]] * len(ooms), marker="x", color="red")
+    if any_line:
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("peak allocated (GiB)")
+        ax.set_title("memory vs batch (x: OOM)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out_dir / "memory_vs_batch.png"
+        fig.savefig(p, dpi=100)
+        written.append(p)
+    plt.close(fig)
+    tl = [r for r in rows if r.get("timeline")]
+    if tl:
+        (out_dir / "timelines").mkdir(exist_ok=True)
+    for r in tl[:48]:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        timed = "t" in r["timeline"][0]
+        xs = [pt["t"] if timed else pt.get("event", i) for i, pt in enumerate(r["timeline"])]
+        ax.step(xs, [pt["allocated_bytes"] / 2**30 for pt in r["timeline"]], where="post")
+        for pt, x in zip(r["timeline"], xs):
+            if timed and pt.get("phase") == "forward":
+                ax.axvline(x, color="grey", alpha=0.2)
+        ax.set_xlabel("seconds" if timed else "event (simulated step)")
+        ax.set_ylabel("allocated (GiB)")
+        ax.set_title(f"{r['key']}: allocated " + ("at phase boundaries (measured)" if timed else "(estimated)"), fontsize=9)
+        fig.tight_layout()
+        p = out_dir / "timelines" / f"{_safe(r['key'])}.png"
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def _safe(s: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in s)

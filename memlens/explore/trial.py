@@ -1,0 +1,161 @@
+"""Measure one spec with real steps, in a fresh subprocess with a timeout.
+
+A fresh process per trial gives each one its own caching allocator, cuBLAS handles and CUDA
+context, so one trial's fragmentation or OOM never leaks into the next, and a hang or a crash
+(segfault, kill) is contained. The parent gets a dict with ``status``:
+
+- ``ok``: ``peak_allocated_bytes`` (max_memory_allocated over the steps), ``peak_reserved_bytes``,
+  ``step_seconds`` (each step, synchronized), ``losses`` (each step's loss), ``timeline``
+  (allocated at each phase boundary);
+- ``oom``: torch raised OutOfMemoryError (``error`` holds its first line);
+- ``timeout``: killed after ``timeout`` seconds;
+- ``crash``: the process died or raised something else (``error``: the last line of stderr).
+
+On ``device="cpu"`` the steps run on real CPU tensors: times and losses are measured, memory is
+not (``memory_measured`` is false and the memory fields are None). That is what CI uses to test
+the subprocess, timeout and resume machinery without a GPU.
+
+>>> from memlens.spec import TrainingSpec
+>>> rec = run_trial(TrainingSpec(model="gpt2", batch_size=1, seq_len=16), device="cpu", steps=1)  # doctest: +SKIP
+>>> rec["status"], rec["memory_measured"]                                                          # doctest: +SKIP
+('ok', False)
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..spec import TrainingSpec
+
+MARK = "MEMLENS_TRIAL "
+
+
+def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_fraction: float | None = None,
+            seed: int = 0) -> dict[str, Any]:
+    """Run ``steps`` optimizer steps of ``spec`` in this process and return what was measured.
+
+    The model is built by memlens' builder with weights from ``torch.manual_seed(seed)`` and trained by
+    memlens' reference step (``memlens.step.train_step``), the code ``estimate`` simulates.
+    """
+    import torch
+
+    from ..models.build import build, make_optimizer
+    from ..models.source import resolve
+    from ..step import train_step
+
+    cuda = device.startswith("cuda")
+    dev = torch.device(device)
+    rec: dict[str, Any] = {"status": "ok", "device": device, "memory_measured": cuda, "steps": steps}
+    if cuda:
+        torch.cuda.init()
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if memory_fraction is not None:
+            torch.cuda.set_per_process_memory_fraction(float(memory_fraction), dev.index)
+        rec["device_name"] = torch.cuda.get_device_name(dev)
+        rec["total_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
+    torch.manual_seed(seed)
+    sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
+    timeline: list[dict[str, Any]] = []
+    try:
+        built = build(spec, resolve(spec.model), device=dev)
+        model, batch = built.model, built.batch
+        opt = make_optimizer(spec, model, simulate=False)
+        scaler = torch.amp.GradScaler(dev.type) if spec.precision == "amp-fp16" and cuda else None
+        if spec.autocast_dtype:
+            dt = getattr(torch, spec.autocast_dtype)
+            autocast = lambda: torch.autocast(dev.type, dtype=dt)  # noqa: E731
+        else:
+            autocast = contextlib.nullcontext
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        times, losses = [], []
+        t_start = time.perf_counter()
+        for step in range(1, steps + 1):
+            def on_phase(ph: str, step: int = step) -> None:
+                if cuda:
+                    timeline.append({"step": step, "phase": ph, "t": round(time.perf_counter() - t_start, 6),
+                                     "allocated_bytes": torch.cuda.memory_allocated(dev),
+                                     "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev)})
+
+            sync()
+            t = time.perf_counter()
+            loss = train_step(model, opt, batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler,
+                              loss_fn=built.loss_fn, on_phase=on_phase)
+            sync()
+            times.append(time.perf_counter() - t)
+            losses.append(float(loss) * spec.grad_accum if loss is not None else None)
+        rec["step_seconds"] = times
+        rec["seconds"] = _median(times[1:] or times)
+        rec["losses"] = losses
+        if cuda:
+            rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+            rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+            rec["num_alloc_retries"] = torch.cuda.memory_stats(dev).get("num_alloc_retries")
+        else:
+            rec["peak_allocated_bytes"] = rec["peak_reserved_bytes"] = None
+        rec["timeline"] = timeline
+    except torch.OutOfMemoryError as e:
+        rec = {**rec, "status": "oom", "error": str(e).splitlines()[0][:300] if str(e) else "OutOfMemoryError",
+               "peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    return rec
+
+
+def _median(xs: list[float]) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports this same memlens (and factories from the working directory)."""
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [pkg_root, os.getcwd()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeout: float = 600,
+              memory_fraction: float | None = None, seed: int = 0) -> dict[str, Any]:
+    """``measure`` in a fresh ``python -m memlens.explore.trial`` process; never raises for the trial's fate."""
+    req = {"spec": spec.to_dict(), "device": device, "steps": steps, "memory_fraction": memory_fraction, "seed": seed}
+    t = time.perf_counter()
+    base = {"spec": spec.to_dict(), "device": device}
+    try:
+        p = subprocess.run([sys.executable, "-m", "memlens.explore.trial"], input=json.dumps(req), capture_output=True,
+                           text=True, timeout=timeout, env=_child_env())
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "timeout", "error": f"no result after {timeout:g} s", "wall_seconds": time.perf_counter() - t}
+    wall = time.perf_counter() - t
+    for line in reversed(p.stdout.splitlines()):
+        if line.startswith(MARK):
+            rec = json.loads(line[len(MARK):])
+            rec["wall_seconds"] = wall
+            return {**base, **rec}
+    tail = [ln for ln in (p.stderr or "").strip().splitlines() if ln.strip()][-1:] or [f"exit code {p.returncode}"]
+    return {**base, "status": "crash", "returncode": p.returncode, "error": tail[0][:300], "wall_seconds": wall}
+
+
+def _main() -> int:
+    req = json.loads(sys.stdin.read())
+    spec = TrainingSpec.from_dict(req["spec"])
+    try:
+        rec = measure(spec, device=req.get("device", "cuda"), steps=int(req.get("steps", 3)),
+                      memory_fraction=req.get("memory_fraction"), seed=int(req.get("seed", 0)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent as a crash
+        rec = {"status": "crash", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    sys.stdout.write(MARK + json.dumps(rec) + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
