@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main() -> None:
-    from memlens.estimate import estimate
+    from memlens.estimator import estimate
     from memlens.spec import TrainingSpec
 
     args = sys.argv[1:]

@@ -32,14 +32,14 @@ from memlens.cli.main import build_parser
 t_imp = time.perf_counter() - t0
 args = build_parser().parse_args(["estimate", *sys.argv[1:]])
 spec = spec_from_args(args)
-from memlens.estimate import estimate
+from memlens.estimator import estimate
 t = time.perf_counter(); estimate(spec); cold = time.perf_counter() - t
 t = time.perf_counter(); estimate(spec); warm = time.perf_counter() - t
 # floor: the bare fake step, no tracking, no CUDA mapping
 from torch._subclasses.fake_tensor import FakeTensorMode
 from memlens.models.build import build, make_optimizer
 from memlens.models.source import resolve
-from memlens.estimate.simulate import materialize_on_fake, _fake_batch, _synthetic_batch_shortcuts
+from memlens.estimator.simulate import materialize_on_fake, _fake_batch, _synthetic_batch_shortcuts
 from memlens.step import train_step
 fake = FakeTensorMode()
 with torch.device("meta"):

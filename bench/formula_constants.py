@@ -2,7 +2,7 @@
 
 For each family: simulate the same model with 2 and 4 layers (batch 2 x 512 tokens, bf16) and
 take the growth of activation bytes at the peak per added layer, per token, per hidden unit,
-per byte of activation element. Prints the constants that memlens/estimate/formula.py uses.
+per byte of activation element. Prints the constants that memlens/estimator/formula.py uses.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def activation_bytes(model: str, layers: int, **kw) -> tuple[int, int, int]:
     import copy
 
-    from memlens.estimate.simulate import simulate
+    from memlens.estimator.simulate import simulate
     from memlens.models.source import resolve
     from memlens.spec import TrainingSpec
 

@@ -34,7 +34,7 @@ CASES = [
 def run_case(name: str, fields: dict) -> dict:
     import torch
 
-    from memlens.estimate.simulate import _quiet
+    from memlens.estimator.simulate import _quiet
     from memlens.measure.profile import Profiler, amp_setup, compare_with_estimate
     from memlens.models.build import build, make_optimizer
     from memlens.models.source import resolve

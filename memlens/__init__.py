@@ -9,7 +9,10 @@ Importing memlens does not import torch; the functions do when called.
 """
 from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
 from .errors import MemlensError
-from .estimate import estimate
+from .estimator import estimate
+from .explore.compare import compare
+from .explore.fit import fit, fit_batch_size
+from .explore.sweep import sweep
 from .measure.monitor import Monitor
 from .measure.profile import Profiler, profile, profile_spec
 from .report.result import Result
@@ -20,6 +23,10 @@ __all__ = [
     "Result",
     "MemlensError",
     "estimate",
+    "compare",
+    "sweep",
+    "fit",
+    "fit_batch_size",
     "profile",
     "Profiler",
     "profile_spec",

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:30s} {doc['task']:22s} {doc['hf_id']}")
         return 0
     spec = spec_from_args(args)
-    from ..estimate import estimate
+    from ..estimator import estimate
 
     result = estimate(spec, method=args.method)
     d = out_dir(args)

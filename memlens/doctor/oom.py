@@ -304,9 +304,9 @@ def diagnose(msg: OomMessage) -> Diagnosis:
 # ---------------------------------------------------------------- with a training spec
 
 def _run_estimate(spec) -> Result:
-    """The estimator's seam (monkeypatched in tests): ``memlens.estimate.estimate(spec)``."""
+    """The estimator's seam (monkeypatched in tests): ``memlens.estimator.estimate(spec)``."""
     try:
-        from ..estimate import estimate
+        from ..estimator import estimate
     except ImportError:
         raise MemlensError("the estimator is not available in this installation",
                            hint="drop the --model flags to diagnose the message alone") from None

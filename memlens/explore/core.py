@@ -76,7 +76,7 @@ EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anythi
 class CachedEstimator:
     """Estimates specs once each (a simulated 1B step takes seconds) and derives sharded/offloaded peaks.
 
-    ``fn`` defaults to ``memlens.estimate.estimate`` with ``method``. Specs with sharding or
+    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``. Specs with sharding or
     ``offload_optimizer`` are simulated as one unsharded rank and derived (see ``derive_peak``).
 
     >>> est = CachedEstimator(fn=lambda s: _Fake(s.batch_size))
@@ -95,7 +95,7 @@ class CachedEstimator:
         if spec not in self.cache:
             t = time.perf_counter()
             if self._fn is None:
-                from ..estimate import estimate
+                from ..estimator import estimate
 
                 r = estimate(spec, method=self.method)
             else:

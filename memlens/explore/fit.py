@@ -52,7 +52,7 @@ class Budget:
     @classmethod
     def make(cls, budget: int | str | None, *, context_bytes: int | None = None, margin: float | int | str | None = None) -> "Budget":
         """``budget`` None: this GPU's free memory now. ``margin``: bytes, a size string, or a fraction < 1."""
-        from ..estimate import CUDA_CONTEXT_BYTES
+        from ..estimator import CUDA_CONTEXT_BYTES
 
         source = "given"
         if budget is None:

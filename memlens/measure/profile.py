@@ -158,7 +158,7 @@ def _counting_log():
 def _device_tracker(log, device_type: str):
     """A StorageTracker that only accounts storages on ``device_type`` (CPU scalars of a CUDA
     run, e.g. optimizer step counters, are not device memory)."""
-    from ..estimate.tracker import StorageTracker
+    from ..estimator.tracker import StorageTracker
 
     return StorageTracker(log, device_type=device_type)
 
@@ -386,7 +386,7 @@ class Profiler:
     # ledger --------------------------------------------------------------
     def _start_ledger(self) -> None:
         torch = self.torch
-        from ..estimate.tracker import ModuleScope, pack_hook_for
+        from ..estimator.tracker import ModuleScope, pack_hook_for
 
         if self.log is None:
             self.log = _counting_log()
@@ -836,7 +836,7 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         load["before_allocated_bytes"] = torch.cuda.memory_allocated()
-    from ..estimate.simulate import _quiet
+    from ..estimator.simulate import _quiet
 
     t0 = time.perf_counter()
     with _quiet():
@@ -939,7 +939,7 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
 
     >>> # rows: {"name", "estimated_bytes", "measured_bytes", "error"}  (error = (est - meas) / meas)
     """
-    from ..estimate import estimate
+    from ..estimator import estimate
 
     try:
         est = estimate(spec)

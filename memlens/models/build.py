@@ -85,7 +85,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     if spec.lora_rank:
         model = apply_lora(model, spec)
     if spec.qlora:
-        from ..estimate.quant import quantize_frozen_linears
+        from ..estimator.quant import quantize_frozen_linears
 
         quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16)
     return model
@@ -257,7 +257,7 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
                 return bnb.optim.AdamW8bit(params, lr=lr)
             except ImportError:
                 raise SpecError("--optimizer adamw-8bit needs bitsandbytes on a GPU", hint="pip install bitsandbytes") from None
-        from ..estimate.quant import AdamW8bitSim
+        from ..estimator.quant import AdamW8bitSim
 
         return AdamW8bitSim(params, lr=lr)
     raise AssertionError(name)

@@ -236,7 +236,7 @@ def test_budget_subtracts_other_processes_and_non_pytorch_memory():
 
 
 def test_estimator_missing_is_one_clear_line(monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "memlens.estimate", None)
+    monkeypatch.setitem(sys.modules, "memlens.estimator", None)
     assert main(["doctor", "oom", CORPUS[1][1], "--model", "gpt2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ERROR: the estimator is not available") and "\n" not in err

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from memlens.estimate import estimate
-from memlens.estimate.simulate import CUBLAS_WORKSPACE_BYTES
+from memlens.estimator import estimate
+from memlens.estimator.simulate import CUBLAS_WORKSPACE_BYTES
 from memlens.spec import TrainingSpec
 
 MiB = 1024 * 1024
@@ -104,3 +104,10 @@ def test_dp_sgd_per_sample_gradients():
     # a physical batch of 4 materializes 4 samples at once
     phys = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="sgd", dp=True, batch_size=16, physical_batch_size=4))
     assert phys.by_category["per_sample_gradients"] == 4 * W
+
+
+def test_adafactor_keeps_factored_state():
+    r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="adafactor"))
+    # one row and one column second-moment vector for the 1024x1024 weight: 2 x 1024 fp32, in 512 B blocks
+    state = r.data["steps"][-1]["end_allocated_bytes"] - (W + X + 2 * CUBLAS_WORKSPACE_BYTES + LOSS)
+    assert 0 < state <= 2 * 1024 * 4 + 4 * 512

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from memlens.estimate import cuda_rules as cr
+from memlens.estimator import cuda_rules as cr
 
 
 def test_backend_choice_matches_hopper_measurements():
@@ -19,7 +19,7 @@ def test_backend_choice_matches_hopper_measurements():
 
 
 def test_cudnn_attention_keeps_output_and_stats_only():
-    from memlens.estimate.tracker import StorageTracker
+    from memlens.estimator.tracker import StorageTracker
     from memlens.ledger import EventLog, analyze
 
     fake = FakeTensorMode()
