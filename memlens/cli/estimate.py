@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from .main import build_parser, run_verb
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
-    parser = build_parser()
-    sys.exit(run_verb(lambda a: run(a), parser.parse_args(["estimate", *sys.argv[1:]])))
+    sys.exit(main(["estimate", *sys.argv[1:]]))

@@ -166,19 +166,7 @@ def render(result) -> None:
     c.print(t)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .main import _Parser, run_verb
-
-    parser = _Parser(prog="memlens")
-    sub = parser.add_subparsers(dest="verb", parser_class=_Parser)
-    add_parser(sub)
-    try:
-        args = parser.parse_args(["sweep", *(sys.argv[1:] if argv is None else argv)])
-    except MemlensError as e:
-        print(e.render(), file=sys.stderr)
-        return e.exit_code
-    return run_verb(args.func, args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+
+    sys.exit(main(["sweep", *sys.argv[1:]]))
