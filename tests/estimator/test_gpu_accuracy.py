@@ -1,0 +1,27 @@
+"""On a real GPU: the estimate equals max_memory_allocated() of the same steps (run on the device)."""
+import pytest
+
+from memlens.spec import TrainingSpec
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    TrainingSpec(model="gpt2", batch_size=2, seq_len=256, precision="amp-bf16"),
+    TrainingSpec(model="qwen2.5-0.5b", batch_size=2, seq_len=512, precision="bf16", grad_checkpointing=True),
+    TrainingSpec(model="bert-base-uncased", batch_size=4, seq_len=256, precision="amp-fp16", attn="eager"),
+]
+
+
+@pytest.mark.parametrize("spec", CASES, ids=lambda s: s.describe())
+def test_estimate_matches_real_steps(spec):
+    import torch
+
+    from memlens import estimate
+    from memlens.measure.profile import profile_spec
+
+    result, _ = profile_spec(spec, steps=2, warmup=0, device="cuda", mode="phases")
+    measured = torch.cuda.max_memory_allocated()
+    assert result.peak_allocated_bytes == measured  # profile reads the allocator's own peak
+    est = estimate(spec).peak_allocated_bytes
+    assert abs(est - measured) / measured < 0.02
+    torch.cuda.empty_cache()
