@@ -235,6 +235,17 @@ class SimulationTracker(StorageTracker):
         super().__init__(log)
         self._workspaces: dict[str, torch.Tensor] = {}
 
+    def _embedding_backward_scratch(self, grad: torch.Tensor, indices: torch.Tensor) -> None:
+        """CUDA's embedding backward sorts the indices and sums rows per index segment in fp32
+        after allocating the weight gradient: measured on an H100 (8192 indices x 768) at
+        N*D*4 bytes of partial sums plus about 454 bytes per index of sort buffers."""
+        n = indices.numel()
+        d = grad.shape[-1]
+        scratch = [torch.empty(n * d * 4, dtype=torch.uint8), torch.empty(n * 454, dtype=torch.uint8)]
+        for t in scratch:
+            self.register(t, "temporaries")
+        del scratch
+
     def _workspace(self, name: str, nbytes: int) -> None:
         t = torch.empty(nbytes, dtype=torch.uint8)  # inside the handler this mode is off: register it
         self.register(t, "workspace")
@@ -242,6 +253,8 @@ class SimulationTracker(StorageTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is torch.ops.aten.embedding_dense_backward.default:
+            self._embedding_backward_scratch(args[0], args[1])
         if func in _gemm_ops():
             thread = "backward" if self.phase == "backward" else "forward"
             if thread not in self._workspaces:
