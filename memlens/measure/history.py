@@ -22,6 +22,7 @@ workspaces, the previous step's loss).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -55,6 +56,14 @@ class HistoryRecord:
     observations: list[tuple[int, str, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     start_blocks: list[tuple[int, int, str, int]] = field(default_factory=list)
     start_allocated: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HistoryRecord":
+        """Back from ``dataclasses.asdict`` (e.g. a pickled or JSON record)."""
+        return cls(modules=list(d["modules"]), moments=[Moment(**m) for m in d["moments"]],
+                   observations=[(m, c, tuple((int(a), int(n)) for a, n in blocks)) for m, c, blocks in d["observations"]],
+                   start_blocks=[(int(a), int(n), c, int(m)) for a, n, c, m in d["start_blocks"]],
+                   start_allocated=int(d["start_allocated"]))
 
 
 def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple[EventLog, dict[str, int]]:
@@ -177,7 +186,7 @@ class HistoryRecorder:
         self.optimizer_id = self._module_id(OPTIMIZER)
         self.phase, self.step, self.module = "start", 1, self.outside
         self.stack: list[int] = []
-        self._hooked: set[int] = set()      # ids of grad_fns an inner module already hooked this phase
+        self._entered = 0                   # id of the grad_fn whose enter hook made the last moment
         self._handles: list = []
         self._set_meta = torch._C._cuda_setMemoryMetadata
         self._saved_meta = ""
@@ -193,6 +202,7 @@ class HistoryRecorder:
     def _moment(self) -> int:
         moments = self.rec.moments
         moments.append(Moment(self.phase, self.step, self.module))
+        self._entered = 0
         n = len(moments) - 1
         self._set_meta(str(n))
         return n
@@ -200,7 +210,6 @@ class HistoryRecorder:
     def set_phase(self, phase: str, step: int, module: int | None = None) -> None:
         """A phase boundary: later allocations belong to ``phase`` of ``step`` (and ``module``)."""
         self.phase, self.step = phase, step
-        self._hooked.clear()
         if module is not None:
             self.module = module
         self._moment()
@@ -284,9 +293,13 @@ class HistoryRecorder:
         if torch.is_grad_enabled():
             rec = self
 
-            def enter(grad_outputs, mid=mid):
-                rec.module = mid
-                rec._moment()
+            def enter(grad_outputs, mid: int, fid: int) -> None:
+                # an output shared with an inner module (the last Linear's output is the model's):
+                # its pre-hooks run inner first, back to back, and the inner module keeps it
+                if rec._entered != fid:
+                    rec.module = mid
+                    rec._moment()
+                    rec._entered = fid
 
             if isinstance(out, torch.Tensor):
                 flat = (out,)
@@ -294,14 +307,12 @@ class HistoryRecorder:
                 from torch.utils._pytree import tree_flatten
 
                 flat = tree_flatten(out)[0]
-            # an output shared with an inner module (the last Linear's output is the model's) keeps
-            # the inner module: post hooks run inner first
-            hooked = self._hooked
+            seen = set()
             for t in flat:
                 fn = getattr(t, "grad_fn", None) if isinstance(t, torch.Tensor) else None
-                if fn is not None and id(fn) not in hooked:
-                    hooked.add(id(fn))
-                    fn.register_prehook(enter)
+                if fn is not None and id(fn) not in seen:
+                    seen.add(id(fn))
+                    fn.register_prehook(functools.partial(enter, mid=mid, fid=id(fn)))
 
     # ------------------------------------------------------------ analysis
     def to_log(self, snapshot: dict[str, Any]) -> tuple[EventLog, dict[str, int]]:

@@ -93,6 +93,36 @@ def test_committed_gpu_trace_replays_to_the_measured_peak():
     assert v.by_category["workspace"] == live_end - net == 1564480000
 
 
+def test_committed_gpu_history_reproduces_the_device_result():
+    """A full-mode profile recorded on an H100 (GPT-2 b1 L32 fp32, AdamW, its step after one warmup):
+    the allocator trace and the hooks' record replay to the categories the device reported, the
+    peak within 0.1% of max_memory_allocated(), and every backward allocation inside a module."""
+    raw = pickle.loads((FIX / "gpu_gpt2_history.pickle").read_bytes())
+    truth = json.loads((FIX / "gpu_gpt2_history_truth.json").read_text())
+    rec = HistoryRecord.from_dict(raw["record"])
+    trace = raw["device_traces"][0]
+    log, counts = history_to_log(trace, rec)
+    assert counts == {"entries": truth["history"]["entries"], "unknown_frees": 0}
+    v = mp.replay_ledger(log, round_size)
+    peak = truth["peak_allocated_bytes"]
+    assert (peak - v.peak_bytes) / peak < 1e-3
+    cats = {k: b for k, b in v.by_category.items() if b}
+    want = {k: b for k, b in truth["by_category"].items() if b and k != "unattributed"}
+    assert cats == want
+    assert sum(cats.values()) + truth["by_category"]["unattributed"] == peak
+    # GPT-2 small: 124,439,808 float32 parameters, as many gradient values, two Adam moments each
+    assert cats["parameters"] == cats["gradients"] == 124_439_808 * 4
+    assert cats["optimizer_state"] == 2 * 124_439_808 * 4       # the `step` counters live on the CPU
+    assert v.peak_phase == truth["peak_phase"] == "optimizer"
+    mods = {m["module"]: m for m in v.by_module}
+    for m in truth["top_modules"]:
+        assert {k: mods[m["module"]][k] for k in m} == m
+    # allocations labelled: every alloc carries a moment, and none in backward is outside the model
+    labelled = [rec.moments[int(e["user_metadata"])] for e in trace if e["action"] == "alloc"]
+    outside = rec.modules.index(OUTSIDE)
+    assert not [m for m in labelled if m.phase == "backward" and m.module == outside]
+
+
 def test_recorder_moments_follow_modules_and_backward(monkeypatch):
     """The hooks on a CPU model (the allocator's metadata calls faked): which module each moment
     names in forward and in backward."""
