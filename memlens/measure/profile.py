@@ -460,8 +460,8 @@ class Profiler:
 def profile(model=None, optimizer=None, **kwargs) -> Profiler:
     """A :class:`Profiler` to use as ``with memlens.profile(model, optimizer) as prof:``.
 
-    Keyword arguments: ``device`` ("cuda:0", "cpu"; default: the model's), ``mode`` ("phases" or
-    "full"), ``record_snapshot`` (memory-history pickle), ``torch_profiler`` (operator tables).
+    Keyword arguments: ``device`` ("cuda:0", "cpu"; default: the model's), ``mode`` ("phases",
+    "full" or "ledger"), ``record_snapshot`` (memory-history pickle), ``torch_profiler`` (operator tables).
     """
     return Profiler(model, optimizer, **kwargs)
 
