@@ -5,10 +5,14 @@ Run on the GPU machine from a directory holding memlens/ and bench/:
 Each case runs in its own subprocess and appends one JSON line to OUT_DIR/profile_accuracy.jsonl:
   - baseline: STEPS reference steps, no profiler (per-step time with a device sync around each step),
     torch.cuda.max_memory_allocated() over them = the truth;
-  - phases mode and full mode around the same number of steps: their peak vs the truth, the sum of
-    the full mode's categories vs its peak, the median step-time overhead vs the baseline;
-  - `estimate` of the same spec vs the full-mode measurement (compare_with_estimate).
-Then the CLI writes a complete --out report for GPT-2 (full mode, torch profiler, memory snapshot).
+  - phases, full (allocator history) and ledger (dispatch mode) around the same number of steps, in
+    interleaved rounds: their peak vs the truth, the sum of the categories vs the peak, the
+    categories of full vs ledger, the median step-time overhead vs the baseline, and the seconds the
+    profiler's stop takes (full mode: the history snapshot and its replay);
+  - with --estimate: `estimate` of the same spec vs the full-mode measurement (compare_with_estimate).
+--probe: what the allocator records as user metadata (history without stack traces; backward's thread).
+--report: the CLI writes a complete --out report for GPT-2 (full mode, torch profiler, memory snapshot).
+--fixture: a full-mode GPT-2 b1 L32 step's allocator trace and history record, for the CPU tests.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 4
 WARMUP = 2
 ROUNDS = 3
+MODES = ("phases", "full", "ledger")
 CASES = [
     ("gpt2-ampbf16-b8-L512", dict(model="gpt2", batch_size=8, seq_len=512, precision="amp-bf16")),
     ("llama1b-bf16-b4-L2048", dict(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16")),
@@ -73,13 +78,17 @@ def run_case(name: str, fields: dict) -> dict:
         truth = torch.cuda.max_memory_allocated()
         truth_reserved = torch.cuda.max_memory_reserved()
         results = {}
-        times = {"phases": [], "full": []}
-        # interleaved rounds (base, phases, full, base, ...) so clock drift hits every mode alike
+        times = {m: [] for m in MODES}
+        stop_s = {m: [] for m in MODES}
+        # interleaved rounds (phases, full, ledger, base, ...) so clock drift hits every mode alike
         for rnd in range(ROUNDS):
-            for mode in ("phases", "full"):
+            for mode in MODES:
                 prof = Profiler(model, opt, device=dev, mode=mode, spec=spec.to_dict())
-                with prof:
-                    times[mode] += timed(STEPS)
+                prof.start()
+                times[mode] += timed(STEPS)
+                t = time.perf_counter()
+                prof.stop()
+                stop_s[mode].append(round(time.perf_counter() - t, 4))
                 if rnd == 0:
                     results[mode] = prof.result
                 elif prof.result.peak_allocated_bytes != results[mode].peak_allocated_bytes:
@@ -96,7 +105,7 @@ def run_case(name: str, fields: dict) -> dict:
              "peak_equals_truth": r.peak_allocated_bytes == truth, "peak_error": (r.peak_allocated_bytes - truth) / truth,
              "step_s": [round(x, 5) for x in times[mode]], "median_s": statistics.median(times[mode]),
              "overhead": statistics.median(times[mode]) / med_base - 1, "peak_phase": r.data.get("peak_phase"),
-             "by_phase": r.by_phase}
+             "by_phase": r.by_phase, "stop_s": stop_s[mode]}
         if r.by_category:
             m["by_category"] = r.by_category
             m["categories_sum_bytes"] = r.data.get("categories_sum_bytes")
@@ -105,19 +114,82 @@ def run_case(name: str, fields: dict) -> dict:
             m["untracked_at_start_bytes"] = r.data.get("untracked_at_start_bytes")
             m["top_modules"] = r.by_module[:8]
             m["lora_bytes_at_peak"] = r.data.get("lora_bytes_at_peak")
+            m["ledger_peak_phase"] = r.data["ledger"]["peak_phase"]
+            m["history"] = r.data.get("history")
         if mode == "phases":
             m["allocator"] = {k: v for k, v in r.data.get("allocator", {}).items() if k not in ("labels", "findings")}
             m["nvml"] = r.data.get("nvml")
         rec[mode] = m
-    t = time.perf_counter()
-    rec["compare_estimate"] = compare_with_estimate(spec, results["full"])
-    rec["estimate_seconds"] = time.perf_counter() - t
+    if "--estimate" in sys.argv:
+        t = time.perf_counter()
+        rec["compare_estimate"] = compare_with_estimate(spec, results["full"])
+        rec["estimate_seconds"] = time.perf_counter() - t
     return rec
+
+
+def probe_metadata() -> dict:
+    """Does the allocator copy user metadata into trace entries recorded without stack traces, and
+    does an allocation on backward's thread see metadata set on the main thread?"""
+    import torch
+
+    x = torch.randn(64, 64, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=10_000, context=None, clear_history=True)
+    torch.cuda.memory._set_memory_metadata("7")
+    a = torch.empty(12345, device="cuda")
+    y = (x * 3).sin().sum()
+    torch.cuda.memory._set_memory_metadata("8")
+    y.backward()                    # allocations on the autograd device thread
+    torch.cuda.synchronize()
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    torch.cuda.memory._set_memory_metadata("")
+    tr = snap["device_traces"][0]
+    del a
+    return {"entries": [(e["action"], e["size"], e.get("user_metadata")) for e in tr if e["action"] == "alloc"][:12],
+            "keys": sorted(tr[0].keys()) if tr else []}
+
+
+def make_fixture(out: str) -> None:
+    """A full-mode GPT-2 b1 L32 profile: the allocator trace (no frames), the history record, the result."""
+    import dataclasses
+    import pickle
+
+    import torch
+
+    from memlens.measure import profile as mp
+    from memlens.spec import TrainingSpec
+
+    taken = {}
+    real = torch.cuda.memory._snapshot
+
+    def keep(*a, **k):
+        taken["snap"] = real(*a, **k)
+        return taken["snap"]
+
+    torch.cuda.memory._snapshot = keep
+    rec_of = {}
+    real_stop = mp.Profiler.stop
+
+    def stop(self):
+        r = real_stop(self)
+        rec_of["rec"] = self.history.rec
+        return r
+
+    mp.Profiler.stop = stop
+    r, _ = mp.profile_spec(TrainingSpec(model="gpt2", batch_size=1, seq_len=32), steps=1, warmup=1, device="cuda:0", mode="full")
+    snap = taken["snap"]
+    with open(os.path.join(out, "gpu_gpt2_history.pickle"), "wb") as f:
+        pickle.dump({"device_traces": snap["device_traces"], "record": dataclasses.asdict(rec_of["rec"])}, f)
+    r.save(os.path.join(out, "gpu_gpt2_history_result.json"))
 
 
 def main() -> None:
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
+    if len(sys.argv) > 2 and sys.argv[2] == "--make-fixture":
+        make_fixture(out)
+        return
     if len(sys.argv) > 2 and sys.argv[2] == "--child":
         name = sys.argv[3]
         try:
@@ -138,8 +210,6 @@ def main() -> None:
         env["transformers"] = transformers.__version__
     except ImportError:
         pass
-    with open(os.path.join(out, "profile_env.json"), "w") as f:
-        json.dump(env, f)
     wanted = [w for w in sys.argv[2:] if not w.startswith("--")]
     if "--report" in sys.argv:
         # the CLI end to end: full mode, torch profiler, memory snapshot, compare-estimate
@@ -151,14 +221,15 @@ def main() -> None:
         with open(os.path.join(out, "gpt2_report_stdout.txt"), "w") as f:
             f.write(r.stdout + "\n--- stderr\n" + r.stderr[-4000:])
         print(f"report rc={r.returncode} {time.time() - t:5.1f}s", flush=True)
+    if "--probe" in sys.argv:
+        env["metadata_probe"] = probe_metadata()
+        print(json.dumps(env["metadata_probe"]), flush=True)
     if "--fixture" in sys.argv:
-        # a small snapshot pickle for the test fixtures
-        code = ("import pickle,torch;from memlens.spec import TrainingSpec;from memlens.measure.profile import profile_spec;"
-                "r,a=profile_spec(TrainingSpec(model='gpt2',batch_size=1,seq_len=32),steps=1,warmup=1,device='cuda:0',snapshot=True);"
-                f"pickle.dump(a['memory_snapshot'],open({os.path.join(out, 'fixture_snapshot.pickle')!r},'wb'));"
-                f"r.save({os.path.join(out, 'fixture_snapshot_result.json')!r})")
-        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-        print(f"fixture rc={r.returncode} {r.stderr[-500:]}", flush=True)
+        t = time.time()
+        r = subprocess.run([sys.executable, __file__, out, "--make-fixture"], capture_output=True, text=True, timeout=120)
+        print(f"fixture rc={r.returncode} {time.time() - t:5.1f}s {r.stderr[-800:]}", flush=True)
+    with open(os.path.join(out, "profile_env.json"), "w") as f:
+        json.dump(env, f)
     for name, _ in CASES:
         if wanted and not any(w in name for w in wanted):
             continue

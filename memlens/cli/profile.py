@@ -26,8 +26,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=3, metavar="N", help="profiled optimizer steps (default 3)")
     g.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured steps first (default 1)")
     g.add_argument("--device", default=None, metavar="DEV", help="cuda:0 | cpu (default: cuda if available)")
-    g.add_argument("--mode", choices=("phases", "full"), default=None,
+    g.add_argument("--mode", choices=("phases", "full", "ledger"), default=None,
                    help="phases: allocator counters at phase boundaries (<5%% overhead); full: + categories and modules "
+                        "(on CUDA from the allocator's history); ledger: the same from a per-op storage ledger (slower) "
                         "(default: full on cpu, phases on cuda)")
     g.add_argument("--compare-estimate", action="store_true", help="also run `estimate` for the spec: predicted vs measured")
     g.add_argument("--torch-profiler", action="store_true", help="torch.profiler tables (top ops by time and memory) + Chrome trace")

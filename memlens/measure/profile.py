@@ -1,16 +1,20 @@
 """`profile`: measure where a real training step's memory goes, around the user's own loop.
 
-Two modes (``mode=``):
+Three modes (``mode=``):
 
 - ``"phases"`` (fast, < 5% step time on a GPU): hooks on the model (forward pre/post, a pre-hook on
   the output's grad_fn for the start of backward) and on the optimizer (step pre/post) read
   ``torch.cuda.memory_allocated / memory_reserved / max_memory_allocated / memory_stats`` at every
   phase boundary and reset the peak counter, so each phase has its own peak. No per-op work.
-- ``"full"``: adds a ledger of every storage on the device (memlens' StorageTracker, a dispatch mode
-  on real tensors), module attribution (ModuleScope) and saved-tensor hooks, so the peak is broken
-  down by category (parameters, gradients, optimizer state, activations, temporaries, inputs),
-  by module (forward / backward peak of each module's own allocations, LoRA adapters apart) and by
-  the phase that allocated it.
+- ``"full"``: also breaks the peak down by category (parameters, gradients, optimizer state,
+  activations, temporaries, inputs), by module (forward / backward peak of each module's own
+  allocations, LoRA adapters apart) and by the phase that allocated it. On CUDA this comes from the
+  caching allocator's own history, labelled by module and phase hooks (:mod:`.history`, no per-op
+  Python work); on the CPU from the ledger below.
+- ``"ledger"``: the same breakdown from a ledger of every storage on the device (memlens'
+  StorageTracker, a dispatch mode on real tensors, with module attribution and saved-tensor hooks):
+  Python work on every op, so slower, but it sees tensors (saved activations apart from in-flight
+  forward temporaries) rather than allocator blocks.
 
 On ``device="cpu"`` there is no caching allocator to read, so the ledger is always on and its live
 storage bytes *are* the figures ("allocated" = bytes of live tensor storages; reserved = allocated).
@@ -39,7 +43,7 @@ from typing import Any, Callable
 from ..errors import MemlensError, NoDeviceError
 from ..report.result import CATEGORIES, Result
 
-MODES = ("phases", "full")
+MODES = ("phases", "full", "ledger")
 PHASE_NAMES = ("forward", "backward", "optimizer")
 UNATTRIBUTED = "unattributed"
 
@@ -178,7 +182,7 @@ class Profiler:
                  record_snapshot: bool = False, snapshot_max_entries: int = 200_000, torch_profiler: bool = False,
                  spec: dict | None = None, optimizer_hooks: bool = True):
         if mode not in MODES:
-            raise MemlensError(f"profile mode {mode!r} is not one of {', '.join(MODES)}", hint="use mode='phases' or 'full'")
+            raise MemlensError(f"profile mode {mode!r} is not one of {', '.join(MODES)}", hint="use mode='phases', 'full' or 'ledger'")
         import torch
 
         self.torch = torch
@@ -209,7 +213,9 @@ class Profiler:
         self._result: Result | None = None
         self.log = None
         self.tracker = None
-        self._ledger_on = mode == "full" or self.device_type == "cpu"
+        self.history = None                # HistoryRecorder: mode "full" on CUDA
+        self.history_counts: dict[str, int] = {}
+        self._ledger_on = mode == "ledger" or self.device_type == "cpu"
         if self.device_type == "cuda":
             if not torch.cuda.is_available():
                 raise NoDeviceError("CUDA is not available in this process", hint="use device='cpu' (ledger mode) or run on a GPU machine")
@@ -235,8 +241,16 @@ class Profiler:
             self.meter.reset_peak()
         if self._ledger_on:
             self._start_ledger()
-        if self.record_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=self.snapshot_max_entries)
+        if self.mode == "full" and self.device_type == "cuda":
+            from .history import HistoryRecorder
+
+            self.history = HistoryRecorder(torch, self.device, self.model, self.optimizer)
+            self.history.start()
+            self._ctx.callback(self.history.stop)
+        if self.record_snapshot or self.history is not None:
+            # stack traces only for a snapshot the user asked for; the history needs none
+            ctx = {} if self.record_snapshot else {"context": None}
+            torch.cuda.memory._record_memory_history(max_entries=self.snapshot_max_entries, clear_history=True, **ctx)
             self._ctx.callback(torch.cuda.memory._record_memory_history, enabled=None)
         if self.want_torch_profiler:
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -255,12 +269,17 @@ class Profiler:
         if self.device_type == "cuda":
             self.torch.cuda.synchronize(self.device)
         self._snap("stop", "stop")
+        snapshot = self.torch.cuda.memory._snapshot() if (self.record_snapshot or self.history is not None) else None
         if self.record_snapshot:
-            self.memory_snapshot = self.torch.cuda.memory._snapshot()
+            self.memory_snapshot = snapshot
         for h in self._handles:
             h.remove()
         self._handles = []
         self._ctx.close()
+        if self.history is not None:
+            self.log, self.history_counts = self.history.to_log(snapshot)
+            self.history_counts["trace_entries"] = len((snapshot.get("device_traces") or [[]])[self.device.index or 0])
+        del snapshot
         self._running = False
         self._result = self._build_result()
         return self._result
@@ -307,6 +326,11 @@ class Profiler:
         if name == self.current_phase:
             return
         ended = self.current_phase
+        if self.history is not None:
+            h = self.history
+            h.set_phase(name, self.step, h.optimizer_id if name == "optimizer" else None)
+            if name == "optimizer":
+                h.observe_grads()
         if self.tracker is not None:
             self.tracker.set_phase(name, self.step)
             self.tracker.category_default = "temporaries"
@@ -321,6 +345,9 @@ class Profiler:
     def _end_step(self) -> None:
         if self.tracker is not None and self.optimizer is not None:
             _tag_optimizer_state(self.tracker, self.optimizer)
+        if self.history is not None:
+            self.history.observe_grads()
+            self.history.observe_optimizer_state()
         ended = self.current_phase
         s = self._snap(f"step {self.step} end", "end", ended)
         now = time.perf_counter()
@@ -334,6 +361,9 @@ class Profiler:
         if self.tracker is not None:
             self.tracker.set_phase("between steps", self.step)
             self.tracker.module = self.log.module_id("(outside modules)")
+        if self.history is not None:
+            self.history.stack.clear()
+            self.history.set_phase("between steps", self.step, self.history.outside)
 
     # hooks ---------------------------------------------------------------
     def _install_hooks(self) -> None:
@@ -358,6 +388,10 @@ class Profiler:
         self._enter_phase("forward")
         if self.tracker is not None:
             self._tag_inputs((args, kwargs))
+        if self.history is not None:
+            from torch.utils._pytree import tree_flatten
+
+            self.history.observe("inputs", tree_flatten((args, kwargs))[0])
 
     def _on_forward_post(self, module, args, out):
         if not self.torch.is_grad_enabled():
@@ -426,8 +460,8 @@ class Profiler:
 def profile(model=None, optimizer=None, **kwargs) -> Profiler:
     """A :class:`Profiler` to use as ``with memlens.profile(model, optimizer) as prof:``.
 
-    Keyword arguments: ``device`` ("cuda:0", "cpu"; default: the model's), ``mode`` ("phases" or
-    "full"), ``record_snapshot`` (memory-history pickle), ``torch_profiler`` (operator tables).
+    Keyword arguments: ``device`` ("cuda:0", "cpu"; default: the model's), ``mode`` ("phases",
+    "full" or "ledger"), ``record_snapshot`` (memory-history pickle), ``torch_profiler`` (operator tables).
     """
     return Profiler(model, optimizer, **kwargs)
 
@@ -679,6 +713,16 @@ def build_result(prof: Profiler) -> Result:
             data["peak_step"] = view.peak_step
         notes.append("by_category / by_module: what was live at the ledger's peak; a module's forward/backward peak is the "
                      "most of its own allocations live at once during that phase (LoRA adapters flagged lora=true).")
+        if prof.history is not None:
+            data["ledger"]["source"] = "caching-allocator history (alloc / free_requested), labelled by module and phase hooks"
+            data["history"] = dict(prof.history_counts)
+            notes.append("full mode on CUDA replays the caching allocator's own history: activations are blocks allocated "
+                         "in forward that are still live (at a forward-phase peak this includes forward temporaries), "
+                         "temporaries those allocated later; gradients, optimizer states and inputs are the blocks "
+                         "of those tensors' storages. Use mode 'ledger' for a per-tensor breakdown (slower).")
+            if prof.history_counts.get("trace_entries", 0) >= prof.snapshot_max_entries:
+                notes.append(f"the allocator history hit its {prof.snapshot_max_entries} entries and dropped the oldest: "
+                             "profile fewer steps for exact categories.")
         if cuda:
             notes.append("workspace: device memory allocated before profiling that no tracked tensor owns (cuBLAS "
                          "workspaces); unattributed: the measured peak minus every category (allocator rounding the ledger cannot see).")

@@ -218,3 +218,13 @@ def test_snapshot_pickle_is_plain_data():
     raw = (FIX / "gpu_gpt2_memory_snapshot.pickle").read_bytes()
     snap = pickle.loads(raw)
     assert isinstance(snap, dict) and snap["segments"] and snap["device_traces"]
+
+
+def test_ledger_mode_on_cpu_matches_full():
+    """On the CPU, full mode *is* the ledger; mode 'ledger' names it and gives the same bytes."""
+    model = tiny()
+    full = run_loop(model, torch.optim.AdamW(model.parameters(), lr=0.1), mode="full").result
+    model = tiny()
+    ledger = run_loop(model, torch.optim.AdamW(model.parameters(), lr=0.1), mode="ledger").result
+    assert ledger.data["mode"] == "ledger" and ledger.by_category == full.by_category
+    assert ledger.by_category["optimizer_state"] == 2 * PARAM_BYTES + 4 * 4
