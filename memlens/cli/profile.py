@@ -30,6 +30,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="phases: allocator counters at phase boundaries (<5%% overhead); full: + categories and modules "
                         "(on CUDA from the allocator's history); ledger: the same from a per-op storage ledger (slower) "
                         "(default: full on cpu, phases on cuda)")
+    g.add_argument("--load-on-cpu", action="store_true",
+                   help="build the model on the CPU, then move it to the device (the seeds' load-then-move experiment)")
     g.add_argument("--compare-estimate", action="store_true", help="also run `estimate` for the spec: predicted vs measured")
     g.add_argument("--torch-profiler", action="store_true", help="torch.profiler tables (top ops by time and memory) + Chrome trace")
     g.add_argument("--snapshot", action="store_true", help="record memory history; write memory_snapshot.pickle (CUDA; needs --out)")
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     with _progress(args, args.steps) as progress:
         result, artifacts = profile_spec(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
                                          torch_profiler=args.torch_profiler, snapshot=args.snapshot,
-                                         compare_estimate=args.compare_estimate, trace_path=trace, progress=progress)
+                                         compare_estimate=args.compare_estimate, trace_path=trace, progress=progress,
+                                         load_on_cpu=args.load_on_cpu)
     if d is not None:
         from ..report.profile_report import write_report
 
@@ -145,6 +148,10 @@ def render(result) -> None:
     if "loaded_bytes" in ml:
         c.print(f"  model load: {fmt_bytes(ml['loaded_bytes'])} allocated vs {fmt_bytes(ml['theoretical_param_bytes'])} of parameters "
                 f"(overhead {fmt_bytes(ml['overhead_bytes'])}: buffers, batch, rounding)")
+    if "allocated_after_move_bytes" in ml:
+        c.print(f"  loaded on the CPU in {ml['cpu_build_seconds']} s (device allocated {fmt_bytes(ml['allocated_after_cpu_load_bytes'])}), "
+                f"moved to the device in {ml['move_seconds']} s: allocated {fmt_bytes(ml['allocated_after_move_bytes'])}, "
+                f"reserved {fmt_bytes(ml['reserved_after_move_bytes'])}")
     al = d.get("allocator")
     if al:
         c.print(f"  allocator: reserved-allocated {fmt_bytes(al['reserved_unallocated_bytes'])}, inactive split "

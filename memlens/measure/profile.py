@@ -839,9 +839,13 @@ def torch_profiler_tables(tp, cuda: bool, top: int = 15) -> dict[str, Any]:
 
 def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, mode: str = "phases",
                  torch_profiler: bool = False, snapshot: bool = False, compare_estimate: bool = False,
-                 trace_path: str | None = None, progress: Callable[[int, int], None] | None = None) -> tuple[Result, dict]:
+                 trace_path: str | None = None, progress: Callable[[int, int], None] | None = None,
+                 load_on_cpu: bool = False) -> tuple[Result, dict]:
     """Build ``spec``'s model with random weights on ``device`` (no download), run ``warmup`` then
     ``steps`` reference training steps under the profiler, and return (Result, artifacts).
+
+    ``load_on_cpu``: build the model on the CPU first, then move it to the device, as a script that
+    loads a checkpoint does; ``model_load`` then also holds the "moved to device" figures.
 
     ``artifacts`` holds what is not JSON: ``{"memory_snapshot": dict}`` with ``snapshot=True``.
     The model-load snapshots ("model built", "optimizer created") are taken with the peak counter
@@ -884,8 +888,17 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
 
     t0 = time.perf_counter()
     with _quiet():
-        built = build(spec, source, device=dev)
+        built = build(spec, source, device="cpu" if (load_on_cpu and cuda) else dev)
     model, batch = built.model, built.batch
+    if load_on_cpu and cuda:
+        load["cpu_build_seconds"] = round(time.perf_counter() - t0, 3)
+        load["allocated_after_cpu_load_bytes"] = torch.cuda.memory_allocated()  # the model is on the CPU: ~0
+        t1 = time.perf_counter()
+        model.to(dev)
+        torch.cuda.synchronize()
+        load["move_seconds"] = round(time.perf_counter() - t1, 3)
+        load["allocated_after_move_bytes"] = torch.cuda.memory_allocated()
+        load["reserved_after_move_bytes"] = torch.cuda.memory_reserved()
     batch = _to_device(batch, dev)
     optimizer = make_optimizer(spec, model, simulate=False)
     if cuda:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -141,6 +142,8 @@ def infer_task(config) -> str:
 
 def _factory_source(target: str) -> ModelSource:
     mod_name, _, fn_name = target.partition(":")
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory resolve
+        sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:

@@ -258,6 +258,10 @@ def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
                 ["batch", fmt_bytes(ml.get("batch_bytes"))]]
         if "loaded_bytes" in ml:
             rows += [["allocated by loading", fmt_bytes(ml["loaded_bytes"])], ["overhead vs parameters", f"{fmt_bytes(ml['overhead_bytes'])} ({_pct(ml.get('overhead_fraction'))})"]]
+        if "allocated_after_move_bytes" in ml:
+            rows += [["device allocated after loading on the CPU", fmt_bytes(ml["allocated_after_cpu_load_bytes"])],
+                     ["device allocated after .to(device)", fmt_bytes(ml["allocated_after_move_bytes"])],
+                     ["device reserved after .to(device)", fmt_bytes(ml["reserved_after_move_bytes"])]]
         parts.append(_table(["", "bytes"], rows))
     al = d.get("allocator")
     if al:

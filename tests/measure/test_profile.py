@@ -228,3 +228,15 @@ def test_ledger_mode_on_cpu_matches_full():
     ledger = run_loop(model, torch.optim.AdamW(model.parameters(), lr=0.1), mode="ledger").result
     assert ledger.data["mode"] == "ledger" and ledger.by_category == full.by_category
     assert ledger.by_category["optimizer_state"] == 2 * PARAM_BYTES + 4 * 4
+
+
+@pytest.mark.gpu
+def test_load_on_cpu_then_move_to_the_gpu():
+    from memlens.measure.profile import profile_spec
+    from memlens.spec import TrainingSpec
+
+    r, _ = profile_spec(TrainingSpec(model="gpt2", batch_size=1, seq_len=64), steps=1, warmup=0, device="cuda",
+                        load_on_cpu=True)
+    ml = r.data["model_load"]
+    assert ml["allocated_after_cpu_load_bytes"] < 1024 * 1024          # nothing on the GPU yet
+    assert ml["allocated_after_move_bytes"] >= ml["theoretical_param_bytes"]  # .to(cuda) put the weights there
