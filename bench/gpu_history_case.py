@@ -1,0 +1,55 @@
+"""Record the CUDA caching allocator's history of one accuracy case (bench/cases.py) for 2 steps.
+
+python bench/gpu_history_case.py OUT_DIR CASE_NAME  -> OUT_DIR/history_<case>.pickle
+Used to compare the real allocator's event sequence with the simulated one when reserved memory
+differs (e.g. which request makes the second step reserve a new segment).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    import torch
+
+    from bench.cases import CASES
+    from memlens.measure.profile import amp_setup
+    from memlens.models.build import build, make_optimizer
+    from memlens.models.source import resolve
+    from memlens.spec import TrainingSpec
+    from memlens.step import train_step
+
+    out, name = sys.argv[1], sys.argv[2]
+    spec = TrainingSpec(**dict(CASES)[name])
+    dev = torch.device("cuda")
+    torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python", context="alloc")
+    built = build(spec, resolve(spec.model), device=dev)
+    opt = make_optimizer(spec, built.model)
+    autocast, scaler = amp_setup(spec, dev)
+    marks = []
+    for step in (1, 2):
+        def on_phase(ph, step=step):
+            torch.cuda.synchronize()
+            marks.append((step, ph, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        train_step(built.model, opt, built.batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler,
+                   loss_fn=built.loss_fn, on_phase=on_phase)
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    for seg in snap.get("segments", []):  # keep the file small: no frames on blocks
+        for b in seg.get("blocks", []):
+            b.pop("frames", None)
+    for tr in snap.get("device_traces", []):
+        for e in tr:
+            fr = e.get("frames") or []
+            e["frames"] = [f for f in fr if "site-packages/transformers" in f.get("filename", "") or "torch/" in f.get("filename", "")][:3]
+    with open(os.path.join(out, f"history_{name}.pickle"), "wb") as f:
+        pickle.dump({"snapshot": snap, "marks": marks}, f)
+    print(name, "events", sum(len(t) for t in snap["device_traces"]), "marks", [(s, p, round(r / 2**30, 3)) for s, p, a, r in marks])
+
+
+if __name__ == "__main__":
+    main()
