@@ -275,16 +275,18 @@ def _first_half(args) -> bool:
 
 def _cross_entropy_decomposed(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                               reduction="mean", label_smoothing=0.0):
-    """cross_entropy under CUDA autocast: it has no policy of its own, so it decomposes into
-    log_softmax (fp32 output, no input copy) and nll_loss (fp32)."""
+    """cross_entropy under CUDA autocast. It has no policy of its own and decomposes in C++
+    (aten/src/ATen/native/LossNLL.cpp) into log_softmax(x, 1, dtype=x.dtype), which keeps the
+    input's half dtype because the dtype is given, and nll_loss, which is on the fp32 list and so
+    copies the half log-probabilities to fp32 and keeps that copy for backward (measured on an H100:
+    BERT's MLM loss holds fp16 log-probs and their fp32 copy through backward)."""
     if target.is_floating_point():  # class probabilities
         return F.cross_entropy(input.float(), target, weight, None, ignore_index, None, reduction, label_smoothing)
-    lp = _half_to_float_softmax("log_softmax", (input, 1), {"dtype": torch.float32})
-    if lp is None:
-        lp = F.log_softmax(input, 1, dtype=torch.float32)
-    loss = F.nll_loss(lp, target, weight, None, ignore_index, None, reduction)
+    lp = F.log_softmax(input, 1, dtype=input.dtype)
+    lp32 = lp.float() if lp.dtype in (torch.float16, torch.bfloat16) else lp
+    loss = F.nll_loss(lp32, target, weight, None, ignore_index, None, reduction)
     if label_smoothing > 0:
-        smooth = -lp.sum(dim=1)
+        smooth = -lp.sum(dim=1, dtype=torch.float32)
         loss = (1 - label_smoothing) * loss + label_smoothing * smooth.mean() / input.shape[1]
     return loss
 
