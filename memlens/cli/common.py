@@ -80,3 +80,20 @@ def out_dir(args: argparse.Namespace) -> Path | None:
 
 def dump_json(obj, path: Path) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def require_cuda(device: str) -> None:
+    """One clear line when a measured run asks for CUDA on a machine without it."""
+    if not device.startswith("cuda"):
+        return
+    try:
+        import torch
+
+        ok = torch.cuda.is_available()
+    except ImportError:
+        ok = False
+    if not ok:
+        from ..errors import NoDeviceError
+
+        raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
+                            hint="drop --measure for estimates, or --device cpu to time the steps only")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import MemlensError, NoDeviceError
+from ..errors import MemlensError
 from ..units import fmt_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import require_cuda, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -39,16 +39,8 @@ def run(args: argparse.Namespace) -> int:
     names = parse_techniques(args.techniques)
     if args.steps < 1:
         raise MemlensError(f"--steps must be >= 1, got {args.steps}", hint="e.g. --steps 3")
-    if args.measure and args.device.startswith("cuda"):
-        try:
-            import torch
-
-            ok = torch.cuda.is_available()
-        except ImportError:
-            ok = False
-        if not ok:
-            raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
-                                hint="drop --measure for estimates, or --device cpu to time the steps only")
+    if args.measure:
+        require_cuda(args.device)
     od = out_dir(args)
     status = None
     if not args.json and sys.stderr.isatty():

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import MemlensError, NoDeviceError
+from ..errors import MemlensError
 from ..units import fmt_bytes, parse_bytes
-from .common import add_output_args, add_spec_args, emit_json, spec_from_args
+from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args
 
 
 def _int_list(text: str) -> list[int]:
@@ -78,16 +78,8 @@ def run(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.budget) if args.budget else None
     if budget == 0:
         raise MemlensError("--budget is 0", hint="e.g. --budget 16GiB")
-    if args.measure and args.device.startswith("cuda"):
-        try:
-            import torch
-
-            ok = torch.cuda.is_available()
-        except ImportError:
-            ok = False
-        if not ok:
-            raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
-                                hint="drop --measure for estimates, or --device cpu to time the steps only")
+    if args.measure:
+        require_cuda(args.device)
     out = args.out or "memlens-sweep"
     prog = _Progress(enabled=not args.json)
     try:

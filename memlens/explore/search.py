@@ -131,13 +131,7 @@ def verify_limit(try_batch: Callable[[int], bool], seed: int, *, cap: int = MAX_
             else:
                 hi = b
                 break
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if t(mid):
-            lo = mid
-        else:
-            hi = mid
-    return Search(lo, trials)
+    return Search(_bisect(lo, hi, t), trials)
 
 
 def doubling_bisection(try_batch: Callable[[int], bool], *, cap: int = MAX_BATCH) -> Search:
@@ -163,13 +157,7 @@ def doubling_bisection(try_batch: Callable[[int], bool], *, cap: int = MAX_BATCH
         if lo < cap and t(cap):
             return Search(cap, trials)
         hi = cap + 1 if lo == cap else cap
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if t(mid):
-            lo = mid
-        else:
-            hi = mid
-    return Search(lo, trials)
+    return Search(_bisect(lo, hi, t), trials)
 
 
 def max_fitting_among(values: list[int], value: Callable[[int], float], budget: float) -> Search:
@@ -223,3 +211,14 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
         else:
             hi_i = nxt
     return Search(vals[lo_i], trials)
+
+
+def _bisect(lo: int, hi: int, fits) -> int:
+    """The largest batch in [lo, hi) that fits, given that lo fits and hi does not."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
