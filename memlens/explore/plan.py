@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import MemlensError
 from ..spec import TrainingSpec
-from .core import CachedEstimator, ceil_div, largest_divisor_at_most, need_bytes, predict_step_time
+from .core import CachedEstimator, ceil_div, need_bytes, predict_step_time
 from .search import max_fitting_among
 
 # what each kind of change means for training
