@@ -24,12 +24,12 @@ def activation_bytes(model: str, layers: int, **kw) -> tuple[int, int, int]:
     key = "n_layer" if hasattr(cfg, "n_layer") else "num_hidden_layers"
     setattr(cfg, key, layers)
     spec = TrainingSpec(model=model, batch_size=2, precision="bf16", **kw)
-    from memlens.ledger import PHASE, _breakdown_at
+    from memlens.ledger import PHASE, breakdown_at
 
     log = simulate(spec, source=src).log
     # all activations are live when the last forward ends (where backward begins)
     idx = [i for i, ev in enumerate(log.events) if ev[0] == PHASE and ev[1] == "backward"][-1]
-    by_cat, _ = _breakdown_at(log, idx, None)
+    by_cat, _, _ = breakdown_at(log, idx)
     H = getattr(cfg, "hidden_size", None) or cfg.n_embd
     return by_cat["activations"] + by_cat["temporaries"], H, 0
 

@@ -291,7 +291,7 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
     inactive = a.inactive_split_bytes
     nseg = a.num_segments
 
-    by_cat, by_mod = _breakdown_at(log, peak_i, module_depth)
+    by_cat, by_mod, _ = breakdown_at(log, peak_i, module_depth)
     return Analysis(
         peak_allocated_bytes=max(peak_alloc, 0),
         peak_reserved_bytes=peak_res,
@@ -302,7 +302,7 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
         by_category=by_cat,
         by_module=by_mod,
         by_phase={k: v for k, v in phase_stats.items() if k != "end"},
-        timeline=_downsample(raw, max_points),
+        timeline=downsample(raw, max_points),
         steps=[step_stats[k] for k in sorted(step_stats) if k > 0],
         end_allocated_bytes=end_alloc,
         end_reserved_bytes=end_res,
@@ -311,51 +311,57 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
     )
 
 
-def _breakdown_at(log: EventLog, index: int, module_depth: int | None):
-    """Live bytes by category and by (module, category) right after event ``index``.
+def breakdown_at(log: EventLog, index: int, module_depth: int | None = None, size_fn=None):
+    """Live bytes right after event ``index``: (by category, by module rows, by allocating phase).
 
-    Bytes are the allocator's block sizes, so the categories sum to the peak exactly. A tag says
-    what a storage *is* (a gradient, a saved activation, optimizer state), which is often known
-    only a little after it appears, so each storage gets its last tag.
+    Bytes are the allocator model's block sizes, so the categories sum to its peak exactly; a
+    measured run passes ``size_fn`` (e.g. :func:`round_size`) to count each storage its own way.
+    A tag says what a storage *is* (a gradient, a saved activation, optimizer state), which is
+    often known only a little after it appears, so each storage gets its last tag.
     """
     final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
     live: dict[Any, list] = {}
-    alloc = CachingAllocatorModel()
+    alloc = CachingAllocatorModel() if size_fn is None else None
     for i, ev in enumerate(log.events):
         if i > index:
             break
         kind = ev[0]
         if kind == ALLOC and ev[1] not in live:
-            size = alloc.malloc(ev[1], ev[2])
-            live[ev[1]] = [size, final.get(ev[1], ev[3]), ev[4]]
+            size = alloc.malloc(ev[1], ev[2]) if alloc is not None else size_fn(ev[2])
+            live[ev[1]] = [size, final.get(ev[1], ev[3]), ev[4], ev[5]]
         elif kind == FREE and ev[1] in live:
-            alloc.free(ev[1])
+            if alloc is not None:
+                alloc.free(ev[1])
             del live[ev[1]]
     by_cat: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_mod: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for size, cat, mod in live.values():
+    by_phase: dict[str, int] = defaultdict(int)
+    for size, cat, mod, phase in live.values():
         by_cat[cat] = by_cat.get(cat, 0) + size
+        by_phase[phase] += size
         name = log.modules[mod] if mod >= 0 else "(none)"
         if module_depth is not None:
             name = ".".join(name.split(".")[:module_depth])
         by_mod[name][cat] += size
-    rows = [{"module": m, "bytes": sum(c.values()), **{"by_category": dict(c)}} for m, c in by_mod.items()]
+    rows = [{"module": m, "bytes": sum(c.values()), "by_category": dict(c)} for m, c in by_mod.items()]
     rows.sort(key=lambda r: -r["bytes"])
-    return by_cat, rows
+    return by_cat, rows, dict(by_phase)
 
 
-def _downsample(raw: list[tuple], max_points: int) -> list[dict[str, Any]]:
-    """Keep at most ~max_points timeline points, always keeping each bucket's maximum."""
+def downsample(raw: list[tuple], max_points: int) -> list[dict[str, Any]]:
+    """Keep at most ~max_points of (event, phase, step, allocated[, reserved]) points, always
+    keeping each bucket's maximum."""
     if not raw:
         return []
     n = len(raw)
     bucket = max(1, n // max_points)
     out = []
     for s in range(0, n, bucket):
-        chunk = raw[s:s + bucket]
-        best = max(chunk, key=lambda r: r[3])
-        out.append({"event": best[0], "phase": best[1], "step": best[2],
-                    "allocated_bytes": best[3], "reserved_bytes": best[4]})
+        best = max(raw[s:s + bucket], key=lambda r: r[3])
+        point = {"event": best[0], "phase": best[1], "step": best[2], "allocated_bytes": best[3]}
+        if len(best) > 4:
+            point["reserved_bytes"] = best[4]
+        out.append(point)
     return out
 
 

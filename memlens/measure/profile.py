@@ -550,7 +550,7 @@ def replay_ledger(log, size_fn: Callable[[int], int] = lambda n: n, max_points: 
     allocator's 512-byte rounding on a GPU): the peak, the breakdown at it, and per module the
     peak of its own live allocations during forward and during backward.
     """
-    from ..ledger import ALLOC, FREE, PHASE, TAG
+    from ..ledger import ALLOC, FREE, PHASE, TAG, breakdown_at, downsample
 
     live: dict[Any, list] = {}            # key -> [size, category, module, phase]
     cur = 0
@@ -588,54 +588,21 @@ def replay_ledger(log, size_fn: Callable[[int], int] = lambda n: n, max_points: 
         if cur > peak:
             peak, peak_i, peak_phase, peak_step = cur, i, phase, step
         raw.append((i, phase, step, cur))
-    # second pass: the live set at the peak. A storage's category is its last tag anywhere in the
-    # log: being a gradient, an optimizer state or a saved activation is a property of the storage
-    # for its whole life, even when the hook that says so runs after the peak.
-    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
-    by_cat: dict[str, int] = {c: 0 for c in CATEGORIES}
-    by_mod: dict[int, dict[str, int]] = {}
-    by_phase: dict[str, int] = {}
-    live2: dict[Any, list] = {}
-    for i, ev in enumerate(log.events):
-        if i > peak_i:
-            break
-        kind = ev[0]
-        if kind == ALLOC and ev[1] not in live2:
-            live2[ev[1]] = [size_fn(ev[2]), ev[3], ev[4], ev[5]]
-        elif kind == FREE:
-            live2.pop(ev[1], None)
-        elif kind == TAG and ev[1] in live2:
-            live2[ev[1]][1] = ev[2]
-    for key, (size, cat, mod, ph) in live2.items():
-        cat = final.get(key, cat)
-        by_cat[cat] = by_cat.get(cat, 0) + size
-        d = by_mod.setdefault(mod, {})
-        d[cat] = d.get(cat, 0) + size
-        by_phase[ph] = by_phase.get(ph, 0) + size
+    by_cat, live_rows, by_phase = breakdown_at(log, peak_i, size_fn=size_fn)
+    live_by_name = {r["module"]: r["by_category"] for r in live_rows}
     names = log.modules
-    mods = set(by_mod) | {m for m, _ in mod_peak}
     rows = []
-    for m in mods:
-        name = names[m] if 0 <= m < len(names) else "(none)"
-        cats = by_mod.get(m, {})
+    for name in set(live_by_name) | {names[m] if 0 <= m < len(names) else "(none)" for m, _ in mod_peak}:
+        mid = names.index(name) if name in names else -1
+        cats = live_by_name.get(name, {})
         rows.append({"module": name, "bytes": sum(cats.values()), "by_category": cats,
-                     "forward_peak_bytes": mod_peak.get((m, "forward"), 0),
-                     "backward_peak_bytes": mod_peak.get((m, "backward"), 0),
+                     "forward_peak_bytes": mod_peak.get((mid, "forward"), 0),
+                     "backward_peak_bytes": mod_peak.get((mid, "backward"), 0),
                      "lora": ".lora_" in f".{name}" or name.startswith("lora_")})
     rows = [r for r in rows if r["bytes"] or r["forward_peak_bytes"] or r["backward_peak_bytes"]]
     rows.sort(key=lambda r: (-r["bytes"], -r["forward_peak_bytes"]))
-    return LedgerView(max(peak, 0), peak_i, peak_phase, peak_step, by_cat, rows, by_phase, _downsample(raw, max_points))
+    return LedgerView(max(peak, 0), peak_i, peak_phase, peak_step, by_cat, rows, by_phase, downsample(raw, max_points))
 
-
-def _downsample(raw: list[tuple], max_points: int) -> list[dict[str, Any]]:
-    if not raw:
-        return []
-    bucket = max(1, len(raw) // max_points)
-    out = []
-    for s in range(0, len(raw), bucket):
-        best = max(raw[s:s + bucket], key=lambda r: r[3])
-        out.append({"event": best[0], "phase": best[1], "step": best[2], "allocated_bytes": best[3]})
-    return out
 
 
 # ---------------------------------------------------------------- the Result
