@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> None:
     from memlens.estimator import estimate
-    from memlens.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec
 
     args = sys.argv[1:]
     truth_path = args.pop(0) if args and args[0].endswith(".jsonl") else os.path.join(HERE, "results/raw/gpu_truth.jsonl")

@@ -56,19 +56,12 @@ t = time.perf_counter(); estimate(spec); cold = time.perf_counter() - t
 # lazily on the first use): measure that split in the child below
 t = time.perf_counter(); estimate(spec); warm = time.perf_counter() - t
 # floor: the bare fake step, no tracking, no CUDA mapping
-from torch._subclasses.fake_tensor import FakeTensorMode
-from memlens.models.build import build, make_optimizer
-from memlens.models.source import resolve
-from memlens.estimator.simulate import materialize_on_fake, _fake_batch, _synthetic_batch_shortcuts
-from memlens.step import train_step
-fake = FakeTensorMode()
-with torch.device("meta"):
-    b = build(spec, resolve(spec.model))
-m = materialize_on_fake(b.model, fake); batch = _fake_batch(b.batch, fake)
-opt = make_optimizer(spec, m, simulate=True)
-with fake, _synthetic_batch_shortcuts():
-    train_step(m, opt, batch)
-    t = time.perf_counter(); train_step(m, opt, batch); bare = time.perf_counter() - t
+from memlens.estimator.simulate import _synthetic_batch_shortcuts
+from memlens.step import prepare
+p = prepare(spec, fake=True)
+with p.fake_mode, _synthetic_batch_shortcuts():
+    p.run()
+    t = time.perf_counter(); p.run(); bare = time.perf_counter() - t
 print(json.dumps({"imports_s": t_imp, "cold_s": cold, "after_imports_s": AFTER, "warm_s": warm, "bare_fake_step_s": bare,
                   "child_max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """

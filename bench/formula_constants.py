@@ -17,14 +17,14 @@ def activation_bytes(model: str, layers: int, **kw) -> tuple[int, int, int]:
 
     from memlens.estimator.simulate import simulate
     from memlens.models.source import resolve
-    from memlens.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec
 
     src = copy.deepcopy(resolve(model))
     cfg = getattr(src.config, "text_config", None) or src.config
     key = "n_layer" if hasattr(cfg, "n_layer") else "num_hidden_layers"
     setattr(cfg, key, layers)
     spec = TrainingSpec(model=model, batch_size=2, precision="bf16", **kw)
-    from memlens.ledger import PHASE, breakdown_at
+    from memlens.core.ledger import PHASE, breakdown_at
 
     log = simulate(spec, source=src).log
     # all activations are live when the last forward ends (where backward begins)

@@ -22,7 +22,7 @@ TECHNIQUES = {"states": ["fp32", "bf16", "checkpointing", "lora"],
 
 def main() -> None:
     from memlens.explore.compare import compare, plot_compare
-    from memlens.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec
 
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)

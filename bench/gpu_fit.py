@@ -34,9 +34,10 @@ def exhaustive(fields: dict, frac: float, bmax: int) -> list[dict]:
 
     import torch
 
-    from memlens.models.build import build, make_batch, make_optimizer
+    from memlens.models.build import build, make_batch
+    from memlens.step.optim import make_optimizer
     from memlens.models.source import resolve
-    from memlens.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec
     from memlens.step import train_step
 
     torch.cuda.init()
@@ -82,7 +83,7 @@ def _estimate(case) -> dict:
     import torch
 
     from memlens.explore.fit import fit
-    from memlens.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec
 
     torch.set_num_threads(3)
     name, fields, budget = case
@@ -103,8 +104,8 @@ def main() -> None:
 
     from memlens.explore.fit import verify
     from memlens.explore.search import doubling_bisection
-    from memlens.spec import TrainingSpec
-    from memlens.units import parse_bytes
+    from memlens.core.spec import TrainingSpec
+    from memlens.core.units import parse_bytes
 
     total = torch.cuda.get_device_properties(0).total_memory
     env = {"device": torch.cuda.get_device_name(0), "total_memory": total, "torch": torch.__version__}

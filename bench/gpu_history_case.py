@@ -17,26 +17,20 @@ def main() -> None:
     import torch
 
     from bench.cases import CASES
-    from memlens.measure.profile import amp_setup
-    from memlens.models.build import build, make_optimizer
-    from memlens.models.source import resolve
-    from memlens.spec import TrainingSpec
-    from memlens.step import train_step
+    from memlens.core.spec import TrainingSpec
+    from memlens.step import prepare
 
     out, name = sys.argv[1], sys.argv[2]
     spec = TrainingSpec(**dict(CASES)[name])
     dev = torch.device("cuda")
     torch.cuda.memory._record_memory_history(max_entries=200000, stacks="python", context="alloc")
-    built = build(spec, resolve(spec.model), device=dev)
-    opt = make_optimizer(spec, built.model)
-    autocast, scaler = amp_setup(spec, dev)
+    step = prepare(spec, device=dev)
     marks = []
-    for step in (1, 2):
-        def on_phase(ph, step=step):
+    for n in (1, 2):
+        def on_phase(ph, n=n):
             torch.cuda.synchronize()
-            marks.append((step, ph, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
-        train_step(built.model, opt, built.batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler,
-                   loss_fn=built.loss_fn, on_phase=on_phase)
+            marks.append((n, ph, torch.cuda.memory_allocated(), torch.cuda.memory_reserved()))
+        step.run(on_phase)
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     for seg in snap.get("segments", []):  # keep the file small: no frames on blocks

@@ -39,25 +39,21 @@ CASES = [
 def run_case(name: str, fields: dict) -> dict:
     import torch
 
-    from memlens.estimator.simulate import _quiet
-    from memlens.measure.profile import Profiler, amp_setup, compare_with_estimate
-    from memlens.models.build import build, make_optimizer
-    from memlens.models.source import resolve
-    from memlens.spec import TrainingSpec
-    from memlens.step import train_step
+    from memlens.core.spec import TrainingSpec
+    from memlens.measure.profiler import Profiler
+    from memlens.measure.runner import compare_with_estimate
+    from memlens.models.build import quiet as _quiet
+    from memlens.step import prepare
 
     spec = TrainingSpec(**fields)
     dev = torch.device("cuda:0")
     torch.cuda.set_device(dev)
     rec: dict = {"name": name, "spec": spec.to_dict()}
-    with _quiet():
-        built = build(spec, resolve(spec.model), device=dev)
-    model, batch = built.model, built.batch
-    opt = make_optimizer(spec, model)
-    autocast, scaler = amp_setup(spec, dev)
+    prepared = prepare(spec, device=dev)
+    model, opt = prepared.model, prepared.optimizer
 
     def step():
-        return train_step(model, opt, batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler, loss_fn=built.loss_fn)
+        return prepared.run()
 
     def timed(n):
         ts = []
@@ -157,8 +153,9 @@ def make_fixture(out: str) -> None:
 
     import torch
 
-    from memlens.measure import profile as mp
-    from memlens.spec import TrainingSpec
+    from memlens.measure import profiler as mp
+    from memlens.measure.runner import profile_spec
+    from memlens.core.spec import TrainingSpec
 
     taken = {}
     real = torch.cuda.memory._snapshot
@@ -177,7 +174,7 @@ def make_fixture(out: str) -> None:
         return r
 
     mp.Profiler.stop = stop
-    r, _ = mp.profile_spec(TrainingSpec(model="gpt2", batch_size=1, seq_len=32), steps=1, warmup=1, device="cuda:0", mode="full")
+    r, _ = profile_spec(TrainingSpec(model="gpt2", batch_size=1, seq_len=32), steps=1, warmup=1, device="cuda:0", mode="full")
     snap = taken["snap"]
     with open(os.path.join(out, "gpu_gpt2_history.pickle"), "wb") as f:
         pickle.dump({"device_traces": snap["device_traces"], "record": dataclasses.asdict(rec_of["rec"])}, f)

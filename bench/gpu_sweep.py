@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def main() -> None:
     from memlens.explore.sweep import Grid, plot_sweep, sweep, write_csv
-    from memlens.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec
 
     out = os.path.join(sys.argv[1], "sweep")
     t = time.time()

@@ -4,7 +4,8 @@ Run on the GPU machine from the repo root:  python bench/gpu_truth.py OUT_DIR [c
 Each case runs in a fresh subprocess (own allocator, own cuBLAS handles) and appends one JSON line
 to OUT_DIR/gpu_truth.jsonl with max_memory_allocated / reserved over 3 optimizer steps, the
 allocated/peak at every phase boundary, and step times. The model is built with random weights
-by memlens' own builder and trained by memlens' reference step, the code `estimate` simulates.
+by memlens' own builder and trained by memlens' prepared step (memlens.step.prepare), the code
+`estimate` simulates.
 """
 from __future__ import annotations
 
@@ -22,51 +23,37 @@ STEPS = 3
 def run_case(name: str, fields: dict) -> dict:
     import torch
 
-    from memlens.models.build import build, make_optimizer
-    from memlens.models.source import resolve
-    from memlens.spec import TrainingSpec
-    from memlens.step import train_step
+    from memlens.core.spec import TrainingSpec
+    from memlens.step import prepare
 
     spec = TrainingSpec(**fields)
     dev = torch.device("cuda")
     torch.cuda.init()
     rec: dict = {"name": name, "spec": spec.to_dict()}
-    src = resolve(spec.model)
     t0 = time.perf_counter()
-    built = build(spec, src, device=dev)
+    step = prepare(spec, device=dev)
     torch.cuda.synchronize()
     rec["build_s"] = time.perf_counter() - t0
-    model, batch = built.model, built.batch
     rec["after_build_allocated"] = torch.cuda.memory_allocated()
     rec["after_build_reserved"] = torch.cuda.memory_reserved()
-    rec["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt = make_optimizer(spec, model, simulate=False)
-    scaler = torch.amp.GradScaler("cuda") if spec.precision == "amp-fp16" else None
-    if spec.autocast_dtype:
-        dt = getattr(torch, spec.autocast_dtype)
-        autocast = lambda: torch.autocast("cuda", dtype=dt)  # noqa: E731
-    else:
-        import contextlib
-
-        autocast = contextlib.nullcontext
+    rec["param_bytes"] = sum(p.numel() * p.element_size() for p in step.model.parameters())
     torch.cuda.reset_peak_memory_stats()
     rec["start_allocated"] = torch.cuda.memory_allocated()
     phases = []
     steps = []
-    for step in range(1, STEPS + 1):
+    for n in range(1, STEPS + 1):
         torch.cuda.reset_peak_memory_stats()
         marks = []
 
-        def on_phase(ph, step=step):
+        def on_phase(ph, n=n):
             torch.cuda.synchronize()
-            marks.append({"phase": ph, "step": step, "allocated": torch.cuda.memory_allocated(),
+            marks.append({"phase": ph, "step": n, "allocated": torch.cuda.memory_allocated(),
                           "peak_since_step_start": torch.cuda.max_memory_allocated()})
 
         t = time.perf_counter()
-        loss = train_step(model, opt, batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler,
-                          loss_fn=built.loss_fn, on_phase=on_phase)
+        loss = step.run(on_phase)
         torch.cuda.synchronize()
-        steps.append({"step": step, "seconds": time.perf_counter() - t, "peak_allocated": torch.cuda.max_memory_allocated(),
+        steps.append({"step": n, "seconds": time.perf_counter() - t, "peak_allocated": torch.cuda.max_memory_allocated(),
                       "end_allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
                       "loss": float(loss) if loss is not None else None})
         phases.extend(marks)

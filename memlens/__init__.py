@@ -8,15 +8,16 @@
 Importing memlens does not import torch; the functions do when called.
 """
 from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
-from .errors import MemlensError
+from .core.errors import MemlensError
 from .estimator import estimate
 from .explore.compare import compare
 from .explore.fit import fit, fit_batch_size
 from .explore.sweep import sweep
 from .measure.monitor import Monitor
-from .measure.profile import Profiler, profile, profile_spec
+from .measure.profiler import Profiler, profile
+from .measure.runner import profile_spec
 from .report.result import Result
-from .spec import TrainingSpec
+from .core.spec import TrainingSpec
 
 __all__ = [
     "TrainingSpec",

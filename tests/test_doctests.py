@@ -2,12 +2,12 @@ import doctest
 
 import pytest
 
-import memlens.ledger
+import memlens.core.ledger
 import memlens.report.result
-import memlens.spec
-import memlens.units
+import memlens.core.spec
+import memlens.core.units
 
 
-@pytest.mark.parametrize("mod", [memlens.ledger, memlens.spec, memlens.units, memlens.report.result])
+@pytest.mark.parametrize("mod", [memlens.core.ledger, memlens.core.spec, memlens.core.units, memlens.report.result])
 def test_docstring_examples(mod):
     assert doctest.testmod(mod).failed == 0

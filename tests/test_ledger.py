@@ -1,5 +1,5 @@
 """The allocator model, checked against PyTorch's CUDACachingAllocator rules by hand."""
-from memlens.ledger import (CachingAllocatorModel, EventLog, analyze, round_size, segment_size)
+from memlens.core.ledger import (CachingAllocatorModel, EventLog, analyze, round_size, segment_size)
 
 MiB = 1024 * 1024
 

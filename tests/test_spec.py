@@ -1,8 +1,8 @@
 import pytest
 
-from memlens.errors import SpecError
-from memlens.spec import TrainingSpec
-from memlens.units import fmt_bytes, parse_bytes
+from memlens.core.errors import SpecError
+from memlens.core.spec import TrainingSpec
+from memlens.core.units import fmt_bytes, parse_bytes
 
 
 def test_yaml_round_trip(tmp_path):

@@ -6,8 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import SpecError
-from ..spec import ATTENTION, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
+from ..core.errors import SpecError
+from ..core.spec import ATTENTION, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
 
 
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -93,7 +93,7 @@ def require_cuda(device: str) -> None:
     except ImportError:
         ok = False
     if not ok:
-        from ..errors import NoDeviceError
+        from ..core.errors import NoDeviceError
 
         raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
                             hint="drop --measure for estimates, or --device cpu to time the steps only")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import MemlensError
-from ..units import fmt_bytes
+from ..core.errors import MemlensError
+from ..core.units import fmt_bytes
 from .common import require_cuda, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 

@@ -14,8 +14,8 @@ import os
 import re
 import sys
 
-from ..errors import MemlensError
-from ..units import fmt_bytes, parse_bytes
+from ..core.errors import MemlensError
+from ..core.units import fmt_bytes, parse_bytes
 from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 WHATS = ("oom", "log", "snapshot", "stats")

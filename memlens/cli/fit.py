@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import MemlensError, NoDeviceError
-from ..units import fmt_bytes, parse_bytes
+from ..core.errors import MemlensError, NoDeviceError
+from ..core.units import fmt_bytes, parse_bytes
 from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 
 # verb -> module name under memlens.cli
 VERBS = {

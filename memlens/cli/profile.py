@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import MemlensError
-from ..units import fmt_bytes
+from ..core.errors import MemlensError
+from ..core.units import fmt_bytes
 from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
 
 
@@ -25,7 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("profile")
     g.add_argument("--steps", type=int, default=3, metavar="N", help="profiled optimizer steps (default 3)")
     g.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured steps first (default 1)")
-    g.add_argument("--device", default=None, metavar="DEV", help="cuda:0 | cpu (default: cuda if available)")
+    g.add_argument("--device", default=None, metavar="DEV", help="cuda:0 | cpu (default: cuda; refused without a GPU unless --device cpu)")
     g.add_argument("--mode", choices=("phases", "full", "ledger"), default=None,
                    help="phases: allocator counters at phase boundaries (<5%% overhead); full: + categories and modules "
                         "(on CUDA from the allocator's history); ledger: the same from a per-op storage ledger (slower) "
@@ -48,12 +48,8 @@ def run(args: argparse.Namespace) -> int:
     device = args.device
     if device is not None and not (device == "cpu" or device.startswith("cuda")):
         raise MemlensError(f"--device {device!r} is not cuda[:N] or cpu", hint="use --device cuda:0 or --device cpu")
-    import torch  # lazy: the CLI stays light until a verb runs
+    from ..measure.runner import profile_spec
 
-    from ..measure.profile import profile_spec
-
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     mode = args.mode or ("full" if device == "cpu" else "phases")
     trace = str(d / "trace.json") if (d is not None and args.torch_profiler) else None
     with _progress(args, args.steps) as progress:

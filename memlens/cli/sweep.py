@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import MemlensError
-from ..units import fmt_bytes, parse_bytes
+from ..core.errors import MemlensError
+from ..core.units import fmt_bytes, parse_bytes
 from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args
 
 

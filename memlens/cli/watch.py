@@ -11,9 +11,9 @@ import csv
 import sys
 import time
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
-from ..units import fmt_bytes
+from ..core.units import fmt_bytes
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..units import fmt_bytes as f
+from ..core.units import fmt_bytes as f
 
 if TYPE_CHECKING:
     from .oom import OomMessage

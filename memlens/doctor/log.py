@@ -10,7 +10,7 @@ Understood inputs (one reader, the format is recognized from the text):
   DeviceStatsMonitor's ``allocated_bytes.all.current``) and progress-bar lines (``... 300/1000 [..., gpu_mem=18.9]``);
 - memlens' own CSV (``memlens watch --log``, ``Monitor.save_csv``: ``time_s`` and ``*_bytes`` columns).
 
-Sizes follow ``memlens.units``: GB = 10**9 bytes, GiB = 2**30. A number without a unit takes
+Sizes follow ``memlens.core.units``: GB = 10**9 bytes, GiB = 2**30. A number without a unit takes
 it from its key (``mem_gb``, ``allocated_bytes``) or, failing that, from ``unit``
 (default: GiB below 1024, MiB below 10**6, bytes above, and the result says so).
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
-from ..units import fmt_bytes
+from ..core.units import fmt_bytes
 from .advice import log_causes
 from .sizes import size_to_bytes, unit_factor
 

@@ -35,9 +35,9 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
-from ..units import fmt_bytes
+from ..core.units import fmt_bytes
 from .sizes import SIZE, parse_size
 
 DIAGNOSES = ("fragmentation", "other_processes", "memory_fraction_limit", "capacity")
@@ -169,7 +169,7 @@ def parse_oom(text: str) -> OomMessage:
     >>> parse_oom("hello")
     Traceback (most recent call last):
     ...
-    memlens.errors.MemlensError: not an OOM message: no 'out of memory' with 'Tried to allocate ...' found in the text
+    memlens.core.errors.MemlensError: not an OOM message: no 'out of memory' with 'Tried to allocate ...' found in the text
     """
     found = find_oom_messages(text)
     if not found:
@@ -359,7 +359,7 @@ def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], headroom:
     A configuration fits when its estimated peak allocated memory is at most ``budget`` less
     ``headroom`` (5% by default, for allocator rounding and fragmentation).
     """
-    from ..errors import SpecError
+    from ..core.errors import SpecError
 
     limit = budget * (1 - headroom)
     options: list[FitOption] = []

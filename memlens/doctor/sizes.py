@@ -3,7 +3,7 @@
 Exact decimal arithmetic, rounded to the nearest byte, so that "23.69 GiB" is always
 25436943811 bytes (a float product would land on either side of .5 by accident).
 Binary units (KiB, MiB, GiB) are what PyTorch prints; decimal ones (KB, MB, GB) follow
-``memlens.units`` (powers of 1000, as nvidia-smi) unless ``binary_decimal=True``, for
+``memlens.core.units`` (powers of 1000, as nvidia-smi) unless ``binary_decimal=True``, for
 writers such as PyTorch's MPS allocator that print "GB" for 2**30 bytes.
 
 >>> size_to_bytes("23.69", "GiB")

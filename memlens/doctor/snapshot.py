@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
 
 _LIBRARY_MARKERS = ("/torch/", "/site-packages/", "/dist-packages/", "/lib/python", "<frozen", "<string>")

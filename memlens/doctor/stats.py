@@ -22,9 +22,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
-from ..units import fmt_bytes
+from ..core.units import fmt_bytes
 
 _HINT = "dump it with json.dump(torch.cuda.memory_stats(), open('stats.json', 'w'))"
 _FRAGMENTATION_ALERT = 0.20  # the seeds' threshold: above 20% act on fragmentation

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from ..report.result import Result
-from ..spec import TrainingSpec
+from ..core.spec import TrainingSpec
 
 # What nvidia-smi shows beyond PyTorch's reserved memory: the CUDA context (driver, kernels of
 # torch/cuBLAS/cuDNN loaded lazily). Measured on an H100 with torch 2.11 + CUDA 13
@@ -28,7 +28,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
         from .formula import formula_estimate
 
         return formula_estimate(spec)
-    from ..ledger import analyze, group_modules
+    from ..core.ledger import analyze, group_modules
     from .simulate import simulate
 
     sim = simulate(spec, steps=steps)

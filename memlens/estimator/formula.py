@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..report.result import Result
-from ..spec import TrainingSpec
+from ..core.spec import TrainingSpec
 
 MiB = 1024 * 1024
 WORKSPACES = 2 * 32 * MiB  # cuBLAS: one per handle, forward thread and autograd thread (sm90)
@@ -49,10 +49,10 @@ def _counts(spec: TrainingSpec):
 
     from ..models.build import build
     from ..models.source import resolve
-    from .simulate import _quiet
+    from ..models.build import quiet
 
     source = resolve(spec.model)
-    with torch.device("meta"), _quiet():
+    with torch.device("meta"), quiet():
         built = build(spec.replace(batch_size=1, seq_len=min(spec.seq_len or 8, 8)) if source.task in ("causal-lm", "masked-lm") else spec.replace(batch_size=1), source)
     model = built.model
     seen, p_bytes, t_numel, t_bytes, buf = set(), 0, 0, 0, 0

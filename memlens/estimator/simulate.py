@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..errors import MemlensError
-from ..ledger import EventLog
-from ..models.build import Built, build, make_optimizer, torch_dtype
+from ..core.errors import MemlensError
+from ..core.events import EventLog
+from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
-from ..spec import TrainingSpec
-from ..step import train_step
+from ..core.spec import TrainingSpec
+from ..step.prepare import prepare
 from . import cuda_rules
-from .tracker import OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for
+from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
+                            register_inputs, register_model, tag_optimizer_state)
 
 # Memory CUDA libraries take through PyTorch's caching allocator (so it is in memory_allocated).
 # cuBLAS keeps one workspace per (handle, stream); the autograd engine's device thread gets its
@@ -45,6 +45,7 @@ class Simulation:
     attention: list[str] = field(default_factory=list)
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    applied: list[str] = field(default_factory=list)
 
 
 class _FakeGradScaler:
@@ -70,37 +71,28 @@ class _FakeGradScaler:
 def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2) -> Simulation:
     """Run ``steps`` optimizer steps of ``spec`` on fake tensors and log every storage.
 
-    >>> from memlens.spec import TrainingSpec
+    >>> from memlens.core.spec import TrainingSpec
     >>> sim = simulate(TrainingSpec(model="gpt2", batch_size=1, seq_len=32))  # doctest: +SKIP
     """
     t0 = time.perf_counter()
     source = source or resolve(spec.model)
-    fake = FakeTensorMode(allow_non_fake_inputs=False)
     log = EventLog()
     tracker = SimulationTracker(log)
     rules = cuda_rules.CudaRules(autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None)
     emulation = cuda_rules.CudaEmulation(rules)
-
-    with torch.device("meta"), _quiet():
-        # DP-SGD materializes the physical batch at once (Opacus BatchMemoryManager)
-        built: Built = build(spec.replace(batch_size=spec.physical_batch_size) if spec.dp and spec.physical_batch_size else spec, source)
-    model = materialize_on_fake(built.model, fake)
-    batch = _fake_batch(built.batch, fake)
+    autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
+    step = prepare(spec, fake=True, source=source, autocast=autocast,
+                   scaler=_FakeGradScaler() if spec.precision == "amp-fp16" else None)
+    model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
-    _register_model(tracker, model)
-    _register_inputs(tracker, batch)
-    optimizer = make_optimizer(spec, model, simulate=True)
-    params = [p for p in model.parameters()]
-    n_params = sum(p.numel() for p in params)
-    n_train = sum(p.numel() for p in params if p.requires_grad)
+    register_model(tracker, model)
+    register_inputs(tracker, step.batch)
+    params = list(model.parameters())
     dp = None
     if spec.dp:
         from .dp import PerSampleGradients
 
-        from torch.utils._pytree import tree_flatten
-
-        first = next(t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor))
-        dp = PerSampleGradients(tracker, first.shape[0])  # samples actually in the micro-batch
+        dp = PerSampleGradients(tracker, step.micro_batch)  # samples actually in the micro-batch
 
     def on_grad(p) -> None:
         tracker.retag(p.grad, "gradients")
@@ -108,26 +100,23 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             dp.on_grad(p)
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
-    scaler = _FakeGradScaler() if spec.precision == "amp-fp16" else None
-    autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
-                    "optimizer": log.module_id("(optimizer step)")}
+                    "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
     try:
-        with fake, _quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
+        with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
-            for step in range(1, steps + 1):
+            for n in range(1, steps + 1):
                 with ModuleScope(tracker, model):
-                    def on_phase(name: str, step=step) -> None:
-                        tracker.set_phase(name, step)
+                    def on_phase(name: str, n=n) -> None:
+                        tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
                         if dp is not None and name == "optimizer":
                             dp.clip_and_noise()
 
-                    train_step(model, optimizer, batch, grad_accum=spec.grad_accum, autocast=autocast,
-                               scaler=scaler, loss_fn=built.loss_fn, on_phase=on_phase)
-                    _tag_optimizer_state(tracker, optimizer)
+                    step.run(on_phase)
+                    tag_optimizer_state(tracker, step.optimizer)
             tracker.set_phase("done", steps)
     except MemlensError:
         raise
@@ -137,50 +126,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         for h in hooks:
             h.remove()
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
-    return Simulation(log, spec, source, built.seq_len, built.image_size, n_params, n_train, attention,
-                      time.perf_counter() - t0)
-
-
-def materialize_on_fake(model, fake: FakeTensorMode):
-    """Swap every meta tensor of a model for a fake CPU tensor of the same shape (ties kept)."""
-    memo: dict[int, torch.Tensor] = {}
-
-    def fake_of(t: torch.Tensor) -> torch.Tensor:
-        hit = memo.get(id(t))
-        if hit is None:
-            with fake:
-                new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            hit = torch.nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
-            memo[id(t)] = hit
-        return hit
-
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.device.type == "meta":
-                mod._parameters[name] = fake_of(p)
-        for name, b in list(mod._buffers.items()):
-            if b is not None and b.device.type == "meta":
-                mod._buffers[name] = fake_of(b)
-        for name, v in list(vars(mod).items()):
-            if isinstance(v, torch.Tensor) and v.device.type == "meta":
-                setattr(mod, name, fake_of(v))
-    return model
-
-
-def _fake_batch(batch: Any, fake: FakeTensorMode) -> Any:
-    from torch.utils._pytree import tree_map
-
-    memo: dict[int, torch.Tensor] = {}
-
-    def conv(t):
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            if id(t) not in memo:  # one tensor used twice (input_ids is labels) stays one
-                with fake:
-                    memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            return memo[id(t)]
-        return t
-
-    return tree_map(conv, batch)
+    return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
+                      attention, time.perf_counter() - t0, applied=step.applied)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
@@ -264,37 +211,6 @@ class SimulationTracker(StorageTracker):
         return out
 
 
-def _register_model(tracker: StorageTracker, model) -> None:
-    names = {}
-    for mname, mod in model.named_modules():
-        for pname, p in mod.named_parameters(recurse=False):
-            names.setdefault(id(p), tracker.module_label(mname))
-    for p in model.parameters():
-        tracker.register(p, "parameters", names.get(id(p), ROOT_LABEL), op="model")
-    for mname, mod in model.named_modules():
-        for b in mod.buffers(recurse=False):
-            tracker.register(b, "buffers", tracker.module_label(mname), op="model")
-
-
-def _register_inputs(tracker: StorageTracker, batch: Any) -> None:
-    from torch.utils._pytree import tree_flatten
-
-    for t in tree_flatten(batch)[0]:
-        if isinstance(t, torch.Tensor):
-            tracker.register(t, "inputs", "(inputs)", op="batch")
-
-
-def _tag_optimizer_state(tracker: StorageTracker, optimizer) -> None:
-    for state in optimizer.state.values():
-        for k, t in state.items():
-            if not isinstance(t, torch.Tensor):
-                continue
-            if k == "step" and t.numel() == 1 and not getattr(optimizer, "_memlens_step_on_device", False):
-                tracker.release(t)  # non-fused, non-capturable optimizers keep `step` on the CPU
-            else:
-                tracker.retag(t, "optimizer_state")
-
-
 @contextlib.contextmanager
 def _synthetic_batch_shortcuts():
     """Answer, without reading data, the data-dependent checks transformers makes on inputs.
@@ -318,22 +234,6 @@ def _synthetic_batch_shortcuts():
         for p in patches:
             stack.enter_context(p)
         yield
-
-
-@contextlib.contextmanager
-def _quiet():
-    import logging
-    import warnings
-
-    tlog = logging.getLogger("transformers")
-    old = tlog.level
-    tlog.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            tlog.setLevel(old)
 
 
 def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:

@@ -6,7 +6,7 @@ name from ``TECHNIQUES``; ``a+b`` combines techniques. Estimated (CPU, seconds e
 ``measure=True`` runs each configuration in a fresh subprocess on the device (``trial.run_trial``)
 and keeps the estimate beside the measurement.
 
->>> from memlens.spec import TrainingSpec
+>>> from memlens.core.spec import TrainingSpec
 >>> technique_spec(TrainingSpec(model="gpt2", batch_size=8), "amp-fp16+checkpointing").describe()
 'gpt2 b=8 amp-fp16 ckpt adamw'
 >>> technique_spec(TrainingSpec(model="gpt2", batch_size=8), "accumulation").describe()
@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
-from ..spec import TrainingSpec
+from ..core.spec import TrainingSpec
 from .core import CachedEstimator, predict_step_time
 
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..spec import TrainingSpec
+from ..core.spec import TrainingSpec
 
 
 # ---------------------------------------------------------------- one estimate, reduced

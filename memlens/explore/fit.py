@@ -20,10 +20,10 @@ import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import MemlensError, NoDeviceError
+from ..core.errors import MemlensError, NoDeviceError
 from ..report.result import Result
-from ..spec import TrainingSpec
-from ..units import fmt_bytes, parse_bytes
+from ..core.spec import TrainingSpec
+from ..core.units import fmt_bytes, parse_bytes
 from .core import PRESSED_ALLOCATOR_OVERHEAD, CachedEstimator, largest_divisor_at_most, need_bytes
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
 

@@ -8,7 +8,7 @@ and a predicted step time.
 Ranking: entries that fit first; among them, those that train the same model (everything but
 LoRA/QLoRA) before those that change what is trained; then by predicted step time, then by peak.
 
->>> from memlens.spec import TrainingSpec
+>>> from memlens.core.spec import TrainingSpec
 >>> [c.name for c in candidates(TrainingSpec(model="gpt2", batch_size=8), gpus=1)][:4]
 ['as given', 'AMP bf16', 'bf16 weights', 'checkpointing']
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import MemlensError
-from ..spec import TrainingSpec
+from ..core.errors import MemlensError
+from ..core.spec import TrainingSpec
 from .core import CachedEstimator, ceil_div, need_bytes, predict_step_time
 from .search import max_fitting_among
 

@@ -12,7 +12,7 @@ skips the cells already there, so a sweep killed at any point (kill -9 included)
 but the cell that was running. Measured cells run in fresh subprocesses with a timeout: an OOM,
 a crash or a hang marks that cell and the sweep goes on.
 
->>> from memlens.spec import TrainingSpec
+>>> from memlens.core.spec import TrainingSpec
 >>> g = Grid(batch_sizes=[1, 2], seq_lens=[128], techniques=["fp32", "amp-bf16"])
 >>> [c.key for c in grid_cells(TrainingSpec(model="gpt2"), g)]
 ['t=fp32,b=1,L=128', 't=fp32,b=2,L=128', 't=amp-bf16,b=1,L=128', 't=amp-bf16,b=2,L=128']
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 from ..report.result import Result
-from ..spec import TrainingSpec
+from ..core.spec import TrainingSpec
 from .compare import technique_spec
 from .core import CachedEstimator, predict_step_time
 

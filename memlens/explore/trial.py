@@ -15,14 +15,13 @@ On ``device="cpu"`` the steps run on real CPU tensors: times and losses are meas
 not (``memory_measured`` is false and the memory fields are None). That is what CI uses to test
 the subprocess, timeout and resume machinery without a GPU.
 
->>> from memlens.spec import TrainingSpec
+>>> from memlens.core.spec import TrainingSpec
 >>> rec = run_trial(TrainingSpec(model="gpt2", batch_size=1, seq_len=16), device="cpu", steps=1)  # doctest: +SKIP
 >>> rec["status"], rec["memory_measured"]                                                          # doctest: +SKIP
 ('ok', False)
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from ..spec import TrainingSpec
+from ..core.spec import TrainingSpec
 
 MARK = "MEMLENS_TRIAL "
 
@@ -40,13 +39,11 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
     """Run ``steps`` optimizer steps of ``spec`` in this process and return what was measured.
 
     The model is built by memlens' builder with weights from ``torch.manual_seed(seed)`` and trained by
-    memlens' reference step (``memlens.step.train_step``), the code ``estimate`` simulates.
+    memlens' prepared step (``memlens.step.prepare``), the code ``estimate`` simulates.
     """
     import torch
 
-    from ..models.build import build, make_optimizer
-    from ..models.source import resolve
-    from ..step import train_step
+    from ..step import prepare
 
     cuda = device.startswith("cuda")
     dev = torch.device(device)
@@ -59,34 +56,24 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
             torch.cuda.set_per_process_memory_fraction(float(memory_fraction), dev.index)
         rec["device_name"] = torch.cuda.get_device_name(dev)
         rec["total_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
-    torch.manual_seed(seed)
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     timeline: list[dict[str, Any]] = []
     try:
-        built = build(spec, resolve(spec.model), device=dev)
-        model, batch = built.model, built.batch
-        opt = make_optimizer(spec, model, simulate=False)
-        scaler = torch.amp.GradScaler(dev.type) if spec.precision == "amp-fp16" and cuda else None
-        if spec.autocast_dtype:
-            dt = getattr(torch, spec.autocast_dtype)
-            autocast = lambda: torch.autocast(dev.type, dtype=dt)  # noqa: E731
-        else:
-            autocast = contextlib.nullcontext
-        if cuda:
+        step = prepare(spec, device=dev, seed=seed)
+        if cuda:  # this process is the trial's own: its peak counter measures the steps only
             torch.cuda.reset_peak_memory_stats(dev)
         times, losses = [], []
         t_start = time.perf_counter()
-        for step in range(1, steps + 1):
-            def on_phase(ph: str, step: int = step) -> None:
+        for n in range(1, steps + 1):
+            def on_phase(ph: str, n: int = n) -> None:
                 if cuda:
-                    timeline.append({"step": step, "phase": ph, "t": round(time.perf_counter() - t_start, 6),
+                    timeline.append({"step": n, "phase": ph, "t": round(time.perf_counter() - t_start, 6),
                                      "allocated_bytes": torch.cuda.memory_allocated(dev),
                                      "peak_allocated_bytes": torch.cuda.max_memory_allocated(dev)})
 
             sync()
             t = time.perf_counter()
-            loss = train_step(model, opt, batch, grad_accum=spec.grad_accum, autocast=autocast, scaler=scaler,
-                              loss_fn=built.loss_fn, on_phase=on_phase)
+            loss = step.run(on_phase)
             sync()
             times.append(time.perf_counter() - t)
             losses.append(float(loss) * spec.grad_accum if loss is not None else None)

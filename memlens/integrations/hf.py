@@ -16,7 +16,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from ..measure.profile import Profiler
+from ..measure.profiler import Profiler
 
 
 class MemlensCallback(TrainerCallback):

@@ -18,7 +18,7 @@ try:
 except ImportError:  # the older package name
     from pytorch_lightning.callbacks import Callback
 
-from ..measure.profile import Profiler
+from ..measure.profiler import Profiler
 
 
 class MemlensCallback(Callback):

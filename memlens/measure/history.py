@@ -9,7 +9,7 @@ copies into each trace entry. That counter, a :class:`Moment`, says which phase,
 running when a block was allocated, and where in the trace a Python-side observation was made
 ("these addresses are gradients now", "these are optimizer states now").
 
-:func:`history_to_log` turns the trace and those records into the same :class:`~memlens.ledger.EventLog`
+:func:`history_to_log` turns the trace and those records into the same :class:`~memlens.core.ledger.EventLog`
 the dispatch ledger fills, so one replay (``replay_ledger``) gives the peak's categories, modules and
 phases for both. It is a pure function over plain data, tested on hand-made traces.
 
@@ -22,14 +22,35 @@ workspaces, the previous step's loss).
 """
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..ledger import EventLog, round_size
+from ..core.events import EventLog
+from ..core.ledger import round_size
 
-OUTSIDE = "(outside modules)"
-OPTIMIZER = "(optimizer)"
+from ..core.enums import OPTIMIZER_LABEL as OPTIMIZER
+from ..core.enums import OUTSIDE_LABEL as OUTSIDE
+
+META_PREFIX = "memlens:"
+_MOMENTS = itertools.count()   # moment numbers are unique in the process, so stale labels are older
+
+
+def parse_moment(meta: Any) -> int | None:
+    """The moment number in an allocator trace entry's user metadata ("memlens:17", or "17" in
+    histories recorded by memlens <= 0.1), else None (another tool's label, or none).
+
+    >>> parse_moment("memlens:17"), parse_moment("3"), parse_moment("user label"), parse_moment(None)
+    (17, 3, None, None)
+    """
+    if not meta:
+        return None
+    meta = str(meta)
+    if meta.startswith(META_PREFIX):
+        meta = meta[len(META_PREFIX):]
+    return int(meta) if meta.isdigit() else None
 
 
 @dataclass(frozen=True)
@@ -56,6 +77,7 @@ class HistoryRecord:
     observations: list[tuple[int, str, tuple[tuple[int, int], ...]]] = field(default_factory=list)
     start_blocks: list[tuple[int, int, str, int]] = field(default_factory=list)
     start_allocated: int = 0
+    moment_base: int = 0           # the process-wide number of moments[0]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HistoryRecord":
@@ -63,7 +85,7 @@ class HistoryRecord:
         return cls(modules=list(d["modules"]), moments=[Moment(**m) for m in d["moments"]],
                    observations=[(m, c, tuple((int(a), int(n)) for a, n in blocks)) for m, c, blocks in d["observations"]],
                    start_blocks=[(int(a), int(n), c, int(m)) for a, n, c, m in d["start_blocks"]],
-                   start_allocated=int(d["start_allocated"]))
+                   start_allocated=int(d["start_allocated"]), moment_base=int(d.get("moment_base", 0)))
 
 
 def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple[EventLog, dict[str, int]]:
@@ -71,7 +93,7 @@ def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple
 
     Keys: ``("start", addr)`` for known start blocks, ``("workspace", n)`` for the start lump, and the
     trace index of each ``alloc``. Sizes are the requested bytes (what the trace records); replay
-    them with :func:`~memlens.ledger.round_size` for the allocator's 512-byte blocks. Entries whose
+    them with :func:`~memlens.core.ledger.round_size` for the allocator's 512-byte blocks. Entries whose
     metadata is not a moment index (before the first hook) belong to the last moment seen.
     Returns (log, counts): counts of trace entries used and of frees of unknown start blocks.
     """
@@ -139,9 +161,9 @@ def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple
         action = e.get("action")
         if action not in ("alloc", "free_requested"):
             continue
-        meta = e.get("user_metadata") or ""
-        if meta.isdigit():
-            cur = int(meta)
+        m_no = parse_moment(e.get("user_metadata"))
+        if m_no is not None and m_no - rec.moment_base > cur:   # older labels (a thread's stale one) keep cur
+            cur = m_no - rec.moment_base
         advance(cur)
         counts["entries"] += 1
         addr, size = e["addr"], e["size"]
@@ -168,8 +190,8 @@ class HistoryRecorder:
     Hooks hold no tensors: only addresses (ints) and module ids.
     """
 
-    def __init__(self, torch, device, model=None, optimizer=None):
-        from ..estimator.tracker import StorageTracker
+    def __init__(self, torch, device, model=None, optimizer=None, moments: "IntervalPeaks | None" = None):
+        from ..core.tracker import StorageTracker
 
         self.torch = torch
         self.device = device
@@ -188,8 +210,9 @@ class HistoryRecorder:
         self.stack: list[int] = []
         self._entered = 0                   # id of the grad_fn whose enter hook made the last moment
         self._handles: list = []
-        self._set_meta = torch._C._cuda_setMemoryMetadata
-        self._saved_meta = ""
+        self._own_moments = moments is None
+        self.moments = moments or IntervalPeaks(torch, device, own_history=False)
+        self.moments.listeners.append(self._on_moment)
 
     def _module_id(self, name: str) -> int:
         i = self._names.get(name)
@@ -200,12 +223,16 @@ class HistoryRecorder:
 
     # ------------------------------------------------------------ moments
     def _moment(self) -> int:
-        moments = self.rec.moments
-        moments.append(Moment(self.phase, self.step, self.module))
         self._entered = 0
-        n = len(moments) - 1
-        self._set_meta(str(n))
-        return n
+        return self.moments.moment() - self.rec.moment_base
+
+    def _on_moment(self, n: int) -> None:
+        if not self.rec.moments:
+            self.rec.moment_base = n
+        self.rec.moments.append(Moment(self.phase, self.step, self.module))
+
+    def moment_taken(self, n: int) -> None:
+        """A snapshot made moment ``n`` (already recorded through the listener)."""
 
     def set_phase(self, phase: str, step: int, module: int | None = None) -> None:
         """A phase boundary: later allocations belong to ``phase`` of ``step`` (and ``module``)."""
@@ -262,7 +289,8 @@ class HistoryRecorder:
                     add(t, "optimizer_state", self.optimizer_id)
         self.rec.start_blocks = list(blocks.values())
         self.rec.start_allocated = int(torch.cuda.memory_allocated(self.device))
-        self._saved_meta = torch.cuda.memory._get_memory_metadata()
+        if self._own_moments:
+            self.moments.start()
         self._moment()
         if self.model is not None:
             self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
@@ -271,7 +299,10 @@ class HistoryRecorder:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._set_meta(self._saved_meta)
+        if self._on_moment in self.moments.listeners:
+            self.moments.listeners.remove(self._on_moment)
+        if self._own_moments:
+            self.moments.stop()
 
     # ------------------------------------------------------------ module hooks
     def _pre(self, mod, args) -> None:
@@ -320,3 +351,146 @@ class HistoryRecorder:
         traces = snapshot.get("device_traces") or []
         idx = self.device.index or 0
         return history_to_log(traces[idx] if idx < len(traces) else [], self.rec)
+
+
+# ---------------------------------------------------------------- each interval's own peak
+class IntervalPeaks:
+    """Each snapshot interval's peak allocated bytes, without resetting the process' peak counters.
+
+    The caching allocator's history records every block handed out and taken back (alloc /
+    free_requested, no stack traces unless asked). Each snapshot starts a *moment*: a number set as
+    the allocator's user metadata, so each trace entry says which interval it belongs to. At the
+    end, :func:`interval_peaks` replays each interval from the exact ``memory_allocated()`` read
+    when it began. If the history is already on (the user records a snapshot), its settings are
+    left alone and its trace is read.
+    """
+
+    def __init__(self, torch, device, max_entries: int = 200_000, stacks: bool = False, own_history: bool = True):
+        self.torch = torch
+        self.device = device
+        self.max_entries = max_entries
+        self.stacks = stacks
+        self.own_history = own_history
+        self.owned = False
+        self.listeners: list = []
+        self._saved_meta = ""
+        self._set_meta = getattr(torch._C, "_cuda_setMemoryMetadata", None)
+        self.available = self._set_meta is not None and hasattr(torch.cuda.memory, "_record_memory_history")
+
+    def start(self) -> None:
+        torch = self.torch
+        if not self.available:
+            return
+        self._saved_meta = torch.cuda.memory._get_memory_metadata()
+        enabled = getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)()
+        if self.own_history and not enabled:
+            ctx = {} if self.stacks else {"context": None}
+            torch.cuda.memory._record_memory_history(max_entries=self.max_entries, clear_history=True, **ctx)
+            self.owned = True
+
+    def moment(self) -> int:
+        """Start a new moment; later allocations on this thread carry its number."""
+        n = next(_MOMENTS)
+        if self.available:
+            self._set_meta(META_PREFIX + str(n))
+        for cb in self.listeners:
+            cb(n)
+        return n
+
+    def snapshot(self) -> dict | None:
+        if not self.available or not (self.owned or getattr(self.torch._C, "_cuda_isHistoryEnabled", lambda: False)()):
+            return None
+        return self.torch.cuda.memory._snapshot()
+
+    def trace(self, snapshot: dict | None) -> list[dict]:
+        traces = (snapshot or {}).get("device_traces") or []
+        idx = self.device.index or 0
+        return traces[idx] if idx < len(traces) else []
+
+    def stop(self) -> None:
+        if not self.available:
+            return
+        self._set_meta(self._saved_meta)
+        if self.owned:
+            self.torch.cuda.memory._record_memory_history(enabled=None)
+            self.owned = False
+
+    def fill(self, snaps: list, snapshot: dict | None) -> None:
+        """Set each snapshot's ``peak_allocated_bytes`` / ``peak_reserved_bytes`` (the interval it closes)."""
+        trace = self.trace(snapshot)
+        complete = snapshot is not None and (len(trace) < self.max_entries if self.owned or self.own_history
+                                             else _predates(trace, snaps[0].moment if snaps else 0))
+        marks = [(s.moment, s.allocated_bytes, s.running_max_bytes) for s in snaps]
+        result = interval_peaks(trace, marks, complete)
+        prev = None
+        for s, (peak, exact) in zip(snaps, result):
+            s.peak_allocated_bytes, s.peak_exact = peak, exact
+            if prev is not None:
+                # reserved only grows between empty_cache calls: its interval peak is where it ended,
+                # unless the running maximum rose inside the interval
+                s.peak_reserved_bytes = s.peak_reserved_bytes if s.peak_reserved_bytes > prev.peak_reserved_bytes \
+                    else max(prev.reserved_bytes, s.reserved_bytes)
+            prev = s
+
+
+def _predates(trace: list[dict], first_moment: int) -> bool:
+    """Does the trace reach back before our first moment (so it covers the whole span)?"""
+    for e in trace:
+        if e.get("action") in ("alloc", "free_requested"):
+            m = parse_moment(e.get("user_metadata"))
+            return m is None or m < first_moment
+    return True
+
+
+def interval_peaks(trace: Iterable[dict[str, Any]], marks: list[tuple[int, int, int]],
+                   complete: bool = True) -> list[tuple[int, bool]]:
+    """(peak allocated, exact) of each interval that snapshot k closes (k = 0: its own reading).
+
+    ``marks``: per snapshot, (moment number, ``memory_allocated()`` then, ``max_memory_allocated()``
+    then). Each interval is replayed from its starting reading, each block counting its requested
+    size rounded to 512 B. Where the process' running maximum rose inside an interval, that is its
+    exact peak. Without history for an interval (``complete`` false and no entries) its peak is the
+    larger of its two readings, marked inexact (a lower bound).
+
+    >>> e = lambda a, addr, n, m: {"action": a, "addr": addr, "size": n, "user_metadata": f"memlens:{m}"}
+    >>> trace = [e("alloc", 1, 1000, 1), e("alloc", 2, 512, 1), e("free_requested", 2, 512, 1), e("free_requested", 1, 1000, 2)]
+    >>> interval_peaks(trace, [(1, 4096, 9000), (2, 5120, 9000), (3, 4096, 9000)])
+    [(4096, True), (5632, True), (5120, True)]
+    """
+    marks = list(marks)
+    K = len(marks)
+    moments = [m for m, _, _ in marks]
+    peaks = [marks[0][1]] + [max(marks[k - 1][1], marks[k][1]) for k in range(1, K)]
+    covered = [False] * K
+    sizes: dict[int, int] = {}
+    cur_k, lvl = None, 0
+    for e in trace:
+        act = e.get("action")
+        if act not in ("alloc", "free_requested"):
+            continue
+        m = parse_moment(e.get("user_metadata"))
+        k = bisect.bisect_right(moments, m) if m is not None else (cur_k or 0)
+        if cur_k is not None and k < cur_k:
+            k = cur_k                         # a thread's older label: it belongs to the interval running now
+        size = round_size(int(e.get("size", 0)))
+        addr = e.get("addr")
+        if act == "alloc":
+            sizes[addr] = size
+        else:
+            size = sizes.pop(addr, size)
+        if k == 0 or k >= K:
+            continue                          # before the first snapshot or after the last
+        if k != cur_k:
+            cur_k, lvl = k, marks[k - 1][1]   # re-anchor on the exact reading
+        lvl += size if act == "alloc" else -size
+        covered[k] = True
+        if lvl > peaks[k]:
+            peaks[k] = lvl
+    out = [(peaks[0], True)]
+    for k in range(1, K):
+        rose = marks[k][2] > marks[k - 1][2]
+        if rose:
+            out.append((marks[k][2], True))
+        else:
+            out.append((min(peaks[k], marks[k][2]) if marks[k][2] else peaks[k], covered[k] or complete))
+    return out

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..errors import MemlensError, NoDeviceError
-from ..units import fmt_bytes, parse_bytes
+from ..core.errors import MemlensError, NoDeviceError
+from ..core.units import fmt_bytes, parse_bytes
 
 
 @dataclass

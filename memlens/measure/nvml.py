@@ -24,8 +24,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-from ..errors import NoDeviceError
-from ..units import fmt_bytes
+from ..core.errors import NoDeviceError
+from ..core.units import fmt_bytes
 
 
 class NvmlBackend(Protocol):

@@ -5,13 +5,14 @@ profiler (on a real device with random weights), so both run exactly the same tr
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import ModelSourceError, SpecError
-from ..spec import TrainingSpec
+from ..core.errors import ModelSourceError, SpecError
+from ..core.spec import TrainingSpec
 from .source import ModelSource
 
 DEFAULT_SEQ_LEN = 512
@@ -85,7 +86,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     if spec.lora_rank:
         model = apply_lora(model, spec)
     if spec.qlora:
-        from ..estimator.quant import quantize_frozen_linears
+        from .quant import quantize_frozen_linears
 
         quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16)
     return model
@@ -222,42 +223,18 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
     return Built(model, batch, loss_fn)
 
 
-# ---------------------------------------------------------------- optimizers
-def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
-    """The optimizer the spec names, over trainable parameters.
+@contextlib.contextmanager
+def quiet():
+    """Silence transformers' logging and Python warnings while a model is built or run."""
+    import logging
+    import warnings
 
-    ``simulate``: fake CPU tensors stand for CUDA ones, so ask for the implementation PyTorch picks
-    by default on CUDA (foreach), and use memory-faithful stand-ins for CUDA-only optimizers.
-    """
-    import torch
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise SpecError("no trainable parameters", hint="check --freeze patterns (everything is frozen)")
-    lr = 1e-4
-    fe = {"foreach": True} if simulate else {}
-    name = spec.optimizer
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, **fe)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, **fe)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, **fe)
-    if name == "sgd-momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, **fe)
-    if name == "adafactor":
-        if not hasattr(torch.optim, "Adafactor"):
-            raise SpecError("torch.optim.Adafactor needs torch >= 2.5", hint="upgrade torch or use --optimizer adamw")
-        return torch.optim.Adafactor(params, lr=1e-2, **fe)
-    if name == "adamw-8bit":
-        if not simulate:
-            try:
-                import bitsandbytes as bnb
-
-                return bnb.optim.AdamW8bit(params, lr=lr)
-            except ImportError:
-                raise SpecError("--optimizer adamw-8bit needs bitsandbytes on a GPU", hint="pip install bitsandbytes") from None
-        from ..estimator.quant import AdamW8bitSim
-
-        return AdamW8bitSim(params, lr=lr)
-    raise AssertionError(name)
+    tlog = logging.getLogger("transformers")
+    old = tlog.level
+    tlog.setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            tlog.setLevel(old)

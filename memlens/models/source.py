@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import ModelSourceError
+from ..core.errors import ModelSourceError
 from . import registry
 
 TASKS = ("causal-lm", "masked-lm", "image-classification", "clip", "vlm", "factory")

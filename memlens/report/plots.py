@@ -15,7 +15,7 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from ..errors import MemlensError
+        from ..core.errors import MemlensError
 
         raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]', or drop --out") from None
     return plt

@@ -17,7 +17,7 @@ import html
 import io
 from pathlib import Path
 
-from ..units import fmt_bytes
+from ..core.units import fmt_bytes
 from .result import Result
 from .plots import pyplot as _pyplot
 

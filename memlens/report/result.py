@@ -19,23 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import MemlensError
+from ..core.errors import MemlensError
 
 SCHEMA_VERSION = "1"
 
-# Category names shared by the estimator and the profiler (PyTorch's own words where it has them).
-CATEGORIES = (
-    "parameters",
-    "buffers",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "inputs",
-    "per_sample_gradients",
-    "workspace",
-)
-PHASES = ("setup", "forward", "backward", "optimizer")
+from ..core.enums import CATEGORIES, STEP_PHASES  # noqa: F401 - re-exported for renderers
 
 _CORE = (
     "verb", "spec", "peak_allocated_bytes", "peak_reserved_bytes", "by_category", "by_phase",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..units import fmt_bytes
+from ..core.units import fmt_bytes
 
 
 def _pct(part: int, whole: int | None) -> str:
@@ -82,7 +82,7 @@ def _describe(spec: dict) -> str:
     if not spec:
         return ""
     try:
-        from ..spec import TrainingSpec
+        from ..core.spec import TrainingSpec
 
         return TrainingSpec.from_dict(spec).describe()
     except Exception:  # a spec from another version: show its model only

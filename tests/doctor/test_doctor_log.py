@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from memlens.cli.main import main
 from memlens.doctor.log import analyze_memory, doctor_log, read_memory_log
-from memlens.errors import MemlensError
+from memlens.core.errors import MemlensError
 
 GB, GIB, MIB = 10**9, 2**30, 2**20
 SEED_LOG = (FIXTURES / "seed_exercise_9_8.log").read_text()

@@ -14,7 +14,7 @@ from memlens.cli.main import main
 from memlens.doctor.snapshot import (allocation_site, diff_snapshots, doctor_snapshot, load_snapshot, summarize_snapshot,
                                      validate_snapshot)
 from memlens.doctor.stats import analyze_memory_stats, doctor_stats, normalize_stats
-from memlens.errors import MemlensError
+from memlens.core.errors import MemlensError
 
 MIB = 2**20
 BEFORE = FIXTURES / "synthetic_snapshot_before.pickle"

@@ -19,8 +19,8 @@ def test_backend_choice_matches_hopper_measurements():
 
 
 def test_cudnn_attention_keeps_output_and_stats_only():
-    from memlens.estimator.tracker import StorageTracker
-    from memlens.ledger import EventLog, analyze
+    from memlens.core.tracker import StorageTracker
+    from memlens.core.ledger import EventLog, analyze
 
     fake = FakeTensorMode()
     log = EventLog()

@@ -1,7 +1,7 @@
 """On a real GPU: the estimate equals max_memory_allocated() of the same steps (run on the device)."""
 import pytest
 
-from memlens.spec import TrainingSpec
+from memlens.core.spec import TrainingSpec
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +17,7 @@ def test_estimate_matches_real_steps(spec):
     import torch
 
     from memlens import estimate
-    from memlens.measure.profile import profile_spec
+    from memlens.measure.runner import profile_spec
 
     result, _ = profile_spec(spec, steps=2, warmup=0, device="cuda", mode="phases")
     measured = result.peak_allocated_bytes  # profile reads the allocator's own peak counters

@@ -4,7 +4,7 @@ import torch
 
 from memlens.estimator import estimate
 from memlens.estimator.simulate import CUBLAS_WORKSPACE_BYTES
-from memlens.spec import TrainingSpec
+from memlens.core.spec import TrainingSpec
 
 MiB = 1024 * 1024
 W = 1024 * 1024 * 4          # the 1024x1024 fp32 weight
@@ -78,7 +78,7 @@ def test_lora_trains_only_adapters():
 
 
 def test_freeze_pattern_must_match():
-    from memlens.errors import SpecError
+    from memlens.core.errors import SpecError
 
     with pytest.raises(SpecError, match="matches no parameter"):
         estimate(TrainingSpec(model="gpt2", batch_size=1, seq_len=16, freeze=("vision_tower",)))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from memlens.explore.core import CachedEstimator, Point
-from memlens.spec import TrainingSpec
+from memlens.core.spec import TrainingSpec
 
 GiB = 2**30
 N = 250_000_000            # parameters

@@ -7,9 +7,9 @@ import pytest
 from explore_support import GiB, N, fake_estimator
 
 from memlens.cli.main import main
-from memlens.errors import MemlensError
+from memlens.core.errors import MemlensError
 from memlens.explore.compare import DEFAULT_TECHNIQUES, compare, parse_techniques, plot_compare, technique_spec
-from memlens.spec import TrainingSpec
+from memlens.core.spec import TrainingSpec
 
 SPEC = TrainingSpec(model="fake", batch_size=8, seq_len=512)
 

@@ -7,12 +7,12 @@ import pytest
 from explore_support import GiB, N, fake_estimator, fake_point
 
 from memlens.cli.main import main
-from memlens.errors import MemlensError
+from memlens.core.errors import MemlensError
 from memlens.explore.core import derive_peak, predict_step_time
 from memlens.explore.fit import Budget, find_max_batch_size, fit, fit_batch_size, verify
 from memlens.explore.plan import MODEL, make_plan
 from memlens.explore.search import doubling_bisection, max_fitting_budget, verify_limit
-from memlens.spec import TrainingSpec
+from memlens.core.spec import TrainingSpec
 
 SPEC = TrainingSpec(model="fake", batch_size=8, seq_len=512)
 MiB = 2**20

@@ -13,9 +13,9 @@ import pytest
 from explore_support import GiB, N, fake_estimator
 
 from memlens.cli.main import main
-from memlens.errors import MemlensError
+from memlens.core.errors import MemlensError
 from memlens.explore.sweep import RESULTS, Grid, grid_cells, plot_sweep, read_results, sweep, write_csv
-from memlens.spec import TrainingSpec
+from memlens.core.spec import TrainingSpec
 
 SPEC = TrainingSpec(model="fake", seq_len=512)
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from memlens.doctor.log import doctor_log
-from memlens.errors import MemlensError, NoDeviceError
+from memlens.core.errors import MemlensError, NoDeviceError
 from memlens.measure.monitor import Monitor, top_tensors
 
 MIB = 2**20

@@ -10,7 +10,7 @@ import pytest
 
 from memlens.cli.main import main
 from memlens.doctor.log import doctor_log
-from memlens.errors import NoDeviceError
+from memlens.core.errors import NoDeviceError
 from memlens.measure import nvml
 from memlens.measure.nvml import Watcher, csv_rows, oom_risk, read_gpus
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import memlens.measure.profile as mp
-from memlens.errors import MemlensError
+import memlens.measure.profiler as mp
+from memlens.core.ledger import replay
+from memlens.core.errors import MemlensError
 from memlens.report.profile_report import report_html, timeline_csv, write_report
 from memlens.report.result import Result
 
@@ -183,7 +184,7 @@ def test_timeline_csv_and_html_of_a_minimal_result():
 
 
 def test_replay_ledger_rounding():
-    from memlens.ledger import EventLog, round_size
+    from memlens.core.ledger import EventLog, round_size
 
     log = EventLog()
     log.alloc(1, 100, "parameters", log.module_id("a"), "start")
@@ -192,11 +193,11 @@ def test_replay_ledger_rounding():
     log.tag(2, "activations")
     log.free(2)
     log.alloc(3, 10, "temporaries", log.module_id("b.lora_A.default"), "forward")
-    raw = mp.replay_ledger(log)
-    assert raw.peak_bytes == 1100 and raw.by_category["activations"] == 1000
-    cuda = mp.replay_ledger(log, round_size)
-    assert cuda.peak_bytes == 512 + 1024
-    lora = [m for m in mp.replay_ledger(log).by_module if m["lora"]]
+    raw = replay(log)
+    assert raw.peak_allocated_bytes == 1100 and raw.by_category["activations"] == 1000
+    cuda = replay(log, round_size)
+    assert cuda.peak_allocated_bytes == 512 + 1024
+    lora = [m for m in replay(log).by_module if m["lora"]]
     assert [m["module"] for m in lora] == ["b.lora_A.default"]
 
 
@@ -232,8 +233,8 @@ def test_ledger_mode_on_cpu_matches_full():
 
 @pytest.mark.gpu
 def test_load_on_cpu_then_move_to_the_gpu():
-    from memlens.measure.profile import profile_spec
-    from memlens.spec import TrainingSpec
+    from memlens.measure.runner import profile_spec
+    from memlens.core.spec import TrainingSpec
 
     r, _ = profile_spec(TrainingSpec(model="gpt2", batch_size=1, seq_len=64), steps=1, warmup=0, device="cuda",
                         load_on_cpu=True)

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-import memlens.measure.profile as mp
-from memlens.ledger import round_size
+import memlens.measure.profiler as mp
+from memlens.core.ledger import replay
+from memlens.core.ledger import round_size
 from memlens.measure.history import OPTIMIZER, OUTSIDE, HistoryRecord, HistoryRecorder, Moment, history_to_log
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "profile"
@@ -53,8 +54,8 @@ def test_synthetic_trace_exact_bytes():
     trace, rec = synthetic()
     log, counts = history_to_log(trace, rec)
     assert counts == {"entries": 11, "unknown_frees": 1}
-    v = mp.replay_ledger(log, round_size)
-    assert v.peak_bytes == 1024 + 1024 + 4096 + 512 + 2048 + 6144 + 512 == 15360
+    v = replay(log, round_size)
+    assert v.peak_allocated_bytes == 1024 + 1024 + 4096 + 512 + 2048 + 6144 + 512 == 15360
     assert (v.peak_phase, v.peak_step) == ("optimizer", 1)
     cats = {k: b for k, b in v.by_category.items() if b}
     assert cats == {"parameters": 2048, "workspace": 4096, "inputs": 512, "gradients": 2048,
@@ -71,7 +72,7 @@ def test_synthetic_trace_exact_bytes():
 
 def test_activation_freed_before_the_peak_is_not_counted():
     trace, rec = synthetic()
-    v = mp.replay_ledger(history_to_log(trace, rec)[0], round_size)
+    v = replay(history_to_log(trace, rec)[0], round_size)
     assert v.by_category["activations"] == 0       # module 0's activation was freed in backward
 
 
@@ -86,10 +87,10 @@ def test_committed_gpu_trace_replays_to_the_measured_peak():
     net = sum(round_size(e["size"]) * (1 if e["action"] == "alloc" else -1)
               for e in trace if e["action"] in ("alloc", "free_requested"))
     log, counts = history_to_log(trace, HistoryRecord(start_allocated=live_end - net))
-    v = mp.replay_ledger(log, round_size)
+    v = replay(log, round_size)
     assert counts["entries"] == 1910
-    assert v.peak_bytes == 2559998976
-    assert abs(v.peak_bytes - truth["peak_allocated_bytes"]) / truth["peak_allocated_bytes"] < 1e-3
+    assert v.peak_allocated_bytes == 2559998976
+    assert abs(v.peak_allocated_bytes - truth["peak_allocated_bytes"]) / truth["peak_allocated_bytes"] < 1e-3
     assert v.by_category["workspace"] == live_end - net == 1564480000
 
 
@@ -103,9 +104,9 @@ def test_committed_gpu_history_reproduces_the_device_result():
     trace = raw["device_traces"][0]
     log, counts = history_to_log(trace, rec)
     assert counts == {"entries": truth["history"]["entries"], "unknown_frees": 0}
-    v = mp.replay_ledger(log, round_size)
+    v = replay(log, round_size)
     peak = truth["peak_allocated_bytes"]
-    assert (peak - v.peak_bytes) / peak < 1e-3
+    assert (peak - v.peak_allocated_bytes) / peak < 1e-3
     cats = {k: b for k, b in v.by_category.items() if b}
     want = {k: b for k, b in truth["by_category"].items() if b and k != "unattributed"}
     assert cats == want
@@ -150,5 +151,5 @@ def test_recorder_moments_follow_modules_and_backward(monkeypatch):
     bwd = [n for p, n in seq if p == "backward"]
     # backward enters the modules in reverse; the root's output is module 2's, which keeps it
     assert bwd == [OUTSIDE, "2", "1", "0"]
-    assert metas == [str(i) for i in range(len(seq))] + [""]
+    assert metas == [f"memlens:{rec.rec.moment_base + i}" for i in range(len(seq))] + [""]
     assert not rec._handles

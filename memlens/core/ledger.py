@@ -1,11 +1,10 @@
-"""The accounting both sides share: an event log of storages, and PyTorch's caching allocator.
+"""The accounting both sides share: PyTorch's caching allocator, and one replay of an event log.
 
-A simulated step (estimate) or a real one (profile) appends events to an :class:`EventLog`:
-``alloc`` (a storage appears, with a category, module and phase), ``free``, ``tag`` (a storage
-turns out to be a gradient / optimizer state / saved activation) and ``phase`` marks. Replaying
-the log through :class:`CachingAllocatorModel` gives what ``torch.cuda.memory_allocated`` and
-``memory_reserved`` would read at every moment; :func:`analyze` then finds the peak and breaks it
-down by category, module and phase.
+A simulated step (estimate) or a real one (profile) fills a :class:`~memlens.core.events.EventLog`.
+Replaying it through :class:`CachingAllocatorModel` gives what ``torch.cuda.memory_allocated`` and
+``memory_reserved`` would read at every moment (or, with :class:`RawSizes`, live storage bytes);
+:func:`analyze` is that one replay: the peak and its breakdown by category, module and phase,
+each phase's and step's peak, and the timeline.
 
 Allocator facts modelled (c10/cuda/CUDACachingAllocator.cpp, default settings):
 - every request is rounded up to a multiple of 512 B (kMinBlockSize);
@@ -23,9 +22,11 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from .report.result import CATEGORIES
+from .enums import CATEGORIES
+from .events import ALLOC, FREE, PHASE, TAG, EventLog  # noqa: F401 - EventLog re-exported
+from .timeline import TimelinePoint
 
 KB_MIN_BLOCK = 512
 K_SMALL_SIZE = 1 << 20          # 1 MiB
@@ -184,36 +185,39 @@ class CachingAllocatorModel:
         return total
 
 
-# ------------------------------------------------------------------------- event log
-ALLOC, FREE, TAG, PHASE = 0, 1, 2, 3
+# ------------------------------------------------------------------------- the one replay
+class RawSizes:
+    """A sizer without an allocator: each storage counts ``size_fn(nbytes)`` (raw bytes on the CPU;
+    :func:`round_size` for a measured CUDA run whose blocks the allocator history gives).
+    Reserved memory is not modelled: it reads as allocated."""
 
+    def __init__(self, size_fn: Callable[[int], int] = lambda n: n):
+        self.size_fn = size_fn
+        self.allocated = self.requested = self.peak_reserved = self.num_segments = 0
+        self._live: dict[Any, tuple[int, int]] = {}
 
-@dataclass
-class EventLog:
-    """Storages appearing and disappearing, in program order."""
+    @property
+    def reserved(self) -> int:
+        return self.allocated
 
-    events: list[tuple] = field(default_factory=list)
-    modules: list[str] = field(default_factory=list)   # module names, indexed by events
-    _module_ids: dict[str, int] = field(default_factory=dict)
+    inactive_split_bytes = 0
 
-    def module_id(self, name: str) -> int:
-        i = self._module_ids.get(name)
-        if i is None:
-            i = self._module_ids[name] = len(self.modules)
-            self.modules.append(name)
-        return i
+    def is_live(self, key: Any) -> bool:
+        return key in self._live
 
-    def alloc(self, key: Any, nbytes: int, category: str, module: int, phase: str, op: str = "") -> None:
-        self.events.append((ALLOC, key, nbytes, category, module, phase, op))
+    def malloc(self, key: Any, nbytes: int) -> int:
+        size = self.size_fn(nbytes)
+        self._live[key] = (size, nbytes)
+        self.allocated += size
+        self.requested += nbytes
+        self.peak_reserved = max(self.peak_reserved, self.allocated)
+        return size
 
-    def free(self, key: Any) -> None:
-        self.events.append((FREE, key))
-
-    def tag(self, key: Any, category: str) -> None:
-        self.events.append((TAG, key, category))
-
-    def phase(self, name: str, step: int) -> None:
-        self.events.append((PHASE, name, step))
+    def free(self, key: Any) -> int:
+        size, nbytes = self._live.pop(key)
+        self.allocated -= size
+        self.requested -= nbytes
+        return size
 
 
 @dataclass
@@ -227,8 +231,9 @@ class Analysis:
     peak_phase: str
     peak_step: int
     by_category: dict[str, int]
-    by_module: list[dict[str, Any]]
-    by_phase: dict[str, dict[str, Any]]
+    by_module: list[dict[str, Any]]          # live at the peak, + each module's forward/backward peak
+    by_phase: dict[str, dict[str, Any]]      # peak allocated of each phase
+    by_phase_allocated: dict[str, int]       # live at the peak, by the phase that allocated it
     timeline: list[dict[str, Any]]
     steps: list[dict[str, Any]]
     end_allocated_bytes: int
@@ -237,43 +242,64 @@ class Analysis:
     num_segments: int
 
 
-def _replay(log: EventLog, stop: int | None = None):
-    """Yield (index, event, allocator) after applying each event."""
-    alloc = CachingAllocatorModel()
-    for i, ev in enumerate(log.events):
-        if stop is not None and i > stop:
-            return
-        kind = ev[0]
-        if kind == ALLOC:
-            if not alloc.is_live(ev[1]):
-                alloc.malloc(ev[1], ev[2])
-        elif kind == FREE:
-            if alloc.is_live(ev[1]):
-                alloc.free(ev[1])
-        yield i, ev, alloc
+def _apply(sizer, ev) -> int | None:
+    """Apply one event to the sizer; returns the bytes allocated (+) or freed (-), None for others."""
+    kind = ev[0]
+    if kind == ALLOC:
+        if not sizer.is_live(ev[1]):
+            return sizer.malloc(ev[1], ev[2])
+    elif kind == FREE:
+        if sizer.is_live(ev[1]):
+            return -sizer.free(ev[1])
+    return None
 
 
-def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = None) -> Analysis:
-    """Replay the log through the allocator model: peak, breakdowns, timeline, per-step figures."""
+def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = None, sizer=None,
+            stop_at_done: bool = True) -> Analysis:
+    """Replay the log: the peak, its breakdown by category, module and allocating phase, each
+    phase's and step's peak, each module's own forward/backward peak, and a timeline.
+
+    ``sizer`` says what a storage costs: the caching-allocator model by default (what
+    ``max_memory_allocated`` and ``max_memory_reserved`` read on CUDA), or a :class:`RawSizes`.
+    A ``done`` phase mark ends the replay when ``stop_at_done`` (what follows is teardown).
+    """
+    a = sizer if sizer is not None else CachingAllocatorModel()
     phase, step = "setup", 0
     peak_i, peak_alloc, peak_phase, peak_step = -1, -1, "setup", 0
     raw: list[tuple[int, str, int, int, int]] = []   # (event index, phase, step, allocated, reserved)
     phase_stats: dict[str, dict[str, Any]] = {}
     step_stats: dict[int, dict[str, Any]] = {}
+    mod_live: dict[tuple[int, str], int] = defaultdict(int)
+    mod_peak: dict[tuple[int, str], int] = defaultdict(int)
+    owner: dict[Any, tuple[int, str]] = {}
     peak_requested = 0
-    a = None
-    for i, ev, a in _replay(log):
-        if ev[0] == PHASE:
-            if ev[1] == "done":
-                break  # what follows is teardown, not training
+    seen = False
+    for i, ev in enumerate(log.events):
+        kind = ev[0]
+        if kind == PHASE:
+            if stop_at_done and ev[1] == "done":
+                break
             phase, step = ev[1], ev[2]
             if phase == "end":
                 st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
                 st["end_allocated_bytes"] = a.allocated
                 st["end_reserved_bytes"] = a.reserved
             continue
-        if ev[0] == TAG:
+        if kind == TAG:
             continue
+        delta = _apply(a, ev)
+        seen = True
+        if delta is None:
+            continue
+        if kind == ALLOC:
+            k = owner[ev[1]] = (ev[4], ev[5])
+        else:
+            k = owner.pop(ev[1], None)
+        if k is not None:
+            v = mod_live[k] + delta
+            mod_live[k] = v
+            if v > mod_peak[k]:
+                mod_peak[k] = v
         if a.requested > peak_requested:
             peak_requested = a.requested
         if a.allocated > peak_alloc:
@@ -285,33 +311,67 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
         if a.allocated > st["peak_allocated_bytes"]:
             st["peak_allocated_bytes"], st["peak_phase"] = a.allocated, phase
         raw.append((i, phase, step, a.allocated, a.reserved))
-    if a is None:
+    if not seen:
         raise ValueError("empty event log")
-    end_alloc, end_res, peak_res = a.allocated, a.reserved, a.peak_reserved
-    inactive = a.inactive_split_bytes
-    nseg = a.num_segments
-
-    by_cat, by_mod, _ = breakdown_at(log, peak_i, module_depth)
+    by_cat, live_rows, by_phase_alloc = breakdown_at(log, peak_i, module_depth, sizer=_fresh(a))
+    rows = _module_rows(log, live_rows, mod_peak, module_depth)
     return Analysis(
         peak_allocated_bytes=max(peak_alloc, 0),
-        peak_reserved_bytes=peak_res,
+        peak_reserved_bytes=a.peak_reserved,
         peak_requested_bytes=peak_requested,
         peak_event=peak_i,
         peak_phase=peak_phase,
         peak_step=peak_step,
         by_category=by_cat,
-        by_module=by_mod,
+        by_module=rows,
         by_phase={k: v for k, v in phase_stats.items() if k != "end"},
+        by_phase_allocated=by_phase_alloc,
         timeline=downsample(raw, max_points),
         steps=[step_stats[k] for k in sorted(step_stats) if k > 0],
-        end_allocated_bytes=end_alloc,
-        end_reserved_bytes=end_res,
-        inactive_split_bytes_at_end=inactive,
-        num_segments=nseg,
+        end_allocated_bytes=a.allocated,
+        end_reserved_bytes=a.reserved,
+        inactive_split_bytes_at_end=a.inactive_split_bytes,
+        num_segments=a.num_segments,
     )
 
 
-def breakdown_at(log: EventLog, index: int, module_depth: int | None = None, size_fn=None):
+def _fresh(sizer):
+    return RawSizes(sizer.size_fn) if isinstance(sizer, RawSizes) else type(sizer)()
+
+
+def _module_rows(log: EventLog, live_rows: list[dict[str, Any]], mod_peak: dict[tuple[int, str], int],
+                 module_depth: int | None) -> list[dict[str, Any]]:
+    """Rows per module: what it held at the peak, and the most of its own allocations live at once
+    during forward and during backward (LoRA adapters flagged)."""
+    names = log.modules
+    fwd: dict[str, int] = defaultdict(int)
+    bwd: dict[str, int] = defaultdict(int)
+    for (m, ph), v in mod_peak.items():
+        name = _mod_name(names, m, module_depth)
+        if ph == "forward":
+            fwd[name] = max(fwd[name], v)
+        elif ph == "backward":
+            bwd[name] = max(bwd[name], v)
+    by_name = {r["module"]: r for r in live_rows}
+    rows = []
+    for name in set(by_name) | set(fwd) | set(bwd):
+        r = by_name.get(name, {"module": name, "bytes": 0, "by_category": {}})
+        if not (r["bytes"] or fwd.get(name) or bwd.get(name)):
+            continue
+        rows.append({**r, "forward_peak_bytes": fwd.get(name, 0), "backward_peak_bytes": bwd.get(name, 0),
+                     "lora": ".lora_" in f".{name}"})
+    rows.sort(key=lambda r: (-r["bytes"], -r["forward_peak_bytes"]))
+    return rows
+
+
+def _mod_name(names: list[str], m: int, module_depth: int | None) -> str:
+    name = names[m] if 0 <= m < len(names) else "(none)"
+    if module_depth is not None:
+        name = ".".join(name.split(".")[:module_depth])
+    return name
+
+
+def breakdown_at(log: EventLog, index: int, module_depth: int | None = None, size_fn=None, sizer=None):
     """Live bytes right after event ``index``: (by category, by module rows, by allocating phase).
 
     Bytes are the allocator model's block sizes, so the categories sum to its peak exactly; a
@@ -320,29 +380,26 @@ def breakdown_at(log: EventLog, index: int, module_depth: int | None = None, siz
     often known only a little after it appears, so each storage gets its last tag.
     """
     final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
+    if sizer is None:
+        sizer = RawSizes(size_fn) if size_fn is not None else CachingAllocatorModel()
     live: dict[Any, list] = {}
-    alloc = CachingAllocatorModel() if size_fn is None else None
     for i, ev in enumerate(log.events):
         if i > index:
             break
-        kind = ev[0]
-        if kind == ALLOC and ev[1] not in live:
-            size = alloc.malloc(ev[1], ev[2]) if alloc is not None else size_fn(ev[2])
-            live[ev[1]] = [size, final.get(ev[1], ev[3]), ev[4], ev[5]]
-        elif kind == FREE and ev[1] in live:
-            if alloc is not None:
-                alloc.free(ev[1])
-            del live[ev[1]]
+        delta = _apply(sizer, ev)
+        if delta is None:
+            continue
+        if ev[0] == ALLOC:
+            live[ev[1]] = [delta, final.get(ev[1], ev[3]), ev[4], ev[5]]
+        else:
+            live.pop(ev[1], None)
     by_cat: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_mod: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     by_phase: dict[str, int] = defaultdict(int)
     for size, cat, mod, phase in live.values():
         by_cat[cat] = by_cat.get(cat, 0) + size
         by_phase[phase] += size
-        name = log.modules[mod] if mod >= 0 else "(none)"
-        if module_depth is not None:
-            name = ".".join(name.split(".")[:module_depth])
-        by_mod[name][cat] += size
+        by_mod[_mod_name(log.modules, mod, module_depth)][cat] += size
     rows = [{"module": m, "bytes": sum(c.values()), "by_category": dict(c)} for m, c in by_mod.items()]
     rows.sort(key=lambda r: -r["bytes"])
     return by_cat, rows, dict(by_phase)
@@ -358,10 +415,8 @@ def downsample(raw: list[tuple], max_points: int) -> list[dict[str, Any]]:
     out = []
     for s in range(0, n, bucket):
         best = max(raw[s:s + bucket], key=lambda r: r[3])
-        point = {"event": best[0], "phase": best[1], "step": best[2], "allocated_bytes": best[3]}
-        if len(best) > 4:
-            point["reserved_bytes"] = best[4]
-        out.append(point)
+        out.append(TimelinePoint(event=best[0], phase=best[1], step=best[2], allocated_bytes=best[3],
+                                 reserved_bytes=best[4] if len(best) > 4 else None).to_dict())
     return out
 
 
@@ -397,3 +452,14 @@ def group_modules(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def sum_categories(by_category: dict[str, int], names: Iterable[str]) -> int:
     return sum(by_category.get(n, 0) for n in names)
+
+
+def replay(log: EventLog, size_fn: Callable[[int], int] | None = None, max_points: int = 600) -> Analysis:
+    """:func:`analyze` of a measured log: each storage counts ``size_fn(nbytes)`` (raw bytes by
+    default, :func:`round_size` for CUDA blocks), and the whole log is replayed.
+
+    >>> log = EventLog(); log.alloc(1, 100, "parameters", log.module_id("fc"), "start")
+    >>> replay(log).peak_allocated_bytes, replay(log, round_size).peak_allocated_bytes
+    (100, 512)
+    """
+    return analyze(log, max_points, sizer=RawSizes(size_fn or (lambda n: n)), stop_at_done=False)

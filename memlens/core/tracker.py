@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from ..ledger import EventLog
+from .events import EventLog
 
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
@@ -24,8 +24,7 @@ def _is_fake(t) -> bool:
     return isinstance(t, FakeTensor)
 
 
-ROOT_LABEL = "(model: loss and glue)"
-OUTSIDE_LABEL = "(outside modules)"
+from .enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL  # noqa: F401 - labels used by callers
 
 
 class StorageTracker(TorchDispatchMode):
@@ -205,3 +204,49 @@ class ModuleScope:
             h.remove()
         self._handles = []
         self.tracker.module = self.outside
+
+
+# ---------------------------------------------------------------- what a step holds before it runs
+def register_model(tracker: StorageTracker, model, with_grads: bool = False) -> None:
+    """Account a model's parameters (charged to the module that owns them), buffers, and with
+    ``with_grads`` the gradients they already hold (a profile started after the first step)."""
+    names: dict[int, str] = {}
+    for mname, mod in model.named_modules():
+        for p in mod.parameters(recurse=False):
+            names.setdefault(id(p), tracker.module_label(mname))
+    for p in model.parameters():
+        tracker.register(p, "parameters", names.get(id(p), ROOT_LABEL), op="model")
+        if with_grads and p.grad is not None:
+            tracker.register(p.grad, "gradients", names.get(id(p), ROOT_LABEL), op="grad")
+    for mname, mod in model.named_modules():
+        for b in mod.buffers(recurse=False):
+            tracker.register(b, "buffers", tracker.module_label(mname), op="model")
+
+
+def register_inputs(tracker: StorageTracker, batch: Any) -> None:
+    """Account the batch's tensors as inputs (a tensor used twice, input_ids as labels, counts once)."""
+    for t in tree_flatten(batch)[0]:
+        if isinstance(t, torch.Tensor):
+            if tracker.key_of(t) is None:
+                tracker.register(t, "inputs", INPUTS_LABEL, op="batch")
+            else:
+                tracker.retag(t, "inputs", only_from=("temporaries",))
+
+
+def tag_optimizer_state(tracker: StorageTracker, optimizer, register: bool = False) -> None:
+    """Tag the optimizer's state tensors (registering them when ``register``: a profile started
+    after the first step). On fake tensors everything is on one device, so the per-parameter
+    ``step`` counter is released unless the optimizer keeps it on the GPU (fused or capturable):
+    torch keeps it on the CPU otherwise."""
+    on_device = bool(getattr(optimizer, "_memlens_step_on_device", False)) or any(
+        g.get("fused") or g.get("capturable") for g in getattr(optimizer, "param_groups", []))
+    for state in optimizer.state.values():
+        for k, t in state.items():
+            if not isinstance(t, torch.Tensor):
+                continue
+            if k == "step" and t.numel() == 1 and _is_fake(t) and not on_device:
+                tracker.release(t)
+            elif register and tracker.key_of(t) is None:
+                tracker.register(t, "optimizer_state", OPTIMIZER_LABEL, op="state")
+            else:
+                tracker.retag(t, "optimizer_state")

@@ -1,0 +1,88 @@
+"""The event log: storages appearing and disappearing in program order, as named records.
+
+A simulated step (estimate), a real one (profile's ledger), an allocator history (profile's full
+mode) and a simulated rank of a multi-GPU job all append the same records:
+
+- :class:`Alloc`: a storage of ``nbytes`` appears, charged to a category, a module and a phase;
+- :class:`Free`: it disappears;
+- :class:`Tag`: it turns out to be something else (a gradient, a saved activation, optimizer state);
+- :class:`PhaseMark`: the step enters a phase.
+
+Every record carries the ``rank`` of the process it happened on; allocations also carry the CUDA
+``stream`` (0: the default stream; collectives run on their own). Records are tuples underneath
+(``ev[0]`` is the kind), so a replay of millions of them stays cheap.
+
+>>> log = EventLog()
+>>> log.alloc("w", 4096, "parameters", log.module_id("fc"), "setup")
+>>> log.phase("forward", 1)
+>>> ev = log.events[0]
+>>> ev.kind == ALLOC, ev.nbytes, log.modules[ev.module], ev.rank
+(True, 4096, 'fc', 0)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+ALLOC, FREE, TAG, PHASE = 0, 1, 2, 3
+
+
+class Alloc(NamedTuple):
+    kind: int
+    key: Any
+    nbytes: int
+    category: str
+    module: int            # index into EventLog.modules (-1: none)
+    phase: str
+    op: Any = ""           # the op (or a word such as "model", "batch") that created it
+    rank: int = 0
+    stream: int = 0
+
+
+class Free(NamedTuple):
+    kind: int
+    key: Any
+    rank: int = 0
+
+
+class Tag(NamedTuple):
+    kind: int
+    key: Any
+    category: str
+    rank: int = 0
+
+
+class PhaseMark(NamedTuple):
+    kind: int
+    name: str
+    step: int
+    rank: int = 0
+
+
+@dataclass
+class EventLog:
+    """Storages appearing and disappearing on one device of one rank, in program order."""
+
+    events: list[tuple] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)   # module names, indexed by Alloc.module
+    rank: int = 0
+    _module_ids: dict[str, int] = field(default_factory=dict)
+
+    def module_id(self, name: str) -> int:
+        i = self._module_ids.get(name)
+        if i is None:
+            i = self._module_ids[name] = len(self.modules)
+            self.modules.append(name)
+        return i
+
+    def alloc(self, key: Any, nbytes: int, category: str, module: int, phase: str, op: Any = "", stream: int = 0) -> None:
+        self.events.append(Alloc(ALLOC, key, nbytes, category, module, phase, op, self.rank, stream))
+
+    def free(self, key: Any) -> None:
+        self.events.append(Free(FREE, key, self.rank))
+
+    def tag(self, key: Any, category: str) -> None:
+        self.events.append(Tag(TAG, key, category, self.rank))
+
+    def phase(self, name: str, step: int) -> None:
+        self.events.append(PhaseMark(PHASE, str(name), step, self.rank))
