@@ -34,12 +34,14 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--world-size", type=int, metavar="N", help="GPUs (default 1)")
     g.add_argument("--sharding", choices=SHARDING, help="how model states are split over --world-size GPUs")
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
+    g.add_argument("--gpu", metavar="NAME", help="the GPU the estimate is for: its CUDA context, workspaces, attention kernels, "
+                   "FLOP rates (default h100; `memlens estimate --list-gpus`)")
 
 
 SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
-    "physical_batch_size", "world_size", "sharding", "offload_optimizer",
+    "physical_batch_size", "world_size", "sharding", "offload_optimizer", "gpu",
 )
 
 

@@ -27,6 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu measures time and loss only)")
     g.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per measured configuration (default 3)")
     g.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured configuration (default 600)")
+    g.add_argument("--budget", metavar="SIZE", help="also say which techniques fit this GPU memory (the fit rule of `memlens fit`)")
     add_output_args(p)
     p.set_defaults(func=run)
     return p
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         status.start()
     try:
         result = compare(spec, names, measure=args.measure, device=args.device, steps=args.steps, timeout=args.timeout,
+                         budget=args.budget,
                          progress=(lambda n: status.update(f"{'measuring' if args.measure else 'estimating'}: {n}")) if status else None)
     finally:
         if status:
@@ -79,7 +81,8 @@ def render(result) -> None:
     measured = d["measured"]
     t = Table(title=f"{result.spec['model']}: techniques vs {d['baseline']}" + (f" (measured on {d['device']})" if measured else " (estimated)"),
               title_justify="left")
-    cols = ["technique", "config", "est. peak alloc", "est. vs base"]
+    budget = "usable_bytes" in d
+    cols = ["technique", "kind", "config", "est. peak alloc", "est. vs base"] + (["fits"] if budget else [])
     if measured:
         cols += ["measured peak", "vs base", "est. error", "step", "overhead", "loss (steps)"]
     else:
@@ -88,10 +91,13 @@ def render(result) -> None:
         t.add_column(col, justify="left" if col in ("technique", "config", "loss (steps)") else "right", no_wrap=col != "config")
     for r in d["rows"]:
         if r["status"] == "invalid":
-            t.add_row(r["technique"], f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 2))
+            t.add_row(r["technique"], "-", f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 3))
             continue
-        row = [r["technique"], r.get("describe", ""), fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "[dim]n/a[/dim]",
+        row = [r["technique"], r.get("kind", ""), r.get("describe", ""),
+               fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "[dim]n/a[/dim]",
                _pct(-r["estimated_saving"]) if r.get("estimated_saving") is not None else "-"]
+        if budget:
+            row.append("-" if r.get("fits") is None else ("yes" if r["fits"] else "[red]no[/red]"))
         if measured:
             if r["status"] != "ok":
                 row += [f"[red]{r['status']}[/red]", "-", "-", "-", "-", (r.get("error") or "")[:50]]
@@ -104,6 +110,9 @@ def render(result) -> None:
             row += [f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-", _pct(r.get("predicted_time_overhead"))]
         t.add_row(*row)
     c.print(t)
+    if budget:
+        c.print(f"[dim]fits: need = min(peak reserved, peak allocated x 1.10) <= {fmt_bytes(d['usable_bytes'])} "
+                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context - margin)[/dim]")
     for r in d["rows"]:
         if r.get("estimate_error_message"):
             c.print(f"[dim]{r['technique']}: no estimate ({r['estimate_error_message']})[/dim]")

@@ -20,6 +20,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", choices=("simulate", "formula"), default="simulate",
                    help="simulate: run the real step on fake tensors (exact); formula: closed form (instant, any size)")
     p.add_argument("--list-models", action="store_true", help="list the built-in models and exit")
+    p.add_argument("--list-gpus", action="store_true", help="list the GPUs --gpu knows (memory, context, attention kernels) and exit")
     p.add_argument("--top", type=int, default=12, metavar="N", help="modules to show (default 12)")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -33,6 +34,15 @@ def run(args: argparse.Namespace) -> int:
         for name in registry.names():
             doc = registry.get(name)
             print(f"{name:30s} {doc['task']:22s} {doc['hf_id']}")
+        return 0
+    if args.list_gpus:
+        from ..core.gpus import GPUS
+        from ..core.units import fmt_bytes
+
+        for g in GPUS.values():
+            attn = "cudnn" if g.cudnn_attention else "flash" if g.flash_attention else "efficient"
+            print(f"{g.name:10s} {g.label:26s} {g.arch:7s} {fmt_bytes(g.total_memory_bytes):>10s}  context {fmt_bytes(g.cuda_context_bytes)}"
+                  f"  half attention: {attn:9s} ({g.source})")
         return 0
     spec = spec_from_args(args)
     from ..estimator import estimate

@@ -45,6 +45,7 @@ class TrainingSpec:
     world_size: int = 1
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
+    gpu: str = "h100"                   # the GPU the estimate is for (memlens.core.gpus; `--gpu`)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -59,6 +60,9 @@ class TrainingSpec:
         _check_choice("attn", self.attn, ATTENTION)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         _check_choice("sharding", self.sharding, SHARDING)
+        from .gpus import gpu_facts
+
+        object.__setattr__(self, "gpu", gpu_facts(None if self.gpu is None else str(self.gpu)).name)
         if not isinstance(self.model, str) or not self.model.strip():
             raise SpecError("model is empty", hint="give --model gpt2 (see `memlens estimate --list-models`)")
         if self.seq_len is not None and self.seq_len > 1_048_576:

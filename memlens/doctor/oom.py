@@ -337,31 +337,30 @@ def budget_bytes(msg: OomMessage) -> int | None:
 
 
 def _levers(spec) -> list[tuple[str, dict[str, Any]]]:
-    """The usual ways to save memory that apply to ``spec``, in the order people try them."""
-    levers: list[tuple[str, dict[str, Any]]] = []
-    if spec.batch_size > 1:
-        levers.append(("halve micro-batch, double accumulation",
-                       {"batch_size": spec.batch_size // 2, "grad_accum": spec.grad_accum * 2}))
-    if not spec.grad_checkpointing:
-        levers.append(("gradient checkpointing", {"grad_checkpointing": True}))
-    if spec.precision == "fp32":
-        levers.append(("AMP bf16", {"precision": "amp-bf16"}))
-    if spec.optimizer in ("adamw", "adam"):
-        levers.append(("8-bit AdamW", {"optimizer": "adamw-8bit"}))
-    if spec.lora_rank is None and not spec.dp:
-        levers.append(("LoRA rank 16", {"lora_rank": 16}))
-    return levers
+    """The usual ways to save memory that apply to ``spec``, in the order people try them
+    (the technique table's ``DOCTOR`` list)."""
+    from ..explore import techniques as tech
+
+    out = []
+    for name in tech.DOCTOR:
+        if tech.applies(spec, name):
+            out.append((tech.title(name), tech.changes(spec, name)))
+    return out
 
 
-def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], headroom: float = 0.05) -> list[FitOption]:
+def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], margin: float | None = None) -> list[FitOption]:
     """Try each lever alone, then the levers one after another until the peak fits.
 
-    A configuration fits when its estimated peak allocated memory is at most ``budget`` less
-    ``headroom`` (5% by default, for allocator rounding and fragmentation).
+    "Fits" is the one rule (:mod:`memlens.explore.fits`) against ``budget``: the memory PyTorch
+    could use on that GPU (the CUDA context is already taken off), less the default margin.
     """
     from ..core.errors import SpecError
+    from ..explore.fits import Budget, fits
 
-    limit = budget * (1 - headroom)
+    try:
+        b = Budget.make(budget, context_bytes=0, margin=margin)
+    except MemlensError:   # too small for a margin: hold the options against the budget itself
+        b = Budget(int(budget), 0, 0)
     options: list[FitOption] = []
 
     def _try(name: str, changes: dict[str, Any]) -> FitOption | None:
@@ -369,8 +368,8 @@ def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], headroom:
             s = spec.replace(**changes)
         except SpecError:
             return None
-        peak = estimate_fn(s).peak_allocated_bytes or 0
-        opt = FitOption(name, changes, s.describe(), int(peak), peak <= limit)
+        r = estimate_fn(s)
+        opt = FitOption(name, changes, s.describe(), int(r.peak_allocated_bytes or 0), fits(r, b).fits)
         options.append(opt)
         return opt
 
@@ -403,7 +402,7 @@ def check_spec(msg: OomMessage, spec, estimate_fn: Callable[[Any], Result] | Non
         "dominant_category": dominant,
         "dominant_category_bytes": by_cat.get(dominant) if dominant else None,
         "budget_bytes": budget,
-        "fits": None if budget is None else peak <= budget,
+        "fits": None if budget is None else _fits_rule(est, budget),
         "fit_options": [],
     }
     if budget is not None:
@@ -433,3 +432,12 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
     if spec is not None:
         data["estimate"] = check_spec(msg, spec, estimate_fn)
     return Result(verb="doctor.oom", spec=spec.to_dict() if spec is not None else None, data=data, notes=notes)
+
+
+def _fits_rule(est: Result, budget: int) -> bool:
+    from ..explore.fits import Budget, fits
+
+    try:
+        return fits(est, Budget.make(budget, context_bytes=0)).fits
+    except MemlensError:   # a budget too small for the margin: nothing fits
+        return False

@@ -9,13 +9,9 @@ from __future__ import annotations
 from ..report.result import Result
 from ..core.spec import TrainingSpec
 
-# What nvidia-smi shows beyond PyTorch's reserved memory: the CUDA context (driver, kernels of
-# torch/cuBLAS/cuDNN loaded lazily). Measured on an H100 with torch 2.11 + CUDA 13
-# (bench/results/raw/gpu_calibration.json): 612 MiB after the first kernel, ~740 MiB once
-# cuBLAS/cuDNN are loaded by a training step.
-CUDA_CONTEXT_BYTES = 740 * 1024 * 1024
+__all__ = ["estimate"]
 
-__all__ = ["estimate", "CUDA_CONTEXT_BYTES"]
+METHODS = ("simulate", "formula")
 
 
 def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Result:
@@ -24,6 +20,12 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
     method "simulate" runs the step on fake tensors (exact, seconds); "formula" uses the closed
     form (instant, any size, each term explained).
     """
+    from ..core.errors import MemlensError
+    from ..core.gpus import gpu_facts
+
+    if method not in METHODS:
+        raise MemlensError(f"method {method!r} is not one of {', '.join(METHODS)}", hint="use --method simulate or formula")
+    gpu = gpu_facts(spec.gpu)
     if method == "formula":
         from .formula import formula_estimate
 
@@ -33,6 +35,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
 
     sim = simulate(spec, steps=steps)
     a = analyze(sim.log)
+    ctx = gpu.cuda_context_bytes
     r = Result(
         verb="estimate",
         spec=spec.to_dict(),
@@ -45,12 +48,14 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
         notes=[
             "peak_allocated_bytes is what torch.cuda.max_memory_allocated() reads after the steps; "
             "peak_reserved_bytes what max_memory_reserved() reads (caching allocator segments).",
-            f"nvidia-smi shows about {CUDA_CONTEXT_BYTES // 2**20} MiB more per process: the CUDA context (cuda_context_bytes).",
+            f"nvidia-smi shows about {ctx // 2**20} MiB more per process: the CUDA context (cuda_context_bytes).",
         ],
         data={
             "method": "simulate",
-            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
-            "nvidia_smi_estimate_bytes": a.peak_reserved_bytes + CUDA_CONTEXT_BYTES,
+            "cuda_context_bytes": ctx,
+            "nvidia_smi_estimate_bytes": a.peak_reserved_bytes + ctx,
+            "gpu": gpu.to_dict(),
+            "applied": sim.applied,
             "peak_phase": a.peak_phase,
             "peak_step": a.peak_step,
             "peak_requested_bytes": a.peak_requested_bytes,

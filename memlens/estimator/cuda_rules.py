@@ -58,22 +58,29 @@ class CudaRules:
 
     autocast_dtype: torch.dtype | None = None
     attention_calls: list[AttentionCall] = field(default_factory=list)
+    gpu: object = None                 # memlens.core.gpus.GpuFacts (None: the default GPU)
 
 
-def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool) -> str:
-    """The kernel CUDA's SDPA dispatcher picks on Hopper (measured: H100, torch 2.11,
-    bench/results/raw/gpu_calibration.json, `torch._fused_sdp_choice`).
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None) -> str:
+    """The kernel CUDA's SDPA dispatcher picks (``torch._fused_sdp_choice``) on ``gpu``
+    (:class:`memlens.core.gpus.GpuFacts`; default H100).
 
-    fp16/bf16: cuDNN attention, with or without masks, dropout or grouped-query attention
-    (head dim <= 128; flash above). fp32: memory-efficient attention, or math with grouped-query
-    attention (the memory-efficient kernel does not take enable_gqa).
+    Hopper (measured: H100, torch 2.11, bench/results/raw/gpu_calibration.json): fp16/bf16 go to
+    cuDNN attention, with or without masks, dropout or grouped-query attention (head dim <= 128;
+    flash above). Ampere / Ada (PyTorch's order without cuDNN first, documented, not measured
+    here): flash for fp16/bf16 without a mask, head dim <= 256. fp32 everywhere: memory-efficient
+    attention, or math with grouped-query attention (the memory-efficient kernel does not take
+    enable_gqa).
     """
+    from ..core.gpus import gpu_facts
+
+    facts = gpu if gpu is not None else gpu_facts(None)
     half = q.dtype in (torch.float16, torch.bfloat16)
     d = q.shape[-1]
     gqa = enable_gqa and k.shape[-3] != q.shape[-3]
-    if half and d <= 128 and d % 8 == 0:
+    if half and facts.cudnn_attention and d <= 128 and d % 8 == 0:
         return "cudnn"
-    if half and d <= 256 and d % 8 == 0 and attn_mask is None:
+    if half and facts.flash_attention and d <= 256 and d % 8 == 0 and attn_mask is None:
         return "flash"
     if not gqa and d % 8 == 0 and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
         return "efficient"
@@ -170,7 +177,7 @@ def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def cuda_sdpa(rules: CudaRules, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    backend = sdpa_backend(q, k, attn_mask, dropout_p, enable_gqa)
+    backend = sdpa_backend(q, k, attn_mask, dropout_p, enable_gqa, rules.gpu)
     rules.attention_calls.append(AttentionCall(backend, tuple(q.shape), str(q.dtype).replace("torch.", ""), dropout_p > 0))
     if backend == "math":
         return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
 
 MiB = 1024 * 1024
-WORKSPACES = 2 * 32 * MiB  # cuBLAS: one per handle, forward thread and autograd thread (sm90)
 
 # Activation bytes kept per token, per layer, per unit of hidden size, in units of the
 # activation element size (2 for fp16/bf16/amp, 4 for fp32), measured with the simulator at
@@ -52,6 +52,9 @@ def _counts(spec: TrainingSpec):
     from ..models.build import quiet
 
     source = resolve(spec.model)
+    if source.kind == "factory":
+        raise MemlensError(f"--method formula needs a transformers config (layers, hidden size, vocabulary); "
+                           f"{spec.model} is a factory", hint="drop --method formula: simulate runs any factory")
     with torch.device("meta"), quiet():
         built = build(spec.replace(batch_size=1, seq_len=min(spec.seq_len or 8, 8)) if source.task in ("causal-lm", "masked-lm") else spec.replace(batch_size=1), source)
     model = built.model
@@ -73,7 +76,10 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     """(forward/backward terms, optimizer-step terms, facts) of the closed form."""
     from ..models.build import default_seq_len
 
+    from ..core.gpus import gpu_facts
+
     source, p_bytes, t_numel, t_bytes, buf = _counts(spec)
+    ws = 2 * gpu_facts(spec.gpu).cublas_workspace_bytes  # one per handle: forward thread and autograd thread
     cfg = source.config
     text = getattr(cfg, "text_config", None) or cfg
     H = getattr(text, "hidden_size", None) or getattr(text, "n_embd", 768)
@@ -131,14 +137,14 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
         Term("optimizer_state", opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
         Term("activations", act, act_why),
         Term("temporaries", logits, logits_why or "none counted"),
-        Term("workspace", WORKSPACES, "cuBLAS workspaces (forward and autograd threads)"),
+        Term("workspace", ws, "cuBLAS workspaces (forward and autograd threads)"),
     ]
     opt = [
         Term("parameters", params, "weights"),
         Term("gradients", grads, "all gradients exist during the step"),
         Term("optimizer_state", opt_bytes, "states"),
         Term("temporaries", opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
-        Term("workspace", WORKSPACES, "cuBLAS workspaces"),
+        Term("workspace", ws, "cuBLAS workspaces"),
     ]
     facts = {"hidden_size": H, "layers": layers, "heads": heads, "vocab_size": V, "tokens_per_micro_batch": tokens,
              "family": fam, "trainable_param_count": t_numel, "param_bytes": p_bytes}
@@ -147,8 +153,9 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
 
 def formula_estimate(spec: TrainingSpec) -> Result:
     """The closed-form estimate as a Result (method "formula")."""
-    from . import CUDA_CONTEXT_BYTES
+    from ..core.gpus import gpu_facts
 
+    gpu = gpu_facts(spec.gpu)
     fb, opt, facts = formula_terms(spec)
     fb_total, opt_total = sum(t.bytes for t in fb), sum(t.bytes for t in opt)
     terms = fb if fb_total >= opt_total else opt
@@ -170,5 +177,6 @@ def formula_estimate(spec: TrainingSpec) -> Result:
               "terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in terms],
               "forward_backward_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in fb],
               "optimizer_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in opt], "facts": facts,
-              "cuda_context_bytes": CUDA_CONTEXT_BYTES, "nvidia_smi_estimate_bytes": reserved + CUDA_CONTEXT_BYTES},
+              "cuda_context_bytes": gpu.cuda_context_bytes, "nvidia_smi_estimate_bytes": reserved + gpu.cuda_context_bytes,
+              "gpu": gpu.to_dict()},
     )

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..core.errors import MemlensError
+from ..core.gpus import gpu_facts
 from ..core.events import EventLog
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
@@ -24,11 +25,9 @@ from . import cuda_rules
 from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
                             register_inputs, register_model, tag_optimizer_state)
 
-# Memory CUDA libraries take through PyTorch's caching allocator (so it is in memory_allocated).
+# Memory CUDA libraries take through PyTorch's caching allocator (so it is in memory_allocated):
 # cuBLAS keeps one workspace per (handle, stream); the autograd engine's device thread gets its
-# own handle, so forward and backward each hold one. Sizes: torch's default on sm90 (Hopper).
-CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024
-CUBLASLT_WORKSPACE_BYTES = 1024 * 1024  # measured: the first addmm with a bias adds 1 MiB
+# own handle, so forward and backward each hold one. Sizes: the GPU facts (memlens.core.gpus).
 
 
 @dataclass
@@ -78,7 +77,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     source = source or resolve(spec.model)
     log = EventLog()
     tracker = SimulationTracker(log)
-    rules = cuda_rules.CudaRules(autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None)
+    gpu = gpu_facts(spec.gpu)
+    rules = cuda_rules.CudaRules(autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None, gpu=gpu)
     emulation = cuda_rules.CudaEmulation(rules)
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     step = prepare(spec, fake=True, source=source, autocast=autocast,
@@ -178,8 +178,9 @@ class SimulationTracker(StorageTracker):
     on an H100: the second step of Qwen2.5-0.5B then reserves a new 4.6 GiB segment).
     """
 
-    def __init__(self, log):
+    def __init__(self, log, gpu=None):
         super().__init__(log)
+        self.gpu = gpu or gpu_facts(None)
         self._workspaces: dict[str, torch.Tensor] = {}
 
     def _embedding_backward_scratch(self, grad: torch.Tensor, indices: torch.Tensor) -> None:
@@ -205,9 +206,9 @@ class SimulationTracker(StorageTracker):
         if func in _gemm_ops():
             thread = "backward" if self.phase == "backward" else "forward"
             if thread not in self._workspaces:
-                self._workspace(thread, CUBLAS_WORKSPACE_BYTES)
+                self._workspace(thread, self.gpu.cublas_workspace_bytes)
             if func is torch.ops.aten.addmm.default and thread + "-lt" not in self._workspaces:
-                self._workspace(thread + "-lt", CUBLASLT_WORKSPACE_BYTES)
+                self._workspace(thread + "-lt", self.gpu.cublaslt_workspace_bytes)
         return out
 
 

@@ -2,7 +2,7 @@
 
 The seeds' "technique comparison" (baseline, AMP, checkpointing, accumulation x4, AMP +
 checkpointing, all three) plus bf16, LoRA and the 8-bit / Adafactor optimizers. A technique is a
-name from ``TECHNIQUES``; ``a+b`` combines techniques. Estimated (CPU, seconds each) by default;
+name from the one technique table (:mod:`memlens.explore.techniques`); ``a+b`` combines techniques. Estimated (CPU, seconds each) by default;
 ``measure=True`` runs each configuration in a fresh subprocess on the device (``trial.run_trial``)
 and keeps the estimate beside the measurement.
 
@@ -19,52 +19,17 @@ from typing import Any, Callable
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
+from . import techniques as tech
 from .core import CachedEstimator, predict_step_time
+from .fits import Budget, fits
 
 
-def _accumulation(spec: TrainingSpec) -> dict[str, Any]:
-    """Same effective batch with 4 (or 2) micro-batches: batch b -> b/k x k."""
-    k = next((k for k in (4, 2) if spec.batch_size % k == 0 and spec.batch_size >= k), None)
-    if k is None:
-        raise MemlensError(f"accumulation needs a batch divisible by 2 (batch is {spec.batch_size})", hint="use --batch-size 8")
-    return {"batch_size": spec.batch_size // k, "grad_accum": spec.grad_accum * k}
-
-
-# name -> changes to the spec (a dict, or a function of the spec)
-TECHNIQUES: dict[str, dict[str, Any] | Callable[[TrainingSpec], dict[str, Any]]] = {
-    "fp32": {"precision": "fp32"},
-    "amp-fp16": {"precision": "amp-fp16"},
-    "amp-bf16": {"precision": "amp-bf16"},
-    "bf16": {"precision": "bf16"},
-    "fp16": {"precision": "fp16"},
-    "checkpointing": {"grad_checkpointing": True},
-    "accumulation": _accumulation,
-    "lora": {"lora_rank": 16},
-    "qlora": {"lora_rank": 16, "qlora": True, "precision": "bf16"},
-    "adamw-8bit": {"optimizer": "adamw-8bit"},
-    "adafactor": {"optimizer": "adafactor"},
-    "sgd": {"optimizer": "sgd"},
-    "offload": {"offload_optimizer": True},
-}
-
-# the seeds' six configurations and the single techniques the issue names
-DEFAULT_TECHNIQUES = ("fp32", "amp-fp16", "amp-bf16", "bf16", "checkpointing", "accumulation", "lora", "adamw-8bit",
-                      "adafactor", "amp-fp16+checkpointing", "amp-fp16+checkpointing+accumulation", "amp-bf16+checkpointing+lora")
+DEFAULT_TECHNIQUES = tech.COMPARE_DEFAULT
 
 
 def technique_spec(spec: TrainingSpec, name: str) -> TrainingSpec:
-    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied."""
-    s = spec
-    parts = [p.strip() for p in name.split("+")]
-    for part in parts:
-        if part not in TECHNIQUES:
-            import difflib
-
-            close = difflib.get_close_matches(part, TECHNIQUES, n=1)
-            raise MemlensError(f"unknown technique {part!r}", hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(TECHNIQUES)}")
-        ch = TECHNIQUES[part]
-        s = s.replace(**(ch(s) if callable(ch) else ch))
-    return s
+    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied (:mod:`.techniques`)."""
+    return tech.apply(spec, name)
 
 
 def parse_techniques(text: str | None) -> list[str]:
@@ -74,15 +39,14 @@ def parse_techniques(text: str | None) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise MemlensError("no techniques given", hint="e.g. --techniques fp32,amp-bf16,checkpointing")
-    probe = TrainingSpec(model="x", batch_size=8)
     for n in names:
-        technique_spec(probe, n)
+        tech.parts(n)
     return list(dict.fromkeys(names))
 
 
 def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure: bool = False, device: str = "cuda",
             steps: int = 3, timeout: float = 600, estimator: CachedEstimator | None = None, runner=None,
-            progress: Callable[[str], None] | None = None) -> Result:
+            progress: Callable[[str], None] | None = None, budget: int | str | None = None) -> Result:
     """Estimate (and with ``measure``, run) ``spec`` under each technique; the first is the baseline.
 
     Each row: ``technique``, ``spec``, ``estimated_peak_allocated_bytes``/``reserved``,
@@ -92,6 +56,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     """
     names = list(techniques) if techniques else list(DEFAULT_TECHNIQUES)
     est = estimator or CachedEstimator()
+    b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []
     for name in names:
         if progress:
@@ -104,10 +69,14 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
             continue
         row["spec"] = s.to_dict()
         row["describe"] = s.describe()
+        row["kind"] = tech.kind(name)
+        row["cost"] = tech.cost(name)
         try:
             p = est(s)
             row.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
                        predicted_step_seconds=predict_step_time(s, p).seconds, derived=p.derived)
+            if b is not None:
+                row.update(fits(p, b).to_dict())
         except MemlensError as e:
             row.update(estimated_peak_allocated_bytes=None, estimated_peak_reserved_bytes=None, estimate_error_message=e.message)
         if measure:
@@ -125,6 +94,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     _relative(rows, measure)
     d: dict[str, Any] = {"rows": rows, "baseline": names[0], "measured": measure, "device": device if measure else None,
                          "estimate_calls": est.calls}
+    if b is not None:
+        d.update(b.to_dict())
     notes = ["saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
              "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
     if measure and device.startswith("cpu"):

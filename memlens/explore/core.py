@@ -51,23 +51,7 @@ class Point:
                    timeline=keep)
 
 
-# What a step needs under a memory limit. Unconstrained, the caching allocator keeps freed blocks
-# (peak reserved); pressed against a limit (set_per_process_memory_fraction, a full GPU) it frees
-# its cached segments and retries before raising OOM, so a step needs about its peak allocated
-# plus the fragmentation inside live segments. Measured on an H100 (bench/results/fit_gpu.md):
-# GPT-2 medium AMP + checkpointing, batch 9: 10.21 GiB allocated, 11.64 GiB reserved unconstrained
-# at batch 8, yet batch 9 runs under a 12 GiB cap; batch 10 (10.89 GiB allocated) fits in one process
-# and OOMs in another. 10% over allocated covers both measured cases.
-PRESSED_ALLOCATOR_OVERHEAD = 0.10
-
-
-def need_bytes(p: "Point") -> int:
-    """Bytes a step needs under a hard limit: min(peak reserved, peak allocated x 1.10).
-
-    >>> need_bytes(Point(peak_allocated_bytes=1000, peak_reserved_bytes=1500))
-    1100
-    """
-    return int(min(p.peak_reserved_bytes, p.peak_allocated_bytes * (1 + PRESSED_ALLOCATOR_OVERHEAD)))
+from .fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
 
 
 EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
@@ -193,12 +177,10 @@ def derive_peak(p: Point, *, sharding: str = "none", world_size: int = 1, offloa
 
 
 # ---------------------------------------------------------------- step time (predicted)
-# A deliberately simple, documented model, labelled "predicted" wherever it is shown. Reference GPU
-# (H100-class, effective rates at typical utilisation, not peak): matmul throughput 40 TFLOP/s in
-# fp32 and 120 TFLOP/s under fp16/bf16 (autocast or half weights); PCIe 20 GB/s; CPU Adam
+# A deliberately simple, documented model, labelled "predicted" wherever it is shown. Matmul
+# throughput: the spec's GPU facts (memlens.core.gpus: effective rates at typical utilisation, not
+# peak; H100: 40 TFLOP/s in fp32 and 120 TFLOP/s under fp16/bf16); PCIe 20 GB/s; CPU Adam
 # 1e9 parameters/s; GPU interconnect 100 GB/s per GPU.
-FLOPS_FP32 = 40e12
-FLOPS_HALF = 120e12
 PCIE_BYTES_PER_S = 20e9
 CPU_ADAM_PARAMS_PER_S = 1e9
 LINK_BYTES_PER_S = 100e9
@@ -241,7 +223,10 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     tokens_micro = mb * L
     flops_per_token = 2 * n + 2 * n + 2 * nt
     recompute = 2 * n if spec.grad_checkpointing else 0
-    rate = FLOPS_FP32 if spec.precision == "fp32" else FLOPS_HALF
+    from ..core.gpus import gpu_facts
+
+    g = gpu_facts(spec.gpu)
+    rate = 1e12 * (g.matmul_tflops_fp32 if spec.precision == "fp32" else g.matmul_tflops_half)
     util = tokens_micro / (tokens_micro + UTIL_HALF_TOKENS)
     slow = 1.25 if spec.qlora else 1.0
     micro_steps = acc

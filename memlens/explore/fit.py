@@ -1,13 +1,9 @@
 """`fit`: the largest micro-batch whose step fits a memory budget, the accumulation that keeps the
 effective batch, and a ranked plan of settings that make a target fit.
 
-The budget is what the training process may use on the GPU, as nvidia-smi counts it. From it come
-off the CUDA context (``CUDA_CONTEXT_BYTES``, not PyTorch's) and a safety margin (default: 5% of
-the rest, at least 256 MiB). What a step needs under a limit is ``core.need_bytes``: the smaller
-of its estimated peak reserved (``max_memory_reserved``, unconstrained) and its estimated peak
-allocated + 10% (a pressed caching allocator frees its cache and retries before OOM; measured,
-see bench/results/fit_gpu.md). It must stay under what is left (``usable_bytes``). The margin
-covers estimator error (median 0.01% allocated, reserved ~3%) and run-to-run allocator variation.
+"Fits" is the one rule of :mod:`memlens.explore.fits` (budget - CUDA context - margin, against
+min(peak reserved, peak allocated x 1.10)). The margin covers estimator error (median 0.01%
+allocated, reserved ~3%) and run-to-run allocator variation.
 
 >>> from memlens import TrainingSpec                                       # doctest: +SKIP
 >>> r = fit(TrainingSpec(model="gpt2", seq_len=1024), "16GiB", target_batch=64)  # doctest: +SKIP
@@ -20,80 +16,13 @@ import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.errors import MemlensError, NoDeviceError
+from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
-from ..core.units import fmt_bytes, parse_bytes
-from .core import PRESSED_ALLOCATOR_OVERHEAD, CachedEstimator, largest_divisor_at_most, need_bytes
+
+from .core import CachedEstimator, largest_divisor_at_most
+from .fits import RULE, Budget, need_bytes
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
-
-MARGIN_FRACTION = 0.05
-MARGIN_MIN_BYTES = 256 * 2**20
-
-
-@dataclass(frozen=True)
-class Budget:
-    """Bytes: ``budget`` as given, minus the CUDA context and the margin = ``usable`` for reserved memory.
-
-    >>> b = Budget.make("16GiB", context_bytes=0)
-    >>> b.margin_bytes == int(0.05 * 16 * 2**30), b.usable_bytes == 16 * 2**30 - b.margin_bytes
-    (True, True)
-    """
-
-    budget_bytes: int
-    context_bytes: int
-    margin_bytes: int
-    source: str = "given"
-
-    @property
-    def usable_bytes(self) -> int:
-        return self.budget_bytes - self.context_bytes - self.margin_bytes
-
-    @classmethod
-    def make(cls, budget: int | str | None, *, context_bytes: int | None = None, margin: float | int | str | None = None) -> "Budget":
-        """``budget`` None: this GPU's free memory now. ``margin``: bytes, a size string, or a fraction < 1."""
-        from ..estimator import CUDA_CONTEXT_BYTES
-
-        source = "given"
-        if budget is None:
-            total = gpu_free_bytes()
-            source = "free memory of the current GPU"
-        else:
-            total = parse_bytes(budget)
-        if total <= 0:
-            raise MemlensError("the budget is 0 bytes", hint="give a size such as --budget 16GiB")
-        ctx = CUDA_CONTEXT_BYTES if context_bytes is None else int(context_bytes)
-        rest = total - ctx
-        if margin is None:
-            m = max(int(MARGIN_FRACTION * rest), MARGIN_MIN_BYTES)
-        elif isinstance(margin, float) and margin < 1:
-            if margin < 0:
-                raise MemlensError(f"margin {margin} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
-            m = int(margin * rest)
-        else:
-            m = parse_bytes(margin)
-        b = cls(total, ctx, m, source)
-        if b.usable_bytes <= 0:
-            raise MemlensError(f"budget {fmt_bytes(total)} leaves nothing after the CUDA context ({fmt_bytes(ctx)}) and the margin ({fmt_bytes(m)})",
-                               hint="give a larger --budget, or --margin 0 / --context 0 for an allocator-only limit")
-        return b
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "context_bytes": self.context_bytes,
-                "margin_bytes": self.margin_bytes, "usable_bytes": self.usable_bytes, "budget_source": self.source}
-
-
-def gpu_free_bytes() -> int:
-    """Free memory of the current CUDA device (cudaMemGetInfo)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.mem_get_info()[0])
-    except Exception:  # noqa: BLE001 - any driver problem means "no GPU to ask"
-        pass
-    raise NoDeviceError("no --budget given and no CUDA GPU to read free memory from", hint="give --budget 16GiB")
-
 
 def search_field(spec: TrainingSpec) -> str:
     """DP-SGD materializes ``physical_batch_size`` samples at once; everything else ``batch_size``."""
@@ -124,7 +53,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     """
     if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
         raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
-    b = Budget.make(budget, context_bytes=context_bytes, margin=margin)
+    b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
     est = estimator or CachedEstimator(method=method)
     f = search_field(spec)
     target = target_batch or (spec.batch_size * spec.grad_accum if f == "batch_size" else spec.batch_size)
@@ -136,8 +65,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
                             "estimates": s.trials, "method": est.method}
     notes = [
-        f"fits: need = min(estimated peak reserved, estimated peak allocated x {1 + PRESSED_ALLOCATOR_OVERHEAD:.2f}) "
-        f"<= budget - CUDA context ({fmt_bytes(b.context_bytes)}) - margin ({fmt_bytes(b.margin_bytes)}) = {fmt_bytes(b.usable_bytes)}",
+        f"fits: {RULE}: {b.describe()}",
         "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
     ]
     peak_alloc = peak_res = None
@@ -214,7 +142,7 @@ def fit_batch_size(train_step: Callable[[int], Any], *, spec: TrainingSpec | Non
     5
     """
     if spec is not None:
-        b = Budget.make(budget, margin=margin)
+        b = Budget.make(budget, margin=margin, gpu=spec.gpu)
         seed = find_max_batch_size(spec, b.usable_bytes, cap=cap).limit
     else:
         seed = start if start is not None else 1

@@ -20,11 +20,9 @@ from typing import Any
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
 from .core import CachedEstimator, ceil_div, need_bytes, predict_step_time
+from . import techniques
 from .search import max_fitting_among
-
-# what each kind of change means for training
-EXACT, NUMERICS, MODEL = "same math", "numerics", "changes the model"
-
+from .techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
 
 @dataclass(frozen=True)
 class Candidate:
@@ -32,48 +30,20 @@ class Candidate:
     changes: dict[str, Any]
     kind: str
     tradeoff: str
+    technique: str = ""          # the technique table's name ("" for the spec as given)
 
 
 def candidates(spec: TrainingSpec, gpus: int = 8, lora_rank: int = 16) -> list[Candidate]:
-    """The settings a plan considers for ``spec`` (those that change something)."""
+    """The settings a plan considers for ``spec``: the technique table's plan entries that change something."""
+    ctx = techniques.Context(gpus=gpus, lora_rank=lora_rank)
     out: list[Candidate] = [Candidate("as given", {}, EXACT, "only accumulation if the micro-batch must shrink")]
-    fp32 = spec.precision == "fp32"
-    half_weights = spec.precision in ("fp16", "bf16")
-    if fp32:
-        out.append(Candidate("AMP bf16", {"precision": "amp-bf16"}, NUMERICS,
-                             "bf16 autocast: activations in half, fp32 master weights; faster matmuls"))
-    if not half_weights and not spec.qlora:
-        out.append(Candidate("bf16 weights", {"precision": "bf16"}, NUMERICS,
-                             "pure bf16 training: half the model states; watch for precision loss in the update"))
-    if not spec.grad_checkpointing:
-        out.append(Candidate("checkpointing", {"grad_checkpointing": True}, EXACT, "recomputes the forward in backward (~+33% compute)"))
-        if fp32:
-            out.append(Candidate("AMP bf16 + checkpointing", {"precision": "amp-bf16", "grad_checkpointing": True}, NUMERICS,
-                                 "both: the seeds' 'best practice' combination"))
-    if spec.optimizer in ("adamw", "adam") and not spec.uses_lora:
-        out.append(Candidate("8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS, "bitsandbytes AdamW8bit: states in 8 bits (2 B/param instead of 8)"))
-        out.append(Candidate("Adafactor", {"optimizer": "adafactor"}, NUMERICS, "factored second moment, no first moment: tiny states"))
-        combo: dict[str, Any] = {"optimizer": "adamw-8bit"}
-        if not half_weights:
-            combo["precision"] = "bf16"
-        if not spec.grad_checkpointing:
-            combo["grad_checkpointing"] = True
-        if len(combo) > 1:
-            out.append(Candidate("bf16 + checkpointing + 8-bit AdamW", combo, NUMERICS, "everything that keeps full fine-tuning"))
-    if not spec.offload_optimizer and not spec.uses_lora:
-        out.append(Candidate("CPU offload of the optimizer", {"offload_optimizer": True}, EXACT,
-                             "ZeRO-Offload: optimizer states and step on the CPU; PCIe transfers each step"))
-    if not spec.uses_lora:
-        out.append(Candidate(f"LoRA r={lora_rank}", {"lora_rank": lora_rank}, MODEL, "trains low-rank adapters only; base frozen"))
-        q: dict[str, Any] = {"lora_rank": lora_rank, "qlora": True}
-        if spec.precision == "fp32":
-            q["precision"] = "bf16"
-        out.append(Candidate(f"QLoRA r={lora_rank}", q, MODEL, "4-bit NF4 frozen base + LoRA adapters (bitsandbytes)"))
-    if gpus > 1 and spec.world_size == 1:
-        out.append(Candidate(f"ZeRO-2 over {gpus} GPUs", {"world_size": gpus, "sharding": "zero2"}, EXACT,
-                             "DeepSpeed ZeRO-2: optimizer states and gradients sharded; batch split over GPUs"))
-        out.append(Candidate(f"FSDP (ZeRO-3) over {gpus} GPUs", {"world_size": gpus, "sharding": "fsdp"}, EXACT,
-                             "parameters sharded too; all-gathers each layer (1.5x the communication of DDP)"))
+    for name in techniques.PLAN:
+        if name in ("zero2", "fsdp") and gpus <= 1:
+            continue
+        if not techniques.applies(spec, name):
+            continue
+        out.append(Candidate(techniques.title(name, ctx), techniques.changes(spec, name, ctx), techniques.kind(name),
+                             techniques.cost(name), name))
     return out
 
 

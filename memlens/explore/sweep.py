@@ -31,6 +31,7 @@ from ..report.result import Result
 from ..core.spec import TrainingSpec
 from .compare import technique_spec
 from .core import CachedEstimator, predict_step_time
+from .fits import Budget, fits
 
 RESULTS = "results.jsonl"
 
@@ -135,8 +136,10 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
           progress: Callable[[int, int, str, dict | None], None] | None = None) -> Result:
     """Run (or estimate) every cell of ``grid`` and return all rows in grid order.
 
-    ``budget_bytes``: estimated cells get ``fits`` (estimated reserved <= budget); measured cells on
-    CUDA run under ``set_per_process_memory_fraction(budget / total)``, so cells above it OOM.
+    ``budget_bytes``: a cap on the caching allocator. Measured cells on CUDA run under
+    ``set_per_process_memory_fraction(budget / total)``, so cells above it OOM; estimated cells get
+    ``estimated_fits`` by the one fit rule (:mod:`.fits`) against that cap (no context, no margin:
+    the cap is the allocator's own).
     """
     cells = grid_cells(spec, grid)
     if not cells:
@@ -178,7 +181,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
                 rec.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
                            predicted_step_seconds=predict_step_time(c.spec, p).seconds)
                 if budget_bytes:
-                    rec["estimated_fits"] = p.peak_reserved_bytes <= budget_bytes
+                    rec["estimated_fits"] = fits(p, Budget(budget_bytes, 0, 0)).fits
                 if not measure:
                     rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
                     rec["timeline"] = [dict(pt) for pt in p.timeline]

@@ -3,7 +3,9 @@ import pytest
 import torch
 
 from memlens.estimator import estimate
-from memlens.estimator.simulate import CUBLAS_WORKSPACE_BYTES
+from memlens.core.gpus import gpu_facts
+
+CUBLAS_WORKSPACE_BYTES = gpu_facts("h100").cublas_workspace_bytes
 from memlens.core.spec import TrainingSpec
 
 MiB = 1024 * 1024

@@ -1,0 +1,191 @@
+"""The one table of memory-saving techniques: what each changes in a spec, what kind of change it
+is, and what it is expected to cost. ``compare`` shows them side by side, ``fit``'s plan ranks
+them, ``doctor`` advises them.
+
+Kinds: ``same math`` (training computes the same thing: checkpointing, accumulation, offload,
+sharding), ``numerics`` (the same model in other number formats or another optimizer), ``changes
+the model`` (what is trained changes: LoRA, QLoRA).
+
+>>> from memlens.core.spec import TrainingSpec
+>>> s = TrainingSpec(model="gpt2", batch_size=8)
+>>> apply(s, "amp-fp16+checkpointing").describe()
+'gpt2 b=8 amp-fp16 ckpt adamw'
+>>> TECHNIQUES["checkpointing"].kind, TECHNIQUES["lora"].kind
+('same math', 'changes the model')
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..core.errors import MemlensError
+from ..core.spec import TrainingSpec
+
+EXACT, NUMERICS, MODEL = "same math", "numerics", "changes the model"
+
+Changes = dict[str, Any] | Callable[[TrainingSpec, "Context"], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Context:
+    """Parameters some techniques take: the GPUs a sharded plan spreads over, the LoRA rank."""
+
+    gpus: int = 8
+    lora_rank: int = 16
+
+
+@dataclass(frozen=True)
+class Technique:
+    name: str                  # the name compare / sweep take (`--techniques amp-bf16,checkpointing`)
+    title: str                 # how a plan or advice names it
+    changes: Changes           # spec fields it sets (a dict, or a function of the spec)
+    kind: str                  # EXACT | NUMERICS | MODEL
+    cost: str                  # what it is expected to cost, in words
+    applies: Callable[[TrainingSpec], bool] = lambda s: True   # does it change anything for this spec?
+
+    def spec_changes(self, spec: TrainingSpec, ctx: Context | None = None) -> dict[str, Any]:
+        return self.changes(spec, ctx or Context()) if callable(self.changes) else dict(self.changes)
+
+    def label(self, ctx: Context | None = None) -> str:
+        ctx = ctx or Context()
+        return self.title.format(gpus=ctx.gpus, rank=ctx.lora_rank)
+
+
+def _accumulation(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
+    """The seeds' accumulation: the same effective batch in 4 (or 2) micro-batches."""
+    k = next((k for k in (4, 2) if spec.batch_size % k == 0 and spec.batch_size >= k), None)
+    if k is None:
+        raise MemlensError(f"accumulation needs a batch divisible by 2 (batch is {spec.batch_size})", hint="use --batch-size 8")
+    return {"batch_size": spec.batch_size // k, "grad_accum": spec.grad_accum * k}
+
+
+def _halve(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
+    if spec.batch_size < 2:
+        raise MemlensError("the micro-batch is 1 already", hint="use checkpointing or a smaller --seq-len")
+    return {"batch_size": spec.batch_size // 2, "grad_accum": spec.grad_accum * 2}
+
+
+def _qlora(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {"lora_rank": spec.lora_rank or ctx.lora_rank, "qlora": True}
+    if spec.precision == "fp32":
+        out["precision"] = "bf16"
+    return out
+
+
+def _full_ft_8bit(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
+    out: dict[str, Any] = {"optimizer": "adamw-8bit"}
+    if spec.precision not in ("fp16", "bf16"):
+        out["precision"] = "bf16"
+    if not spec.grad_checkpointing:
+        out["grad_checkpointing"] = True
+    return out
+
+
+_fp32 = lambda s: s.precision == "fp32"   # noqa: E731
+_full = lambda s: not s.uses_lora          # noqa: E731
+_one_gpu = lambda s: s.world_size == 1     # noqa: E731
+
+TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
+    Technique("fp32", "fp32", {"precision": "fp32"}, NUMERICS, "fp32 everything: the baseline of mixed precision"),
+    Technique("amp-fp16", "AMP fp16", {"precision": "amp-fp16"}, NUMERICS,
+              "fp16 autocast + GradScaler: activations in half, fp32 master weights; loss scaling", _fp32),
+    Technique("amp-bf16", "AMP bf16", {"precision": "amp-bf16"}, NUMERICS,
+              "bf16 autocast: activations in half, fp32 master weights; faster matmuls", _fp32),
+    Technique("bf16", "bf16 weights", {"precision": "bf16"}, NUMERICS,
+              "pure bf16 training: half the model states; watch for precision loss in the update",
+              lambda s: s.precision not in ("fp16", "bf16") and not s.qlora),
+    Technique("fp16", "fp16 weights", {"precision": "fp16"}, NUMERICS, "pure fp16 training: overflow-prone without loss scaling",
+              lambda s: s.precision not in ("fp16", "bf16") and not s.qlora),
+    Technique("checkpointing", "checkpointing", {"grad_checkpointing": True}, EXACT,
+              "recomputes the forward in backward (~+33% compute)", lambda s: not s.grad_checkpointing),
+    Technique("accumulation", "accumulation x4", _accumulation, EXACT,
+              "the same effective batch in 4 micro-batches: a quarter of the activations, more steps"),
+    Technique("halve-batch", "halve micro-batch, double accumulation", _halve, EXACT,
+              "the same effective batch, about half the activations", lambda s: s.batch_size > 1),
+    Technique("lora", "LoRA r={rank}", lambda s, c: {"lora_rank": c.lora_rank}, MODEL,
+              "trains low-rank adapters only; base frozen", _full),
+    Technique("qlora", "QLoRA r={rank}", _qlora, MODEL, "4-bit NF4 frozen base + LoRA adapters (bitsandbytes)",
+              lambda s: not s.qlora),
+    Technique("adamw-8bit", "8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS,
+              "bitsandbytes AdamW8bit: states in 8 bits (2 B/param instead of 8)",
+              lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora),
+    Technique("adafactor", "Adafactor", {"optimizer": "adafactor"}, NUMERICS,
+              "factored second moment, no first moment: tiny states", lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora),
+    Technique("sgd", "SGD", {"optimizer": "sgd"}, NUMERICS, "no optimizer state; needs another learning-rate schedule",
+              lambda s: s.optimizer != "sgd"),
+    Technique("full-8bit", "bf16 + checkpointing + 8-bit AdamW", _full_ft_8bit, NUMERICS,
+              "everything that keeps full fine-tuning",
+              lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora and not (s.precision in ("fp16", "bf16") and s.grad_checkpointing)),
+    Technique("offload", "CPU offload of the optimizer", {"offload_optimizer": True}, EXACT,
+              "ZeRO-Offload: optimizer states and step on the CPU; PCIe transfers each step",
+              lambda s: not s.offload_optimizer and not s.uses_lora),
+    Technique("zero2", "ZeRO-2 over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "zero2"}, EXACT,
+              "optimizer states and gradients sharded; batch split over GPUs", _one_gpu),
+    Technique("fsdp", "FSDP (ZeRO-3) over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "fsdp"}, EXACT,
+              "parameters sharded too; all-gathers each layer (1.5x the communication of DDP)", _one_gpu),
+)}
+
+# the seeds' six configurations and the single techniques the issue names
+COMPARE_DEFAULT = ("fp32", "amp-fp16", "amp-bf16", "bf16", "checkpointing", "accumulation", "lora", "adamw-8bit",
+                   "adafactor", "amp-fp16+checkpointing", "amp-fp16+checkpointing+accumulation", "amp-bf16+checkpointing+lora")
+# what a plan tries for a target, in this order (ranking comes after)
+PLAN = ("amp-bf16", "bf16", "checkpointing", "amp-bf16+checkpointing", "adamw-8bit", "adafactor", "full-8bit",
+        "offload", "lora", "qlora", "zero2", "fsdp")
+# what doctor tries against an OOM, in the order people try them (then combined)
+DOCTOR = ("halve-batch", "checkpointing", "amp-bf16", "adamw-8bit", "lora")
+
+
+def lookup(name: str) -> Technique:
+    if name not in TECHNIQUES:
+        close = difflib.get_close_matches(name, TECHNIQUES, n=1)
+        raise MemlensError(f"unknown technique {name!r}",
+                           hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(TECHNIQUES)}")
+    return TECHNIQUES[name]
+
+
+def parts(name: str) -> list[Technique]:
+    """'a+b' -> the techniques a and b (validated)."""
+    return [lookup(p.strip()) for p in name.split("+")]
+
+
+def applies(spec: TrainingSpec, name: str) -> bool:
+    """Does every part of ``name`` change something for ``spec``?"""
+    s = spec
+    for t in parts(name):
+        if not t.applies(s):
+            return False
+        try:
+            s = s.replace(**t.spec_changes(s))
+        except MemlensError:
+            return False
+    return True
+
+
+def apply(spec: TrainingSpec, name: str, ctx: Context | None = None) -> TrainingSpec:
+    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied."""
+    s = spec
+    for t in parts(name):
+        s = s.replace(**t.spec_changes(s, ctx))
+    return s
+
+
+def changes(spec: TrainingSpec, name: str, ctx: Context | None = None) -> dict[str, Any]:
+    """The spec fields ``name`` sets (those that differ from ``spec``)."""
+    new = apply(spec, name, ctx).to_dict()
+    old = spec.to_dict()
+    return {k: v for k, v in new.items() if old.get(k) != v}
+
+
+def title(name: str, ctx: Context | None = None) -> str:
+    return " + ".join(t.label(ctx) for t in parts(name))
+
+
+def kind(name: str) -> str:
+    """The strongest kind among the parts (changes the model > numerics > same math)."""
+    order = {EXACT: 0, NUMERICS: 1, MODEL: 2}
+    return max((t.kind for t in parts(name)), key=order.__getitem__)
+
+
+def cost(name: str) -> str:
+    return "; ".join(t.cost for t in parts(name))
