@@ -57,8 +57,13 @@ def run(args: argparse.Namespace) -> int:
         if status:
             status.stop()
     if od is not None:
+        from ..report.plots import have_matplotlib, skip_plots
+
+        if have_matplotlib():
+            plot_compare(result, od / "compare.png")
+        else:
+            skip_plots(result)
         result.save(od / "result.json")
-        plot_compare(result, od / "compare.png")
     if args.json:
         emit_json(result)
     else:

@@ -59,9 +59,13 @@ def run(args: argparse.Namespace) -> int:
     result, plot = {"oom": _oom, "log": _log, "snapshot": _snapshot, "stats": _stats}[what](args)
     d = out_dir(args)
     if d is not None:
-        result.save(d / "result.json")
-        if plot is not None:
+        from ..report.plots import have_matplotlib, skip_plots
+
+        if plot is not None and have_matplotlib():
             plot(result, d / f"{what}.png")
+        elif plot is not None:
+            skip_plots(result)
+        result.save(d / "result.json")
     if args.json:
         emit_json(result)
     else:

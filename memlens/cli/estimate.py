@@ -49,12 +49,19 @@ def run(args: argparse.Namespace) -> int:
 
     result = estimate(spec, method=args.method)
     d = out_dir(args)
+    written: list[str] = []
     if d is not None:
-        result.save(d / "result.json")
-        if result.timeline:
-            from ..report.plots import timeline_png
+        from ..report.plots import have_matplotlib, skip_plots, timeline_png
+        from ..report.profile_report import timeline_csv
 
+        if result.timeline and have_matplotlib():
             timeline_png(result, d / "timeline.png")
+            written.append("timeline.png")
+        elif result.timeline:
+            skip_plots(result)
+        result.save(d / "result.json")
+        (d / "timeline.csv").write_text(timeline_csv(result))
+        written[:0] = ["result.json", "timeline.csv"]
     if args.json:
         emit_json(result)
     else:
@@ -62,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
         print_memory(result, top_modules=args.top)
         if d is not None:
-            print(f"wrote {d / 'result.json'}" + (f" and {d / 'timeline.png'}" if result.timeline else ""))
+            print(f"written to {d}/ ({', '.join(written)})")
     return 0
 
 

@@ -89,10 +89,14 @@ def run(args: argparse.Namespace) -> int:
         prog.close()
     from pathlib import Path
 
+    from ..report.plots import have_matplotlib, skip_plots
+
     od = Path(out)
-    result.save(od / "result.json")
     write_csv(result, od / "sweep.csv")
-    plots = plot_sweep(result, od)
+    plots = plot_sweep(result, od) if have_matplotlib() else []
+    if not have_matplotlib():
+        skip_plots(result)
+    result.save(od / "result.json")
     if args.json:
         emit_json(result)
     else:

@@ -7,6 +7,24 @@ from typing import Any
 _PHASE_COLOURS = {"setup": "#95a5a6", "forward": "#3498db", "backward": "#e67e22", "optimizer": "#27ae60", "end": "#7f8c8d"}
 
 
+PLOTS_SKIPPED = ("PNG plots skipped: matplotlib is not installed (pip install 'memlens[viz]'); "
+                 "result.json, the CSV and report.html need none")
+
+
+def have_matplotlib() -> bool:
+    """Is matplotlib importable? (PNG renderings are optional: the `viz` extra.)"""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def skip_plots(result: Any) -> None:
+    """Record in the Result that its PNGs were not drawn, and why."""
+    result.data["plots_skipped"] = PLOTS_SKIPPED
+    if PLOTS_SKIPPED not in result.notes:
+        result.notes.append(PLOTS_SKIPPED)
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or one clear line if matplotlib is missing."""
     try:

@@ -31,13 +31,15 @@ CAT_COLORS = {
 
 
 def timeline_csv(result: Result) -> str:
-    """The labelled snapshots as CSV (one row per snapshot)."""
+    """The timeline as CSV, one row per point: a profile's labelled snapshots, or an estimate's
+    sampled allocation events (then ``event`` replaces ``label`` and ``t_s``)."""
+    simulated = any("event" in p for p in result.timeline)
+    cols = ("index", "event", "step", "phase", "allocated_bytes", "reserved_bytes") if simulated else COLUMNS
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(COLUMNS)
+    w.writerow(cols)
     for i, p in enumerate(result.timeline):
-        w.writerow([i, p.get("label"), p.get("step"), p.get("phase"), p.get("t_s"), p.get("allocated_bytes"),
-                    p.get("reserved_bytes"), p.get("peak_allocated_bytes")])
+        w.writerow([i] + [p.get(c) for c in cols[1:]])
     return buf.getvalue()
 
 
@@ -145,7 +147,11 @@ def _wanted(result: Result) -> list[str]:
 
 
 def render_pngs(result: Result) -> dict[str, bytes]:
-    """PNG bytes of every plot that has data, by file name."""
+    """PNG bytes of every plot that has data, by file name ({} without matplotlib)."""
+    from .plots import have_matplotlib
+
+    if not have_matplotlib():
+        return {}
     plt = _pyplot()
     out = {}
     for name in _wanted(result):
@@ -161,12 +167,16 @@ def write_report(result: Result, out_dir: str | Path, memory_snapshot: dict | No
     """Write result.json, timeline.csv, the PNGs and report.html into ``out_dir``; return the paths."""
     import pickle
 
+    from .plots import have_matplotlib, skip_plots
+
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
+    pngs = render_pngs(result)
+    if not have_matplotlib():
+        skip_plots(result)
     paths = [result.save(d / "result.json")]
     (d / "timeline.csv").write_text(timeline_csv(result))
     paths.append(d / "timeline.csv")
-    pngs = render_pngs(result)
     for name, data in pngs.items():
         (d / name).write_bytes(data)
         paths.append(d / name)

@@ -1,8 +1,8 @@
 """The one Result schema every verb writes.
 
-A Result is a flat JSON object. Memory verbs (estimate, profile) fill the common memory fields;
-every verb may add its own top-level keys through ``data`` (e.g. ``rows`` for sweep,
-``requested_bytes`` for ``doctor oom``). Tables, CSV, PNG and HTML are renderings of it.
+A Result is a flat JSON object with one top-level schema for every verb. Memory verbs fill the
+common memory fields; each verb's own fields are its typed payload (:mod:`.payloads`: e.g. ``rows``
+for sweep, ``plan`` for fit), flattened beside them. Tables, CSV, PNG and HTML are renderings of it.
 
 >>> r = Result(verb="estimate", peak_allocated_bytes=1024, data={"method": "simulate"})
 >>> d = r.to_dict()
@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
+from .payloads import Payload, payload_for
 
 SCHEMA_VERSION = "1"
 
@@ -54,7 +55,10 @@ class Result:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
+    data: Payload = field(default_factory=Payload)   # the verb's own fields (a dict is converted)
+
+    def __post_init__(self) -> None:
+        self.data = payload_for(self.verb, self.data)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -64,10 +68,11 @@ class Result:
         }
         for k in _CORE:
             out[k] = getattr(self, k)
-        clash = set(self.data) & set(out)
+        extra = self.data.to_dict()
+        clash = set(extra) & set(out)
         if clash:
             raise ValueError(f"Result.data may not redefine core keys: {sorted(clash)}")
-        out.update(self.data)
+        out.update(extra)
         return out
 
     def to_json(self, indent: int | None = 2) -> str:

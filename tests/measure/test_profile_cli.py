@@ -82,3 +82,18 @@ def test_bad_out_dir(tmp_path, capsys):
     f.write_text("x")
     assert main(["profile", "--model", TINY, "--device", "cpu", "--out", str(f / "sub")]) == 2
     assert "cannot create output directory" in capsys.readouterr().err
+
+
+def test_out_without_matplotlib_writes_json_csv_and_html(tmp_path, monkeypatch, capsys):
+    """`pip install memlens` has no matplotlib: --out still writes result.json, CSV and report.html,
+    and the result says the PNGs were skipped."""
+    import memlens.report.plots as plots
+
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: False)
+    out = tmp_path / "prof"
+    assert main(["profile", "--model", TINY, "--device", "cpu", "--steps", "1", "--warmup", "0", "--out", str(out)]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["report.html", "result.json", "timeline.csv"]
+    d = json.loads((out / "result.json").read_text())
+    assert "matplotlib is not installed" in d["plots_skipped"]
+    assert "<h1>memlens profile" in (out / "report.html").read_text()
