@@ -6,21 +6,70 @@ are what nvidia-smi and marketing use. Both are accepted; output is always binar
 from __future__ import annotations
 
 import re
+from decimal import ROUND_HALF_EVEN, Context, Decimal, InvalidOperation
 
 from .errors import MemlensError
 
-_UNITS = {
+_BINARY = {
     "": 1, "b": 1, "byte": 1, "bytes": 1,
-    "k": 1024, "kib": 1024, "kb": 1000,
-    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
-    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+    "k": 1024, "kib": 1024, "m": 1024**2, "mib": 1024**2,
+    "g": 1024**3, "gib": 1024**3, "t": 1024**4, "tib": 1024**4,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_DECIMAL = {"kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4}
+_DECIMAL_AS_BINARY = {"kb": 1024, "mb": 1024**2, "gb": 1024**3, "tb": 1024**4}
+_SPLIT = re.compile(r"^\s*(\d*\.?\d+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def unit_factor(unit: str, binary_decimal: bool = False) -> int | None:
+    """Bytes in one ``unit`` (case-insensitive), or None if it is not a size unit. Decimal units
+    (KB, MB, GB) are powers of 1000 (as nvidia-smi) unless ``binary_decimal`` (writers such as
+    PyTorch's MPS allocator print "GB" for 2**30 bytes).
+
+    >>> unit_factor("MiB"), unit_factor("mb"), unit_factor("MB", binary_decimal=True), unit_factor("parsecs")
+    (1048576, 1000000, 1048576, None)
+    """
+    u = unit.strip().lower()
+    if u in _BINARY:
+        return _BINARY[u]
+    if u in _DECIMAL:
+        return _DECIMAL_AS_BINARY[u] if binary_decimal else _DECIMAL[u]
+    return None
+
+
+def size_to_bytes(number: str | float, unit: str, binary_decimal: bool = False) -> int:
+    """``number`` ``unit`` in bytes, exact decimal arithmetic rounded to the nearest byte (so that
+    "23.69 GiB" is always 25436943811 bytes). Raises ValueError on a bad unit or number.
+
+    >>> size_to_bytes("23.69", "GiB"), size_to_bytes("18.9", "GB"), size_to_bytes("1.80", "GB", binary_decimal=True)
+    (25436943811, 18900000000, 1932735283)
+    """
+    factor = unit_factor(unit, binary_decimal)
+    if factor is None:
+        raise ValueError(f"not a size unit: {unit!r}")
+    try:
+        exact = Decimal(str(number))
+    except InvalidOperation:
+        raise ValueError(f"not a number: {number!r}") from None
+    if not exact.is_finite() or exact < 0 or exact.adjusted() > 30:
+        raise ValueError(f"not a size: {number!r}")
+    value = Context(prec=exact.adjusted() + 40).multiply(exact, factor)  # enough digits to stay exact
+    return int(value.to_integral_value(rounding=ROUND_HALF_EVEN))
+
+
+def parse_size(text: str, binary_decimal: bool = False) -> int:
+    """Parse "23.69 GiB" / "18.9GB" / "512 bytes" into bytes. Raises ValueError if it is not one.
+
+    >>> parse_size("1.50 KiB")
+    1536
+    """
+    m = _SPLIT.match(str(text))
+    if not m:
+        raise ValueError(f"not a size: {text!r}")
+    return size_to_bytes(m.group(1), m.group(2), binary_decimal)
 
 
 def parse_bytes(text: str | int | float) -> int:
-    """Parse a size into bytes.
+    """Parse a size a user typed into bytes (one clear error if it is not one).
 
     >>> parse_bytes("16GiB")
     17179869184
@@ -29,14 +78,14 @@ def parse_bytes(text: str | int | float) -> int:
     >>> parse_bytes(2048)
     2048
     """
-    if isinstance(text, (int, float)):
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text < 0:
             raise MemlensError(f"size {text} is negative", hint="give a size such as 16GiB")
         return int(text)
-    m = _SIZE_RE.match(str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise MemlensError(f"cannot read size {text!r}", hint="write it like 16GiB, 24GB, 512MiB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    try:
+        return parse_size(str(text))
+    except ValueError:
+        raise MemlensError(f"cannot read size {text!r}", hint="write it like 16GiB, 24GB, 512MiB or a number of bytes") from None
 
 
 def fmt_bytes(n: float | int | None, digits: int = 2) -> str:
