@@ -52,6 +52,9 @@ def _counts(spec: TrainingSpec):
     from ..models.build import quiet
 
     source = resolve(spec.model)
+    if spec.dp:
+        raise MemlensError("--method formula does not model DP-SGD's per-sample gradients",
+                           hint="drop --method formula: simulate runs Opacus' step")
     if source.kind == "factory":
         raise MemlensError(f"--method formula needs a transformers config (layers, hidden size, vocabulary); "
                            f"{spec.model} is a factory", hint="drop --method formula: simulate runs any factory")

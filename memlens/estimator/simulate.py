@@ -76,8 +76,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     t0 = time.perf_counter()
     source = source or resolve(spec.model)
     log = EventLog()
-    tracker = SimulationTracker(log)
     gpu = gpu_facts(spec.gpu)
+    tracker = SimulationTracker(log, gpu)
     rules = cuda_rules.CudaRules(autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None, gpu=gpu)
     emulation = cuda_rules.CudaEmulation(rules)
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext

@@ -68,6 +68,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
 
     config = copy.deepcopy(source.config)
     _check_lengths(spec, source)
+    if spec.image_size and source.task == "image-classification" and hasattr(config, "image_size"):
+        config.image_size = spec.image_size   # position embeddings for that many patches (as a fine-tune at that size)
     dtype = torch_dtype(spec.param_dtype)
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     try:

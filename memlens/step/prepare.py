@@ -69,8 +69,10 @@ class PreparedStep:
                           autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase)
 
 
-def refuse_unsupported(spec: TrainingSpec, *, fake: bool) -> None:
+def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
     """One clear line for every spec field this step kind cannot apply (never ignore one)."""
+    if source is not None:
+        _refuse_for_source(spec, source)
     if spec.world_size > 1 or spec.sharding != "none":
         raise SpecError(f"--world-size {spec.world_size} --sharding {spec.sharding}: one rank of a multi-GPU job is not "
                         "simulated or run by this step yet",
@@ -86,6 +88,37 @@ def refuse_unsupported(spec: TrainingSpec, *, fake: bool) -> None:
                         hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
 
 
+_TEXT = ("causal-lm", "masked-lm")
+
+
+def _refuse_for_source(spec: TrainingSpec, source) -> None:
+    """Fields the model's task has no use for, and what a factory without a spec cannot see."""
+    task = source.task
+    if task == "factory":
+        import inspect
+
+        try:
+            takes_spec = len(inspect.signature(source.factory).parameters) >= 1
+        except (TypeError, ValueError):
+            takes_spec = False
+        if not takes_spec:
+            given = [f"--{n.replace('_', '-')}" for n, default in (("batch_size", 1), ("seq_len", None), ("image_size", None),
+                                                                    ("images_per_sample", 1), ("grad_checkpointing", False),
+                                                                    ("attn", "sdpa")) if getattr(spec, n) != default]
+            if given:
+                raise SpecError(f"factory {source.name} takes no spec, so {', '.join(given)} cannot reach it",
+                                hint=f"define it as `def {source.name.split(':')[-1]}(spec)` and build the batch from spec")
+        return
+    if spec.image_size is not None and task in _TEXT:
+        raise SpecError(f"--image-size does not apply to {source.name} (a {task} model)", hint="drop --image-size")
+    if spec.images_per_sample != 1 and task != "vlm":
+        raise SpecError(f"--images-per-sample applies to vision-language models, not {source.name} ({task})",
+                        hint="drop --images-per-sample")
+    if spec.seq_len is not None and task == "image-classification":
+        raise SpecError(f"--seq-len does not apply to {source.name}: its sequence is the image patches",
+                        hint="use --image-size to change the number of patches")
+
+
 def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, source=None, fake_mode=None,
             autocast: Callable[[], Any] | None = None, scaler: Any = None, load_on_cpu: bool = False,
             seed: int | None = None) -> PreparedStep:
@@ -99,8 +132,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     from ..models.source import resolve
     from .optim import make_optimizer
 
-    refuse_unsupported(spec, fake=fake)
     source = source or resolve(spec.model)
+    refuse_unsupported(spec, fake=fake, source=source)
     # DP-SGD materializes the physical batch at once (Opacus' BatchMemoryManager)
     micro = spec.physical_batch_size if spec.dp and spec.physical_batch_size else spec.batch_size
     build_spec = spec.replace(batch_size=micro) if micro != spec.batch_size else spec
@@ -114,6 +147,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=False)
         with torch.device("meta"), quiet():
             built = build(build_spec, source)
+            if source.kind == "factory" and spec.param_dtype != "float32":
+                built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
         model = materialize_on_fake(built.model, fake_mode)
         batch = fake_batch(built.batch, fake_mode)
         dev = torch.device("cpu")
@@ -128,6 +163,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         t0 = time.perf_counter()
         with quiet():
             built = build(build_spec, source, device="cpu" if (load_on_cpu and cuda) else dev)
+            if source.kind == "factory" and spec.param_dtype != "float32":
+                built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
         model, batch = built.model, built.batch
         if load_on_cpu and cuda:
             load["cpu_build_seconds"] = round(time.perf_counter() - t0, 3)
@@ -147,8 +184,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
         applied.append("gradient checkpointing")
+    if source.kind != "factory":
+        applied.append(f"attention {spec.attn}")
     if spec.lora_rank:
-        applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank}")
+        applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
+                       + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else ""))
     optimizer = make_optimizer(spec, model, simulate=fake)
     applied.append(f"optimizer {spec.optimizer}")
     if autocast is None:
@@ -168,6 +208,17 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if not fake:
         _load_figures(p)
     return p
+
+
+def _cast_factory(model, batch, dtype):
+    """fp16/bf16 weights for a factory's model (transformers models are built in the dtype): its
+    floating parameters and buffers, and the batch's floating tensors to match."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    model = model.to(dtype)
+    batch = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
+    return model, batch
 
 
 def amp_setup(spec: TrainingSpec, device) -> tuple[Callable[[], Any], Any]:
