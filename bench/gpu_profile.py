@@ -79,6 +79,7 @@ def run_case(name: str, fields: dict) -> dict:
         # interleaved rounds (phases, full, ledger, base, ...) so clock drift hits every mode alike
         for rnd in range(ROUNDS):
             for mode in MODES:
+                torch.cuda.reset_peak_memory_stats()   # the peak falls inside the profiled span, as in a CLI run
                 prof = Profiler(model, opt, device=dev, mode=mode, spec=spec.to_dict())
                 prof.start()
                 times[mode] += timed(STEPS)
@@ -101,7 +102,8 @@ def run_case(name: str, fields: dict) -> dict:
              "peak_equals_truth": r.peak_allocated_bytes == truth, "peak_error": (r.peak_allocated_bytes - truth) / truth,
              "step_s": [round(x, 5) for x in times[mode]], "median_s": statistics.median(times[mode]),
              "overhead": statistics.median(times[mode]) / med_base - 1, "peak_phase": r.data.get("peak_phase"),
-             "by_phase": r.by_phase, "stop_s": stop_s[mode]}
+             "by_phase": r.by_phase, "stop_s": stop_s[mode],
+             "phase_peaks_exact": all(sn.get("peak_exact", True) for sn in r.data.get("snapshots", []))}
         if r.by_category:
             m["by_category"] = r.by_category
             m["categories_sum_bytes"] = r.data.get("categories_sum_bytes")

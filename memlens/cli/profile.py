@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         result, artifacts = profile_spec(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
                                          torch_profiler=args.torch_profiler, snapshot=args.snapshot,
                                          compare_estimate=args.compare_estimate, trace_path=trace, progress=progress,
-                                         load_on_cpu=args.load_on_cpu)
+                                         load_on_cpu=args.load_on_cpu, own_process=True)
     if d is not None:
         from ..report.profile_report import write_report
 

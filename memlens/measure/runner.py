@@ -15,13 +15,16 @@ from .profiler import PHASE_NAMES, Profiler, _resolve_device
 def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, mode: str = "phases",
                  torch_profiler: bool = False, snapshot: bool = False, compare_estimate: bool = False,
                  trace_path: str | None = None, progress: Callable[[int, int], None] | None = None,
-                 load_on_cpu: bool = False) -> tuple[Result, dict]:
+                 load_on_cpu: bool = False, own_process: bool = False) -> tuple[Result, dict]:
     """Build ``spec``'s step with random weights on ``device`` (no download; :func:`memlens.step.prepare`),
     run ``warmup`` then ``steps`` training steps under the profiler, and return (Result, artifacts).
 
     ``load_on_cpu``: build the model on the CPU first, then move it to the device, as a script that
     loads a checkpoint does; ``model_load`` then also holds the "moved to device" figures.
     ``artifacts`` holds what is not JSON: ``{"memory_snapshot": dict}`` with ``snapshot=True``.
+    ``own_process`` (the CLI): this process is memlens' own, so the peak counter is reset after the
+    warmup and the profiled steps' peak is read exactly from it; from Python (the default) the
+    caller's counters are left alone.
 
     >>> from memlens.core.spec import TrainingSpec
     >>> r, _ = profile_spec(TrainingSpec(model="tests.measure.profile_models:tiny_mlp"), steps=2, device="cpu")  # doctest: +SKIP
@@ -61,6 +64,8 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
             step.run()
         if cuda:
             torch.cuda.synchronize()
+            if own_process:
+                torch.cuda.reset_peak_memory_stats(dev)
         prof = Profiler(step.model, step.optimizer, device=dev, mode=mode, record_snapshot=snapshot,
                         torch_profiler=torch_profiler, spec=spec.to_dict())
         regions = _Regions(torch) if torch_profiler else None

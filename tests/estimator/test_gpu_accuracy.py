@@ -19,7 +19,7 @@ def test_estimate_matches_real_steps(spec):
     from memlens import estimate
     from memlens.measure.runner import profile_spec
 
-    result, _ = profile_spec(spec, steps=2, warmup=0, device="cuda", mode="phases")
+    result, _ = profile_spec(spec, steps=2, warmup=0, device="cuda", mode="phases", own_process=True)
     measured = result.peak_allocated_bytes  # profile reads the allocator's own peak counters
     assert 0 < torch.cuda.max_memory_allocated() <= measured
     est = estimate(spec).peak_allocated_bytes
