@@ -7,6 +7,7 @@
 
 Importing memlens does not import torch; the functions do when called.
 """
+from .core.version import __version__
 from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
 from .core.errors import MemlensError
 from .estimator import estimate
@@ -20,6 +21,7 @@ from .report.result import Result
 from .core.spec import TrainingSpec
 
 __all__ = [
+    "__version__",
     "TrainingSpec",
     "Result",
     "MemlensError",

@@ -57,3 +57,22 @@ def test_units():
     assert fmt_bytes(1536) == "1.50 KiB"
     with pytest.raises(Exception, match="cannot read size"):
         parse_bytes("lots")
+
+
+def test_version_and_environment(capsys):
+    import memlens
+    from memlens.cli.main import main
+    from memlens.report.result import Result
+
+    assert memlens.__version__.count(".") >= 2
+    try:
+        main(["--version"])
+    except SystemExit as e:
+        assert e.code == 0
+    assert capsys.readouterr().out.strip() == f"memlens {memlens.__version__}"
+    r = Result(verb="estimate")
+    assert r.environment["memlens"] == memlens.__version__ and r.environment["python"]
+    import torch  # noqa: F401 - imported libraries are reported
+    assert Result(verb="estimate").environment["torch"] == torch.__version__
+    loaded = Result.from_dict({"verb": "estimate", "environment": {"torch": "2.4.0"}})
+    assert loaded.environment == {"torch": "2.4.0"}          # as it was made

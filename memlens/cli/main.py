@@ -34,6 +34,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="memlens", description="Predict, measure and explain the GPU memory of PyTorch training.")
+    from ..core.version import __version__
+
+    parser.add_argument("--version", action="version", version=f"memlens {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for internal errors")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
     for verb, modname in VERBS.items():

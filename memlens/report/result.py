@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.version import __version__, environment
 from .payloads import Payload, payload_for
 
 SCHEMA_VERSION = "1"
@@ -30,15 +31,6 @@ _CORE = (
     "verb", "spec", "peak_allocated_bytes", "peak_reserved_bytes", "by_category", "by_phase",
     "by_module", "timeline", "notes", "environment",
 )
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("memlens")
-    except Exception:  # not installed (running from a checkout)
-        return "0+unknown"
 
 
 @dataclass
@@ -59,11 +51,13 @@ class Result:
 
     def __post_init__(self) -> None:
         self.data = payload_for(self.verb, self.data)
+        # what it was made with (a profile adds its device; a loaded result keeps its own)
+        self.environment = {**environment(), **(self.environment or {})}
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "schema_version": SCHEMA_VERSION,
-            "memlens_version": _version(),
+            "memlens_version": __version__,
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
         for k in _CORE:
@@ -92,7 +86,9 @@ class Result:
         for k in ("schema_version", "memlens_version", "created_at"):
             d.pop(k, None)
         core = {k: d.pop(k) for k in _CORE if k in d}
-        return cls(**core, data=d)
+        r = cls(**core, data=d)
+        r.environment = dict(core.get("environment") or {})   # as it was made, not as it is loaded
+        return r
 
     @classmethod
     def load(cls, path: str | Path) -> "Result":
