@@ -210,13 +210,23 @@ class DPStep:
         return -(-self.logical_batch // self.physical_batch)
 
     def physical_batches(self):
-        """The physical batches of one logical batch, from BatchMemoryManager's sampler."""
+        """The physical batches of one logical batch, from BatchMemoryManager's sampler.
+
+        On fake tensors a physical batch that is neither the first two nor the last, and has the
+        size of the one before, is not re-run: it starts from the state the one before left
+        (``summed_grad`` accumulated, the step skipped) and allocates the same, so memory repeats.
+        Its skip signal is consumed as its ``optimizer.step()`` would have."""
         if self.fake:
-            for idx in self.loader.batch_sampler:
-                yield self.gather(idx)
+            k, prev = self.n_physical, None
+            for i, idx in enumerate(self.loader.batch_sampler, 1):
+                if 2 < i < k and len(idx) == prev:
+                    self.optimizer._check_skip_next_step()
+                    continue
+                prev = len(idx)
+                yield i, self.gather(idx)
         else:
-            for b in self.loader:
-                yield self.gather.to_device(b, self.device)
+            for i, b in enumerate(self.loader, 1):
+                yield i, self.gather.to_device(b, self.device)
 
     def run(self, on_phase: Callable[[str], None] = lambda name: None):
         """Every physical batch: forward, backward (two passes under ghost clipping), the DP
@@ -226,7 +236,7 @@ class DPStep:
         last = None
         try:
             k = self.n_physical
-            for i, batch in enumerate(self.physical_batches(), 1):
+            for i, batch in self.physical_batches():
                 self.physical = (i, k)
                 self._tag(_tensors(batch), INPUTS)
                 on_phase("forward")
@@ -419,9 +429,12 @@ def functorch_layers(model, mode: str) -> list[str]:
 def describe(step: DPStep) -> str:
     """One line for the prepared step's "applied" list."""
     what = "per-sample gradients (hooks)" if step.mode == "hooks" else "ghost clipping (two backward passes)"
-    return (f"DP-SGD with Opacus {_version()}: make_private {what}, max_grad_norm {step.optimizer.max_grad_norm:g}, "
+    text = (f"DP-SGD with Opacus {_version()}: make_private {what}, max_grad_norm {step.optimizer.max_grad_norm:g}, "
             f"noise {step.optimizer.noise_multiplier:g}; BatchMemoryManager: logical batch {step.logical_batch} in "
             f"{step.n_physical} physical batch(es) of <= {step.physical_batch}")
+    if step.fake and step.n_physical > 3:
+        text += " (simulated: the first two, the last, and each change of size; the others repeat their memory)"
+    return text
 
 
 def _version() -> str:

@@ -159,6 +159,9 @@ class SweepPayload(Payload):
     status_counts: dict | None = UNSET
     budget_bytes: int | None = UNSET
     memory_fraction: float | None = UNSET
+    detailed: bool | None = UNSET                 # cells carry ``detail`` (category, phase, component at the peak)
+    steps: int | None = UNSET                     # optimizer steps per measured cell
+    seed_files: list | None = UNSET               # the Opacus profiler's files written (seeds/004)
 
 
 @dataclass
