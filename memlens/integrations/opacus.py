@@ -267,8 +267,7 @@ class DPStep:
         from ..step.loop import forward_loss
 
         if self.criterion is None:                     # hooks: the model's own loss (or the factory's)
-            loss = forward_loss(self.model, batch, self.loss_fn)
-            return loss.mean() if loss.dim() == 1 else loss   # per-sample losses: loss_reduction="mean"
+            return forward_loss(self.model, batch, self.loss_fn)
         if self.task == "factory":
             if isinstance(batch, dict):
                 out = self.model(**batch)
