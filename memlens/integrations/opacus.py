@@ -232,7 +232,16 @@ class DPStep:
         """Every physical batch: forward, backward (two passes under ghost clipping), the DP
         optimizer's step ("clip": clip and accumulate; on the last physical batch also noise, then
         "optimizer": the wrapped optimizer's update), zero_grad. Returns the last loss (None on fake tensors)."""
+        import warnings
+
         self._on_phase = on_phase
+        with warnings.catch_warnings():
+            # PyTorch's note that a module hook fires on outputs when no input needs a gradient (a
+            # frozen embedding before the first adapter): what Opacus relies on, not a problem
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            return self._run(on_phase)
+
+    def _run(self, on_phase):
         last = None
         try:
             k = self.n_physical
@@ -242,7 +251,6 @@ class DPStep:
                 on_phase("forward")
                 with self.autocast():
                     loss = self._loss(batch)
-                del batch
                 on_phase("backward")
                 loss.backward()
                 last = loss.detach()
@@ -254,6 +262,7 @@ class DPStep:
                 self._tag([t for p in self._params() for t in (p.grad, getattr(p, "summed_grad", None)) if t is not None],
                           GRADIENTS)
                 self.optimizer.zero_grad(set_to_none=True)
+                del batch                          # the physical batch lives through its step, as in a training loop
             on_phase("end")
         finally:
             self._on_phase = lambda name: None
