@@ -196,7 +196,7 @@ class DPStep:
     loss_fn: Callable | None = None
     autocast: Callable[[], Any] = contextlib.nullcontext
     functorch_layers: list[str] = field(default_factory=list)   # trainable layer types Opacus handles with functorch
-    observer: Any = None              # .retag(tensor, category) and .scope(category) (the estimate's or profiler's tracker)
+    observer: Any = None              # .retag(tensor, category) and .scope(category): the estimate's tracker or the profiler
     physical: tuple[int, int] = (0, 0)  # the physical batch running now: (number, of how many)
     _on_phase: Callable[[str], None] = field(default=lambda name: None, repr=False)
 
@@ -300,10 +300,14 @@ class DPStep:
         return out
 
     def _tag(self, tensors, category: str) -> None:
-        if self.observer is None:
+        obs = self.observer
+        if obs is None:
+            return
+        if hasattr(obs, "retag_all"):            # the profiler: one observation for them all
+            obs.retag_all(list(tensors), category)
             return
         for t in tensors:
-            self.observer.retag(t, category)
+            obs.retag(t, category)
 
     def _scoped(self, fn, category: str):
         def sampler(module, activations, backprops):
@@ -363,11 +367,16 @@ def check_spec(spec, task: str) -> None:
 
 # ---------------------------------------------------------------- make_private, the way users call it
 def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str, loss_fn: Callable | None = None,
-                 autocast: Callable[[], Any] = contextlib.nullcontext, name: str = "model") -> DPStep:
+                 autocast: Callable[[], Any] = contextlib.nullcontext, name: str = "model",
+                 grad_sample_mode: str | None = None) -> DPStep:
     """Wrap ``model`` and ``optimizer`` with Opacus' ``PrivacyEngine.make_private`` over a data
     loader of ``batch`` (the logical batch, on the host), and ``BatchMemoryManager`` with the
-    spec's physical batch. ``model`` may already be a DDP / FSDP2-wrapped module (a later
-    distributed step): Opacus picks its distributed classes from it."""
+    spec's physical batch.
+
+    For a distributed step (not run yet): pass the rank's module already wrapped, Opacus'
+    ``DifferentiallyPrivateDistributedDataParallel(model)`` for hooks or ``FSDP2Wrapper(model)``
+    with ``grad_sample_mode="ghost_fsdp"`` for ghost clipping, the optimizer built on it, and the
+    rank's share of the logical batch: Opacus picks its distributed optimizer from the module type."""
     require_opacus()
     import warnings
 
@@ -382,7 +391,7 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
         raise SpecError(f"{name}: the batch has no tensor with a batch dimension", hint="DP-SGD splits the batch per sample")
     n = int(first.shape[0])
     physical = min(spec.physical_batch_size or n, n)
-    mode = spec.grad_sample_mode or "hooks"
+    mode = grad_sample_mode or spec.grad_sample_mode or "hooks"
     fallback = functorch_layers(model, mode)
     if fake and fallback:
         raise SpecError(f"Opacus has no grad sampler for {', '.join(fallback)}: it would use functorch, which does not run "
@@ -391,7 +400,7 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
     gather = Gather(batch, n)
     loader = torch.utils.data.DataLoader(SampleIndices(n), batch_size=n, shuffle=False, collate_fn=gather)
     criterion = None
-    if mode == "ghost":
+    if mode.startswith("ghost"):
         criterion = FactoryCriterion(loss_fn, name) if task == "factory" else torch.nn.CrossEntropyLoss()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")      # "Secure RNG turned off" and friends
@@ -406,7 +415,7 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
             msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
             raise SpecError(f"Opacus cannot make {name} private: {msg}",
                             hint="freeze the unsupported modules (--freeze), or train LoRA adapters (--lora-rank 16)") from None
-    if mode == "ghost":
+    if mode.startswith("ghost"):
         dp_model, dp_opt, dp_criterion, dp_loader = out
     else:
         (dp_model, dp_opt, dp_loader), dp_criterion = out, None
@@ -429,7 +438,7 @@ def functorch_layers(model, mode: str) -> list[str]:
     from opacus.utils.module_utils import trainable_modules
 
     known = set(GradSampleModule.GRAD_SAMPLERS)
-    if mode == "ghost":
+    if mode.startswith("ghost"):
         known |= set(GradSampleModuleFastGradientClipping.NORM_SAMPLERS)
     return sorted({type(m).__name__ for _, m in trainable_modules(model) if type(m) not in known})
 

@@ -334,6 +334,15 @@ class Profiler:
         if self.history is not None:
             self.history.observe(category, [tensor])
 
+    def retag_all(self, tensors, category: str) -> None:
+        """:meth:`retag` for many tensors (one allocator-history observation)."""
+        tensors = [t for t in tensors if t is not None]
+        if self.tracker is not None:
+            for t in tensors:
+                self.tracker.retag(t, category)
+        if self.history is not None and tensors:
+            self.history.observe(category, tensors)
+
     def scope(self, category: str):
         """Storages created inside get ``category`` in the ledger (the allocator history classifies by phase)."""
         return self.tracker.scope(category) if self.tracker is not None else contextlib.nullcontext()
