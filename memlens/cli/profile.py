@@ -133,6 +133,13 @@ def render(result) -> None:
             if v:
                 t.add_row(k, fmt_bytes(v), f"{100 * v / total:.1f}%")
         c.print(t)
+    if d.get("by_component"):
+        t = Table(title="at the peak, by component", box=None)
+        t.add_column("component")
+        t.add_column("bytes", justify="right")
+        for r in d["by_component"]:
+            t.add_row(r["component"], fmt_bytes(r["bytes"]))
+        c.print(t)
     if result.by_module:
         t = Table(title="top modules", box=None)
         for col in ("module", "live at peak", "forward peak", "backward peak"):
