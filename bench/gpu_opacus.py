@@ -140,7 +140,7 @@ def main() -> None:
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "opacus": opacus.__version__,
            "device": torch.cuda.get_device_name(0), "total_memory": torch.cuda.get_device_properties(0).total_memory,
            "python": sys.version.split()[0]}
-    with open(os.path.join(out, "gpu_env.json"), "w") as f:
+    with open(os.path.join(out, "gpu_opacus_env.json"), "w") as f:
         json.dump(env, f)
     print(json.dumps(env), flush=True)
     wanted = sys.argv[2:]

@@ -26,7 +26,7 @@ def main() -> None:
     args = sys.argv[1:]
     truth_path = args.pop(0) if args and args[0].endswith(".jsonl") else os.path.join(HERE, "results/raw/gpu_opacus.jsonl")
     truth = [json.loads(line) for line in open(truth_path) if line.strip()]
-    env_path = os.path.join(os.path.dirname(truth_path), "gpu_env.json")
+    env_path = os.path.join(os.path.dirname(truth_path), "gpu_opacus_env.json")
     env = json.load(open(env_path)) if os.path.exists(env_path) else {"device": "?", "torch": "?", "opacus": "?"}
     rows = []
     for t in truth:

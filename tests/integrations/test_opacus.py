@@ -261,3 +261,10 @@ def test_seed_sweep_lora_ranks_measured_on_cpu(tmp_path, capsys):
     d = rows[1]["detail"]
     assert {c["component"] for c in d["by_component"]} >= {"lora", "attention"} and d["dp"]["physical_batches"] == 2
     assert any(pt["label"] == "privacy engine setup" for pt in rows[0]["timeline"])
+
+
+def test_seed_names_that_disagree_are_one_line(tmp_path, capsys):
+    assert main(["sweep", "--model", SEQ, "--model_name", "gpt2", "--batch_sizes", "2", "--results_dir", str(tmp_path)]) == 2
+    assert "--model tests.tiny_models:seq_linear and --model_name gpt2 disagree" in capsys.readouterr().err
+    assert main(["sweep", "--model", SEQ, "--batch_sizes", "2", "--out", str(tmp_path / "a"), "--results_dir", str(tmp_path / "b")]) == 2
+    assert "disagree" in capsys.readouterr().err
