@@ -268,3 +268,20 @@ def test_seed_names_that_disagree_are_one_line(tmp_path, capsys):
     assert "--model tests.tiny_models:seq_linear and --model_name gpt2 disagree" in capsys.readouterr().err
     assert main(["sweep", "--model", SEQ, "--batch_sizes", "2", "--out", str(tmp_path / "a"), "--results_dir", str(tmp_path / "b")]) == 2
     assert "disagree" in capsys.readouterr().err
+
+
+def test_repeated_physical_batches_are_simulated_once(monkeypatch):
+    """On fake tensors physical batches 3..k-1 of the same size are not re-run: the result equals running them all."""
+    import memlens.integrations.opacus as mo
+
+    spec = dp(batch_size=11, physical_batch_size=2, seq_len=32, grad_sample_mode="ghost")   # 2, 2, (2, 2, 2), 1
+    short = estimate(spec)
+
+    def every(self):
+        for i, idx in enumerate(self.loader.batch_sampler, 1):
+            yield i, self.gather(idx)
+
+    monkeypatch.setattr(mo.DPStep, "physical_batches", every)
+    full = estimate(spec)
+    assert (short.peak_allocated_bytes, short.peak_reserved_bytes) == (full.peak_allocated_bytes, full.peak_reserved_bytes)
+    assert short.by_category == full.by_category
