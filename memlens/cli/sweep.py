@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         raise MemlensError("--budget is 0", hint="e.g. --budget 16GiB")
     if args.measure:
         require_cuda(args.device)
+    from ..models.source import resolve
+
+    resolve(spec.model)   # a model that cannot be had is one line, not an error in every cell
     out = args.out or "memlens-sweep"
     big = [c for c in grid_cells(spec, grid) if c.spec is None and "max_physical_batch_size" in (c.skip or "")]
     if big and len(big) < len(grid_cells(spec, grid)) and not args.json:
