@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import SpecError
-from ..core.spec import ATTENTION, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
+from ..core.spec import ATTENTION, GRAD_SAMPLE_MODES, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
 
 
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -30,7 +30,12 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters whose name matches (repeatable), e.g. vision_tower")
     g.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
     g.add_argument("--dp", action="store_const", const=True, help="DP-SGD with Opacus (per-sample gradients)")
-    g.add_argument("--physical-batch-size", type=int, metavar="N", help="DP-SGD: samples materialized at once")
+    g.add_argument("--physical-batch-size", type=int, metavar="N",
+                   help="DP-SGD: Opacus' BatchMemoryManager max_physical_batch_size (the --batch-size logical batch in parts)")
+    g.add_argument("--grad-sample-mode", choices=GRAD_SAMPLE_MODES,
+                   help="DP-SGD: Opacus' hooks (per-sample gradients) or ghost (ghost clipping, two backward passes) (default hooks)")
+    g.add_argument("--max-grad-norm", type=float, metavar="C", help="DP-SGD: per-sample clipping bound (default 1.0)")
+    g.add_argument("--noise-multiplier", type=float, metavar="S", help="DP-SGD: noise multiplier (default 1.0; no effect on memory)")
     g.add_argument("--world-size", type=int, metavar="N", help="GPUs (default 1)")
     g.add_argument("--sharding", choices=SHARDING, help="how model states are split over --world-size GPUs")
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
@@ -41,7 +46,7 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
 SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
-    "physical_batch_size", "world_size", "sharding", "offload_optimizer", "gpu",
+    "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding", "offload_optimizer", "gpu",
 )
 
 

@@ -19,6 +19,7 @@ PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
 ATTENTION = ("sdpa", "eager")
 OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 SHARDING = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+GRAD_SAMPLE_MODES = ("hooks", "ghost")   # Opacus' own names (make_private's grad_sample_mode)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class TrainingSpec:
     grad_accum: int = 1
     dp: bool = False                    # DP-SGD (Opacus): per-sample gradients
     physical_batch_size: int | None = None  # DP: micro-batch that is materialized at once
+    grad_sample_mode: str | None = None  # DP: Opacus' "hooks" (per-sample gradients) or "ghost" (ghost clipping); None: hooks
+    max_grad_norm: float | None = None   # DP: per-sample clipping bound (None: 1.0)
+    noise_multiplier: float | None = None  # DP: noise std / max_grad_norm (None: 1.0; memory does not depend on it)
     world_size: int = 1
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
@@ -75,17 +79,40 @@ class TrainingSpec:
             raise SpecError("--lora-alpha needs --lora-rank", hint="add --lora-rank 16")
         if self.lora_targets is not None and self.lora_rank is None:
             raise SpecError("--lora-targets needs --lora-rank", hint="add --lora-rank 16")
+        self._check_dp()
         if self.physical_batch_size is not None and not self.dp:
             raise SpecError("--physical-batch-size is a DP-SGD setting", hint="add --dp, or use --grad-accum for plain accumulation")
         if self.physical_batch_size is not None and self.physical_batch_size > self.batch_size:
             raise SpecError(
-                f"physical batch {self.physical_batch_size} is larger than batch {self.batch_size}",
-                hint="the physical batch is the part of --batch-size materialized at once",
+                f"max_physical_batch_size {self.physical_batch_size} > batch_size {self.batch_size}",
+                hint="the physical batch is a part of the logical --batch-size (Opacus' BatchMemoryManager): keep it <= the batch",
             )
         if self.sharding != "none" and self.world_size == 1:
             raise SpecError(f"sharding {self.sharding!r} needs --world-size > 1", hint="add --world-size 8")
         if self.precision in ("fp16",) and self.optimizer == "adamw-8bit":
             pass  # allowed: bnb 8-bit optimizers work with fp16 params
+
+    def _check_dp(self) -> None:
+        """DP-SGD settings need --dp; under --dp they get Opacus' defaults (hooks, max_grad_norm 1, noise 1)."""
+        dp_only = {"grad_sample_mode": self.grad_sample_mode, "max_grad_norm": self.max_grad_norm,
+                   "noise_multiplier": self.noise_multiplier}
+        if not self.dp:
+            for name, v in dp_only.items():
+                if v is not None:
+                    raise SpecError(f"--{name.replace('_', '-')} is a DP-SGD setting", hint="add --dp (Opacus)")
+            return
+        if self.grad_sample_mode is None:
+            object.__setattr__(self, "grad_sample_mode", "hooks")
+        _check_choice("grad_sample_mode", self.grad_sample_mode, GRAD_SAMPLE_MODES)
+        for name, default, lowest in (("max_grad_norm", 1.0, None), ("noise_multiplier", 1.0, 0.0)):
+            v = getattr(self, name)
+            v = default if v is None else v
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise SpecError(f"{name.replace('_', '-')} must be a number, got {v!r}", hint=f"e.g. --{name.replace('_', '-')} 1.0")
+            if (lowest is None and v <= 0) or (lowest is not None and v < lowest):
+                raise SpecError(f"{name.replace('_', '-')} must be {'> 0' if lowest is None else '>= 0'}, got {v}",
+                                hint=f"e.g. --{name.replace('_', '-')} 1.0")
+            object.__setattr__(self, name, float(v))
 
     # ---------- derived ----------
     @property
@@ -175,7 +202,7 @@ class TrainingSpec:
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         if self.dp:
-            parts.append("dp")
+            parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if self.world_size > 1:
             parts.append(f"{self.sharding}x{self.world_size}")
         return " ".join(parts)
@@ -220,9 +247,10 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
         return tuple(value)
-    if name == "lora_alpha":
+    if name in ("lora_alpha", "max_grad_norm", "noise_multiplier"):
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise SpecError(f"lora-alpha must be a number, got {value!r}", hint="e.g. --lora-alpha 32") from None
+            flag = name.replace("_", "-")
+            raise SpecError(f"{flag} must be a number, got {value!r}", hint=f"e.g. --{flag} 1.0") from None
     return value

@@ -30,6 +30,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
         from .formula import formula_estimate
 
         return formula_estimate(spec)
+    from ..core.components import by_component
     from ..core.ledger import analyze, group_modules
     from .simulate import simulate
 
@@ -62,6 +63,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
             "steps": a.steps,
             "attention_backends": sim.attention,
             "by_module_group": group_modules(a.by_module),
+            "by_component": by_component(a.by_module),
             "param_count": sim.param_count,
             "trainable_param_count": sim.trainable_count,
             "seq_len": sim.seq_len,

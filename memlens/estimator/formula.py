@@ -51,6 +51,9 @@ def _counts(spec: TrainingSpec):
     from ..models.source import resolve
     from ..models.build import quiet
 
+    if spec.dp:
+        raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
+                           "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
     source = resolve(spec.model)
     if spec.dp:
         raise MemlensError("--method formula does not model DP-SGD's per-sample gradients",

@@ -86,22 +86,18 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
     register_model(tracker, model)
-    register_inputs(tracker, step.batch)
+    if step.dp is None:
+        register_inputs(tracker, step.batch)
+    else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices
+        step.dp.observer = tracker
     params = list(model.parameters())
-    dp = None
-    if spec.dp:
-        from .dp import PerSampleGradients
-
-        dp = PerSampleGradients(tracker, step.micro_batch)  # samples actually in the micro-batch
 
     def on_grad(p) -> None:
         tracker.retag(p.grad, "gradients")
-        if dp is not None:
-            dp.on_grad(p)
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
-                    "optimizer": log.module_id(OPTIMIZER_LABEL)}
+                    "clip": log.module_id(OPTIMIZER_LABEL), "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
     try:
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
@@ -112,8 +108,6 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                         tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
-                        if dp is not None and name == "optimizer":
-                            dp.clip_and_noise()
 
                     step.run(on_phase)
                     tag_optimizer_state(tracker, step.optimizer)

@@ -132,7 +132,7 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
 
 def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = False, resume: bool = False,
           device: str = "cuda", steps: int = 3, timeout: float = 600, budget_bytes: int | None = None,
-          estimator: CachedEstimator | None = None, runner=None,
+          estimator: CachedEstimator | None = None, runner=None, detailed: bool = False,
           progress: Callable[[int, int, str, dict | None], None] | None = None) -> Result:
     """Run (or estimate) every cell of ``grid`` and return all rows in grid order.
 
@@ -140,6 +140,10 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     ``set_per_process_memory_fraction(budget / total)``, so cells above it OOM; estimated cells get
     ``estimated_fits`` by the one fit rule (:mod:`.fits`) against that cap (no context, no margin:
     the cap is the allocator's own).
+
+    ``detailed`` (the Opacus profiler's detailed mode): each cell also gets ``detail``, its peak by
+    category, phase and component, from the estimate (``source: estimate``) or, measured, from a
+    full-mode profile of the trial.
     """
     cells = grid_cells(spec, grid)
     if not cells:
@@ -185,6 +189,11 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
                 if not measure:
                     rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
                     rec["timeline"] = [dict(pt) for pt in p.timeline]
+                    if detailed:
+                        rec["detail"] = {"source": "estimate", "peak_allocated_bytes": p.peak_allocated_bytes,
+                                         "by_category": {k: v for k, v in (p.by_category or {}).items() if v},
+                                         "by_phase": {k: v.get("peak_allocated_bytes", 0) for k, v in (p.by_phase or {}).items()},
+                                         "by_component": [dict(c) for c in p.by_component]}
             except MemlensError as e:
                 rec.update(estimated_peak_allocated_bytes=None, estimate_error_message=e.message)
                 if not measure:
@@ -192,12 +201,15 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
             if measure:
                 from .trial import run_trial
 
-                t = (runner or run_trial)(c.spec, device=device, steps=steps, timeout=timeout, memory_fraction=frac)
+                kw = {"detailed": True} if detailed else {}
+                t = (runner or run_trial)(c.spec, device=device, steps=steps, timeout=timeout, memory_fraction=frac, **kw)
                 rec.update(status=t["status"], peak_allocated_bytes=t.get("peak_allocated_bytes"),
                            peak_reserved_bytes=t.get("peak_reserved_bytes"), step_seconds=t.get("seconds"),
                            losses=t.get("losses"), timeline=t.get("timeline") or [], memory_measured=t.get("memory_measured", False))
                 if t.get("error"):
                     rec["error"] = t["error"]
+                if t.get("detail"):
+                    rec["detail"] = t["detail"]
             rec["seconds_taken"] = round(time.perf_counter() - t0, 3)
         _append(path, rec)
         done[c.key] = rec
@@ -209,7 +221,8 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
-            "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac}
+            "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac,
+            "detailed": detailed, "steps": steps}
     return Result(verb="sweep", spec=spec.to_dict(), notes=[
         "peak_allocated_bytes: measured max_memory_allocated; estimated_*: memlens estimate of the same cell",
         "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimate above --budget)"], data=data)
