@@ -22,7 +22,15 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--precision", choices=PRECISIONS, help="fp16/bf16: weights in that dtype; amp-*: fp32 weights under autocast (default fp32)")
     g.add_argument("--grad-checkpointing", action="store_const", const=True, help="recompute activations in backward")
     g.add_argument("--attn", choices=ATTENTION, help="attention implementation (default sdpa)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    g.add_argument("--optimizer", metavar="NAME", help=f"{' | '.join(OPTIMIZERS)} (default adamw = torch's foreach AdamW); "
+                   "Trainer optim names (adamw_torch_fused, adafactor, adamw_bnb_8bit, ...) are accepted")
+    g.add_argument("--max-grad-norm", type=float, metavar="X", help="clip gradients with clip_grad_norm_(X) before the step (0: off)")
+    g.add_argument("--hf-trainer", action="store_const", const=True,
+                   help="the step as transformers' Trainer runs it (fp32 outputs under AMP, decay/no-decay groups)")
+    g.add_argument("--trainer-args", metavar="FILE", help="TrainingArguments as JSON (to_json_string) or YAML: sets batch, "
+                   "accumulation, precision, checkpointing, optimizer, clipping and --hf-trainer as the Trainer would")
+    g.add_argument("--target-len", type=int, metavar="N", help="encoder-decoder models: decoder tokens per sample (default: the encoder's)")
+    g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see README: --compile)")
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
     g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
@@ -41,7 +49,8 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
 SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
-    "physical_batch_size", "world_size", "sharding", "offload_optimizer", "gpu",
+    "physical_batch_size", "world_size", "sharding", "offload_optimizer", "gpu", "max_grad_norm", "hf_trainer", "target_len",
+    "compile",
 )
 
 
@@ -50,6 +59,10 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     base: dict = {}
     if getattr(args, "config", None):
         base = TrainingSpec.from_yaml(args.config).to_dict()
+    if getattr(args, "trainer_args", None):
+        from ..integrations.trainer_args import spec_fields_from_file
+
+        base.update(spec_fields_from_file(args.trainer_args, base.get("precision")))
     for name in SPEC_FLAG_FIELDS:
         v = getattr(args, name, None)
         if v is not None:

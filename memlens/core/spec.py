@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
+from .optimizers import OPTIMIZERS, canonical_optimizer  # names and the Trainer's optim aliases
 
-PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "bf16-amp")  # bf16-amp: bf16 weights under bf16 autocast
 ATTENTION = ("sdpa", "eager")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 SHARDING = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
@@ -46,6 +46,10 @@ class TrainingSpec:
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
     gpu: str = "h100"                   # the GPU the estimate is for (memlens.core.gpus; `--gpu`)
+    max_grad_norm: float | None = None  # clip_grad_norm_ before the optimizer step (None: no clipping)
+    hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
+    target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
+    compile: bool = False               # torch.compile'd model (estimator/compiled.py)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -53,12 +57,23 @@ class TrainingSpec:
         _check_int(self, "images_per_sample", 1)
         _check_int(self, "grad_accum", 1)
         _check_int(self, "world_size", 1)
-        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size"):
+        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size", "target_len"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
+        if self.optimizer not in OPTIMIZERS:
+            from .optimizers import HF_OPTIM_ALIASES
+
+            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS + tuple(HF_OPTIM_ALIASES), n=1)
+            raise SpecError(f"optimizer {self.optimizer!r} is not one memlens models ({', '.join(OPTIMIZERS)}; "
+                            f"Trainer names: {', '.join(HF_OPTIM_ALIASES)})",
+                            hint=(f"did you mean {close[0]!r}? " if close else "") + "use --optimizer adamw-fused")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
+                raise SpecError(f"max-grad-norm must be a number >= 0, got {self.max_grad_norm!r}", hint="e.g. --max-grad-norm 1.0 (0: no clipping)")
+            object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm) or None)  # 0 = off, as in the Trainer
         _check_choice("sharding", self.sharding, SHARDING)
         from .gpus import gpu_facts
 
@@ -95,11 +110,11 @@ class TrainingSpec:
 
     @property
     def autocast_dtype(self) -> str | None:
-        return {"amp-fp16": "float16", "amp-bf16": "bfloat16"}.get(self.precision)
+        return {"amp-fp16": "float16", "amp-bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision)
 
     @property
     def param_dtype(self) -> str:
-        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
+        return {"fp16": "float16", "bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision, "float32")
 
     @property
     def uses_lora(self) -> bool:
@@ -174,6 +189,14 @@ class TrainingSpec:
             parts.append(("qlora" if self.qlora else "lora") + f"-r{self.lora_rank}")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
+        if self.max_grad_norm:
+            parts.append(f"clip={self.max_grad_norm:g}")
+        if self.target_len:
+            parts.append(f"T={self.target_len}")
+        if self.compile:
+            parts.append("compile")
+        if self.hf_trainer:
+            parts.append("trainer")
         if self.dp:
             parts.append("dp")
         if self.world_size > 1:
@@ -196,8 +219,9 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
-_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer"}
-_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size"}
+_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile"}
+_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
+         "target_len"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -220,6 +244,11 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
         return tuple(value)
+    if name == "max_grad_norm":
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise SpecError(f"max-grad-norm must be a number, got {value!r}", hint="e.g. --max-grad-norm 1.0") from None
     if name == "lora_alpha":
         try:
             return float(value)

@@ -250,6 +250,8 @@ class CudaEmulation(TorchFunctionMode):
     def _call(self, func, name, args, kwargs):
         if func is F.scaled_dot_product_attention:
             return cuda_sdpa(self.rules, *args, **kwargs)
+        if func is torch._foreach_norm:
+            return _cuda_foreach_norm(func, args, kwargs)
         if func is F.dropout or func is torch.dropout:
             return _cuda_dropout(*args, **kwargs)
         if name in ("softmax", "log_softmax"):
@@ -257,6 +259,30 @@ class CudaEmulation(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+# multi_tensor_apply's chunk (aten/src/ATen/native/cuda/MultiTensorApply.cuh: kChunkSize)
+FOREACH_CHUNK = 65536
+
+
+def _cuda_foreach_norm(func, args, kwargs):
+    """``torch._foreach_norm`` as CUDA's fast path allocates it (aten/src/ATen/native/cuda/
+    ForeachReduceOp.cu ``_foreach_tensor_norm_cuda_impl``): a zeroed partial-sum buffer of
+    ntensors x max_chunks_per_tensor opmath floats (max_chunks = ceil(largest numel / 65536))
+    while the kernel runs, then one 0-dim result per tensor (the CPU path makes only the results).
+    Used by ``clip_grad_norm_``: for a 128k-vocabulary embedding that buffer is megabytes."""
+    tensors = args[0] if args else kwargs.get("self")
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    fast = (tensors and all(t.is_floating_point() and not t.is_complex() for t in tensors)
+            and float(ord_) in (1.0, 2.0, math.inf) and len({t.dtype for t in tensors}) == 1)
+    scratch = None
+    if fast:
+        chunks = max((t.numel() + FOREACH_CHUNK - 1) // FOREACH_CHUNK for t in tensors)
+        scratch = torch.zeros(len(tensors) * chunks, dtype=torch.float32 if tensors[0].dtype != torch.float64 else torch.float64,
+                              device=tensors[0].device)
+    out = func(*args, **kwargs)
+    del scratch
+    return out
 
 
 def _half_to_float_softmax(name: str, args, kwargs):

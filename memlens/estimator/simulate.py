@@ -200,6 +200,10 @@ class SimulationTracker(StorageTracker):
         self._workspaces[name] = t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.phase == "optimizer" and func is torch.ops.aten.lift_fresh.default:
+            # `torch.tensor(x)` in an optimizer step: torch's non-fused optimizers keep their step
+            # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
+            return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten.embedding_dense_backward.default:
             self._embedding_backward_scratch(args[0], args[1])
