@@ -95,6 +95,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         dp = PerSampleGradients(tracker, step.micro_batch)  # samples actually in the micro-batch
 
     def on_grad(p) -> None:
+        if p.grad is None:  # a hook can fire with no gradient (e.g. Swin's relative position tables)
+            return
         tracker.retag(p.grad, "gradients")
         if dp is not None:
             dp.on_grad(p)

@@ -51,6 +51,8 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
     """
     if source.kind == "factory":
         return _build_factory(spec, source, device)
+    if source.kind == "module":
+        return _build_module(spec, source)
     if source.kind in ("timm", "torchvision"):
         from .vision import build_vision_module
 
@@ -139,8 +141,11 @@ def _module_class_names(model_cls) -> list[str]:
     attention modules in models that support no SDPA yet)."""
     import sys
 
+    import torch
+
     mod = sys.modules.get(model_cls.__module__)
-    return [n for n, v in vars(mod).items() if isinstance(v, type)] if mod else []
+    return [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)
+            and v.__module__ == mod.__name__] if mod else []
 
 
 # T5-style relative position buckets have no absolute position limit
@@ -315,12 +320,27 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
         forward_keys = forward_batch_keys(model, batch, source.name, has_loss_fn=loss_fn is not None)
     model.train()
     apply_freeze(model, spec.freeze)
-    if spec.grad_checkpointing:
-        raise SpecError(f"--grad-checkpointing: memlens cannot enable checkpointing inside factory {source.name}",
-                        hint="checkpoint inside the factory's model (torch.utils.checkpoint) and drop the flag")
+    if spec.grad_checkpointing and not takes_spec:  # a factory given the spec applies it itself
+        raise SpecError(f"--grad-checkpointing: factory {source.name} takes no spec, so it cannot apply checkpointing",
+                        hint="write the factory as fn(spec) and checkpoint when spec.grad_checkpointing, or drop the flag")
     if spec.lora_rank:
         model = apply_lora(model, spec)
     return Built(model, batch, loss_fn, forward_keys=forward_keys, step=step)
+
+
+def _build_module(spec: TrainingSpec, source: ModelSource) -> Built:
+    """A model built elsewhere (a Trainer's, as a meta skeleton) with its batch: trained as it
+    is (its own frozen parameters and adapters); gradient checkpointing is switched on as the
+    Trainer does at ``train()`` (transformers 5.x: non-reentrant)."""
+    model, batch = source.factory()
+    model.train()
+    if spec.grad_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "gradient_checkpointing_enable"):
+            raise SpecError(f"{source.name} does not support gradient checkpointing", hint="turn gradient_checkpointing off")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
+            model.enable_input_require_grads()   # what peft-wrapped Trainer runs do for checkpointing
+    return Built(model, batch)
 
 
 def is_step_callable(f) -> bool:
