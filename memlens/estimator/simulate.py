@@ -85,6 +85,22 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                    scaler=_FakeGradScaler() if spec.precision == "amp-fp16" else None)
     model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
+    if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
+        from .compiled import compile_for_simulation
+
+        def trace_context():
+            stack = contextlib.ExitStack()
+            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation,
+                       autocast()):
+                stack.enter_context(cm)
+            return stack
+
+        try:
+            step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context)
+        except MemlensError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
+            raise _untraceable(e, spec) from None
     register_model(tracker, model)
     register_inputs(tracker, step.batch)
     params = list(model.parameters())

@@ -155,6 +155,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.lora_rank:
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank}")
     optimizer = make_optimizer(spec, model, simulate=fake)
+    if spec.compile and not fake:  # what the Trainer's torch_compile does: the model compiled, the optimizer not
+        model = torch.compile(model)
+        applied.append("torch.compile (inductor)")
     applied.append(f"optimizer {spec.optimizer}")
     if autocast is None:
         autocast, default_scaler = amp_setup(spec, dev)
