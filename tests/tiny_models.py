@@ -16,3 +16,45 @@ def mlp(spec=None):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
     x = torch.randn(4, 64)
     return model, x
+
+
+def linear_norm(spec=None):
+    """A 1024x1024 linear layer with a bias, then a LayerNorm: the Trainer's decay group is the
+    weight alone, its no-decay group the bias and the norm's weight and bias."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024))
+    return model, torch.randn(16, 1024), lambda out, batch: out.sum()
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def labelled(spec=None):
+    """forward(x) and a batch that also carries the labels its loss function reads."""
+    import torch.nn.functional as F
+
+    batch = {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}
+    return _Classifier(), batch, lambda out, b: F.cross_entropy(out, b["y"])
+
+
+def labelled_no_loss(spec=None):
+    return _Classifier(), {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}
+
+
+def unmatched(spec=None):
+    return _Classifier(), {"images": torch.randn(16, 1024)}, lambda out, b: out.sum()
+
+
+def own_step(spec=None):
+    """A factory that returns its own step(model, batch) -> loss."""
+    import torch.nn.functional as F
+
+    def step(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    return _Classifier(), {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}, step

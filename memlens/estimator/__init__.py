@@ -71,4 +71,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
             "simulate_seconds": round(sim.seconds, 3),
         },
     )
+    r.notes.extend(sim.notes)
+    if spec.compile:
+        from .compiled import BOUND
+
+        r.data["bound"] = BOUND
+        r.notes.append(f"--compile: {BOUND}.")
     return r

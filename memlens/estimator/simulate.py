@@ -144,8 +144,13 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         for h in hooks:
             h.remove()
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
+    notes = list(step.notes)
+    paged = getattr(step.optimizer, "paged_bytes", 0)
+    if paged:
+        notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
+                     "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                      attention, time.perf_counter() - t0, applied=step.applied)
+                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:

@@ -22,8 +22,9 @@ torch_compile                      compile
 
 Settings that change memory in ways memlens does not model are refused in one line (deepspeed,
 fsdp, label smoothing, reentrant checkpointing); settings that do not touch one step's memory
-(learning rate, logging, saving...) are read and ignored. Unknown names are refused, as
-``HfArgumentParser`` refuses them.
+(learning rate, logging, saving...) are read and ignored. A name that is no TrainingArguments
+field and looks like a misspelling of one memlens reads is refused; other unknown names
+(fields of another transformers version) are ignored.
 
 >>> spec_fields({"per_device_train_batch_size": 4, "bf16": True}, weights="fp32")["precision"]
 'amp-bf16'
@@ -87,19 +88,31 @@ def load_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# the TrainingArguments memlens reads (a misspelling of one of these would silently take the default)
+READ = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
+        "activation_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "optim", "optim_args",
+        "max_grad_norm", "torch_compile", "deepspeed", "fsdp", "label_smoothing_factor", "use_cache")
+
+
 def _check_known(d: dict[str, Any]) -> None:
+    """Refuse a name that is no TrainingArguments field of the installed transformers and looks
+    like a misspelling of one memlens reads. Other unknown names (fields of another transformers
+    version, in a file written there) do not change one step's memory and are ignored."""
     try:
         from dataclasses import fields
 
         from transformers import TrainingArguments
+
+        known = {f.name for f in fields(TrainingArguments)}
     except ImportError:
-        return
-    known = {f.name for f in fields(TrainingArguments)}
+        known = set(_FALLBACK_DEFAULTS)
     for k in d:
-        if k not in known:
-            close = difflib.get_close_matches(k, known, n=1)
-            raise SpecError(f"{k!r} is not a TrainingArguments field of transformers",
-                            hint=f"did you mean {close[0]!r}?" if close else "see transformers.TrainingArguments")
+        if k in known or k in READ:
+            continue
+        close = difflib.get_close_matches(k, READ, n=1, cutoff=0.8)
+        if close:
+            raise SpecError(f"{k!r} is not a TrainingArguments field (did you mean {close[0]!r}?)",
+                            hint=f"write {close[0]}: ... (see transformers.TrainingArguments)")
 
 
 def _truthy(v: Any) -> bool:
@@ -124,6 +137,9 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
         if a.get(key) not in (None, "", [], False, {}):
             raise SpecError(f"trainer args use {why} ({key}={a[key]!r}), which memlens does not model yet",
                             hint=f"drop {key} from the file to estimate one unsharded GPU")
+    if _truthy(a.get("use_cache")):
+        raise SpecError("use_cache=True keeps the model's key/value cache in its outputs, which memlens does not model for training",
+                        hint="leave use_cache at the Trainer's default (False)")
     if float(a.get("label_smoothing_factor") or 0) > 0:
         raise SpecError("label_smoothing_factor > 0: the Trainer computes that loss outside the model, which memlens does not model",
                         hint="set label_smoothing_factor to 0 for the estimate")

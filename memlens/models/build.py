@@ -109,6 +109,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         raise ModelSourceError(f"transformers cannot build {source.name!r}: {msg}",
                                hint="check the config (or use pkg.module:factory for custom code)") from None
     model.train()
+    if spec.hf_trainer and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
     apply_freeze(model, spec.freeze)
     if spec.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
