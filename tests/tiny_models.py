@@ -58,3 +58,8 @@ def own_step(spec=None):
         return F.cross_entropy(model(batch["x"]), batch["y"])
 
     return _Classifier(), {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}, step
+
+
+def no_spec():
+    """A factory that takes no spec (so it cannot apply spec settings itself)."""
+    return labelled()
