@@ -145,6 +145,12 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             h.remove()
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
     notes = list(step.notes)
+    if any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()):
+        from . import conv_workspaces
+
+        if not conv_workspaces.calibrated(spec.gpu):
+            notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu} (bench/gpu_generality_calibrate.py conv): "
+                         "not counted")
     paged = getattr(step.optimizer, "paged_bytes", 0)
     if paged:
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
@@ -217,6 +223,22 @@ class SimulationTracker(StorageTracker):
             self.register(t, "temporaries")
         del scratch
 
+    def _conv_workspace(self, func, args, out) -> None:
+        """cuDNN's workspace for one convolution call: allocated after the outputs, freed at the
+        end of the call (estimator/conv_workspaces.py: measured per class)."""
+        from . import conv_workspaces
+
+        fwd = func is torch.ops.aten.convolution.default
+        x, w = (args[0], args[1]) if fwd else (args[1], args[2])
+        groups = args[8] if fwd else args[9]
+        y = out if fwd else args[0]
+        nbytes = conv_workspaces.workspace_bytes(self.gpu.name, "forward" if fwd else "backward", x.dtype, tuple(w.shape), groups,
+                                                 x.shape[1], x.numel() * x.element_size(), y.numel() * y.element_size())
+        if nbytes > 0:
+            ws = torch.empty(nbytes, dtype=torch.uint8)
+            self.register(ws, "workspace")
+            del ws
+
     def _workspace(self, name: str, nbytes: int) -> None:
         t = torch.empty(nbytes, dtype=torch.uint8)  # inside the handler this mode is off: register it
         self.register(t, "workspace")
@@ -230,6 +252,8 @@ class SimulationTracker(StorageTracker):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten.embedding_dense_backward.default:
             self._embedding_backward_scratch(args[0], args[1])
+        if func is torch.ops.aten.convolution.default or func is torch.ops.aten.convolution_backward.default:
+            self._conv_workspace(func, args, out)
         if func in _gemm_ops():
             thread = "backward" if self.phase == "backward" else "forward"
             if thread not in self._workspaces:
