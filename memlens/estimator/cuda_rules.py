@@ -238,7 +238,9 @@ class CudaEmulation(TorchFunctionMode):
             elif name in FP32:
                 args, kwargs = _cast_args(args, kwargs, self._fp32)
             elif name in SET_OPT_DTYPE:
-                if "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args) and _first_half(args):
+                # an absent dtype and an explicit dtype=None are the same to CUDA's policy
+                # (F.softmax passes dtype=None down): BERT's eager softmax of fp16 scores is fp32 on CUDA
+                if kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args) and _first_half(args):
                     kwargs = {**kwargs, "dtype": torch.float32}
             elif func is F.cross_entropy:
                 with torch._C._DisableAutocast():
