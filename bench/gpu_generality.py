@@ -42,8 +42,8 @@ def run_trainer_case(name: str, fields: dict, targs: dict, out: str) -> dict:
     torch.manual_seed(0)
     with quiet():
         built = build(weights, resolve(spec.model), device=dev)
-    model = built.model
-    L = built.seq_len
+    model, L = built.model, built.seq_len
+    del built   # its synthetic batch would stay on the GPU: the Trainer reads the dataset below
     vocab = model.config.vocab_size
     n = spec.batch_size * spec.grad_accum * STEPS
     data = [{"input_ids": torch.randint(0, vocab, (L,))} for _ in range(n)]

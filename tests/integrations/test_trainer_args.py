@@ -128,3 +128,23 @@ def test_estimate_trainer_refuses_a_custom_loss(tmp_path):
                   train_dataset=[{"input_ids": torch.zeros(8, dtype=torch.long)}] * 8)
     with pytest.raises(MemlensError, match="computes its own loss"):
         memlens.estimate_trainer(t)
+
+
+def test_callback_checks_the_fit_before_the_first_step(tmp_path):
+    from torch.utils.data import DataLoader
+    from transformers import AutoConfig, AutoModelForCausalLM, TrainingArguments
+
+    from memlens.core.errors import MemlensError
+    from memlens.integrations.hf import MemlensCallback
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", **{k: v for k, v in TINY_GPT2.items() if k != "model_type"}))
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to="none", use_cpu=True)
+    loader = DataLoader([{"input_ids": torch.randint(0, 512, (32,))} for _ in range(4)], batch_size=2, collate_fn=_collate)
+    ok = MemlensCallback(fit_budget="16GiB", profile=False)
+    ok.on_train_begin(args, None, None, model=model, train_dataloader=loader)
+    assert ok.fit_verdict.fits and ok.estimate.peak_allocated_bytes < 2**30
+    # 1000 MiB - the 740 MiB CUDA context - the 256 MiB margin leaves 4 MiB: less than the step's cuBLAS workspaces
+    tight = MemlensCallback(fit_budget="1000MiB", profile=False)
+    with pytest.raises(MemlensError, match="this Trainer's step needs"):
+        tight.on_train_begin(args, None, None, model=model, train_dataloader=loader)
+    assert tight.fit_verdict.fits is False
