@@ -88,6 +88,11 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
         from .compiled import compile_for_simulation
 
+        if step.step_fn is not None or spec.dp:
+            raise MemlensError("--compile is simulated for a model's forward only, not with " +
+                               ("a factory's own step function" if step.step_fn is not None else "--dp"),
+                               hint="drop --compile (the eager estimate is an upper bound of the compiled step)")
+
         def trace_context():
             stack = contextlib.ExitStack()
             for cm in (fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation,
