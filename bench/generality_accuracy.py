@@ -61,6 +61,26 @@ def trainer_estimates(rec: dict, results_dir: str, hand_peak: int) -> dict:
     return out
 
 
+def compile_gaps(results_dir: str) -> list[dict]:
+    """The compiled steps of bench/gpu_generality_calibrate.py (shapes outside the accuracy set):
+    how far memlens' upper bound is above each."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+
+    path = os.path.join(results_dir, "gpu_generality_calibrate.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    for line in open(path):
+        rec = json.loads(line)
+        if rec.get("group") != "compile" or "max_allocated" not in rec:
+            continue
+        est = estimate(TrainingSpec.from_dict(rec["spec"])).peak_allocated_bytes
+        rows.append({"name": rec["name"], "measured_peak_allocated": rec["max_allocated"], "estimated_peak_allocated": est,
+                     "error_pct": 100.0 * (est - rec["max_allocated"]) / rec["max_allocated"]})
+    return rows
+
+
 def main() -> None:
     from memlens.core.spec import TrainingSpec
     from memlens.estimator import estimate
@@ -106,6 +126,8 @@ def main() -> None:
                "median_abs_reserved_error_pct": statistics.median(abs(r["reserved_error_pct"]) for r in ok) if ok else None,
                "trainer_three_way_equal": all(r.get("all_equal", True) for r in ok),
                "gpu": env, "estimator_machine": f"{platform.machine()} {os.cpu_count()} cores (CPU only)"}
+    compile_rows = compile_gaps(results_dir)
+    summary["compile_calibration"] = compile_rows
     print(json.dumps({k: v for k, v in summary.items() if k != "gpu"}, indent=1))
     if args:
         return  # partial runs are not written
@@ -129,6 +151,12 @@ def main() -> None:
                 continue
             f.write(f"| {r['name']} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
                     f"{r['error_pct']:+.2f}% | {r['reserved_error_pct']:+.2f}% | {r['estimated_on']} |\n")
+        if compile_rows:
+            f.write("\n`--compile` upper bound on the calibration shapes (bench/gpu_generality_calibrate.py compile):\n\n"
+                    "| case | measured | estimated (upper bound) | gap |\n|---|---|---|---|\n")
+            for r in compile_rows:
+                f.write(f"| {r['name']} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
+                        f"{r['error_pct']:+.2f}% |\n")
 
 
 if __name__ == "__main__":
