@@ -59,6 +59,7 @@ class CudaRules:
     autocast_dtype: torch.dtype | None = None
     attention_calls: list[AttentionCall] = field(default_factory=list)
     gpu: object = None                 # memlens.core.gpus.GpuFacts (None: the default GPU)
+    fused_attention: object = None     # the autograd.Function for fused SDPA (None: FusedAttention; --compile traces its own)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None) -> str:
@@ -183,7 +184,7 @@ def cuda_sdpa(rules: CudaRules, q, k, v, attn_mask=None, dropout_p=0.0, is_causa
         return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
-    return FusedAttention.apply(q, k, v, attn_mask, backend)
+    return (rules.fused_attention or FusedAttention).apply(q, k, v, attn_mask, backend)
 
 
 def _cast_args(args, kwargs, cast):

@@ -101,7 +101,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             return stack
 
         try:
-            step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context)
+            step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context, rules)
         except MemlensError:
             raise
         except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
