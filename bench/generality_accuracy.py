@@ -63,7 +63,7 @@ def trainer_estimates(rec: dict, results_dir: str, hand_peak: int) -> dict:
 
 def compile_gaps(results_dir: str) -> list[dict]:
     """The compiled steps of bench/gpu_generality_calibrate.py (shapes outside the accuracy set):
-    how far memlens' upper bound is above each."""
+    memlens' estimate of each (saved activations exact, kernel buffers modelled)."""
     from memlens.core.spec import TrainingSpec
     from memlens.estimator import estimate
 
@@ -137,9 +137,9 @@ def main() -> None:
     with open(os.path.join(out, "generality_accuracy.md"), "w") as f:
         f.write(f"# generality accuracy (issue 12) vs real steps on {env['device']} (torch {env['torch']}, "
                 f"transformers {env['transformers']}, timm {env.get('timm')}, torchvision {env.get('torchvision')})\n\n")
-        f.write("None of these cases was used to tune the estimator. `--compile` estimates are an upper bound "
-                "(memlens/estimator/compiled.py): the saved activations come from inductor's own partitioner, the generated "
-                "kernels' buffers are bounded by running the graphs op by op.\n\n")
+        f.write("None of these cases was used to tune the estimator. `--compile` estimates (memlens/estimator/compiled.py): "
+                "the saved activations come from inductor's own partitioner (exact), the generated kernels' buffers from "
+                "inductor's fusion rule (modelled).\n\n")
         f.write(f"{summary['cases']} cases ({summary['failed']} failed); median |error| {summary['median_abs_error_pct']:.2f}%, "
                 f"max {summary['max_abs_error_pct']:.2f}%, {summary['within_5pct']} within 5%; reserved: median "
                 f"{summary['median_abs_reserved_error_pct']:.2f}%. Trainer cases: hand flags = --trainer-args = estimate_trainer: "
@@ -152,8 +152,8 @@ def main() -> None:
             f.write(f"| {r['name']} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
                     f"{r['error_pct']:+.2f}% | {r['reserved_error_pct']:+.2f}% | {r['estimated_on']} |\n")
         if compile_rows:
-            f.write("\n`--compile` upper bound on the calibration shapes (bench/gpu_generality_calibrate.py compile):\n\n"
-                    "| case | measured | estimated (upper bound) | gap |\n|---|---|---|---|\n")
+            f.write("\n`--compile` on the calibration shapes (bench/gpu_generality_calibrate.py compile):\n\n"
+                    "| case | measured | estimated | error |\n|---|---|---|---|\n")
             for r in compile_rows:
                 f.write(f"| {r['name']} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
                         f"{r['error_pct']:+.2f}% |\n")

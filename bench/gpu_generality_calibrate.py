@@ -14,7 +14,7 @@ Writes OUT_DIR/gpu_generality_calibrate.jsonl, one line per measurement:
   parameter tensors (checks memlens.step.optim's model of torch/optim/adam.py).
 - ``compile``: torch.compile'd steps of two models at sizes outside the accuracy set
   (max_memory_allocated over 3 steps), for the gap between the compiled step and memlens'
-  upper bound (bench/generality_accuracy.py reads them too).
+  model of it (bench/generality_accuracy.py reads them when they are in the same OUT_DIR).
 Each group runs in its own subprocess.
 """
 from __future__ import annotations
