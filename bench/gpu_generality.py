@@ -80,6 +80,16 @@ def run_spec_case(name: str, fields: dict) -> dict:
     rec = run_case(name, fields)
     rec["kind"] = "spec"
     rec["cudnn_version"] = torch.backends.cudnn.version()
+    if rec.get("max_allocated") and ":" not in str(fields["model"]):   # what this transformers builds (MoE experts kernel)
+        from memlens.core.spec import TrainingSpec
+        from memlens.models.build import build, quiet
+        from memlens.models.source import resolve
+
+        with torch.device("meta"), quiet():
+            m = build(TrainingSpec(**fields), resolve(fields["model"])).model
+        cfg = getattr(m, "config", None)
+        rec["experts_implementation"] = getattr(cfg, "_experts_implementation", None)
+        rec["attn_implementation"] = getattr(cfg, "_attn_implementation", None)
     return rec
 
 
