@@ -26,6 +26,9 @@ machine's 5.17 runs the same order) with accelerate 1.15 runs it (transformers/t
     optimizer.step()                   # AcceleratedOptimizer: scaler.step + scaler.update under fp16
     lr_scheduler.step(); model.zero_grad()                          # set_to_none=True
 
+The Trainer also sets ``model.config.use_cache = args.use_cache`` (False by default: no key/value
+cache in the outputs), which memlens' builder applies with ``hf_trainer`` (models/build.py), and
+builds its optimizer over a decay and a no-decay group (step/optim.py ``param_groups``).
 The loss of a custom loss function (a factory's ``loss_fn``) is computed outside autocast there,
 as the Trainer's ``compute_loss`` runs outside accelerate's wrapped forward. Not modelled: the
 Trainer's 512-byte running-loss scalar and ``num_items_in_batch`` (a scalar; the loss is then a
