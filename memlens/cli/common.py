@@ -29,7 +29,8 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
                    help="the step as transformers' Trainer runs it (fp32 outputs under AMP, decay/no-decay groups)")
     g.add_argument("--trainer-args", metavar="FILE", help="TrainingArguments as JSON (to_json_string) or YAML: sets batch, "
                    "accumulation, precision, checkpointing, optimizer, clipping and --hf-trainer as the Trainer would "
-                   "(--precision then names the model's weights: fp32 or bf16; other flags override the file)")
+                   "(--precision then names the model's weights, default the config's dtype as from_pretrained loads it; "
+                   "other flags override the file)")
     g.add_argument("--target-len", type=int, metavar="N", help="encoder-decoder models: decoder tokens per sample (default: the encoder's)")
     g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see README: --compile)")
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
@@ -63,9 +64,11 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     skip = set()
     if getattr(args, "trainer_args", None):
         # with --trainer-args, --precision names the model's weights; the file's bf16/fp16 go over them
-        from ..integrations.trainer_args import spec_fields_from_file
+        from ..integrations.trainer_args import spec_fields_from_file, weights_of_model
 
-        base.update(spec_fields_from_file(args.trainer_args, getattr(args, "precision", None) or base.get("precision")))
+        model = getattr(args, "model", None) or base.get("model")
+        weights = getattr(args, "precision", None) or base.get("precision") or (weights_of_model(model) if model else None)
+        base.update(spec_fields_from_file(args.trainer_args, weights))
         skip.add("precision")
     for name in SPEC_FLAG_FIELDS:
         v = getattr(args, name, None)

@@ -11,7 +11,9 @@ TrainingArguments                  TrainingSpec
 per_device_train_batch_size        batch_size
 gradient_accumulation_steps        grad_accum
 bf16 / fp16 over the weights'      fp32 weights: amp-bf16 / amp-fp16; bf16 weights: bf16-amp
-dtype                              (bf16 autocast over bf16 weights); neither: the weights' dtype
+dtype (``--precision``, else the   (bf16 autocast over bf16 weights); neither: the weights' dtype
+config's ``dtype``, what
+from_pretrained loads)
 gradient_checkpointing /           grad_checkpointing (non-reentrant, transformers 5.x's default)
 activation_checkpointing
 optim (+ optim_args momentum)      optimizer (aliases in memlens.core.optimizers)
@@ -183,6 +185,20 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
         "compile": _truthy(a.get("torch_compile")),
         "hf_trainer": True,
     }
+
+
+def weights_of_model(model: str) -> str:
+    """The weights a Trainer user gets for ``model`` from ``from_pretrained`` (transformers 5:
+    ``dtype="auto"``, the config's ``dtype``): fp32 | bf16 | fp16; fp32 when the config names none
+    (memlens' built-in configs, factories)."""
+    from ..models.source import resolve
+
+    try:
+        cfg = resolve(model).config
+    except Exception:  # noqa: BLE001 - the spec's own validation reports a bad model later
+        return "fp32"
+    dt = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
+    return {"bfloat16": "bf16", "float16": "fp16"}.get(dt, "fp32")
 
 
 def spec_fields_from_file(path: str | Path, weights: str | None = None) -> dict[str, Any]:

@@ -148,3 +148,20 @@ def test_callback_checks_the_fit_before_the_first_step(tmp_path):
     with pytest.raises(MemlensError, match="this Trainer's step needs"):
         tight.on_train_begin(args, None, None, model=model, train_dataloader=loader)
     assert tight.fit_verdict.fits is False
+
+
+def test_weights_default_to_the_configs_dtype(tmp_path, capsys):
+    """Without --precision, the weights are what from_pretrained(dtype="auto") loads: the config's dtype."""
+    import argparse
+
+    from memlens.cli.common import add_spec_args, spec_from_args
+
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_GPT2, "dtype": "bfloat16"}))
+    (tmp_path / "a.yaml").write_text("bf16: true\n")
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    s = spec_from_args(p.parse_args(["--model", str(tmp_path / "config.json"), "--trainer-args", str(tmp_path / "a.yaml")]))
+    assert s.precision == "bf16-amp"
+    s = spec_from_args(p.parse_args(["--model", str(tmp_path / "config.json"), "--trainer-args", str(tmp_path / "a.yaml"),
+                                     "--precision", "fp32"]))
+    assert s.precision == "amp-bf16"
