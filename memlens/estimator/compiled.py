@@ -121,9 +121,17 @@ class OpaqueAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+def _random_ops() -> set:
+    a = torch.ops.aten
+    return {a.rand.default, a.rand_like.default, a.randn.default, a.randn_like.default, a.bernoulli.default, a.bernoulli.p}
+
+
 def _pointwise(node) -> bool:
+    """Elementwise in inductor's sense: pointwise ops, dtype conversions, and random draws (inductor
+    generates them inside the consuming kernel from a philox seed)."""
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and (torch.Tag.pointwise in t.tags or t is torch.ops.aten._to_copy.default)
+    return isinstance(t, torch._ops.OpOverload) and (torch.Tag.pointwise in t.tags or t is torch.ops.aten._to_copy.default
+                                                     or t in _random_ops())
 
 
 def _fusible(node) -> bool:
@@ -163,7 +171,17 @@ def boxed_runner(gm, fuse: bool):
     that is cleared once read, every value freed at its last use, and (``fuse``) the values
     inductor fuses away computed without being accounted (outside the storage tracker)."""
     from torch.fx.node import map_arg
-    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+
+    from ..core.tracker import StorageTracker
+
+    def unaccounted(fn, a, kw):
+        """Run one op with the storage tracker (the innermost mode) set aside: its output is fused
+        away, so it takes no memory; the fake mode beneath still gives it its shape."""
+        if isinstance(_get_current_dispatch_mode(), StorageTracker):
+            with _pop_mode_temporarily():
+                return fn(*a, **kw)
+        return fn(*a, **kw)
 
     graph = gm.graph
     keep = materialized(graph) if fuse else {}
@@ -187,11 +205,7 @@ def boxed_runner(gm, fuse: bool):
             elif n.op == "call_function":
                 a = map_arg(n.args, env.__getitem__)
                 kw = map_arg(n.kwargs, env.__getitem__)
-                if keep.get(n, True):
-                    env[n] = n.target(*a, **kw)
-                else:
-                    with _disable_current_modes():   # fused away: no buffer (fake tensors dispatch on their own)
-                        env[n] = n.target(*a, **kw)
+                env[n] = n.target(*a, **kw) if keep.get(n, True) else unaccounted(n.target, a, kw)
             elif n.op == "output":
                 return list(map_arg(n.args[0], env.__getitem__))
             for dead in frees.get(n, ()):
