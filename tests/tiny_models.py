@@ -63,3 +63,17 @@ def own_step(spec=None):
 def no_spec():
     """A factory that takes no spec (so it cannot apply spec settings itself)."""
     return labelled()
+
+
+class _MHA(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def mha(spec=None):
+    """nn.MultiheadAttention (as torchvision's ViT uses it) on a 2 x 32 x 64 batch."""
+    return _MHA(), torch.randn(2, 32, 64), lambda out, batch: out.sum()

@@ -253,6 +253,8 @@ class CudaEmulation(TorchFunctionMode):
     def _call(self, func, name, args, kwargs):
         if func is F.scaled_dot_product_attention:
             return cuda_sdpa(self.rules, *args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            return _inside_mode(self, func, args, kwargs)
         if func is torch._foreach_norm:
             return _cuda_foreach_norm(func, args, kwargs)
         if func is F.dropout or func is torch.dropout:
@@ -262,6 +264,22 @@ class CudaEmulation(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _inside_mode(mode, func, args, kwargs):
+    """Run a Python torch function's body with the emulation active, so the calls inside it (the
+    projections and the SDPA call of nn.MultiheadAttention, as torchvision's ViT uses it) get
+    CUDA's rules too. Its own torch-function check is answered "no" for this one call (the body
+    would otherwise hand itself back to the mode); the builtins it calls still dispatch here."""
+    import torch.nn.functional as functional
+
+    original = functional.has_torch_function
+    functional.has_torch_function = lambda *a: False
+    try:
+        with mode:
+            return func(*args, **kwargs)
+    finally:
+        functional.has_torch_function = original
 
 
 # multi_tensor_apply's chunk (aten/src/ATen/native/cuda/MultiTensorApply.cuh: kChunkSize)

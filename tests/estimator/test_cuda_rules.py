@@ -83,3 +83,13 @@ def test_softmax_with_dtype_none_upcasts_like_cuda_autocast():
             assert F.softmax(x, dim=-1).dtype == torch.float32
             assert F.softmax(x, dim=-1, dtype=torch.float16).dtype == torch.float16
             assert torch.softmax(x, -1).dtype == torch.float32
+
+
+def test_multihead_attention_reaches_the_fused_kernels():
+    """nn.MultiheadAttention calls SDPA inside F.multi_head_attention_forward: CUDA's fused kernel
+    is chosen there too (the CPU would build the L x L matrix)."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+
+    r = estimate(TrainingSpec(model="tests.tiny_models:mha", optimizer="sgd"))
+    assert r.data["attention_backends"] == ["efficient"]
