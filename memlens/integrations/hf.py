@@ -51,13 +51,13 @@ class MemlensCallback(TrainerCallback):
         if train_dataloader is None:
             raise MemlensError("the fit check needs the Trainer's train dataloader", hint="train with a train_dataset")
         self.estimate = estimate_parts(model, args, train_dataloader.dataset, train_dataloader.collate_fn, gpu=self.gpu)
-        budget = self.fit_budget
-        if budget == "auto":
+        budget, context = self.fit_budget, None
+        if budget == "auto":  # what this process may still use: free memory + its own reserved; its context is paid
             import torch
 
             free, _ = torch.cuda.mem_get_info()
-            budget = int(free + torch.cuda.memory_reserved())
-        b = Budget.make(budget, gpu=self.gpu)
+            budget, context = int(free + torch.cuda.memory_reserved()), 0
+        b = Budget.make(budget, gpu=self.gpu, context_bytes=context)
         self.fit_verdict = fits(self.estimate, b)
         if not self.fit_verdict.fits:
             raise MemlensError(f"this Trainer's step needs {fmt_bytes(self.fit_verdict.need_bytes)} and {b.describe()}",
