@@ -11,6 +11,7 @@ from .core.version import __version__
 from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
 from .core.errors import MemlensError
 from .estimator import estimate
+from .integrations.trainer_estimate import estimate_trainer
 from .explore.compare import compare
 from .explore.fit import fit, fit_batch_size
 from .explore.sweep import sweep
@@ -26,6 +27,7 @@ __all__ = [
     "Result",
     "MemlensError",
     "estimate",
+    "estimate_trainer",
     "compare",
     "sweep",
     "fit",

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
+from .optimizers import OPTIMIZERS, canonical_optimizer  # names and the Trainer's optim aliases
 
-PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "bf16-amp")  # bf16-amp: bf16 weights under bf16 autocast
 ATTENTION = ("sdpa", "eager")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 SHARDING = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 GRAD_SAMPLE_MODES = ("hooks", "ghost")   # Opacus' own names (make_private's grad_sample_mode)
 
@@ -44,12 +44,16 @@ class TrainingSpec:
     dp: bool = False                    # DP-SGD (Opacus): per-sample gradients
     physical_batch_size: int | None = None  # DP: micro-batch that is materialized at once
     grad_sample_mode: str | None = None  # DP: Opacus' "hooks" (per-sample gradients) or "ghost" (ghost clipping); None: hooks
-    max_grad_norm: float | None = None   # DP: per-sample clipping bound (None: 1.0)
+    max_grad_norm: float | None = None   # clip gradients to this norm: clip_grad_norm_ before the optimizer step
+                                         # (None/0: no clipping); under DP the per-sample clipping bound (None: 1.0)
     noise_multiplier: float | None = None  # DP: noise std / max_grad_norm (None: 1.0; memory does not depend on it)
     world_size: int = 1
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
     gpu: str = "h100"                   # the GPU the estimate is for (memlens.core.gpus; `--gpu`)
+    hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
+    target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
+    compile: bool = False               # torch.compile'd model (estimator/compiled.py)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -57,12 +61,24 @@ class TrainingSpec:
         _check_int(self, "images_per_sample", 1)
         _check_int(self, "grad_accum", 1)
         _check_int(self, "world_size", 1)
-        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size"):
+        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size", "target_len"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
+        if self.optimizer not in OPTIMIZERS:
+            from .optimizers import HF_OPTIM_ALIASES
+
+            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS + tuple(HF_OPTIM_ALIASES), n=1)
+            raise SpecError(f"optimizer {self.optimizer!r} is not one memlens models ({', '.join(OPTIMIZERS)}; "
+                            f"Trainer names: {', '.join(HF_OPTIM_ALIASES)})",
+                            hint=(f"did you mean {close[0]!r}? " if close else "") + "use --optimizer adamw-fused")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
+                raise SpecError(f"max-grad-norm must be a number >= 0, got {self.max_grad_norm!r}", hint="e.g. --max-grad-norm 1.0 (0: no clipping)")
+            if not self.dp:   # 0 = off, as in the Trainer; under DP-SGD clipping is the point (checked below)
+                object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm) or None)
         _check_choice("sharding", self.sharding, SHARDING)
         from .gpus import gpu_facts
 
@@ -94,8 +110,7 @@ class TrainingSpec:
 
     def _check_dp(self) -> None:
         """DP-SGD settings need --dp; under --dp they get Opacus' defaults (hooks, max_grad_norm 1, noise 1)."""
-        dp_only = {"grad_sample_mode": self.grad_sample_mode, "max_grad_norm": self.max_grad_norm,
-                   "noise_multiplier": self.noise_multiplier}
+        dp_only = {"grad_sample_mode": self.grad_sample_mode, "noise_multiplier": self.noise_multiplier}
         if not self.dp:
             for name, v in dp_only.items():
                 if v is not None:
@@ -122,11 +137,11 @@ class TrainingSpec:
 
     @property
     def autocast_dtype(self) -> str | None:
-        return {"amp-fp16": "float16", "amp-bf16": "bfloat16"}.get(self.precision)
+        return {"amp-fp16": "float16", "amp-bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision)
 
     @property
     def param_dtype(self) -> str:
-        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
+        return {"fp16": "float16", "bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision, "float32")
 
     @property
     def uses_lora(self) -> bool:
@@ -201,6 +216,14 @@ class TrainingSpec:
             parts.append(("qlora" if self.qlora else "lora") + f"-r{self.lora_rank}")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
+        if self.max_grad_norm:
+            parts.append(f"clip={self.max_grad_norm:g}")
+        if self.target_len:
+            parts.append(f"T={self.target_len}")
+        if self.compile:
+            parts.append("compile")
+        if self.hf_trainer:
+            parts.append("trainer")
         if self.dp:
             parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if self.world_size > 1:
@@ -223,8 +246,9 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
-_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer"}
-_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size"}
+_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile"}
+_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
+         "target_len"}
 
 
 def _coerce(name: str, value: Any) -> Any:

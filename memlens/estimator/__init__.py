@@ -14,11 +14,12 @@ __all__ = ["estimate"]
 METHODS = ("simulate", "formula")
 
 
-def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Result:
+def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, source=None) -> Result:
     """Predict the peak memory of ``spec``'s training step.
 
     method "simulate" runs the step on fake tensors (exact, seconds); "formula" uses the closed
-    form (instant, any size, each term explained).
+    form (instant, any size, each term explained). ``source``: a resolved model source (default:
+    ``spec.model`` resolved; :func:`memlens.estimate_trainer` passes a Trainer's model).
     """
     from ..core.errors import MemlensError
     from ..core.gpus import gpu_facts
@@ -34,7 +35,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
     from ..core.ledger import analyze, group_modules
     from .simulate import simulate
 
-    sim = simulate(spec, steps=steps)
+    sim = simulate(spec, source=source, steps=steps)
     a = analyze(sim.log)
     ctx = gpu.cuda_context_bytes
     r = Result(
@@ -72,4 +73,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
             "simulate_seconds": round(sim.seconds, 3),
         },
     )
+    r.notes.extend(sim.notes)
+    if spec.compile:
+        from .compiled import BOUND
+
+        r.data["bound"] = BOUND
+        r.notes.append(f"--compile: {BOUND}.")
     return r

@@ -98,6 +98,7 @@ def _full_ft_8bit(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
 
 _fp32 = lambda s: s.precision == "fp32"   # noqa: E731
 _no_dp = lambda s: not s.dp               # noqa: E731 - Opacus refuses it (memlens.integrations.opacus.check_spec)
+ADAM = ("adamw", "adam", "adamw-fused", "adam-fused")   # full-precision Adam states a switch of optimizer saves
 _full = lambda s: not s.uses_lora          # noqa: E731
 _one_gpu = lambda s: s.world_size == 1 and not s.dp   # noqa: E731 - DP over GPUs: not run yet (issue 10)
 
@@ -125,14 +126,14 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               lambda s: not s.qlora),
     Technique("adamw-8bit", "8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS,
               "bitsandbytes AdamW8bit: states in 8 bits (2 B/param instead of 8)",
-              lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora),
+              lambda s: s.optimizer in ADAM and not s.uses_lora),
     Technique("adafactor", "Adafactor", {"optimizer": "adafactor"}, NUMERICS,
-              "factored second moment, no first moment: tiny states", lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora),
+              "factored second moment, no first moment: tiny states", lambda s: s.optimizer in ADAM and not s.uses_lora),
     Technique("sgd", "SGD", {"optimizer": "sgd"}, NUMERICS, "no optimizer state; needs another learning-rate schedule",
               lambda s: s.optimizer != "sgd"),
     Technique("full-8bit", "bf16 + checkpointing + 8-bit AdamW", _full_ft_8bit, NUMERICS,
               "everything that keeps full fine-tuning",
-              lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora and not (s.precision in ("fp16", "bf16") and s.grad_checkpointing)),
+              lambda s: s.optimizer in ADAM and not s.uses_lora and not (s.precision in ("fp16", "bf16") and s.grad_checkpointing)),
     Technique("offload", "CPU offload of the optimizer", {"offload_optimizer": True}, EXACT,
               "ZeRO-Offload: optimizer states and step on the CPU; PCIe transfers each step",
               lambda s: not s.offload_optimizer and not s.uses_lora),

@@ -59,6 +59,9 @@ class PreparedStep:
     applied: list[str] = field(default_factory=list)   # what was applied, in order (for reports)
     notes: list[str] = field(default_factory=list)
     load: dict[str, Any] = field(default_factory=dict)  # model-load figures (real devices)
+    forward_keys: frozenset[str] | None = None   # a factory's dict batch: the entries forward takes
+    step_fn: Callable | None = None              # a factory's own step(model, batch) -> loss
+    target_len: int | None = None                # seq2seq: decoder tokens
 
     @property
     def param_count(self) -> int:
@@ -74,7 +77,9 @@ class PreparedStep:
         if self.dp is not None:
             return self.dp.run(on_phase)
         return train_step(self.model, self.optimizer, self.batch, grad_accum=self.spec.grad_accum,
-                          autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase)
+                          autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase,
+                          max_grad_norm=self.spec.max_grad_norm, hf_trainer=self.spec.hf_trainer,
+                          forward_keys=self.forward_keys, step_fn=self.step_fn)
 
 
 def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
@@ -193,8 +198,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         batch = to_device(batch, torch.device("cpu") if spec.dp else dev)
     stage("data preparation")
     applied.append(f"model from {source.kind} source {source.name!r}")
-    if spec.precision in ("fp16", "bf16"):
-        applied.append(f"{spec.precision} weights")
+    if spec.param_dtype != "float32":
+        applied.append({"float16": "fp16", "bfloat16": "bf16"}[spec.param_dtype] + " weights")
     if spec.freeze:
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
@@ -205,6 +210,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
                        + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else ""))
     optimizer = make_optimizer(spec, model, simulate=fake)
+    if spec.compile and not fake:  # what the Trainer's torch_compile does: the model compiled, the optimizer not
+        model = torch.compile(model)
+        applied.append("torch.compile (inductor)")
     applied.append(f"optimizer {spec.optimizer}")
     stage("optimizer setup")
     if autocast is None:
@@ -214,6 +222,10 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(f"autocast {spec.autocast_dtype}" + (" + GradScaler" if spec.precision == "amp-fp16" else ""))
     if spec.grad_accum > 1:
         applied.append(f"accumulation x{spec.grad_accum}")
+    if spec.max_grad_norm and not spec.dp:
+        applied.append(f"clip_grad_norm_ {spec.max_grad_norm:g}")
+    if spec.hf_trainer:
+        applied.append("the Trainer's step (decay/no-decay groups" + (", fp32 outputs)" if spec.autocast_dtype else ")"))
     first = next((t for t in tensors(batch) if t.dim() > 0), None)
     if first is not None:
         micro = int(first.shape[0])   # a factory's batch has the samples it built
@@ -227,7 +239,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(describe(dp))
         stage("privacy engine setup")
     p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, built.loss_fn, autocast, scaler,
-                     built.seq_len, built.image_size, micro, fake_mode, dp, applied, load=load)
+                     built.seq_len, built.image_size, micro, fake_mode, dp, applied, list(built.notes), load=load,
+                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len)
     if not fake:
         _load_figures(p)
     return p
