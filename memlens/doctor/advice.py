@@ -104,6 +104,37 @@ def oom_advice(msg: "OomMessage", diagnosis: str, acc: "Account | None" = None) 
     return out
 
 
+# What each of the technique table's DOCTOR levers shrinks (memlens/explore/techniques.py): halving the
+# micro-batch halves what grows with the batch (activations, temporaries, the batch); checkpointing keeps
+# only block inputs of the activations; autocast stores activations in 2 bytes; 8-bit AdamW keeps 2 bytes
+# of state per parameter instead of 8; LoRA trains adapters only (no full gradients, no full states).
+LEVER_SHRINKS = {
+    "halve-batch": ("activations", "temporaries", "inputs"),
+    "checkpointing": ("activations",),
+    "amp-bf16": ("activations",),
+    "adamw-8bit": ("optimizer_state",),
+    "lora": ("gradients", "optimizer_state"),
+}
+
+
+def measured_levers(by_category: dict[str, int]) -> list[dict]:
+    """The DOCTOR levers of the technique table, each with the measured bytes of what it shrinks
+    (live at the failure). Whether one fits needs the configuration (``fits`` None): with a
+    TrainingSpec, ``oom.what_fits`` estimates each against the budget.
+
+    >>> [(l["name"], l["shrinks_bytes"]) for l in measured_levers({"activations": 10, "optimizer_state": 4})][:2]
+    [('halve-batch', 10), ('checkpointing', 10)]
+    """
+    from ..explore import techniques as tech
+
+    out = []
+    for name in tech.DOCTOR:
+        cats = LEVER_SHRINKS.get(name, ())
+        out.append({"name": name, "title": tech.title(name), "kind": tech.kind(name), "cost": tech.cost(name),
+                    "shrinks": list(cats), "shrinks_bytes": sum(int(by_category.get(c, 0)) for c in cats), "fits": None})
+    return out
+
+
 LOG_CAUSES = {
     "accelerating": [
         "Something kept per step grows itself: an autograd graph kept alive across steps "
