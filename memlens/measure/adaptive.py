@@ -210,9 +210,13 @@ class SplitRunner:
                     while row < n:
                         size = self.policy.size(n)
                         stop = min(row + size, n)
+                        factor = weights(row, stop)
+                        if factor == 0.0:           # nothing of the loss in this part (all padding): skip it
+                            row = stop
+                            continue
                         chunk_rng = _rng_state() if self.restore_rng else None
                         self.in_backward = False
-                        loss = self.forward_backward(slice_batch(b, row, stop, n), weights(row, stop))
+                        loss = self.forward_backward(slice_batch(b, row, stop, n), factor)
                         if idx == last:
                             total = loss if total is None else total + loss
                         del loss
