@@ -33,7 +33,7 @@ from typing import Any
 
 from ..core.errors import MemlensError
 from ..measure.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
-from ..measure.guard import Guard, is_oom
+from ..measure.guard import Guard, guard_from_option, is_oom
 
 
 def find_trainer(start_depth: int = 2):
@@ -251,26 +251,13 @@ class TrainerOom:
         return float(batch_rows(part))
 
 
-def make_guard(guard: bool | str | Path | Guard, model, optimizer, spec=None) -> Guard | None:
-    """The callbacks' ``guard=`` option: True (out_dir "oom_report"), a directory, or a Guard."""
-    if guard is False or guard is None:
-        return None
-    if isinstance(guard, Guard):
-        if guard.model is None:
-            guard.model = model
-        if guard.optimizer is None:
-            guard.optimizer = getattr(optimizer, "optimizer", optimizer)
-        return guard
-    return Guard(model, optimizer, out_dir="oom_report" if guard is True else guard, spec=spec)
-
-
 def start_oom_handling(options: dict, model, optimizer) -> TrainerOom:
     """What ``MemlensCallback(guard=..., adaptive=...)`` does at ``on_train_begin``."""
     trainer = options.get("trainer") or find_trainer(start_depth=2)
     if trainer is None:
         raise MemlensError("MemlensCallback(guard=/adaptive=) could not find the Trainer it runs in",
                            hint="pass it: MemlensCallback(adaptive=True, trainer=trainer)")
-    g = make_guard(options.get("guard"), model, optimizer, options.get("spec"))
+    g = guard_from_option(options.get("guard"), model, optimizer, options.get("spec"))
     return TrainerOom(trainer, adaptive=bool(options.get("adaptive")), guard=g, micro_batch=options.get("micro_batch"),
                       min_micro_batch=options.get("min_micro_batch", 1), trend=options.get("trend", True),
                       lookahead=options.get("lookahead", 20)).install()

@@ -217,7 +217,7 @@ class SplitRunner:
                         chunk_rng = _rng_state() if self.restore_rng else None
                         self.in_backward = False
                         loss = self.forward_backward(slice_batch(b, row, stop, n), factor)
-                        if idx == last:
+                        if idx == last and loss is not None:
                             total = loss if total is None else total + loss
                         del loss
                         row = stop

@@ -510,6 +510,19 @@ def guard(model=None, optimizer=None, **kwargs) -> Guard:
     return Guard(model, optimizer, **kwargs)
 
 
+def guard_from_option(guard: bool | str | Path | Guard, model, optimizer, spec=None) -> Guard | None:
+    """The trainer callbacks' ``guard=`` option: True (out_dir "oom_report"), a directory, or a Guard."""
+    if guard is False or guard is None:
+        return None
+    if isinstance(guard, Guard):
+        if guard.model is None:
+            guard.model = model
+        if guard.optimizer is None:
+            guard.optimizer = getattr(optimizer, "optimizer", optimizer)
+        return guard
+    return Guard(model, optimizer, out_dir="oom_report" if guard is True else guard, spec=spec)
+
+
 def write_guard_files(result: Result, snapshot: dict | None, out_dir: str | Path) -> list[Path]:
     """oom_report.json, oom_snapshot.pickle (the _dump_snapshot format), oom_report.html."""
     from ..report.guard_report import guard_html
@@ -572,5 +585,5 @@ def _nvml_processes(torch, device: int) -> list[tuple[int, int]] | None:
         return None
 
 
-__all__ = ["Guard", "guard", "Capture", "LiveBreakdown", "classify_live_blocks", "build_report", "write_guard_files",
+__all__ = ["Guard", "guard", "guard_from_option", "Capture", "LiveBreakdown", "classify_live_blocks", "build_report", "write_guard_files",
            "is_oom", "REPORT_JSON", "REPORT_HTML", "SNAPSHOT_PICKLE"]
