@@ -13,6 +13,8 @@ from .estimator import estimate
 from .explore.compare import compare
 from .explore.fit import fit, fit_batch_size
 from .explore.sweep import sweep
+from .measure.adaptive import adaptive_batch
+from .measure.guard import guard
 from .measure.monitor import Monitor
 from .measure.profiler import Profiler, profile
 from .measure.runner import profile_spec
@@ -32,6 +34,8 @@ __all__ = [
     "Profiler",
     "profile_spec",
     "Monitor",
+    "guard",
+    "adaptive_batch",
     "diagnose_oom",
     "parse_oom",
     "doctor_log",

@@ -28,7 +28,6 @@ whose forward mixes rows (batch norm) sees smaller batches.
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError

@@ -261,9 +261,10 @@ class SplitRunner:
 # ---------------------------------------------------------------- trend: act before the OOM
 class TrendGuard:
     """After each optimizer step: record memory, and tell whether the trend predicts an OOM within
-    ``lookahead`` steps (the predicted peak's need, by the fit rule, over what PyTorch can hold)."""
+    ``lookahead`` steps (the predicted peak's need, by the fit rule, over what PyTorch can hold).
+    ``probe()`` returns (allocated now, running max allocated, bytes PyTorch could hold)."""
 
-    def __init__(self, lookahead: int = 20, window: int = 10, probe: Callable[[], tuple[int, int, int, int]] | None = None):
+    def __init__(self, lookahead: int = 20, window: int = 10, probe: Callable[[], tuple[int, int, int]] | None = None):
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
             raise MemlensError(f"lookahead must be a whole number of steps >= 1, got {lookahead!r}", hint="e.g. lookahead=20")
         self.lookahead = lookahead
@@ -275,16 +276,16 @@ class TrendGuard:
         """A reason to halve now (the prediction, in words), or None."""
         from ..explore.fits import Budget, Need, fits
 
-        end, peak, reserved, free = self.probe()
+        end, peak, reachable = self.probe()
         self.trend.record(step, end, peak)
         pred = self.trend.predicted_peak(self.lookahead)
-        self.last = {"end_bytes": end, "peak_bytes": peak, "reserved_bytes": reserved, "free_bytes": free}
+        self.last = {"end_bytes": end, "peak_bytes": peak, "reachable_bytes": reachable}
         if pred is None:
             return None
         try:
-            budget = Budget.make(reserved + free, context_bytes=0)
+            budget = Budget.make(reachable, context_bytes=0)
         except MemlensError:
-            budget = Budget(reserved + free, 0, 0)
+            budget = Budget(reachable, 0, 0)
         v = fits(Need(peak_allocated_bytes=pred), budget)
         if v.fits:
             return None
@@ -295,12 +296,19 @@ class TrendGuard:
         self.trend.reset()
 
 
-def cuda_probe() -> tuple[int, int, int, int]:
-    """(allocated now, running max allocated, reserved, free on the device) of the current CUDA device."""
+def cuda_probe() -> tuple[int, int, int]:
+    """(allocated now, running max allocated, what PyTorch could hold) on the current CUDA device; the
+    last is reserved + free, capped by ``set_per_process_memory_fraction`` when one is set."""
     import torch
 
-    free, _ = torch.cuda.mem_get_info()
-    return (torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(), int(free))
+    free, total = torch.cuda.mem_get_info()
+    reachable = torch.cuda.memory_reserved() + int(free)
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        frac = get_fraction()
+        if 0 < frac < 1:
+            reachable = min(reachable, int(frac * total))
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), reachable
 
 
 # ---------------------------------------------------------------- a plain training loop
