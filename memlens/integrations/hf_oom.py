@@ -93,6 +93,7 @@ class TrainerOom:
         self._num_items = None
         self._shift: bool | None = None
         self._extra: tuple = ((), {})
+        self.start_fit: dict | None = None
 
     # ------------------------------------------------------------ install / remove
     def install(self) -> "TrainerOom":
@@ -136,7 +137,8 @@ class TrainerOom:
                 "accumulation_per_batch": self.policy.accumulation(rows) if rows else None,
                 "gradient_accumulation_steps": self.trainer.args.gradient_accumulation_steps,
                 "ooms_recovered": self.runner.ooms, "windows_redone": self.runner.replays,
-                "changes": [asdict(c) for c in self.policy.changes], "integration": "transformers.Trainer",
+                "changes": [asdict(c) for c in self.policy.changes], "start_fit": self.start_fit,
+                "integration": "transformers.Trainer",
                 "guard_report": [str(p) for p in self.guard.paths] if self.guard is not None else None}
         return Result(verb="adaptive", data=data, notes=[c.describe() for c in self.policy.changes])
 
@@ -257,6 +259,14 @@ def start_oom_handling(options: dict, model, optimizer) -> TrainerOom:
         raise MemlensError("MemlensCallback(guard=/adaptive=) could not find the Trainer it runs in",
                            hint="pass it: MemlensCallback(adaptive=True, trainer=trainer)")
     g = guard_from_option(options.get("guard"), model, optimizer, options.get("spec"))
-    return TrainerOom(trainer, adaptive=bool(options.get("adaptive")), guard=g, micro_batch=options.get("micro_batch"),
-                      min_micro_batch=options.get("min_micro_batch", 1), trend=options.get("trend", True),
-                      lookahead=options.get("lookahead", 20)).install()
+    oom = TrainerOom(trainer, adaptive=bool(options.get("adaptive")), guard=g, micro_batch=options.get("micro_batch"),
+                     min_micro_batch=options.get("min_micro_batch", 1), trend=options.get("trend", True),
+                     lookahead=options.get("lookahead", 20))
+    spec = options.get("spec")
+    if oom.adaptive and spec is not None and options.get("micro_batch") is None:
+        # start from the estimate: memlens.fit's largest micro-batch for one per-device batch
+        from ..measure.adaptive import start_from_fit
+
+        rows = trainer.args.per_device_train_batch_size
+        oom.start_fit = start_from_fit(oom.policy, spec.replace(batch_size=rows, grad_accum=1), None, rows)
+    return oom.install()

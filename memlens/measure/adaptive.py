@@ -324,7 +324,7 @@ class AdaptiveBatch:
         self.policy = MicroBatchPolicy(micro_batch, min_micro_batch, on_change)
         self.start_fit: dict[str, Any] | None = None
         if spec is not None:
-            self._start_from_fit(spec, budget, fit_fn or _fit, micro_batch)
+            self._start_from_fit(spec, budget, fit_fn, micro_batch)
         self.trend = TrendGuard(lookahead, trend_window, probe) if trend else None
         self.steps = 0
         self.losses: list[float] = []
@@ -333,17 +333,7 @@ class AdaptiveBatch:
                                   step_fn=lambda: self.steps + 1)
 
     def _start_from_fit(self, spec, budget, fit_fn, given: int | None) -> None:
-        r = fit_fn(spec, budget)
-        d = r.data
-        m = d.get("micro_batch_size") or d.get("max_batch_size")
-        self.start_fit = {k: d.get(k) for k in ("max_batch_size", "micro_batch_size", "grad_accum", "usable_bytes",
-                                                 "budget_bytes", "predicted_need_bytes") if k in d}
-        if not m:
-            raise MemlensError(f"memlens.fit finds no micro-batch of {spec.describe()} that fits the budget",
-                               hint="see `memlens fit` with this configuration for a plan")
-        if given is None or m < given:
-            rows = spec.batch_size * spec.grad_accum
-            self.policy.set(int(m), 0, "start", f"memlens.fit: the largest micro-batch that fits is {m}", rows, rows)
+        self.start_fit = start_from_fit(self.policy, spec, budget, spec.batch_size * spec.grad_accum, fit_fn)
 
     # the runner's callbacks
     def _forward_backward(self, micro, factor: float):
@@ -416,10 +406,36 @@ def adaptive_batch(optimizer, **kwargs) -> AdaptiveBatch:
 
 
 # ---------------------------------------------------------------- helpers
-def _fit(spec, budget):
+def _fit(spec, budget, target: int | None = None):
+    """memlens.fit's answer for ``spec``. Without a budget: what PyTorch could hold on this GPU now
+    (reserved + free, so a model already on the GPU is not counted twice; no context to take off)."""
     from ..explore.fit import fit
 
-    return fit(spec, budget, target_batch=spec.batch_size * spec.grad_accum, plan=False)
+    ctx = None
+    if budget is None:
+        import torch
+
+        if torch.cuda.is_available():
+            free, _ = torch.cuda.mem_get_info()
+            budget, ctx = torch.cuda.memory_reserved() + int(free), 0
+    return fit(spec, budget, target_batch=target or spec.batch_size * spec.grad_accum, context_bytes=ctx, plan=False)
+
+
+def start_from_fit(policy: MicroBatchPolicy, spec, budget, rows: int, fit_fn: Callable | None = None) -> dict:
+    """Set ``policy``'s micro-batch to memlens.fit's largest micro-batch of ``spec`` when it is
+    smaller than ``rows`` (logged as a "start" change); returns what fit said."""
+    r = (fit_fn or _fit)(spec, budget)
+    d = r.data
+    m = d.get("micro_batch_size") or d.get("max_batch_size")
+    said = {k: d.get(k) for k in ("max_batch_size", "micro_batch_size", "grad_accum", "usable_bytes", "budget_bytes",
+                                  "predicted_need_bytes") if k in d}
+    if not m:
+        raise MemlensError(f"memlens.fit finds no micro-batch of {spec.describe()} that fits the budget",
+                           hint="see `memlens fit` with this configuration for a plan")
+    cur = policy.micro_batch or rows
+    if m < cur:
+        policy.set(int(m), 0, "start", f"memlens.fit: the largest micro-batch that fits is {m}", rows, cur)
+    return said
 
 
 def _free() -> None:

@@ -71,14 +71,14 @@ def _model():
 
 
 def _train(tmp_path, per_device, accum, *, adaptive=False, limit=10**9, where="forward", loss_kwargs=True, steps=3,
-           trainer_cls=None):
+           trainer_cls=None, spec=None):
     _State.limit, _State.raised, _State.where = limit, 0, where
     model = _model()
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / f"run{per_device}{adaptive}"), per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accum, max_steps=steps, learning_rate=1e-2, logging_steps=1, save_strategy="no",
         report_to=[], use_cpu=True, optim="adamw_torch", disable_tqdm=True, seed=0, max_grad_norm=1.0)
-    cb = MemlensCallback(profile=False, adaptive=adaptive, trend=False)
+    cb = MemlensCallback(profile=False, adaptive=adaptive, trend=False, spec=spec)
     trainer = (trainer_cls or transformers.Trainer)(model=model, args=args, train_dataset=_DS(), callbacks=[cb])
     if not loss_kwargs:                    # the Trainer then averages each batch's loss and divides by accumulation
         trainer.model_accepts_loss_kwargs = False
@@ -118,6 +118,28 @@ def test_a_batch_averaged_loss_keeps_the_configured_objective(tmp_path):
     for p, q in zip(weights, ref_weights):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=5e-5)
     assert losses != pytest.approx(other, rel=1e-4)      # padding differs per row: a rows-only weight would be wrong
+
+
+def test_start_from_the_estimate_avoids_the_oom(tmp_path, monkeypatch):
+    """With a spec, the callback starts from memlens.fit's largest micro-batch: no OOM at all."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.measure import adaptive
+    from memlens.report.result import Result
+
+    asked = []
+
+    def fake_fit(spec, budget):
+        asked.append((spec.batch_size, spec.grad_accum, budget))
+        return Result(verb="fit", data={"max_batch_size": 3, "micro_batch_size": 2})
+
+    monkeypatch.setattr(adaptive, "_fit", fake_fit)
+    losses, weights, cb, _ = _train(tmp_path, 4, 2, adaptive=True, limit=2, spec=TrainingSpec(model="gpt2", batch_size=4))
+    raised = _State.raised
+    ref_losses, _, _, _ = _train(tmp_path, 2, 4)
+    assert asked == [(4, 1, None)] and raised == 0
+    assert [(c.reason, c.micro_batch_to) for c in cb.oom.policy.changes] == [("start", 2)]
+    assert cb.oom.result.data["start_fit"]["micro_batch_size"] == 2
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
 def test_an_oom_in_backward_redoes_the_accumulation_window(tmp_path):
