@@ -26,9 +26,10 @@ only an error that leaves the block is reported.
 Which block is what comes from profile's classification (:mod:`memlens.measure.history`): the
 addresses known at the failure first (parameters, gradients, optimizer states, the batch), then the
 moment that allocated the block, read from the allocator history's user metadata (a counter set at
-each module entry and phase change): forward -> activations, later phases -> temporaries; blocks
-older than the recorded history are the ``workspace`` lump (library workspaces, tensors kept across
-steps). To stay cheap, only modules down to ``module_depth`` dotted levels are hooked (the blocks of
+each module entry and phase change): this step's forward -> activations, its later phases ->
+temporaries; blocks from earlier steps or older than the recorded history are the ``workspace``
+lump (library workspaces such as cuBLAS', caches, tensors kept across steps: a leak shows here, and
+in ``earlier_steps_bytes``). To stay cheap, only modules down to ``module_depth`` dotted levels are hooked (the blocks of
 a transformer, not every Linear), the history keeps no stack traces, and the guard keeps the
 moments of the last few steps only. ``history=False`` turns the allocator history off: activations
 and temporaries are then one ``unclassified`` row.
@@ -98,8 +99,9 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
                          moments: dict[int, tuple[str, int, str]], step: int, history: bool = True,
                          top: int = 15) -> LiveBreakdown:
     """Every ``active_allocated`` block of ``device`` in ``snapshot``, by category, module and the
-    phase that allocated it (profile's rule: known addresses, else forward -> activations, later ->
-    temporaries; a block whose allocation is not in the history -> workspace).
+    phase that allocated it (profile's rule: known addresses, else forward of this step ->
+    activations, its later phases -> temporaries; a block from an earlier step, or whose allocation
+    is not in the history -> workspace: library workspaces, caches, tensors kept across steps).
 
     >>> snap = {"segments": [{"device": 0, "blocks": [
     ...     {"address": 0, "size": 1024, "state": "active_allocated"},
@@ -142,10 +144,12 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
                 m = moments.get(parse_moment(e.get("user_metadata"))) if e is not None else None
                 if m is not None:
                     ph, st, mod = m
-                    cat = "activations" if ph == "forward" else "temporaries"
                     phase = f"{ph} (step {st})"
-                    if st < step:
+                    if st < step:           # kept from an earlier step: a workspace, a cache, or a leak
+                        cat = "workspace"
                         earlier += size
+                    else:
+                        cat = "activations" if ph == "forward" else "temporaries"
                 elif not history:
                     cat, mod, phase = UNCLASSIFIED, OUTSIDE_LABEL, "history off"
                 else:
@@ -428,6 +432,7 @@ class Guard:
         return self
 
     def stop(self) -> None:
+        self.capture = None      # a failure recovered from inside the block (its snapshot is not needed)
         if self in _GUARDS:
             _GUARDS.remove(self)
         if self._recorder is not None:

@@ -4,8 +4,8 @@ and the Capture the guard would have taken with it.
 The story (step 3 of a loop, an OOM in backward): one 64 MiB large segment holds the weights
 (8 MiB), their gradients (8 MiB), AdamW's two states (16 MiB), the batch (2 MiB), two activations
 saved by forward of step 3 in "blocks.0" and "blocks.1" (6 + 4 MiB), a backward temporary of
-"blocks.1" (4 MiB), a tensor kept from step 1's forward (2 MiB, a leak), a block older than the
-recorded history (2 MiB: a cuBLAS workspace) and 12 MiB free; a small 2 MiB segment holds a 512 B
+"blocks.1" (4 MiB), a tensor kept from step 1's forward (2 MiB, a leak: workspace), a block older
+than the recorded history (2 MiB: a cuBLAS workspace) and 12 MiB free; a small 2 MiB segment holds a 512 B
 loss scalar of step 3's forward; a segment on device 1 is someone else's. Allocated on device 0:
 8+8+16+2+6+4+4+2+2 MiB + 512 B = 52 MiB + 512 B.
 """
