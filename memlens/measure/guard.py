@@ -114,8 +114,20 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
     """
     from ..doctor.snapshot import allocation_site
 
+    import bisect
+
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
+    numbers = sorted(moments)
+
+    def moment_of(meta) -> tuple[str, int, str] | None:
+        """The guard's moment running when an entry was labelled: its own number, or the last one
+        before a number another recorder took (the profiler beside the guard)."""
+        n = parse_moment(meta)
+        if n is None or not numbers or n < numbers[0]:
+            return None
+        return moments[numbers[bisect.bisect_right(numbers, n) - 1]]
+
     last_alloc: dict[int, dict] = {}
     for e in trace:
         act = e.get("action")
@@ -141,7 +153,7 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
                 phase = "known at the failure"
             else:
                 e = last_alloc.get(addr)
-                m = moments.get(parse_moment(e.get("user_metadata"))) if e is not None else None
+                m = moment_of(e.get("user_metadata")) if e is not None else None
                 if m is not None:
                     ph, st, mod = m
                     phase = f"{ph} (step {st})"

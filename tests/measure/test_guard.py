@@ -207,3 +207,29 @@ def test_recorder_moments_follow_phases_steps_and_modules_to_the_depth():
     order = [ph for ph, _ in step4]
     assert order.index("backward") > order.index("forward") and order.index("optimizer") > order.index("backward")
     assert rec.module_name("0.0") == "0" and rec.module_name("") == "(model: loss and glue)"
+
+
+def test_moments_interleaved_with_another_recorder():
+    """The profiler beside the guard takes moment numbers too: an entry labelled with one of its
+    numbers belongs to the guard's moment running then (the last one before), and the profiler's own
+    history record stays aligned with the numbers it did not take."""
+    c = syn.capture()
+    snap = c.snapshot
+    trace = snap["device_traces"][0]
+    for e in trace:                       # the backward temporary was labelled by the profiler's moment 34
+        if e.get("addr") == syn.addr(44 * MiB) and e["action"] == "alloc":
+            e["user_metadata"] = "memlens:34"
+    live = classify_live_blocks(snap, 0, c.known, c.moments, c.step)
+    assert live.by_category["temporaries"] == 4 * MiB        # 33 (backward, blocks.1) was running at 34
+
+    from memlens.measure.history import HistoryRecorder, IntervalPeaks
+
+    mine, other = IntervalPeaks(torch, torch.device("cpu"), own_history=False), IntervalPeaks(torch, torch.device("cpu"))
+    rec = HistoryRecorder(torch, torch.device("cpu"), moments=mine)
+    rec.set_phase("forward", 1)
+    first = rec.rec.moment_base
+    other.moment(), other.moment()
+    rec.set_phase("backward", 1)
+    n = mine.moment()
+    assert len(rec.rec.moments) == n - first + 1
+    assert rec.rec.moments[n - first - 1].phase == "backward" and rec.rec.moments[n - first - 3].phase == "forward"
