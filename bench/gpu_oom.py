@@ -23,8 +23,8 @@ Parts
 - adaptive_plain / adaptive_hf: calibrate the peaks of micro-batches m and 2m (fresh processes),
   cap the process between them (set_per_process_memory_fraction), then run the reference at m and an
   adaptive run started at 2m (same effective batch); their per-step losses are compared.
-- adaptive_trend: a loop that leaks 512 MiB per step under a cap: the trend halves the micro-batch
-  before the first OOM.
+- adaptive_trend: a loop that leaks 512 MiB per step on a GPU filled but for ~6 GiB: the trend halves
+  the micro-batch before the first OOM.
 """
 from __future__ import annotations
 
@@ -371,13 +371,14 @@ EFFECTIVE, MICRO, L = 16, 4, 512
 
 
 def _plain_run(micro: int, steps: int, fraction: float | None, adaptive: bool, leak_mib: int = 0,
-               lookahead: int = 20, n_layer: int = 12) -> dict:
+               lookahead: int = 20, n_layer: int = 12, ballast: int = 0) -> dict:
     import torch
 
     import memlens
 
     if fraction:
         torch.cuda.set_per_process_memory_fraction(fraction)
+    ballast_t = torch.empty(ballast, dtype=torch.uint8, device="cuda") if ballast else None  # noqa: F841 - fills the GPU
     model = _gpt2(n_layer)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     losses, kept = [], []
@@ -498,16 +499,19 @@ def part_adaptive(out: Path, kind: str) -> None:
 
 
 def part_adaptive_trend(out: Path) -> None:
-    """A 512 MiB/step leak under a cap: the trend halves the micro-batch before the first OOM."""
+    """A 512 MiB/step leak on a GPU filled but for ~6 GiB (a ballast tensor: nothing that depends on
+    torch's memory-fraction API): the trend halves the micro-batch before the first OOM."""
     r = sub(["--run", "plain", str(out), json.dumps({"micro": 8, "steps": 2, "fraction": None, "adaptive": False, "n_layer": 6})], 240)
     calib = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-1500:]}
     rec: dict = {"part": "adaptive_trend", "calibration": calib, "leak_mib_per_step": 512}
     if "error" not in calib:
-        frac = (calib["peak_reserved"] + 6 * GIB) / calib["total_memory"]       # ~12 steps of leak before the cap
-        rec["fraction"] = frac
+        # leave ~6 GiB over the step's reserved peak (and 1 GiB for the context): ~12 steps of leak
+        ballast = _mib2(calib["total_memory"] - calib["peak_reserved"] - 7 * GIB)
+        rec["ballast_bytes"] = ballast
         for name, adaptive in (("without_adaptive", False), ("adaptive", True)):
-            r = sub(["--run", "plain", str(out), json.dumps({"micro": 8, "steps": 20, "fraction": frac, "adaptive": adaptive,
-                                                              "leak_mib": 512, "lookahead": 4, "n_layer": 6})], 300)
+            r = sub(["--run", "plain", str(out), json.dumps({"micro": 8, "steps": 20, "fraction": None, "adaptive": adaptive,
+                                                              "leak_mib": 512, "lookahead": 4, "n_layer": 6,
+                                                              "ballast": ballast})], 300)
             rec[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-1500:]}
     emit(out, rec)
 
@@ -541,7 +545,7 @@ def main(argv: list[str]) -> int:
         kind, out, kw = argv[1], Path(argv[2]), json.loads(argv[3])
         if kind == "plain":
             rec = _plain_run(kw["micro"], kw["steps"], kw["fraction"], kw["adaptive"], kw.get("leak_mib", 0),
-                             kw.get("lookahead", 20), kw.get("n_layer", 12))
+                             kw.get("lookahead", 20), kw.get("n_layer", 12), kw.get("ballast", 0))
         else:
             rec = _hf_run(kw["micro"], kw["steps"], kw["fraction"], kw["adaptive"], out)
         print(json.dumps(rec, default=str))

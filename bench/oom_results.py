@@ -86,7 +86,7 @@ def summarize(out: Path, write: bool = False) -> dict:
         elif part == "adaptive_trend":
             ad, no = r.get("adaptive", {}), r.get("without_adaptive", {})
             first = (ad.get("ooms_before_each_change") or [[None, None]])[0]
-            res["trend"] = {"fraction": r.get("fraction"), "without_adaptive_oom_step": no.get("oom_at_step"),
+            res["trend"] = {"ballast_bytes": r.get("ballast_bytes"), "without_adaptive_oom_step": no.get("oom_at_step"),
                             "changes": [(c["micro_batch_from"], c["micro_batch_to"], c["reason"], c["step"]) for c in ad.get("changes", [])],
                             "first_change_reason": first[0], "ooms_before_first_change": first[1],
                             "adaptive_oom_step": ad.get("oom_at_step"), "adaptive_steps_done": len(ad.get("losses", []))}
@@ -157,7 +157,7 @@ def markdown(res: dict) -> str:
                  f"| {a['kind']} | - | - | - | - | {a['error']} | - |")
     if "trend" in res:
         t = res["trend"]
-        p += ["", "## The trend acting before an OOM (a 512 MiB/step leak under a cap)", "",
+        p += ["", "## The trend acting before an OOM (a 512 MiB/step leak, ~6 GiB left on the GPU)", "",
               f"- without adaptive: OOM at step {t['without_adaptive_oom_step']}",
               f"- adaptive: changes {t['changes']}; the first came from `{t['first_change_reason']}` after "
               f"{t['ooms_before_first_change']} OOMs; {t['adaptive_steps_done']} steps done, OOM at step {t['adaptive_oom_step']}"]

@@ -261,10 +261,13 @@ class SplitRunner:
 # ---------------------------------------------------------------- trend: act before the OOM
 class TrendGuard:
     """After each optimizer step: record memory, and tell whether the trend predicts an OOM within
-    ``lookahead`` steps (the predicted peak's need, by the fit rule, over what PyTorch can hold).
-    ``probe()`` returns (allocated now, running max allocated, bytes PyTorch could hold)."""
+    ``lookahead`` steps. ``probe()`` returns (allocated now, running max allocated, reserved now, bytes
+    PyTorch could hold). The prediction goes through the one fit rule: need = min(reserved, allocated
+    x 1.10) extrapolated ``lookahead`` steps by the slope of memory left at the end of a step, against
+    what PyTorch could hold less the rule's minimum margin (a measurement has no estimate error to
+    cover; :mod:`memlens.explore.fits`)."""
 
-    def __init__(self, lookahead: int = 20, window: int = 10, probe: Callable[[], tuple[int, int, int]] | None = None):
+    def __init__(self, lookahead: int = 20, window: int = 10, probe: Callable[[], tuple[int, int, int, int]] | None = None):
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
             raise MemlensError(f"lookahead must be a whole number of steps >= 1, got {lookahead!r}", hint="e.g. lookahead=20")
         self.lookahead = lookahead
@@ -274,19 +277,17 @@ class TrendGuard:
 
     def after_step(self, step: int) -> str | None:
         """A reason to halve now (the prediction, in words), or None."""
-        from ..explore.fits import Budget, Need, fits
+        from ..explore.fits import MARGIN_MIN_BYTES, Budget, Need, fits
 
-        end, peak, reachable = self.probe()
+        end, peak, reserved, reachable = self.probe()
         self.trend.record(step, end, peak)
         pred = self.trend.predicted_peak(self.lookahead)
-        self.last = {"end_bytes": end, "peak_bytes": peak, "reachable_bytes": reachable}
+        self.last = {"end_bytes": end, "peak_bytes": peak, "reserved_bytes": reserved, "reachable_bytes": reachable}
         if pred is None:
             return None
-        try:
-            budget = Budget.make(reachable, context_bytes=0)
-        except MemlensError:
-            budget = Budget(reachable, 0, 0)
-        v = fits(Need(peak_allocated_bytes=pred), budget)
+        grow = int(self.trend.slope() * self.lookahead)
+        v = fits(Need(peak_allocated_bytes=pred, peak_reserved_bytes=reserved + grow),
+                 Budget(reachable, 0, min(MARGIN_MIN_BYTES, reachable // 20)))
         if v.fits:
             return None
         return (f"memory grows {fmt_bytes(self.trend.slope())}/step; in {self.lookahead} steps the peak would be "
@@ -296,19 +297,20 @@ class TrendGuard:
         self.trend.reset()
 
 
-def cuda_probe() -> tuple[int, int, int]:
-    """(allocated now, running max allocated, what PyTorch could hold) on the current CUDA device; the
-    last is reserved + free, capped by ``set_per_process_memory_fraction`` when one is set."""
+def cuda_probe() -> tuple[int, int, int, int]:
+    """(allocated now, running max allocated, reserved, what PyTorch could hold) on the current CUDA
+    device; the last is reserved + free, capped by ``set_per_process_memory_fraction`` when one is set."""
     import torch
 
     free, total = torch.cuda.mem_get_info()
-    reachable = torch.cuda.memory_reserved() + int(free)
+    reserved = torch.cuda.memory_reserved()
+    reachable = reserved + int(free)
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if get_fraction is not None:
         frac = get_fraction()
         if 0 < frac < 1:
             reachable = min(reachable, int(frac * total))
-    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), reachable
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), reserved, reachable
 
 
 # ---------------------------------------------------------------- a plain training loop

@@ -212,7 +212,7 @@ class _Probe:
     def __call__(self):
         self.end += self.leak
         self.max = max(self.max, self.end + self.transient)
-        return self.end, self.max, self.capacity
+        return self.end, self.max, self.end + self.transient, self.capacity
 
 
 def test_the_trend_halves_before_the_oom_and_only_once():
@@ -238,7 +238,7 @@ def test_the_trend_halves_before_the_oom_and_only_once():
 
 
 def test_a_stale_running_peak_predicts_nothing():
-    tg = TrendGuard(lookahead=10, window=4, probe=lambda: (10, 5000, 5000))  # peak not rising
+    tg = TrendGuard(lookahead=10, window=4, probe=lambda: (10, 5000, 5000, 5000))  # peak not rising
     assert all(tg.after_step(s) is None for s in range(1, 8))
 
 
