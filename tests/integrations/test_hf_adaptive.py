@@ -70,8 +70,14 @@ def _model():
     return model
 
 
+_REFERENCE: dict = {}
+
+
 def _train(tmp_path, per_device, accum, *, adaptive=False, limit=10**9, where="forward", loss_kwargs=True, steps=3,
            trainer_cls=None, spec=None):
+    key = (per_device, accum, where, loss_kwargs, steps)
+    if not adaptive and limit == 10**9 and trainer_cls is None and key in _REFERENCE:
+        return _REFERENCE[key]        # runs without memlens are deterministic: run each reference once
     _State.limit, _State.raised, _State.where = limit, 0, where
     model = _model()
     args = transformers.TrainingArguments(
@@ -86,6 +92,8 @@ def _train(tmp_path, per_device, accum, *, adaptive=False, limit=10**9, where="f
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     weights = [p.detach().clone() for p in model.parameters()]
+    if not adaptive and limit == 10**9 and trainer_cls is None:
+        _REFERENCE[key] = (losses, weights, cb, trainer)
     return losses, weights, cb, trainer
 
 
