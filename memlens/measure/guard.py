@@ -257,6 +257,7 @@ class _Recorder:
         self.inputs: tuple[int, ...] = ()
         self.handles: list = []
         self.history = history
+        self.device_type = "cuda"          # whose tensors count (the tests' CPU runs change it)
         self.peaks = IntervalPeaks(torch, device, max_entries=max_entries, stacks=False, own_history=True) if history else None
         if self.peaks is not None:
             if not self.peaks.available:
@@ -284,7 +285,7 @@ class _Recorder:
             self._moment()
         m, opt = self.model, self.optimizer
         if m is not None:
-            self.handles.append(m.register_forward_pre_hook(self._root_pre))
+            self.handles.append(m.register_forward_pre_hook(self._root_pre, with_kwargs=True))
             if self.history:
                 for name, mod in m.named_modules():
                     if self.depth is None or len(name.split(".")) <= self.depth or not name:
@@ -305,12 +306,12 @@ class _Recorder:
             self.peaks.stop()
 
     # hooks
-    def _root_pre(self, mod, args) -> None:
+    def _root_pre(self, mod, args, kwargs) -> None:
         torch = self.torch
         from torch.utils._pytree import tree_flatten
 
-        self.inputs = tuple(t.untyped_storage().data_ptr() for t in tree_flatten(args)[0]
-                            if isinstance(t, torch.Tensor) and t.device.type == "cuda")
+        self.inputs = tuple(t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                            if isinstance(t, torch.Tensor) and t.device.type == self.device_type)
         if torch.is_grad_enabled() and self.phase != "forward":
             self.phase = "forward"
             self._moment()
@@ -367,7 +368,8 @@ class _Recorder:
         out: dict[int, tuple[str, str]] = {}
 
         def add(t, cat: str, mod: str) -> None:
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.device.index == device_index:
+            if isinstance(t, torch.Tensor) and t.device.type == self.device_type and (
+                    self.device_type != "cuda" or t.device.index == device_index):
                 out.setdefault(t.untyped_storage().data_ptr(), (cat, mod))
 
         if self.model is not None:

@@ -186,16 +186,22 @@ def test_recorder_moments_follow_phases_steps_and_modules_to_the_depth():
     model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = gmod._Recorder(torch, torch.device("cpu"), model, opt, module_depth=1, history=False, max_entries=10)
-    rec.peaks, rec.history = _FakePeaks(), True
+    rec.peaks, rec.history, rec.device_type = _FakePeaks(), True, "cpu"
     rec.peaks.listeners.append(rec._on_moment)
     rec.start()
     try:
         for _ in range(5):
-            model(torch.randn(3, 4)).sum().backward()
+            x = torch.randn(3, 4)
+            model(x).sum().backward()
             opt.step()
+            known = rec.known(0)               # the state a failure in the optimizer step would read
             opt.zero_grad()
     finally:
         rec.stop()
+    assert rec.inputs == (x.untyped_storage().data_ptr(),)
+    assert sorted({c for c, _ in known.values()}) == ["gradients", "inputs", "parameters"]   # plain SGD keeps no state
+    assert known[model[1].weight.untyped_storage().data_ptr()] == ("parameters", "1")
+    assert ("gradients", "0") in known.values()                  # "0.0"'s gradients count in "0" at depth 1
     assert rec.handles == [] and rec.step == 6
     moments = list(rec.moments)
     steps = sorted({st for _, _, st, _ in moments})
@@ -207,6 +213,27 @@ def test_recorder_moments_follow_phases_steps_and_modules_to_the_depth():
     order = [ph for ph, _ in step4]
     assert order.index("backward") > order.index("forward") and order.index("optimizer") > order.index("backward")
     assert rec.module_name("0.0") == "0" and rec.module_name("") == "(model: loss and glue)"
+
+
+def test_recorder_sees_a_batch_passed_by_keyword():
+    """Hugging Face models are called with keywords (model(input_ids=..., labels=...))."""
+    class KW(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, input_ids=None, labels=None):
+            return ((self.lin(input_ids) - labels) ** 2).mean()
+
+    m = KW()
+    rec = gmod._Recorder(torch, torch.device("cpu"), m, None, module_depth=3, history=False, max_entries=10)
+    rec.device_type = "cpu"
+    rec.start()
+    x, y = torch.randn(2, 4), torch.randn(2, 2)
+    m(input_ids=x, labels=y)
+    rec.stop()
+    assert set(rec.inputs) == {x.untyped_storage().data_ptr(), y.untyped_storage().data_ptr()}
+    assert {v for v in rec.known(0).values() if v[0] == "inputs"} == {("inputs", "(inputs)")}
 
 
 def test_moments_interleaved_with_another_recorder():
