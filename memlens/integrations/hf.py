@@ -70,11 +70,12 @@ class MemlensCallback(TrainerCallback):
             self.oom.step_end(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.profiler is not None:     # first: the guard may own the allocator history the profiler reads
+            self.result = self.profiler.stop()
         if self.oom is not None:
             self.oom.remove()
         if self.profiler is None:
             return
-        self.result = self.profiler.stop()
         self.result.data["integration"] = "transformers.Trainer"
         if self.out_dir is not None:
             from ..report.profile_report import write_report

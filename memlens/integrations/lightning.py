@@ -84,11 +84,12 @@ class MemlensCallback(Callback):
             self.oom.on_exception(exception)
 
     def on_train_end(self, trainer, pl_module):
+        if self.profiler is not None:     # first: the guard may own the allocator history the profiler reads
+            self.result = self.profiler.stop()
         if self.oom is not None:
             self.oom.remove()
         if self.profiler is None:
             return
-        self.result = self.profiler.stop()
         self.result.data["integration"] = "lightning.Trainer"
         if self.out_dir is not None:
             from ..report.profile_report import write_report
