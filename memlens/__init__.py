@@ -15,6 +15,8 @@ from .integrations.trainer_estimate import estimate_trainer
 from .explore.compare import compare
 from .explore.fit import fit, fit_batch_size
 from .explore.sweep import sweep
+from .measure.adaptive import adaptive_batch
+from .measure.guard import guard
 from .measure.monitor import Monitor
 from .measure.profiler import Profiler, profile
 from .measure.runner import profile_spec
@@ -36,6 +38,8 @@ __all__ = [
     "Profiler",
     "profile_spec",
     "Monitor",
+    "guard",
+    "adaptive_batch",
     "diagnose_oom",
     "parse_oom",
     "doctor_log",

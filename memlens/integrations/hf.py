@@ -14,6 +14,12 @@ verdict, and a step that does not fit stops ``train()`` with one line before any
 Phases: forward and backward come from hooks on the model; the optimizer phase starts at
 ``on_pre_optimizer_step`` and the step ends at ``on_step_end`` (after zero_grad), so the
 accelerate-wrapped optimizer needs no hook. transformers is imported only when this module is.
+
+At an OOM (:mod:`.hf_oom`): ``guard=True`` (or a directory, or a ``memlens.guard(...)``) writes the
+guard's report when an OOM ends training; ``adaptive=True`` runs each batch in smaller micro-batches
+when it runs out of memory (or when the trend predicts it will), with the same effective batch:
+
+    MemlensCallback(profile=False, guard="oom/", adaptive=True)
 """
 from __future__ import annotations
 
@@ -28,8 +34,10 @@ from ..measure.profiler import Profiler
 class MemlensCallback(TrainerCallback):
     """Profile the whole ``train()``; ``.result`` is the Result once training ends."""
 
-    def __init__(self, mode: str = "phases", out_dir: str | Path | None = None, device: Any = None,
-                 fit_budget: str | int | None = None, gpu: str | None = None, profile: bool = True):
+    def __init__(self, mode: str = "phases", out_dir: str | Path | None = None, device: Any = None, *,
+                 profile: bool = True, fit_budget: str | int | None = None, gpu: str | None = None, guard: Any = False,
+                 adaptive: bool = False, micro_batch: int | None = None, min_micro_batch: int = 1, trend: bool = True,
+                 lookahead: int = 20, spec: Any = None, trainer: Any = None):
         self.mode = mode
         self.out_dir = out_dir
         self.device = device
@@ -40,6 +48,9 @@ class MemlensCallback(TrainerCallback):
         self.result = None
         self.estimate = None
         self.fit_verdict = None
+        self.oom_options = dict(guard=guard, adaptive=adaptive, micro_batch=micro_batch, min_micro_batch=min_micro_batch,
+                                trend=trend, lookahead=lookahead, spec=spec, trainer=trainer)
+        self.oom = None   # hf_oom.TrainerOom while training, with guard= or adaptive=True
 
     def check_fit(self, model, args, train_dataloader) -> None:
         """Estimate the step and apply the fit rule; raise MemlensError when it does not fit."""
@@ -67,26 +78,40 @@ class MemlensCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         if self.fit_budget is not None:
             self.check_fit(model, args, kwargs.get("train_dataloader"))
+        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
+        o = self.oom_options
+        if o["guard"] or o["adaptive"]:
+            from .hf_oom import start_oom_handling
+
+            self.oom = start_oom_handling(o, model, optimizer)
         if not self.profile:
             return
-        opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         self.profiler = Profiler(model, opt, device=self.device, mode=self.mode, optimizer_hooks=False,
                                  spec={"model": type(model).__name__ if model is not None else None, "batch_size": args.per_device_train_batch_size,
                                        "grad_accum": args.gradient_accumulation_steps})
         self.profiler.start()
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # noqa: D102
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.oom is not None:
+            self.oom.step_begin()
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
         if self.profiler is not None:
             self.profiler.phase("optimizer")
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.profiler is not None:
             self.profiler.phase("end")
+        if self.oom is not None:
+            self.oom.step_end(state.global_step)
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self.profiler is not None:     # first: the guard may own the allocator history the profiler reads
+            self.result = self.profiler.stop()
+        if self.oom is not None:
+            self.oom.remove()
         if self.profiler is None:
             return
-        self.result = self.profiler.stop()
         self.result.data["integration"] = "transformers.Trainer"
         if self.out_dir is not None:
             from ..report.profile_report import write_report

@@ -195,6 +195,20 @@ class DoctorPayload(Payload):
 
 
 @dataclass
+class GuardPayload(Payload):
+    """memlens.guard(): live memory at an OOM, the account, the diagnosis and the levers."""
+
+    device: str | None = UNSET
+    requested_bytes: int | None = UNSET
+    allocated_bytes: int | None = UNSET           # memory_allocated() at the failure
+    reserved_bytes: int | None = UNSET
+    categories_sum_bytes: int | None = UNSET      # the classified live blocks (= allocated)
+    diagnosis: str | None = UNSET
+    account: dict | None = UNSET
+    levers: list | None = UNSET
+
+
+@dataclass
 class WatchPayload(Payload):
     time_s: float | None = UNSET
     gpus: list | None = UNSET
@@ -203,7 +217,7 @@ class WatchPayload(Payload):
 PAYLOADS: dict[str, type[Payload]] = {
     "estimate": EstimatePayload, "profile": ProfilePayload, "compare": ComparePayload, "sweep": SweepPayload,
     "fit": FitPayload, "watch": WatchPayload, "doctor.oom": DoctorPayload, "doctor.log": DoctorPayload,
-    "doctor.snapshot": DoctorPayload, "doctor.stats": DoctorPayload,
+    "doctor.snapshot": DoctorPayload, "doctor.stats": DoctorPayload, "guard": GuardPayload,
 }
 
 
