@@ -120,10 +120,9 @@ def spec_and_source(model, args, batch_of, gpu: str | None = None):
     fields = spec_fields(json.loads(args.to_json_string()), weights_precision(model))
     name = f"trainer:{type(getattr(model, 'base_model', model)).__name__}"
     spec = TrainingSpec(model=name, **fields, **({"gpu": gpu} if gpu else {}))
-    bs = spec.batch_size
 
-    def factory():
-        return meta_skeleton(model), batch_of(bs)
+    def factory(spec):   # takes the spec, so its batch size reaches the batch
+        return meta_skeleton(model), batch_of(spec.batch_size)
 
     return spec, ModelSource(name, "module", "factory", config=getattr(model, "config", None), factory=factory)
 

@@ -336,7 +336,7 @@ def _build_module(spec: TrainingSpec, source: ModelSource) -> Built:
     """A model built elsewhere (a Trainer's, as a meta skeleton) with its batch: trained as it
     is (its own frozen parameters and adapters); gradient checkpointing is switched on as the
     Trainer does at ``train()`` (transformers 5.x: non-reentrant)."""
-    model, batch = source.factory()
+    model, batch = source.factory(spec)   # the batch at the spec's micro-batch
     model.train()
     if spec.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "gradient_checkpointing_enable"):

@@ -108,6 +108,8 @@ def _refuse_for_source(spec: TrainingSpec, source) -> None:
     """Fields the model's task has no use for, and what a factory without a spec cannot see."""
     task = source.task
     if task == "factory":
+        if source.kind != "factory":   # a model built elsewhere (a Trainer's): memlens makes its batch
+            return
         import inspect
 
         try:
