@@ -216,7 +216,7 @@ class TrainingSpec:
             parts.append(("qlora" if self.qlora else "lora") + f"-r{self.lora_rank}")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
-        if self.max_grad_norm:
+        if self.max_grad_norm and not self.dp:   # under DP it is Opacus' per-sample bound
             parts.append(f"clip={self.max_grad_norm:g}")
         if self.target_len:
             parts.append(f"T={self.target_len}")

@@ -324,9 +324,6 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
         forward_keys = forward_batch_keys(model, batch, source.name, has_loss_fn=loss_fn is not None)
     model.train()
     apply_freeze(model, spec.freeze)
-    if spec.grad_checkpointing and not takes_spec:  # a factory given the spec applies it itself
-        raise SpecError(f"--grad-checkpointing: factory {source.name} takes no spec, so it cannot apply checkpointing",
-                        hint="write the factory as fn(spec) and checkpoint when spec.grad_checkpointing, or drop the flag")
     if spec.lora_rank:
         model = apply_lora(model, spec)
     return Built(model, batch, loss_fn, forward_keys=forward_keys, step=step)

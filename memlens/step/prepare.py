@@ -215,6 +215,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.compile and not fake:  # what the Trainer's torch_compile does: the model compiled, the optimizer not
         model = torch.compile(model)
         applied.append("torch.compile (inductor)")
+    elif spec.compile:
+        applied.append("torch.compile (simulated: AOTAutograd's partition of the fake step; kernel buffers modelled)")
     applied.append(f"optimizer {spec.optimizer}")
     stage("optimizer setup")
     if autocast is None:

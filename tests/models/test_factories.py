@@ -35,5 +35,5 @@ def test_a_factory_may_return_its_own_step():
 def test_factory_without_spec_cannot_checkpoint():
     from memlens.core.errors import SpecError
 
-    with pytest.raises(SpecError, match="takes no spec, so it cannot apply checkpointing"):
+    with pytest.raises(SpecError, match="takes no spec, so --grad-checkpointing cannot reach it"):
         estimate(TrainingSpec(model="tests.tiny_models:no_spec", grad_checkpointing=True))

@@ -40,9 +40,10 @@ APPLIED = {
     "batch_size": ("gpt2", 2), "seq_len": ("gpt2", 64), "image_size": ("vit", 64), "precision": ("gpt2", "bf16"),
     "grad_checkpointing": ("gpt2", True), "attn": ("gpt2", "eager"), "optimizer": ("gpt2", "sgd"),
     "lora_rank": ("gpt2", 8), "freeze": ("gpt2", ("wte",)), "grad_accum": ("gpt2", 2),
-    "gpu": ("gpt2", "a100-80gb"),
+    "gpu": ("gpt2", "a100-80gb"), "hf_trainer": ("gpt2", True), "compile": ("gpt2", True),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
+    "target_len": ("gpt2", 16, "target"),
     "images_per_sample": ("gpt2", 2, "vision-language"),
     "world_size": ("gpt2", 2, "world-size"),
     "offload_optimizer": ("gpt2", True, "offload"),
