@@ -18,7 +18,8 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
     """Predict the peak memory of ``spec``'s training step.
 
     method "simulate" runs the step on fake tensors (exact, seconds); "formula" uses the closed
-    form (instant, any size, each term explained).
+    form (instant, any size, each term explained). With ``world_size > 1`` "simulate" runs each
+    rank that can differ under a fake process group (:mod:`memlens.distributed`).
     """
     from ..core.errors import MemlensError
     from ..core.gpus import gpu_facts
@@ -30,6 +31,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
         from .formula import formula_estimate
 
         return formula_estimate(spec)
+    if spec.world_size > 1:
+        from ..distributed.estimate import estimate_ranks
+
+        return estimate_ranks(spec, steps=steps)     # one simulation per rank that can differ
     from ..core.ledger import analyze, group_modules
     from .simulate import simulate
 

@@ -16,7 +16,8 @@ What is applied, in order:
    ``physical_batch_size`` samples at once);
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
-6. DP-SGD and sharding wrappers, where the step kind supports them.
+6. DP-SGD, and for ``world_size > 1`` the multi-GPU wrapper of this rank
+   (:mod:`memlens.distributed`: DDP, ZeRO-1, FSDP2), applied before the optimizer is built.
 
 >>> from memlens.core.spec import TrainingSpec
 >>> p = prepare(TrainingSpec(model="tests.tiny_models:mlp"), device="cpu")   # doctest: +SKIP
@@ -51,6 +52,7 @@ class PreparedStep:
     image_size: int | None = None
     micro_batch: int = 1              # samples materialized at once (the physical batch under DP-SGD)
     fake_mode: Any = None
+    wrapper: Any = None               # memlens.distributed wrapper of this rank (world_size > 1)
     applied: list[str] = field(default_factory=list)   # what was applied, in order (for reports)
     notes: list[str] = field(default_factory=list)
     load: dict[str, Any] = field(default_factory=dict)  # model-load figures (real devices)
@@ -73,11 +75,11 @@ def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
     """One clear line for every spec field this step kind cannot apply (never ignore one)."""
     if source is not None:
         _refuse_for_source(spec, source)
-    if spec.world_size > 1 or spec.sharding != "none":
-        raise SpecError(f"--world-size {spec.world_size} --sharding {spec.sharding}: one rank of a multi-GPU job is not "
-                        "simulated or run by this step yet",
-                        hint="use --method formula for sharded model states, or drop --world-size/--sharding")
-    if spec.offload_optimizer:
+    if spec.world_size > 1:
+        from ..distributed.strategies import check
+
+        check(spec, fake=fake)       # what one rank of a multi-GPU job cannot apply
+    elif spec.offload_optimizer:
         raise SpecError("--offload-optimizer is not simulated or run by this step yet",
                         hint="use --method formula, or drop --offload-optimizer")
     if spec.dp and not fake:
@@ -134,6 +136,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
     source = source or resolve(spec.model)
     refuse_unsupported(spec, fake=fake, source=source)
+    wrapper = None
+    if spec.world_size > 1:
+        from ..distributed.strategies import wrapper_for
+
+        wrapper = wrapper_for(spec, fake=fake)
     # DP-SGD materializes the physical batch at once (Opacus' BatchMemoryManager)
     micro = spec.physical_batch_size if spec.dp and spec.physical_batch_size else spec.batch_size
     build_spec = spec.replace(batch_size=micro) if micro != spec.batch_size else spec
@@ -149,9 +156,30 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
             built = build(build_spec, source)
             if source.kind == "factory" and spec.param_dtype != "float32":
                 built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
-        model = materialize_on_fake(built.model, fake_mode)
+        if wrapper is not None:
+            model = wrapper.wrap(built.model, device=torch.device("cpu"), fake_mode=fake_mode)
+        else:
+            model = materialize_on_fake(built.model, fake_mode)
         batch = fake_batch(built.batch, fake_mode)
         dev = torch.device("cpu")
+    elif wrapper is not None and wrapper.builds_on_meta:
+        # FSDP2: parameters on the meta device, sharded, then materialized on the device (no rank holds the model)
+        if load_on_cpu:
+            raise SpecError("--load-on-cpu builds the whole model on the CPU; FSDP2 builds each rank's shards only",
+                            hint="drop --load-on-cpu with --sharding fsdp/zero2/zero3")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            load["before_allocated_bytes"] = torch.cuda.memory_allocated(dev)
+        import time
+
+        load["t0"] = time.perf_counter()
+        with wrapper.build_context(), quiet():
+            built = build(build_spec, source)
+            if source.kind == "factory" and spec.param_dtype != "float32":
+                built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
+        model = wrapper.wrap(built.model, device=dev)
+        batch = to_device(built.batch, dev)
     else:
         dev = torch.device(device)
         cuda = dev.type == "cuda"
@@ -177,6 +205,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
             load["reserved_after_move_bytes"] = torch.cuda.memory_reserved(dev)
         batch = to_device(batch, dev)
         load["t0"] = t0
+        if wrapper is not None:
+            model = wrapper.wrap(model, device=dev)
     applied.append(f"model from {source.kind} source {source.name!r}")
     if spec.precision in ("fp16", "bf16"):
         applied.append(f"{spec.precision} weights")
@@ -189,7 +219,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.lora_rank:
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
                        + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else ""))
-    optimizer = make_optimizer(spec, model, simulate=fake)
+    if wrapper is not None:
+        applied.extend(wrapper.applied)
+        optimizer = wrapper.make_optimizer(spec, model, simulate=fake)
+    else:
+        optimizer = make_optimizer(spec, model, simulate=fake)
     applied.append(f"optimizer {spec.optimizer}")
     if autocast is None:
         autocast, default_scaler = amp_setup(spec, dev)
@@ -204,7 +238,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if first is not None:
         micro = int(first.shape[0])   # a factory's batch has the samples it built
     p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, built.loss_fn, autocast, scaler,
-                     built.seq_len, built.image_size, micro, fake_mode, applied, load=load)
+                     built.seq_len, built.image_size, micro, fake_mode, wrapper, applied, load=load)
     if not fake:
         _load_figures(p)
     return p
@@ -251,7 +285,7 @@ def _load_figures(p: PreparedStep) -> None:
     t0 = load.pop("t0", None)
     if t0 is not None:
         load["seconds"] = round(time.perf_counter() - t0, 3)
-    params = list(p.model.parameters())
+    params = [getattr(t, "_local_tensor", t) for t in p.model.parameters()]   # a rank's own shards under FSDP2
     theo = sum(t.numel() * t.element_size() for t in params)
     load["theoretical_param_bytes"] = theo
     load["buffer_bytes"] = sum(b.numel() * b.element_size() for b in p.model.buffers())
