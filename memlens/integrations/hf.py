@@ -8,6 +8,10 @@
 Phases: forward and backward come from hooks on the model; the optimizer phase starts at
 ``on_pre_optimizer_step`` and the step ends at ``on_step_end`` (after zero_grad), so the
 accelerate-wrapped optimizer needs no hook. transformers is imported only when this module is.
+
+Under torchrun (DDP, FSDP through accelerate) every rank profiles itself; at the end rank 0
+gathers every rank's result (``result.data["ranks"]``, the top-level peak being the rank that
+peaks) and writes the report; the other ranks keep their own result.
 """
 from __future__ import annotations
 
@@ -47,9 +51,9 @@ class MemlensCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.profiler is None:
             return
-        self.result = self.profiler.stop()
+        self.result = self.profiler.stop()     # every rank: rank 0 gets every rank's result gathered
         self.result.data["integration"] = "transformers.Trainer"
-        if self.out_dir is not None:
+        if self.out_dir is not None and getattr(state, "is_world_process_zero", True):
             from ..report.profile_report import write_report
 
             write_report(self.result, self.out_dir)

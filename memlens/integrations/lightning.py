@@ -8,6 +8,9 @@
 Lightning runs forward and backward inside ``optimizer.step(closure)``, so the phases come from
 Lightning's own hooks: on_train_batch_start (forward), on_before_backward, on_before_optimizer_step,
 on_train_batch_end (end of the step). Works with ``lightning`` or ``pytorch_lightning``.
+
+With several devices (DDP, FSDP strategies) every rank profiles itself; at the end rank 0 gathers
+every rank's result (``result.data["ranks"]``) and writes the report.
 """
 from __future__ import annotations
 
@@ -56,9 +59,9 @@ class MemlensCallback(Callback):
     def on_train_end(self, trainer, pl_module):
         if self.profiler is None:
             return
-        self.result = self.profiler.stop()
+        self.result = self.profiler.stop()     # every rank: rank 0 gets every rank's result gathered
         self.result.data["integration"] = "lightning.Trainer"
-        if self.out_dir is not None:
+        if self.out_dir is not None and getattr(trainer, "is_global_zero", True):
             from ..report.profile_report import write_report
 
             write_report(self.result, self.out_dir)

@@ -15,7 +15,7 @@ from .profiler import PHASE_NAMES, Profiler, _resolve_device
 def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, mode: str = "phases",
                  torch_profiler: bool = False, snapshot: bool = False, compare_estimate: bool = False,
                  trace_path: str | None = None, progress: Callable[[int, int], None] | None = None,
-                 load_on_cpu: bool = False, own_process: bool = False) -> tuple[Result, dict]:
+                 load_on_cpu: bool = False, own_process: bool = False, gather: bool | None = None) -> tuple[Result, dict]:
     """Build ``spec``'s step with random weights on ``device`` (no download; :func:`memlens.step.prepare`),
     run ``warmup`` then ``steps`` training steps under the profiler, and return (Result, artifacts).
 
@@ -67,7 +67,7 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
             if own_process:
                 torch.cuda.reset_peak_memory_stats(dev)
         prof = Profiler(step.model, step.optimizer, device=dev, mode=mode, record_snapshot=snapshot,
-                        torch_profiler=torch_profiler, spec=spec.to_dict())
+                        torch_profiler=torch_profiler, spec=spec.to_dict(), gather=gather)
         regions = _Regions(torch) if torch_profiler else None
         with prof:
             for i in range(steps):
