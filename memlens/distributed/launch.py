@@ -63,13 +63,13 @@ def torchrun_command(world_size: int, request_path: str) -> list[str]:
 
 def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = "phases", device: str = "cuda",
             torch_profiler: bool = False, snapshot: bool = False, gpus: list[int] | None = None,
-            timeout: float = 1800, keep: str | Path | None = None) -> dict[str, Any]:
+            timeout: float = 1800, keep: str | Path | None = None, memory_fraction: float | None = None) -> dict[str, Any]:
     """Run the job under torchrun; returns {"status", "result" (merged Result or None), "ranks" (records),
     "error", "wall_seconds", "exchange"}. Never raises for the job's own fate (OOM, crash, timeout)."""
     exchange = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="memlens-job-"))
     exchange.mkdir(parents=True, exist_ok=True)
     req = {"spec": spec.to_dict(), "steps": steps, "warmup": warmup, "mode": mode, "device": device,
-           "torch_profiler": torch_profiler, "snapshot": snapshot, "exchange": str(exchange)}
+           "torch_profiler": torch_profiler, "snapshot": snapshot, "exchange": str(exchange), "memory_fraction": memory_fraction}
     req_path = exchange / "request.json"
     req_path.write_text(json.dumps(req))
     t0 = time.perf_counter()
@@ -174,3 +174,30 @@ def compare_ranks(spec: TrainingSpec, measured: Result) -> dict[str, Any]:
     return {"available": True, "rows": rows, "by_phase": [], "by_category": [],
             "note": "estimate: each rank simulated under a fake process group (memlens.distributed); ranks between two "
                     "simulated ranks take the simulated rank of their group.", "estimate_peak_rank": est.data.get("peak_rank")}
+
+
+def job_trial(spec: TrainingSpec, *, steps: int = 3, timeout: float = 600, memory_fraction: float | None = None,
+              gpus: list[int] | None = None) -> dict[str, Any]:
+    """A measured trial of a multi-GPU spec (sweep, compare): the job under torchrun, as a trial record
+    (``status`` ok | oom | timeout | crash; the peaks of the rank that peaks; every rank's peaks)."""
+    job = run_job(spec, steps=steps, warmup=1, mode="phases", gpus=gpus, timeout=timeout, memory_fraction=memory_fraction)
+    try:
+        rec: dict[str, Any] = {"spec": spec.to_dict(), "device": "cuda", "status": job["status"], "memory_measured": True,
+                               "wall_seconds": job.get("wall_seconds"), "gpus": gpus}
+        r = job["result"]
+        if r is None:
+            rec.update(error=job.get("error"), peak_allocated_bytes=None, peak_reserved_bytes=None)
+            return rec
+        rec.update(peak_allocated_bytes=r.peak_allocated_bytes, peak_reserved_bytes=r.peak_reserved_bytes,
+                   peak_rank=r.data.get("peak_rank"),
+                   ranks=[{"rank": x["rank"], "peak_allocated_bytes": x["peak_allocated_bytes"],
+                           "peak_reserved_bytes": x["peak_reserved_bytes"]} for x in r.data.get("ranks", [])],
+                   seconds=_median_step_seconds(r), timeline=[])
+        return rec
+    finally:
+        shutil.rmtree(job["exchange"], ignore_errors=True)
+
+
+def _median_step_seconds(r: Result) -> float | None:
+    secs = sorted(s.get("host_seconds") for s in r.data.get("steps") or [] if s.get("host_seconds") is not None)
+    return secs[len(secs) // 2] if secs else None

@@ -39,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         torch.cuda.set_device(local)
         torch.cuda.init()
+        if req.get("memory_fraction") is not None:
+            torch.cuda.set_per_process_memory_fraction(float(req["memory_fraction"]), local)
         # what this process holds before any collective: the CUDA context (for NCCL's own share)
         req_nvml0 = _nvml_used()
     else:
