@@ -115,7 +115,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2) -> Result:
 
 
 def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[str, Any]:
-    terms = peak_terms(sim.log, a.peak_event, sim.wrapper)
+    terms, maxima = peak_terms(sim.log, a.peak_event, sim.wrapper)
     step = max(1, len(a.timeline) // 120)
     return {
         "rank": g.rank, "ranks": list(g.ranks), "why": g.why, "simulated": True,
@@ -125,6 +125,7 @@ def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[st
         "by_category": dict(a.by_category), "by_phase": a.by_phase,
         "by_module_group": group_modules(a.by_module)[:TOP_MODULES],
         "terms": terms,
+        "term_maxima": maxima,
         "steps": a.steps,
         "end_reserved_bytes": a.end_reserved_bytes,
         "timeline": a.timeline[::step],
@@ -156,42 +157,55 @@ def _job(entries: list[dict[str, Any]], world: int, ctx: int, nccl: int | None) 
             "nvidia_smi_bytes_sum": None if nccl is None else res + world * (ctx + nccl)}
 
 
-def peak_terms(log, index: int, wrapper) -> dict[str, int]:
-    """What was live at the peak (allocator block bytes), split into the terms that shrink as 1/N
-    under sharding and those that do not: sharded parameters / gradients / optimizer states,
-    gathered (unsharded) parameters and gradients, collective buffers, activations, temporaries."""
-    from ..core.events import ALLOC, FREE, TAG
+def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]]:
+    """The memory of a rank split into the terms that shrink as 1/N under sharding and those that do
+    not: sharded parameters / gradients / optimizer states, gathered (unsharded) parameters and
+    gradients, collective buffers, activations, temporaries. Returns (bytes of each term live at
+    the peak, event ``index``; the most bytes of each term live at any moment), in allocator blocks."""
+    from ..core.events import ALLOC, FREE, PHASE, TAG
     from ..core.ledger import CachingAllocatorModel
 
     final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
-    a = CachingAllocatorModel()
-    live: dict[Any, tuple[int, str]] = {}
-    for i, ev in enumerate(log.events):
-        if i > index:
-            break
-        k = ev[0]
-        if k == ALLOC and not a.is_live(ev[1]):
-            live[ev[1]] = (a.malloc(ev[1], ev[2], ev[8]), final.get(ev[1], ev[3]))
-        elif k == FREE and a.is_live(ev[1]):
-            a.free(ev[1])
-            live.pop(ev[1], None)
     gathered = getattr(wrapper, "unsharded_keys", set())
     gathered_grads = getattr(wrapper, "unsharded_grad_keys", set())
     sharded = type(wrapper).__name__ == "FSDPWrapper"
-    out: dict[str, int] = {}
-    for key, (size, cat) in live.items():
+    opt_sharded = sharded or type(wrapper).__name__ == "Zero1Wrapper"
+
+    def term(key, cat: str) -> str:
         if key in gathered:
-            name = "gathered parameters"
-        elif key in gathered_grads:
-            name = "gathered gradients"
-        elif cat in ("parameters", "gradients"):
-            name = f"{'sharded ' if sharded else ''}{cat}"
-        elif cat == "optimizer_state":
-            name = "optimizer states" + (" (sharded)" if sharded or type(wrapper).__name__ == "Zero1Wrapper" else "")
-        else:
-            name = cat
-        out[name] = out.get(name, 0) + size
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+            return "gathered parameters"
+        if key in gathered_grads:
+            return "gathered gradients"
+        if cat in ("parameters", "gradients"):
+            return f"{'sharded ' if sharded else ''}{cat}"
+        if cat == "optimizer_state":
+            return "optimizer states" + (" (sharded)" if opt_sharded else "")
+        return cat
+
+    a = CachingAllocatorModel()
+    live: dict[Any, tuple[int, str]] = {}
+    now: dict[str, int] = {}
+    most: dict[str, int] = {}
+    at_peak: dict[str, int] = {}
+    for i, ev in enumerate(log.events):
+        k = ev[0]
+        if k == PHASE and ev[1] == "done":
+            break
+        if k == ALLOC and not a.is_live(ev[1]):
+            t = term(ev[1], final.get(ev[1], ev[3]))
+            size = a.malloc(ev[1], ev[2], ev[8])
+            live[ev[1]] = (size, t)
+            now[t] = now.get(t, 0) + size
+            if now[t] > most.get(t, 0):
+                most[t] = now[t]
+        elif k == FREE and a.is_live(ev[1]):
+            a.free(ev[1])
+            size, t = live.pop(ev[1])
+            now[t] -= size
+        if i == index:
+            at_peak = {t: v for t, v in now.items() if v}
+    order = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
+    return order(at_peak), order(most)
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
