@@ -45,6 +45,8 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--gradient-as-bucket-view", action="store_const", const=True,
                    help="DDP: gradients become views of the all-reduce buckets (saves one gradient copy)")
     g.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP: all-reduce bucket size (default 25)")
+    g.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="DeepSpeed ZeRO config: not modelled, refused "
+                   "(memlens simulates PyTorch's own ZeRO: --sharding zero1/zero2/zero3)")
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
     g.add_argument("--gpu", metavar="NAME", help="the GPU the estimate is for: its CUDA context, workspaces, attention kernels, "
                    "FLOP rates (default h100; `memlens estimate --list-gpus`)")
@@ -60,6 +62,9 @@ SPEC_FLAG_FIELDS = (
 
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     """Merge --config YAML and explicit flags into one validated TrainingSpec."""
+    if getattr(args, "deepspeed", None):
+        raise SpecError("DeepSpeed ZeRO configs (--deepspeed) are not modelled: memlens simulates PyTorch's own ZeRO "
+                        "(ZeroRedundancyOptimizer, FSDP2)", hint="use --sharding zero1, zero2 or zero3 (see --help for their settings)")
     base: dict = {}
     if getattr(args, "config", None):
         base = TrainingSpec.from_yaml(args.config).to_dict()
