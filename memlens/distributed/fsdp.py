@@ -92,6 +92,7 @@ class FSDPWrapper(Wrapper):
     def __init__(self, spec: TrainingSpec, **kw):
         super().__init__(spec, **kw)
         self.raf = reshard_after_forward(spec)
+        self.autocast = spec.precision != "amp-bf16"     # MixedPrecisionPolicy instead of autocast
         self.dim0s: list[tuple[int, int]] = []       # (dim 0, bytes per row) of each trainable parameter
         self.streams = Streams()
         self.unsharded_keys: set[int] = set()

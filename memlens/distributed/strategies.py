@@ -64,6 +64,7 @@ class Wrapper:
 
     name = ""
     builds_on_meta = False          # prepare builds the model's parameters on the meta device
+    autocast = True                 # amp-* runs under autocast (False: the wrapper casts parameters itself)
 
     def __init__(self, spec: TrainingSpec, *, fake: bool, rank: int, world_size: int):
         self.spec = spec

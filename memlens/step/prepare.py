@@ -228,7 +228,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if autocast is None:
         autocast, default_scaler = amp_setup(spec, dev)
         scaler = scaler if scaler is not None else (None if fake else default_scaler)
-    if spec.autocast_dtype:
+    if wrapper is not None and not wrapper.autocast:
+        autocast = contextlib.nullcontext      # FSDP2's MixedPrecisionPolicy casts the parameters instead
+    if spec.autocast_dtype and (wrapper is None or wrapper.autocast):
         applied.append(f"autocast {spec.autocast_dtype}" + (" + GradScaler" if spec.precision == "amp-fp16" else ""))
     if spec.grad_accum > 1:
         applied.append(f"accumulation x{spec.grad_accum}")
