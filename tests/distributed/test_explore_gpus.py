@@ -28,7 +28,7 @@ def test_one_sharded_spec_one_peak_through_every_verb(tmp_path):
     sw = sweep(SPEC, Grid(batch_sizes=[2]), out=tmp_path / "sw", estimator=cached).data["rows"][0]
     assert cmp == sw["estimated_peak_allocated_bytes"] == est.peak_allocated_bytes
     assert sw["estimated_peak_rank"] == 0
-    f = fit(SPEC, est.peak_allocated_bytes * 2, plan=False, context_bytes=0, margin=0, estimator=cached).data
+    f = fit(SPEC, est.peak_allocated_bytes * 2, plan=False, context_bytes=0, margin=0, estimator=cached, cap=4).data
     assert f["world_size"] == 2 and f["predicted_peak_allocated_bytes"] == cached(SPEC.replace(batch_size=f["max_batch_size"])).peak_allocated_bytes
 
 
