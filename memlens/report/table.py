@@ -33,7 +33,7 @@ def memory_tables(result: Any, top_modules: int = 12):
         head.append("nvidia-smi     ", style="bold")
         nccl = (d.get("nccl") or {}) if d.get("ranks") else {}
         extra = "" if not d.get("ranks") else (f" + {fmt_bytes(nccl['bytes_per_rank'])} NCCL" if nccl.get("bytes_per_rank")
-                                                else " + NCCL's own buffers (not measured for this GPU)")
+                                                else "; NCCL's own buffers not included: not measured for this GPU")
         head.append(f"~{fmt_bytes(d.get('nvidia_smi_estimate_bytes'))}  (reserved + ~{fmt_bytes(d['cuda_context_bytes'])} CUDA context{extra})\n")
     if d.get("peak_phase"):
         head.append(f"peak reached in the {d['peak_phase']} phase" + (f" of step {d['peak_step']}" if d.get("peak_step") else ""))
