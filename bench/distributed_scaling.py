@@ -26,14 +26,21 @@ FLAGS = ["--batch-size", "1", "--seq-len", "2048", "--precision", "bf16", "--gra
 
 def run(model: str, world: int) -> dict:
     cmd = [sys.executable, "-m", "memlens.cli.main", "estimate", "--model", model, *FLAGS, "--world-size", str(world), "--json"]
+    import resource
+
+    load = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     secs = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if p.returncode:
-        return {"model": model, "world_size": world, "error": p.stderr.strip().splitlines()[-1:], "seconds": secs}
+        return {"model": model, "world_size": world, "error": p.stderr.strip().splitlines()[-1:], "seconds": secs, "cpu_seconds": cpu}
     d = json.loads(p.stdout)
     peak = next(e for e in d["ranks"] if e.get("rank") == d["peak_rank"])
-    return {"model": model, "world_size": world, "seconds": round(secs, 1), "simulate_seconds": d["simulate_seconds"],
+    return {"model": model, "world_size": world, "seconds": round(secs, 1), "cpu_seconds": round(cpu, 1),
+            "load_average_before": round(load, 2), "simulate_seconds": d["simulate_seconds"],
             "peak_allocated_bytes": d["peak_allocated_bytes"], "peak_reserved_bytes": d["peak_reserved_bytes"],
             "peak_phase": d["peak_phase"], "simulated_ranks": [e["rank"] for e in d["ranks"] if e.get("simulated")],
             "terms": peak["terms"], "term_maxima": peak["term_maxima"], "by_category": d["by_category"]}
@@ -45,7 +52,7 @@ def main() -> None:
         for w in WORLDS:
             r = run(m, w)
             rows.append(r)
-            print(f"{m:16s} N={w:3d} {r['seconds']:6.1f} s  peak {r.get('peak_allocated_bytes', 0) / 2**30:7.2f} GiB "
+            print(f"{m:16s} N={w:3d} {r['seconds']:6.1f} s wall {r['cpu_seconds']:6.1f} s CPU  peak {r.get('peak_allocated_bytes', 0) / 2**30:7.2f} GiB "
                   f"{r.get('error', '')}", flush=True)
     ratios = {}
     for m in MODELS:
@@ -59,10 +66,14 @@ def main() -> None:
         json.dump({"machine": machine, "flags": FLAGS, "rows": rows, "ratio_64_to_8": ratios}, f, indent=1)
     with open(os.path.join(out, "distributed_scaling.md"), "w") as f:
         f.write(f"# per-rank estimate at 8 and 64 GPUs (FSDP2), timed on {machine}\n\n")
-        f.write(f"`memlens estimate --model M {' '.join(FLAGS)} --world-size N`, the whole command in a fresh process.\n\n")
-        f.write("| model | GPUs | seconds | ranks simulated | peak allocated (rank that peaks) | peak phase |\n|---|---|---|---|---|---|\n")
+        f.write(f"`memlens estimate --model M {' '.join(FLAGS)} --world-size N`, the whole command in a fresh process. "
+                "The machine is shared: CPU seconds (user + system of the command) are what the estimate costs; wall "
+                "seconds grow with the load average of the other work on it.\n\n")
+        f.write("| model | GPUs | CPU seconds | wall seconds (load average) | ranks simulated | peak allocated (rank that peaks) | peak phase |\n"
+                "|---|---|---|---|---|---|---|\n")
         for r in rows:
-            f.write(f"| {r['model']} | {r['world_size']} | {r['seconds']:.1f} s | {r.get('simulated_ranks')} | "
+            f.write(f"| {r['model']} | {r['world_size']} | {r.get('cpu_seconds', 0):.1f} s | {r['seconds']:.1f} s "
+                    f"({r.get('load_average_before', 0):.1f}) | {r.get('simulated_ranks')} | "
                     f"{r.get('peak_allocated_bytes', 0) / 2**30:.2f} GiB | {r.get('peak_phase')} |\n")
         f.write("\nEach term of the rank's memory at its largest over the two simulated steps (GiB), and its ratio from "
                 "8 to 64 GPUs (a term that scales as 1/N gives 1/8 = 0.125):\n")

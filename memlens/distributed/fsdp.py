@@ -41,20 +41,35 @@ _FSDP = "torch.distributed.fsdp._fully_shard"
 
 def find_blocks(model) -> list:
     """The modules FSDP2 wraps one by one: the Hugging Face model's ``_no_split_modules`` classes,
-    else the elements of its largest ``nn.ModuleList`` (a model without one is wrapped whole)."""
+    else the elements of its largest ``nn.ModuleList`` (a model without one is wrapped whole).
+    A module whose parameter is tied to one outside it (BERT's word embeddings and its MLM decoder)
+    stays with the root, as FSDP2 requires tied parameters in one group."""
     import torch
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
+    blocks: list = []
     if names:
         blocks = [m for m in model.modules() if type(m).__name__ in names]
-        if blocks:
-            return blocks
-    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
-    if not lists:
-        return []
-    biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
-    return [m for m in biggest if any(True for _ in m.parameters())]
+    if not blocks:
+        lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+        if lists:
+            biggest = max(lists, key=lambda ml: sum(p.numel() for p in ml.parameters()))
+            blocks = [m for m in biggest if any(True for _ in m.parameters())]
+    # no block inside another block (FSDP2 nests fine, but one level is the recipe), none with a tied parameter
+    owners: dict[int, set[int]] = {}
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(mod))
+    keep = []
+    for b in blocks:
+        inside = {id(m) for m in b.modules()}
+        if any(owners.get(id(p), set()) - inside for p in b.parameters()):
+            continue
+        if any(b is not o and any(b is m for m in o.modules()) for o in blocks):
+            continue
+        keep.append(b)
+    return keep
 
 
 def mixed_precision(spec: TrainingSpec):
@@ -120,9 +135,15 @@ class FSDPWrapper(Wrapper):
         mesh = init_device_mesh(device.type, (self.world_size,))
         mp = mixed_precision(self.spec)
         blocks = find_blocks(model)
-        for b in blocks:
-            fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=self.raf)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        try:
+            for b in blocks:
+                fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=self.raf)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
+        except (ValueError, NotImplementedError, AssertionError, RuntimeError) as e:
+            from ..core.errors import SpecError
+
+            msg = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise SpecError(f"FSDP2 fully_shard refuses this model: {msg}", hint="use --sharding ddp or zero1") from None
         self.facts.update(blocks=len(blocks), block_class=type(blocks[0]).__name__ if blocks else None,
                           reshard_after_forward=self.raf, mixed_precision=self.spec.precision == "amp-bf16")
         if self.fake:
