@@ -87,6 +87,7 @@ def gather_profiles(result: Result, dst: int = 0) -> Result:
     result.data["world_size"] = world
     got: list | None = [None] * world if rank == dst else None
     dist.gather_object(result.to_dict(), got, dst=dst)
+    dist.barrier()          # no rank leaves (and tears its process group down) while rank dst still receives
     if rank != dst:
         return result
     return merge_profiles(got)

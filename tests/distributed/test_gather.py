@@ -58,6 +58,7 @@ USER_SCRIPT = textwrap.dedent("""
     r = prof.result
     print("RESULT " + json.dumps({"rank": rank, "peak": r.peak_allocated_bytes, "data_rank": r.data.get("rank"),
                                   "ranks": [[e["rank"], e["peak_allocated_bytes"]] for e in r.data.get("ranks", [])]}))
+    dist.barrier()
     dist.destroy_process_group()
 """)
 
