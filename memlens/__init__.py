@@ -11,9 +11,12 @@ from .core.version import __version__
 from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
 from .core.errors import MemlensError
 from .estimator import estimate
+from .integrations.trainer_estimate import estimate_trainer
 from .explore.compare import compare
 from .explore.fit import fit, fit_batch_size
 from .explore.sweep import sweep
+from .measure.adaptive import adaptive_batch
+from .measure.guard import guard
 from .measure.monitor import Monitor
 from .measure.profiler import Profiler, profile
 from .measure.runner import profile_spec
@@ -26,6 +29,7 @@ __all__ = [
     "Result",
     "MemlensError",
     "estimate",
+    "estimate_trainer",
     "compare",
     "sweep",
     "fit",
@@ -34,6 +38,8 @@ __all__ = [
     "Profiler",
     "profile_spec",
     "Monitor",
+    "guard",
+    "adaptive_batch",
     "diagnose_oom",
     "parse_oom",
     "doctor_log",

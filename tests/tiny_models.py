@@ -6,8 +6,6 @@ def linear(spec=None):
     """One bias-free 1024x1024 linear layer; batch of 16 (or the spec's) x 1024 fp32; loss = sum of outputs."""
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False))
     batch = 16 if spec is None or spec.batch_size == 1 else spec.batch_size
-    if spec is not None and spec.physical_batch_size:
-        batch = spec.physical_batch_size
     x = torch.randn(batch, 1024)
     return model, x, lambda out, batch: out.sum()
 
@@ -16,3 +14,73 @@ def mlp(spec=None):
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 8))
     x = torch.randn(4, 64)
     return model, x
+
+
+def seq_linear(spec=None):
+    """A bias-free 64x32 linear layer over sequences: batch of 8 (or the spec's) x 16 (or --seq-len)
+    tokens x 64 fp32; one loss per sample (the sum of its outputs), as Opacus' ghost clipping needs."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    batch = 8 if spec is None or spec.batch_size == 1 else spec.batch_size
+    x = torch.randn(batch, (spec.seq_len if spec is not None and spec.seq_len else 16), 64)
+    return model, x, lambda out, batch: out.sum(dim=(1, 2))
+
+
+def linear_norm(spec=None):
+    """A 1024x1024 linear layer with a bias, then a LayerNorm: the Trainer's decay group is the
+    weight alone, its no-decay group the bias and the norm's weight and bias."""
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.LayerNorm(1024))
+    return model, torch.randn(16, 1024), lambda out, batch: out.sum()
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def labelled(spec=None):
+    """forward(x) and a batch that also carries the labels its loss function reads."""
+    import torch.nn.functional as F
+
+    batch = {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}
+    return _Classifier(), batch, lambda out, b: F.cross_entropy(out, b["y"])
+
+
+def labelled_no_loss(spec=None):
+    return _Classifier(), {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}
+
+
+def unmatched(spec=None):
+    return _Classifier(), {"images": torch.randn(16, 1024)}, lambda out, b: out.sum()
+
+
+def own_step(spec=None):
+    """A factory that returns its own step(model, batch) -> loss."""
+    import torch.nn.functional as F
+
+    def step(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    return _Classifier(), {"x": torch.randn(16, 1024), "y": torch.randint(0, 1024, (16,))}, step
+
+
+def no_spec():
+    """A factory that takes no spec (so it cannot apply spec settings itself)."""
+    return labelled()
+
+
+class _MHA(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def mha(spec=None):
+    """nn.MultiheadAttention (as torchvision's ViT uses it) on a 2 x 32 x 64 batch."""
+    return _MHA(), torch.randn(2, 32, 64), lambda out, batch: out.sum()

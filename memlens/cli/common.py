@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import SpecError
-from ..core.spec import ATTENTION, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
+from ..core.spec import ATTENTION, GRAD_SAMPLE_MODES, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
 
 
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
@@ -22,7 +22,17 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--precision", choices=PRECISIONS, help="fp16/bf16: weights in that dtype; amp-*: fp32 weights under autocast (default fp32)")
     g.add_argument("--grad-checkpointing", action="store_const", const=True, help="recompute activations in backward")
     g.add_argument("--attn", choices=ATTENTION, help="attention implementation (default sdpa)")
-    g.add_argument("--optimizer", choices=OPTIMIZERS, help="default adamw")
+    g.add_argument("--optimizer", metavar="NAME", help=f"{' | '.join(OPTIMIZERS)} (default adamw = torch's foreach AdamW); "
+                   "Trainer optim names (adamw_torch_fused, adafactor, adamw_bnb_8bit, ...) are accepted")
+    g.add_argument("--max-grad-norm", type=float, metavar="X", help="clip gradients with clip_grad_norm_(X) before the step (0: off); with --dp: Opacus' per-sample clipping bound (default 1.0)")
+    g.add_argument("--hf-trainer", action="store_const", const=True,
+                   help="the step as transformers' Trainer runs it (fp32 outputs under AMP, decay/no-decay groups)")
+    g.add_argument("--trainer-args", metavar="FILE", help="TrainingArguments as JSON (to_json_string) or YAML: sets batch, "
+                   "accumulation, precision, checkpointing, optimizer, clipping and --hf-trainer as the Trainer would "
+                   "(--precision then names the model's weights, default the config's dtype as from_pretrained loads it; "
+                   "other flags override the file)")
+    g.add_argument("--target-len", type=int, metavar="N", help="encoder-decoder models: decoder tokens per sample (default: the encoder's)")
+    g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see README: --compile)")
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
     g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
@@ -30,7 +40,11 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters whose name matches (repeatable), e.g. vision_tower")
     g.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
     g.add_argument("--dp", action="store_const", const=True, help="DP-SGD with Opacus (per-sample gradients)")
-    g.add_argument("--physical-batch-size", type=int, metavar="N", help="DP-SGD: samples materialized at once")
+    g.add_argument("--physical-batch-size", type=int, metavar="N",
+                   help="DP-SGD: Opacus' BatchMemoryManager max_physical_batch_size (the --batch-size logical batch in parts)")
+    g.add_argument("--grad-sample-mode", choices=GRAD_SAMPLE_MODES,
+                   help="DP-SGD: Opacus' hooks (per-sample gradients) or ghost (ghost clipping, two backward passes) (default hooks)")
+    g.add_argument("--noise-multiplier", type=float, metavar="S", help="DP-SGD: noise multiplier (default 1.0; no effect on memory)")
     g.add_argument("--world-size", type=int, metavar="N", help="GPUs, one rank each (default 1); --batch-size is per GPU")
     g.add_argument("--sharding", choices=SHARDING,
                    help="how --world-size GPUs train, as the PyTorch settings that realize it: ddp = DistributedDataParallel; "
@@ -55,8 +69,9 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
 SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
-    "physical_batch_size", "world_size", "sharding", "offload_optimizer", "gpu", "reshard_after_forward",
-    "gradient_as_bucket_view", "bucket_cap_mb",
+    "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
+    "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
+    "bucket_cap_mb",
 )
 
 
@@ -68,9 +83,18 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     base: dict = {}
     if getattr(args, "config", None):
         base = TrainingSpec.from_yaml(args.config).to_dict()
+    skip = set()
+    if getattr(args, "trainer_args", None):
+        # with --trainer-args, --precision names the model's weights; the file's bf16/fp16 go over them
+        from ..integrations.trainer_args import spec_fields_from_file, weights_of_model
+
+        model = getattr(args, "model", None) or base.get("model")
+        weights = getattr(args, "precision", None) or base.get("precision") or (weights_of_model(model) if model else None)
+        base.update(spec_fields_from_file(args.trainer_args, weights))
+        skip.add("precision")
     for name in SPEC_FLAG_FIELDS:
         v = getattr(args, name, None)
-        if v is not None:
+        if v is not None and name not in skip:
             base[name] = v
     if "model" not in base or not base["model"]:
         raise SpecError("no model given", hint="add --model gpt2 (or a YAML file with `model:` via --config)")

@@ -22,7 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_spec_args(p)
     g = p.add_argument_group("compare")
-    g.add_argument("--techniques", metavar="T1,T2+T3", help="comma-separated techniques, + combines (default: the seeds' set)")
+    g.add_argument("--techniques", metavar="T1,T2+T3", help="comma-separated techniques, + combines (default: the seeds' set; "
+                   "with --dp: non-private, dp-hooks, dp-ghost)")
     g.add_argument("--measure", action="store_true", help="run real steps, each configuration in a fresh subprocess")
     g.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu measures time and loss only)")
     g.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per measured configuration (default 3)")
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ..explore.compare import compare, parse_techniques, plot_compare
 
     spec = spec_from_args(args)
-    names = parse_techniques(args.techniques)
+    names = parse_techniques(args.techniques) if args.techniques is not None or not spec.dp else None  # --dp: hooks vs ghost vs non-private
     if args.steps < 1:
         raise MemlensError(f"--steps must be >= 1, got {args.steps}", hint="e.g. --steps 3")
     if args.measure:

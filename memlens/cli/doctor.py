@@ -158,23 +158,23 @@ def _render_oom(result) -> None:
     c = _console()
     d = result.data
     dev = f"{d.get('device_type') or 'device'}:{d['device_index']}" if d.get("device_index") is not None else (d.get("device_type") or "device")
-    c.print(f"[bold]Out of memory on {dev}[/bold] ({d['form']} message)")
-    others = d.get("other_processes") or []
-    rows = [
-        ("requested", fmt_bytes(d.get("requested_bytes")), "the allocation that failed"),
-        ("total capacity", fmt_bytes(d.get("total_capacity_bytes")), "the GPU"),
-        ("free", fmt_bytes(d.get("free_bytes")), "free on the GPU (CUDA)"),
-        ("allowed", fmt_bytes(d.get("allowed_bytes")), "per-process limit"),
-        ("allocated by PyTorch", fmt_bytes(d.get("allocated_by_pytorch_bytes")), "allocated: live tensors"),
-        ("reserved but unallocated", fmt_bytes(d.get("reserved_unallocated_bytes")), "reserved - allocated: allocator cache"),
-        ("this process", fmt_bytes(d.get("this_process_bytes")), "incl. CUDA context and non-PyTorch memory"),
-        ("other processes", fmt_bytes(d.get("other_processes_bytes")) if others else "-",
-         ", ".join(f"pid {p['pid']}: {fmt_bytes(p['used_bytes'])}" for p in others[:4])),
-    ]
-    c.print(_kv_table([r for r in rows if r[1] != "-" or r[0] in ("requested",)]))
-    c.print(f"\n[bold]Diagnosis: {d['diagnosis']}[/bold]")
+    c.print(f"[bold]Out of memory on {dev}[/bold] ({d['form']} message): {fmt_bytes(d.get('requested_bytes'))} requested")
+    rows = [(label, fmt_bytes(n), what) for label, n, what in _account_lines(d.get("account") or {}) if n is not None]
+    if d.get("allowed_bytes") is not None:
+        rows.append(("allowed", fmt_bytes(d["allowed_bytes"]), "per-process limit"))
+    if d.get("form") == "mps":
+        rows = [("MPS allocated", fmt_bytes(d.get("allocated_by_pytorch_bytes")), "PyTorch's MPS tensors"),
+                ("other allocations", fmt_bytes(d.get("mps_other_allocations_bytes")), "the rest of the process on the GPU"),
+                ("max allowed", fmt_bytes(d.get("allowed_bytes")), "the high watermark")]
+    if rows:
+        c.print(_kv_table(rows))
+    sure = "" if d.get("certain", True) else " [yellow](uncertain: see below)[/yellow]"
+    c.print(f"\n[bold]Diagnosis: {d['diagnosis']}[/bold]{sure}")
     for r in d.get("reasons", []):
         c.print(f"  {r}")
+    ev = d.get("evidence") or {}
+    if ev:
+        c.print("  evidence: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in ev.items()))
     est = d.get("estimate")
     if est:
         _render_estimate(c, est)
@@ -183,6 +183,15 @@ def _render_oom(result) -> None:
         c.print(f"  {i}. {a}")
     for n in result.notes:
         c.print(f"[dim]note: {n}[/dim]")
+
+
+def _account_lines(acc: dict) -> list:
+    """The account's rows (label, bytes, what) from its JSON form."""
+    from ..doctor.account import Account
+
+    if not acc:
+        return []
+    return Account(**acc).lines()
 
 
 def _render_estimate(c, est) -> None:

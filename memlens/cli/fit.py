@@ -119,11 +119,17 @@ def render(result) -> None:
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
-    c.print(f"[bold]{result.spec['model']}[/bold]: largest micro-batch [bold]{d['max_batch_size']}[/bold] "
+    dp = d.get("searched_field") == "physical_batch_size"
+    what = "physical batch (DP-SGD, Opacus' BatchMemoryManager)" if dp else "micro-batch"
+    c.print(f"[bold]{result.spec['model']}[/bold]: largest {what} [bold]{d['max_batch_size']}[/bold] "
             f"(predicted peak reserved {fmt_bytes(d['predicted_peak_bytes'])}, allocated {fmt_bytes(d['predicted_peak_allocated_bytes'])})")
     c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
             f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates, {d['estimate_seconds']} s")
-    c.print(f"target batch {d['target_batch']}: micro-batch {d['micro_batch_size']} x accumulation {d['grad_accum']}")
+    if dp and d.get("micro_batch_size"):
+        k = -(-d["target_batch"] // d["micro_batch_size"])
+        c.print(f"logical batch {d['target_batch']}: --physical-batch-size {d['micro_batch_size']} ({k} physical batch(es) per optimizer step)")
+    else:
+        c.print(f"target batch {d['target_batch']}: micro-batch {d['micro_batch_size']} x accumulation {d['grad_accum']}")
     v = d.get("verify")
     if v:
         c.print(f"verified on the GPU: largest batch {v['max_batch_size']} in {len(v['trials'])} trials "

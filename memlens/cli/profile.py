@@ -7,8 +7,9 @@
     memlens profile --model gpt2 --world-size 2 --sharding fsdp --precision amp-bf16 --out prof/
                                           (launches torchrun: one process per GPU, every rank profiled, one report)
 
-The model is built with random weights (no download) on the device, then --warmup steps run
-unmeasured and --steps are profiled.
+The model is built with random weights (no download) on the device, read after each setup stage
+(model load, data preparation, optimizer setup, privacy engine setup under --dp); --warmup steps run
+as one reading, then --steps are profiled phase by phase (under --dp each physical batch too).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_spec_args(p)
     g = p.add_argument_group("profile")
     g.add_argument("--steps", type=int, default=3, metavar="N", help="profiled optimizer steps (default 3)")
-    g.add_argument("--warmup", type=int, default=1, metavar="N", help="unmeasured steps first (default 1)")
+    g.add_argument("--warmup", type=int, default=1, metavar="N", help="steps first, read as one interval (default 1)")
     g.add_argument("--device", default=None, metavar="DEV", help="cuda:0 | cpu (default: cuda; refused without a GPU unless --device cpu)")
     g.add_argument("--mode", choices=("phases", "full", "ledger"), default=None,
                    help="phases: allocator counters at phase boundaries (<5%% overhead); full: + categories and modules "
@@ -153,6 +154,13 @@ def render(result) -> None:
         for k, v in result.by_category.items():
             if v:
                 t.add_row(k, fmt_bytes(v), f"{100 * v / total:.1f}%")
+        c.print(t)
+    if d.get("by_component"):
+        t = Table(title="at the peak, by component", box=None)
+        t.add_column("component")
+        t.add_column("bytes", justify="right")
+        for r in d["by_component"]:
+            t.add_row(r["component"], fmt_bytes(r["bytes"]))
         c.print(t)
     if result.by_module:
         t = Table(title="top modules", box=None)

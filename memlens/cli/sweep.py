@@ -6,9 +6,16 @@ memory-vs-batch lines and per-config timelines.
     memlens sweep --model gpt2-medium --batch-sizes 4 8 16 32 --seq-lens 512 1024 --measure --out sw/   (GPU)
     memlens sweep ... --out sw/ --resume          (after a crash or kill: skips the finished cells)
 
-The Opacus profiler's flags (seeds/004): --seq_lengths -> --seq-lens, --batch_sizes -> --batch-sizes,
---max_physical_batch_sizes -> --physical-batch-sizes (DP-SGD), --lora_ranks -> --lora-ranks,
---num_steps -> --steps, --results_dir -> --out.
+The Opacus memory profiler's flags (seeds/004) work as written: --seq_lengths, --batch_sizes,
+--max_physical_batch_sizes (DP-SGD: Opacus' BatchMemoryManager), --lora_ranks, --num_steps,
+--model_name (default there: meta-llama/Llama-3.1-8B-Instruct when --token is given), --results_dir,
+--token (used for the Hugging Face config download; never printed or written), and --detailed
+for its detailed analysis. Its files are written too (memory_profile_results.json,
+memory_profile_summary.csv, memory_analysis_overview.png, memory_timeline_config_*.png,
+memory_heatmap.png; detailed_*.json/png, operation_level_breakdown.png):
+
+    memlens sweep --dp --token $HF_TOKEN --seq_lengths 128 256 512 --batch_sizes 8 16 32 \
+        --max_physical_batch_sizes 1 2 4 --lora_ranks 8 16 --results_dir ./memory_results --num_steps 5 --measure
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import sys
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
 from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args
+
+SEED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"   # the Opacus profiler's default --model_name
 
 
 def _int_list(text: str) -> list[int]:
@@ -62,6 +71,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="with --measure: run cells in parallel, one per GPU "
                    "(a cell of --world-size N takes N of them), each in its own subprocess")
     r.add_argument("--resume", action="store_true", help="continue the sweep in --out: skip cells already in results.jsonl")
+    r.add_argument("--detailed", action="store_true",
+                   help="each cell's peak by component, memory type and operation (measured: a full-mode profile per cell)")
+    s = p.add_argument_group("the Opacus memory profiler's names (seeds/004)")
+    s.add_argument("--model_name", metavar="ID", help=f"= --model (default {SEED_MODEL} when --token is given)")
+    s.add_argument("--results_dir", metavar="DIR", help="= --out")
+    s.add_argument("--token", metavar="HF_TOKEN", help="Hugging Face token for gated configs (used for the download only; "
+                   "never printed or written)")
     add_output_args(p)
     p.set_defaults(func=run)
     return p
@@ -71,10 +87,31 @@ def _flat(v) -> list[int]:
     return [x for part in (v or []) for x in part]
 
 
+def _seed_names(args: argparse.Namespace) -> None:
+    """Fold the Opacus profiler's flag names into memlens' (one clear line when they disagree)."""
+    import os
+
+    if args.model_name:
+        if args.model and args.model != args.model_name:
+            raise MemlensError(f"--model {args.model} and --model_name {args.model_name} disagree", hint="give one of them")
+        args.model = args.model_name
+    if args.results_dir:
+        if args.out and args.out != args.results_dir:
+            raise MemlensError(f"--out {args.out} and --results_dir {args.results_dir} disagree", hint="give one of them")
+        args.out = args.results_dir
+    if args.token is not None:
+        if not args.token.strip():
+            raise MemlensError("--token is empty", hint="give a Hugging Face token, or set HF_TOKEN")
+        os.environ["HF_TOKEN"] = args.token.strip()   # read by the config download and the trials; never written
+        if not args.model and not args.config:
+            args.model = SEED_MODEL
+
+
 def run(args: argparse.Namespace) -> int:
     from ..explore.compare import parse_techniques
-    from ..explore.sweep import Grid, plot_sweep, sweep, write_csv
+    from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
 
+    _seed_names(args)
     spec = spec_from_args(args)
     grid = Grid(_flat(args.batch_sizes), _flat(args.seq_lens), _flat(args.lora_ranks), _flat(args.physical_batch_sizes),
                 parse_techniques(args.techniques) if args.techniques is not None else [])
@@ -92,11 +129,18 @@ def run(args: argparse.Namespace) -> int:
         raise MemlensError("--budget is 0", hint="e.g. --budget 16GiB")
     if args.measure:
         require_cuda(args.device)
+    from ..models.source import resolve
+
+    resolve(spec.model)   # a model that cannot be had is one line, not an error in every cell
     out = args.out or "memlens-sweep"
+    big = [c for c in grid_cells(spec, grid) if c.spec is None and "max_physical_batch_size" in (c.skip or "")]
+    if big and len(big) < len(grid_cells(spec, grid)) and not args.json:
+        print(f"skipping {len(big)} cell(s) with max_physical_batch_size > batch_size: the physical batch is a part of the "
+              f"logical batch (Opacus' BatchMemoryManager), e.g. {big[0].key}", file=sys.stderr)
     prog = _Progress(enabled=not args.json)
     try:
         result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
-                       timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, progress=prog)
+                       timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, progress=prog, detailed=args.detailed)
     finally:
         prog.close()
     from pathlib import Path
@@ -108,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
     plots = plot_sweep(result, od) if have_matplotlib() else []
     if not have_matplotlib():
         skip_plots(result)
+    if _is_dp_sweep(spec, grid):
+        from ..report.opacus_files import write_opacus_files
+
+        seed = write_opacus_files(result, od, detailed=args.detailed, plots=have_matplotlib())
+        result.data["seed_files"] = [p.name for p in seed]
+        plots += [p for p in seed if p.suffix == ".png"]
     result.save(od / "result.json")
     if args.json:
         emit_json(result)
@@ -115,6 +165,11 @@ def run(args: argparse.Namespace) -> int:
         render(result)
         print(f"written to {od}/ (results.jsonl, sweep.csv, result.json, {len(plots)} plots)")
     return 0
+
+
+def _is_dp_sweep(spec, grid) -> bool:
+    """A DP-SGD sweep (--dp, or a physical batch axis): it also gets the Opacus profiler's files."""
+    return bool(spec.dp or grid.physical_batch_sizes)
 
 
 class _Progress:

@@ -24,7 +24,8 @@ class Category(str, Enum):
     ACTIVATIONS = "activations"                  # saved for backward
     TEMPORARIES = "temporaries"                  # everything else allocated by the step
     INPUTS = "inputs"                            # the batch
-    PER_SAMPLE_GRADIENTS = "per_sample_gradients"  # DP-SGD (Opacus grad_sample)
+    PER_SAMPLE_GRADIENTS = "per_sample_gradients"  # DP-SGD (Opacus grad_sample, and the per-sample norms)
+    GRAM_MATRICES = "gram_matrices"              # DP-SGD ghost clipping: Opacus' norm samplers (B x T x T per Linear)
     WORKSPACE = "workspace"                      # library workspaces (cuBLAS) through the allocator
     COMMUNICATION = "communication"              # collective buffers in the caching allocator (DDP buckets, FSDP all-gather)
 
@@ -39,6 +40,7 @@ class Phase(str, Enum):
     START = "start"            # profiler started
     FORWARD = "forward"
     BACKWARD = "backward"
+    CLIP = "clip"              # DP-SGD: Opacus' DPOptimizer clips, accumulates, adds noise (before the update)
     OPTIMIZER = "optimizer"
     END = "end"                # step finished (after zero_grad)
     BETWEEN_STEPS = "between steps"

@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
+from .optimizers import OPTIMIZERS, canonical_optimizer  # names and the Trainer's optim aliases
 
-PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "bf16-amp")  # bf16-amp: bf16 weights under bf16 autocast
 ATTENTION = ("sdpa", "eager")
-OPTIMIZERS = ("adamw", "adam", "sgd", "sgd-momentum", "adafactor", "adamw-8bit")
 SHARDING = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+GRAD_SAMPLE_MODES = ("hooks", "ghost")   # Opacus' own names (make_private's grad_sample_mode)
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class TrainingSpec:
     grad_accum: int = 1
     dp: bool = False                    # DP-SGD (Opacus): per-sample gradients
     physical_batch_size: int | None = None  # DP: micro-batch that is materialized at once
+    grad_sample_mode: str | None = None  # DP: Opacus' "hooks" (per-sample gradients) or "ghost" (ghost clipping); None: hooks
+    max_grad_norm: float | None = None   # clip gradients to this norm: clip_grad_norm_ before the optimizer step
+                                         # (None/0: no clipping); under DP the per-sample clipping bound (None: 1.0)
+    noise_multiplier: float | None = None  # DP: noise std / max_grad_norm (None: 1.0; memory does not depend on it)
     world_size: int = 1
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
@@ -51,6 +56,9 @@ class TrainingSpec:
     reshard_after_forward: bool | int | None = None
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None
+    hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
+    target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
+    compile: bool = False               # torch.compile'd model (estimator/compiled.py)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -58,12 +66,24 @@ class TrainingSpec:
         _check_int(self, "images_per_sample", 1)
         _check_int(self, "grad_accum", 1)
         _check_int(self, "world_size", 1)
-        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size"):
+        for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size", "target_len"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
-        _check_choice("optimizer", self.optimizer, OPTIMIZERS)
+        object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
+        if self.optimizer not in OPTIMIZERS:
+            from .optimizers import HF_OPTIM_ALIASES
+
+            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS + tuple(HF_OPTIM_ALIASES), n=1)
+            raise SpecError(f"optimizer {self.optimizer!r} is not one memlens models ({', '.join(OPTIMIZERS)}; "
+                            f"Trainer names: {', '.join(HF_OPTIM_ALIASES)})",
+                            hint=(f"did you mean {close[0]!r}? " if close else "") + "use --optimizer adamw-fused")
+        if self.max_grad_norm is not None:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
+                raise SpecError(f"max-grad-norm must be a number >= 0, got {self.max_grad_norm!r}", hint="e.g. --max-grad-norm 1.0 (0: no clipping)")
+            if not self.dp:   # 0 = off, as in the Trainer; under DP-SGD clipping is the point (checked below)
+                object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm) or None)
         _check_choice("sharding", self.sharding, SHARDING)
         from .gpus import gpu_facts
 
@@ -80,12 +100,13 @@ class TrainingSpec:
             raise SpecError("--lora-alpha needs --lora-rank", hint="add --lora-rank 16")
         if self.lora_targets is not None and self.lora_rank is None:
             raise SpecError("--lora-targets needs --lora-rank", hint="add --lora-rank 16")
+        self._check_dp()
         if self.physical_batch_size is not None and not self.dp:
             raise SpecError("--physical-batch-size is a DP-SGD setting", hint="add --dp, or use --grad-accum for plain accumulation")
         if self.physical_batch_size is not None and self.physical_batch_size > self.batch_size:
             raise SpecError(
-                f"physical batch {self.physical_batch_size} is larger than batch {self.batch_size}",
-                hint="the physical batch is the part of --batch-size materialized at once",
+                f"max_physical_batch_size {self.physical_batch_size} > batch_size {self.batch_size}",
+                hint="the physical batch is a part of the logical --batch-size (Opacus' BatchMemoryManager): keep it <= the batch",
             )
         if self.sharding != "none" and self.world_size == 1:
             raise SpecError(f"sharding {self.sharding!r} needs --world-size > 1", hint="add --world-size 8")
@@ -94,8 +115,7 @@ class TrainingSpec:
             pass  # allowed: bnb 8-bit optimizers work with fp16 params
 
     def _check_distributed(self) -> None:
-        if self.world_size > 1 and self.sharding == "none":
-            raise SpecError(f"--world-size {self.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
+        # (--world-size without --sharding is refused where a step is built: memlens.distributed.strategies.check)
         fsdp = self.sharding in ("zero2", "zero3", "fsdp")
         ddp = self.sharding in ("ddp", "zero1")
         raf = self.reshard_after_forward
@@ -115,6 +135,26 @@ class TrainingSpec:
                 raise SpecError("--bucket-cap-mb is a DDP setting", hint="use it with --sharding ddp or zero1")
             if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
                 raise SpecError(f"--bucket-cap-mb must be a positive number, got {self.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
+    def _check_dp(self) -> None:
+        """DP-SGD settings need --dp; under --dp they get Opacus' defaults (hooks, max_grad_norm 1, noise 1)."""
+        dp_only = {"grad_sample_mode": self.grad_sample_mode, "noise_multiplier": self.noise_multiplier}
+        if not self.dp:
+            for name, v in dp_only.items():
+                if v is not None:
+                    raise SpecError(f"--{name.replace('_', '-')} is a DP-SGD setting", hint="add --dp (Opacus)")
+            return
+        if self.grad_sample_mode is None:
+            object.__setattr__(self, "grad_sample_mode", "hooks")
+        _check_choice("grad_sample_mode", self.grad_sample_mode, GRAD_SAMPLE_MODES)
+        for name, default, lowest in (("max_grad_norm", 1.0, None), ("noise_multiplier", 1.0, 0.0)):
+            v = getattr(self, name)
+            v = default if v is None else v
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise SpecError(f"{name.replace('_', '-')} must be a number, got {v!r}", hint=f"e.g. --{name.replace('_', '-')} 1.0")
+            if (lowest is None and v <= 0) or (lowest is not None and v < lowest):
+                raise SpecError(f"{name.replace('_', '-')} must be {'> 0' if lowest is None else '>= 0'}, got {v}",
+                                hint=f"e.g. --{name.replace('_', '-')} 1.0")
+            object.__setattr__(self, name, float(v))
 
     # ---------- derived ----------
     @property
@@ -124,11 +164,11 @@ class TrainingSpec:
 
     @property
     def autocast_dtype(self) -> str | None:
-        return {"amp-fp16": "float16", "amp-bf16": "bfloat16"}.get(self.precision)
+        return {"amp-fp16": "float16", "amp-bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision)
 
     @property
     def param_dtype(self) -> str:
-        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
+        return {"fp16": "float16", "bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision, "float32")
 
     @property
     def uses_lora(self) -> bool:
@@ -203,8 +243,16 @@ class TrainingSpec:
             parts.append(("qlora" if self.qlora else "lora") + f"-r{self.lora_rank}")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
+        if self.max_grad_norm:
+            parts.append(f"clip={self.max_grad_norm:g}")
+        if self.target_len:
+            parts.append(f"T={self.target_len}")
+        if self.compile:
+            parts.append("compile")
+        if self.hf_trainer:
+            parts.append("trainer")
         if self.dp:
-            parts.append("dp")
+            parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if self.world_size > 1:
             parts.append(f"{self.sharding}x{self.world_size}")
         if self.reshard_after_forward is not None:
@@ -231,8 +279,9 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
-_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "gradient_as_bucket_view"}
-_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size"}
+_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view"}
+_INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
+         "target_len"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -262,11 +311,12 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value) if not isinstance(value, bool) else value
         except (TypeError, ValueError):
             raise SpecError(f"bucket-cap-mb must be a number, got {value!r}", hint="e.g. --bucket-cap-mb 25") from None
-    if name == "lora_alpha":
+    if name in ("lora_alpha", "max_grad_norm", "noise_multiplier"):
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise SpecError(f"lora-alpha must be a number, got {value!r}", hint="e.g. --lora-alpha 32") from None
+            flag = name.replace("_", "-")
+            raise SpecError(f"{flag} must be a number, got {value!r}", hint=f"e.g. --{flag} 1.0") from None
     return value
 
 

@@ -6,6 +6,7 @@ tensor, so autograd's buffer stealing and freeing work as they do without it.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any
 
@@ -56,10 +57,11 @@ class StorageTracker(TorchDispatchMode):
 
     @staticmethod
     def module_label(name: str) -> str:
-        """Module name without peft's wrapper prefixes; the root is the loss and glue code."""
+        """Module name without Opacus' (``_module``) and peft's wrapper prefixes; the root is the
+        loss and glue code."""
         parts = name.split(".") if name else []
-        while parts[:2] == ["base_model", "model"]:
-            parts = parts[2:]
+        while parts[:1] == ["_module"] or parts[:2] == ["base_model", "model"]:
+            parts = parts[1:] if parts[0] == "_module" else parts[2:]
         return ".".join(parts) if parts else ROOT_LABEL
 
     def register(self, t: torch.Tensor, category: str, module: str | None = None, op: str = "") -> int | None:
@@ -114,6 +116,17 @@ class StorageTracker(TorchDispatchMode):
         if key is not None and key in self._category:
             self._category[key] = "host"
             self.log.free(key)
+
+    @contextlib.contextmanager
+    def scope(self, category: str):
+        """Storages created inside get ``category`` (e.g. Opacus' per-sample gradients while its
+        grad sampler runs)."""
+        old = self.category_default
+        self.category_default = category
+        try:
+            yield
+        finally:
+            self.category_default = old
 
     def set_phase(self, name: str, step: int) -> None:
         self.phase, self.step = name, step

@@ -34,7 +34,7 @@ def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2):
         return simulate(spec, source=source, steps=steps)
 
 
-def estimate_ranks(spec: TrainingSpec, steps: int = 2) -> Result:
+def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     """Per-rank peaks (allocated and reserved), the rank that peaks, each simulated rank's breakdown
     by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
     from ..core.gpus import gpu_facts
@@ -43,7 +43,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2) -> Result:
     from .nccl import nccl_bytes
 
     t0 = time.perf_counter()
-    source = resolve(spec.model)
+    source = source or resolve(spec.model)
     gpu = gpu_facts(spec.gpu)
     first = simulate_rank(spec, 0, source, steps)
     groups = first.wrapper.rank_groups()

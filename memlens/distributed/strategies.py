@@ -114,6 +114,8 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
     """One line for every multi-GPU combination that cannot be simulated or run (never ignored)."""
     if spec.world_size == 1:
         return
+    if spec.sharding == "none":
+        raise SpecError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
     if spec.offload_optimizer:
         raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
@@ -123,6 +125,12 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {spec.sharding} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
+    if getattr(spec, "compile", False):
+        raise SpecError(f"--compile with --sharding {spec.sharding} is not simulated per rank",
+                        hint="drop --compile to estimate the eager step of each rank")
+    if getattr(spec, "hf_trainer", False):
+        raise SpecError(f"the Trainer's step (--hf-trainer) with --sharding {spec.sharding} is not simulated per rank",
+                        hint="drop --hf-trainer: the plain step of each rank is simulated")
     if spec.sharding in FSDP_KINDS:
         if spec.precision == "amp-fp16":
             raise SpecError(f"amp-fp16 with --sharding {spec.sharding} needs FSDP2 loss scaling, which memlens does not model",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from ..core.units import fmt_bytes as f
 
 if TYPE_CHECKING:
+    from .account import Account
     from .oom import OomMessage
 
 _REDUCE = [
@@ -32,8 +33,12 @@ _REDUCE = [
 ]
 
 
-def oom_advice(msg: "OomMessage", diagnosis: str) -> list[str]:
-    """Ordered advice for one OOM message and its diagnosis (see ``oom.diagnose``)."""
+def oom_advice(msg: "OomMessage", diagnosis: str, acc: "Account | None" = None) -> list[str]:
+    """Ordered advice for one OOM message and its diagnosis (see ``oom.diagnose``); ``acc`` is the
+    account the diagnosis rests on (default: the message's own)."""
+    from .account import account
+
+    acc = acc or account(msg)
     req = msg.requested_bytes or 0
     total = msg.total_capacity_bytes or 0
     out: list[str] = []
@@ -49,14 +54,30 @@ def oom_advice(msg: "OomMessage", diagnosis: str) -> list[str]:
             "blocks from being split.",
         ]
     elif diagnosis == "other_processes":
-        pids = ", ".join(str(p.pid) for p in msg.other_processes[:5])
+        pids = ", ".join(str(p["pid"]) for p in acc.other_processes[:5])
         out += [
-            f"Free the GPU: other processes ({pids}) hold {f(msg.other_processes_bytes)}; stop them "
+            f"Free the GPU: other processes ({pids}) hold {f(acc.other_processes_bytes)}; stop them "
             f"(a leftover notebook kernel or DataLoader worker is the usual culprit) or use another GPU "
             f"(CUDA_VISIBLE_DEVICES).",
             "See who holds what with `memlens watch --once` (or nvidia-smi).",
             "If the GPU is shared on purpose, give each job a budget with torch.cuda.set_per_process_memory_fraction "
             "and size the micro-batch to it with `memlens fit`.",
+        ]
+    elif diagnosis == "non_pytorch_memory":
+        out += [
+            f"Find what in this process allocates outside PyTorch ({f(acc.non_pytorch_bytes)}): NCCL buffers "
+            f"(NCCL_BUFFSIZE, fewer communicators), another framework or allocator in the same process (TensorFlow, JAX, "
+            f"CuPy preallocate: XLA_PYTHON_CLIENT_PREALLOCATE=false, TF's allow_growth), CUDA graphs captured outside "
+            f"PyTorch, or an extension that calls cudaMalloc.",
+            "Compare `memlens watch --once` (what the driver says this process uses) with torch.cuda.memory_reserved() "
+            "while the job runs: the difference is the non-PyTorch part.",
+        ]
+    elif diagnosis == "held_elsewhere":
+        out += [
+            f"Find who holds the {f(acc.held_elsewhere_bytes)} that is neither free nor PyTorch's: `memlens watch --once` "
+            f"(or nvidia-smi, on the host when in a container) lists every process by PID; a leftover process, "
+            f"another container on the same GPU, or another framework in this process are the usual holders.",
+            "If the GPU is shared on purpose, size the job to what is left with `memlens fit --budget ...`.",
         ]
     elif diagnosis == "memory_fraction_limit":
         if msg.form == "mps":
@@ -68,17 +89,49 @@ def oom_advice(msg: "OomMessage", diagnosis: str) -> list[str]:
                        f"shared, a fraction of 1.0 removes the cap.")
         out += _REDUCE[:3]
     else:
-        if msg.form == "cuda_error":
+        if diagnosis == "unknown":
             out.append("This OOM came from CUDA itself (context creation, cuBLAS/cuDNN workspace, NCCL), not from "
-                       "PyTorch's allocator: check with `memlens watch --once` whether the GPU was already full.")
+                       "PyTorch's allocator: check with `memlens watch --once` whether the GPU was already full, and wrap "
+                       "training in memlens.guard() to record what held the memory at the next failure.")
         if total and req >= 0.10 * total:
             out.append(f"A single request of {f(req)} ({100 * req / total:.0f}% of the GPU) is typical of the logits "
                        f"(batch x seq_len x vocab x 4 bytes) or an eager attention matrix (batch x heads x seq_len^2): "
                        f"use SDPA/flash attention, a chunked cross-entropy, or a shorter sequence.")
         out += _REDUCE
-    if (msg.non_pytorch_bytes or 0) >= 2 * 1024**3:
-        out.append(f"{f(msg.non_pytorch_bytes)} of this process' memory is outside PyTorch's allocator (CUDA context, "
+    if diagnosis != "non_pytorch_memory" and (acc.non_pytorch_bytes or 0) >= 2 * 1024**3:
+        out.append(f"{f(acc.non_pytorch_bytes)} of this process' memory is outside PyTorch's allocator (CUDA context, "
                    f"cuBLAS/cuDNN workspaces, NCCL buffers, other libraries): check extensions that allocate on their own.")
+    return out
+
+
+# What each of the technique table's DOCTOR levers shrinks (memlens/explore/techniques.py): halving the
+# micro-batch halves what grows with the batch (activations, temporaries, the batch); checkpointing keeps
+# only block inputs of the activations; autocast stores activations in 2 bytes; 8-bit AdamW keeps 2 bytes
+# of state per parameter instead of 8; LoRA trains adapters only (no full gradients, no full states).
+LEVER_SHRINKS = {
+    "halve-batch": ("activations", "temporaries", "inputs"),
+    "checkpointing": ("activations",),
+    "amp-bf16": ("activations",),
+    "adamw-8bit": ("optimizer_state",),
+    "lora": ("gradients", "optimizer_state"),
+}
+
+
+def measured_levers(by_category: dict[str, int]) -> list[dict]:
+    """The DOCTOR levers of the technique table, each with the measured bytes of what it shrinks
+    (live at the failure). Whether one fits needs the configuration (``fits`` None): with a
+    TrainingSpec, ``oom.what_fits`` estimates each against the budget.
+
+    >>> [(l["name"], l["shrinks_bytes"]) for l in measured_levers({"activations": 10, "optimizer_state": 4})][:2]
+    [('halve-batch', 10), ('checkpointing', 10)]
+    """
+    from ..explore import techniques as tech
+
+    out = []
+    for name in tech.DOCTOR:
+        cats = LEVER_SHRINKS.get(name, ())
+        out.append({"name": name, "title": tech.title(name), "kind": tech.kind(name), "cost": tech.cost(name),
+                    "shrinks": list(cats), "shrinks_bytes": sum(int(by_category.get(c, 0)) for c in cats), "fits": None})
     return out
 
 

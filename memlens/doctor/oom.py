@@ -40,7 +40,8 @@ from ..report.result import Result
 from ..core.units import fmt_bytes
 from .sizes import SIZE, parse_size
 
-DIAGNOSES = ("fragmentation", "other_processes", "memory_fraction_limit", "capacity")
+DIAGNOSES = ("memory_fraction_limit", "other_processes", "non_pytorch_memory", "held_elsewhere", "fragmentation",
+             "capacity", "unknown")
 
 _ANCHOR = re.compile(r"(?:\b(?P<backend>CUDA|HIP|XPU|MPS|NPU|MLU|MUSA)(?: backend)? )?[Oo]ut of memory")
 _CUDA_ERROR = re.compile(r"\b(?:CUDA|HIP) error: out of memory|cudaErrorMemoryAllocation", re.IGNORECASE)
@@ -131,11 +132,18 @@ class OomMessage:
 
 @dataclass
 class Diagnosis:
-    """Why the allocation failed (one of DIAGNOSES), the evidence, and ordered advice."""
+    """Why the allocation failed (one of DIAGNOSES), its evidence in bytes, ordered advice, and the
+    account of the GPU it rests on. ``certain`` is False when what the message leaves open (which
+    listed process is this one, numbers it lacks) could change the verdict; ``alternatives`` then
+    lists the verdict under each possibility."""
 
     diagnosis: str
     reasons: list[str]
     advice: list[str]
+    evidence: dict[str, int] = field(default_factory=dict)
+    certain: bool = True
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    account: Any = None
 
 
 def find_oom_messages(text: str) -> list[OomMessage]:
@@ -250,55 +258,154 @@ def _cut(chunk: str) -> str:
 
 
 def diagnose(msg: OomMessage) -> Diagnosis:
-    """Classify an OOM message; see the rules in the comments. Advice comes from ``advice.oom_advice``.
+    """Why the allocation failed, from the account of the GPU (:mod:`.account`); advice from
+    ``advice.oom_advice``. Rules, first match wins (numbers are the message's own):
 
-    Rules, first match wins (numbers are the message's own):
     1. memory_fraction_limit: an allowed limit is printed and reserved + requested exceeds it
        (the allocator refuses before asking CUDA); MPS's "max allowed" watermark likewise.
-    2. other_processes: other processes hold at least the shortfall (requested - free) and at
-       least 10% of the GPU: without them the request would have fit.
-    3. fragmentation: reserved-but-unallocated + free >= requested. Before raising, the allocator
+    2. other_processes: processes other than this one hold at least the shortfall (requested -
+       free) and at least 10% of the GPU: without them the request would have fit. This process is
+       never counted among them, even when a PID namespace lists it under another PID.
+    3. non_pytorch_memory: this process holds, outside PyTorch and beyond a CUDA context, at least
+       the shortfall and 10% of the GPU (NCCL buffers, another framework or allocator in the process).
+    4. held_elsewhere: memory neither free nor PyTorch's, beyond one CUDA context, covers the
+       shortfall and 10% of the GPU, and the message does not say who holds it (torch <= 2.0 prints no
+       processes; a container does not see other containers' processes).
+    5. fragmentation: reserved-but-unallocated + free >= requested. Before raising, the allocator
        has already returned every unsplit cached segment to CUDA, so what is still reserved but
        unallocated sits in pieces of partly used segments; in one piece it would have fit.
-    4. capacity: the job needs more than the device has.
+    6. capacity: the job needs more than the device has.
+    A message with no numbers ("CUDA error: out of memory") is ``unknown``.
+
+    When the message does not say which listed process is this one, every possibility is tried:
+    if they agree the verdict stands, else it is marked uncertain with what would tell.
     """
+    from .account import NOT_LISTED, account, hypotheses
     from .advice import oom_advice
 
+    hyps = hypotheses(msg)
+    alternatives: list[dict[str, Any]] = []
+    if len(hyps) <= 1:
+        acc = account(msg)
+        diagnosis, reasons, evidence = _verdict(msg, acc)
+    else:
+        verdicts = [(pid, acc, *_verdict(msg, acc)) for pid, acc in ((h, account(msg, self_pid=h)) for h in hyps)]
+        _, acc, diagnosis, reasons, evidence = verdicts[0]
+        alternatives = [{"this_process_pid": None if pid == NOT_LISTED else pid, "diagnosis": d}
+                        for pid, _, d, _, _ in verdicts]
+    certain, cannot_tell = _certainty(msg, acc, diagnosis, alternatives)
+    if cannot_tell:
+        reasons.append(cannot_tell)
+    return Diagnosis(diagnosis, reasons, oom_advice(msg, diagnosis, acc), evidence=evidence, certain=certain,
+                     alternatives=alternatives, account=acc)
+
+
+WHAT_WOULD_TELL = ("`memlens watch --once` while the job runs lists each process' memory by PID (run it on the "
+                   "host to see a container's PIDs), and `memlens.guard()` records PyTorch's own figures at the failure")
+
+
+def _certainty(msg: OomMessage, acc, diagnosis: str, alternatives: list[dict[str, Any]]) -> tuple[bool, str | None]:
+    """Is the verdict the same whatever the message leaves open, and if not, what would tell."""
+    f = fmt_bytes
+    if msg.form == "cuda_error":
+        return False, "the message carries no numbers, so it cannot tell why: " + WHAT_WOULD_TELL
+    if alternatives:
+        pids = [a["this_process_pid"] for a in alternatives]
+        named = ", ".join(str(p) for p in pids if p is not None) or "none"
+        which = (f"the message does not say which listed process is this one (it prints no 'this process' line, as "
+                 f"inside a PID namespace); candidates: {named}" + (" or none of them" if None in pids else ""))
+        if len({a["diagnosis"] for a in alternatives}) == 1:
+            return True, f"{which}; the verdict is the same whichever it is"
+        alt = "; ".join(f"{a['diagnosis']} if this process is " + (f"pid {a['this_process_pid']}" if a["this_process_pid"]
+                        is not None else "not listed") for a in alternatives)
+        return False, f"{which}, and the verdict depends on it ({alt}): " + WHAT_WOULD_TELL
+    if acc.this_process_source == "ambiguous":
+        return False, ("the message does not say which listed process is this one and lacks PyTorch's figures to "
+                       "recognize it: " + WHAT_WOULD_TELL)
+    if diagnosis == "held_elsewhere":
+        return True, (f"{f(acc.held_elsewhere_bytes)} is held outside PyTorch and the message does not say by whom: "
+                      + WHAT_WOULD_TELL)
+    return True, None
+
+
+def _missing(req: int, free: int) -> str:
+    if req > free:
+        return f"more than the {fmt_bytes(req - free)} missing ({fmt_bytes(req)} requested, {fmt_bytes(free)} free)"
+    return (f"while only {fmt_bytes(free)} is free for the {fmt_bytes(req)} requested (CUDA could not map it: free "
+            f"memory is not one piece, and the driver keeps some)")
+
+
+def _verdict(msg: OomMessage, acc) -> tuple[str, list[str], dict[str, int]]:
+    """(diagnosis, reasons, evidence in bytes) of the rules in :func:`diagnose` on one account."""
+    from .account import context_allowance, is_significant
+
+    f = fmt_bytes
     req = msg.requested_bytes or 0
     free = msg.free_bytes or 0
-    total = msg.total_capacity_bytes or 0
-    reserved = msg.reserved_by_pytorch_bytes
-    unalloc = msg.reserved_unallocated_bytes or 0
-    others = msg.other_processes_bytes
-    f = fmt_bytes
-    reasons: list[str] = []
+    total = msg.total_capacity_bytes
+    reserved = acc.pytorch_reserved_bytes
+    unalloc = msg.reserved_unallocated_bytes
+    shortfall = max(req - free, 0)
+    ev: dict[str, int] = {k: v for k, v in (("requested", msg.requested_bytes), ("free", msg.free_bytes),
+                                            ("total", total)) if v is not None}
     if msg.form == "cuda_error":
-        diagnosis = "capacity"
-        reasons.append("CUDA itself ran out of memory outside PyTorch's allocator (the message has no numbers)")
-    elif msg.form == "mps":
+        return "unknown", ["CUDA itself ran out of memory outside PyTorch's allocator (the message has no numbers)"], ev
+    if msg.form == "mps":
         used = (msg.allocated_by_pytorch_bytes or 0) + (msg.mps_other_allocations_bytes or 0)
+        ev.update(mps_allocated=msg.allocated_by_pytorch_bytes or 0, mps_other_allocations=msg.mps_other_allocations_bytes or 0)
+        if msg.allowed_bytes is not None:
+            ev["allowed"] = msg.allowed_bytes
         if msg.allowed_bytes is not None and used + req > msg.allowed_bytes:
-            diagnosis = "memory_fraction_limit"
-            reasons.append(f"{f(used)} in use + {f(req)} requested exceeds the MPS limit of {f(msg.allowed_bytes)} (high watermark)")
-        else:
-            diagnosis = "capacity"
-            reasons.append(f"{f(used)} in use + {f(req)} requested is under the MPS limit: the system ran out of unified memory")
-    elif msg.allowed_bytes is not None and reserved is not None and reserved + req > msg.allowed_bytes:
-        diagnosis = "memory_fraction_limit"
-        reasons.append(f"{f(reserved)} reserved + {f(req)} requested exceeds the {f(msg.allowed_bytes)} this process is allowed"
-                       + (f" (of {f(total)} on the GPU)" if total else ""))
-    elif others and others >= max(req - free, 0) and others >= 0.10 * total:
-        diagnosis = "other_processes"
-        reasons.append(f"{len(msg.other_processes)} other process(es) hold {f(others)}; {f(free)} is free and {f(req)} was requested")
-    elif msg.reserved_unallocated_bytes is not None and unalloc > 0 and unalloc + free >= req:
-        diagnosis = "fragmentation"
-        reasons.append(f"{f(unalloc)} is reserved by PyTorch but unallocated, {f(free)} is free, yet no piece holds {f(req)}")
+            return "memory_fraction_limit", [f"{f(used)} in use + {f(req)} requested exceeds the MPS limit of "
+                                             f"{f(msg.allowed_bytes)} (high watermark)"], ev
+        return "capacity", [f"{f(used)} in use + {f(req)} requested is under the MPS limit: the system ran out of unified memory"], ev
+    if reserved is not None:
+        ev["pytorch_reserved"] = reserved
+    if msg.allowed_bytes is not None and reserved is not None and reserved + req > msg.allowed_bytes:
+        ev["allowed"] = msg.allowed_bytes
+        return "memory_fraction_limit", [
+            f"{f(reserved)} reserved + {f(req)} requested = {f(reserved + req)} exceeds the {f(msg.allowed_bytes)} this "
+            f"process is allowed" + (f" (of {f(total)} on the GPU)" if total else "")], ev
+    others = acc.other_processes_bytes
+    if others and others >= shortfall and is_significant(others, total):
+        ev.update(other_processes=others, shortfall=shortfall)
+        who = ", ".join(f"pid {p['pid']}: {f(p['used_bytes'])}" for p in acc.other_processes[:4])
+        me = (f"; this process (pid {acc.this_process_pid}, recognized by its numbers) holds {f(acc.this_process_bytes)}"
+              if acc.this_process_source in ("matched", "hypothesis") and acc.this_process_pid is not None else "")
+        return "other_processes", [f"{len(acc.other_processes)} other process(es) hold {f(others)} ({who}), "
+                                   f"{_missing(req, free)}{me}"], ev
+    ctx = context_allowance()
+    if acc.non_pytorch_bytes is not None:
+        beyond = acc.non_pytorch_bytes - ctx
+        if beyond >= shortfall and is_significant(beyond, total):
+            ev.update(non_pytorch=acc.non_pytorch_bytes, cuda_context=ctx, shortfall=shortfall)
+            return "non_pytorch_memory", [
+                f"this process holds {f(acc.non_pytorch_bytes)} outside PyTorch's allocator ({f(acc.this_process_bytes)} in "
+                f"use - {f(reserved)} PyTorch reserved), {f(beyond)} beyond a CUDA context of {f(ctx)}, "
+                f"{_missing(req, free)}"], ev
+    if acc.this_process_bytes is not None and acc.unaccounted_bytes is not None:
+        elsewhere = acc.unaccounted_bytes
+        what = "neither free nor held by any process the message lists"
+    elif acc.held_elsewhere_bytes is not None:
+        elsewhere = acc.held_elsewhere_bytes - ctx - acc.other_processes_bytes
+        what = "neither free nor PyTorch's, beyond this process' CUDA context" + (
+            " and the processes listed" if acc.other_processes_bytes else "")
     else:
-        diagnosis = "capacity"
-        if reserved is not None:
-            reasons.append(f"PyTorch holds {f(reserved)} reserved ({f(msg.allocated_by_pytorch_bytes)} allocated), "
-                           f"{f(free)} is free and {f(req)} was requested: the job needs more than the GPU has")
-    return Diagnosis(diagnosis, reasons, oom_advice(msg, diagnosis))
+        elsewhere = None
+    if elsewhere is not None and elsewhere >= shortfall and is_significant(elsewhere, total):
+        ev.update(held_elsewhere=elsewhere, shortfall=shortfall)
+        return "held_elsewhere", [
+            f"{f(elsewhere)} of the {f(total)} GPU is {what}, {_missing(req, free)}; PyTorch holds only {f(reserved)}"], ev
+    if unalloc is not None and unalloc > 0 and unalloc + free >= req:
+        ev.update(reserved_unallocated=unalloc)
+        return "fragmentation", [f"{f(unalloc)} is reserved by PyTorch but unallocated and {f(free)} is free, "
+                                 f"together >= the {f(req)} requested, yet no piece holds it"], ev
+    reasons = []
+    if reserved is not None:
+        ev["pytorch_allocated"] = msg.allocated_by_pytorch_bytes or 0
+        reasons.append(f"PyTorch holds {f(reserved)} reserved ({f(msg.allocated_by_pytorch_bytes)} allocated), "
+                       f"{f(free)} is free and {f(req)} was requested: the job needs more than the GPU has")
+    return "capacity", reasons, ev
 
 
 # ---------------------------------------------------------------- with a training spec
@@ -325,15 +432,22 @@ class FitOption:
 
 
 def budget_bytes(msg: OomMessage) -> int | None:
-    """Memory PyTorch tensors could use on that GPU: the allowed limit (or the capacity) minus
-    other processes and this process' non-PyTorch memory (CUDA context, workspaces)."""
+    """Memory PyTorch could hold on that GPU at the failure: its reserved memory plus what CUDA
+    said was free, capped by the allowed limit (the account's ``pytorch_reachable_bytes``). Without
+    those figures: the allowed limit, or the capacity less the other processes and this process'
+    non-PyTorch memory."""
+    from .account import account
+
+    acc = account(msg)
+    if acc.pytorch_reachable_bytes is not None:
+        return acc.pytorch_reachable_bytes
     cap = msg.total_capacity_bytes
     if cap is None and msg.allowed_bytes is None:
         return None
-    limit = cap - msg.other_processes_bytes if cap is not None else msg.allowed_bytes
+    limit = cap - acc.other_processes_bytes if cap is not None else msg.allowed_bytes
     if msg.allowed_bytes is not None:
         limit = min(limit, msg.allowed_bytes)
-    return max(0, limit - (msg.non_pytorch_bytes or 0))
+    return max(0, limit - (acc.non_pytorch_bytes or 0))
 
 
 def _levers(spec) -> list[tuple[str, dict[str, Any]]]:
@@ -425,7 +539,9 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
     diag = diagnose(msg)
     data = msg.to_dict()
     data["other_processes"] = [asdict(p) for p in msg.other_processes]
-    data.update(diagnosis=diag.diagnosis, reasons=diag.reasons, advice=diag.advice, messages_found=len(found))
+    data.update(diagnosis=diag.diagnosis, certain=diag.certain, reasons=diag.reasons, evidence=diag.evidence,
+                alternatives=diag.alternatives, account=diag.account.to_dict(), advice=diag.advice,
+                messages_found=len(found))
     notes = []
     if len(found) > 1:
         notes.append(f"{len(found)} OOM messages found; the last one is diagnosed")

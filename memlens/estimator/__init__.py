@@ -14,12 +14,14 @@ __all__ = ["estimate"]
 METHODS = ("simulate", "formula")
 
 
-def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Result:
+def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, source=None) -> Result:
     """Predict the peak memory of ``spec``'s training step.
 
     method "simulate" runs the step on fake tensors (exact, seconds); "formula" uses the closed
-    form (instant, any size, each term explained). With ``world_size > 1`` "simulate" runs each
-    rank that can differ under a fake process group (:mod:`memlens.distributed`).
+    form (instant, any size, each term explained). ``source``: a resolved model source (default:
+    ``spec.model`` resolved; :func:`memlens.estimate_trainer` passes a Trainer's model). With
+    ``world_size > 1`` "simulate" runs each rank that can differ under a fake process group
+    (:mod:`memlens.distributed`).
     """
     from ..core.errors import MemlensError
     from ..core.gpus import gpu_facts
@@ -34,11 +36,12 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
     if spec.world_size > 1:
         from ..distributed.estimate import estimate_ranks
 
-        return estimate_ranks(spec, steps=steps)     # one simulation per rank that can differ
+        return estimate_ranks(spec, steps=steps, source=source)     # one simulation per rank that can differ
+    from ..core.components import by_component
     from ..core.ledger import analyze, group_modules
     from .simulate import simulate
 
-    sim = simulate(spec, steps=steps)
+    sim = simulate(spec, source=source, steps=steps)
     a = analyze(sim.log)
     ctx = gpu.cuda_context_bytes
     r = Result(
@@ -67,6 +70,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
             "steps": a.steps,
             "attention_backends": sim.attention,
             "by_module_group": group_modules(a.by_module),
+            "by_component": by_component(a.by_module),
             "param_count": sim.param_count,
             "trainable_param_count": sim.trainable_count,
             "seq_len": sim.seq_len,
@@ -75,4 +79,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
             "simulate_seconds": round(sim.seconds, 3),
         },
     )
+    r.notes.extend(sim.notes)
+    if spec.compile:
+        from .compiled import BOUND
+
+        r.data["bound"] = BOUND
+        r.notes.append(f"--compile: {BOUND}.")
     return r

@@ -59,6 +59,7 @@ class CudaRules:
     autocast_dtype: torch.dtype | None = None
     attention_calls: list[AttentionCall] = field(default_factory=list)
     gpu: object = None                 # memlens.core.gpus.GpuFacts (None: the default GPU)
+    fused_attention: object = None     # the autograd.Function for fused SDPA (None: FusedAttention; --compile traces its own)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None) -> str:
@@ -183,7 +184,7 @@ def cuda_sdpa(rules: CudaRules, q, k, v, attn_mask=None, dropout_p=0.0, is_causa
         return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
-    return FusedAttention.apply(q, k, v, attn_mask, backend)
+    return (rules.fused_attention or FusedAttention).apply(q, k, v, attn_mask, backend)
 
 
 def _cast_args(args, kwargs, cast):
@@ -238,7 +239,9 @@ class CudaEmulation(TorchFunctionMode):
             elif name in FP32:
                 args, kwargs = _cast_args(args, kwargs, self._fp32)
             elif name in SET_OPT_DTYPE:
-                if "dtype" not in kwargs and not any(isinstance(a, torch.dtype) for a in args) and _first_half(args):
+                # an absent dtype and an explicit dtype=None are the same to CUDA's policy
+                # (F.softmax passes dtype=None down): BERT's eager softmax of fp16 scores is fp32 on CUDA
+                if kwargs.get("dtype") is None and not any(isinstance(a, torch.dtype) for a in args) and _first_half(args):
                     kwargs = {**kwargs, "dtype": torch.float32}
             elif func is F.cross_entropy:
                 with torch._C._DisableAutocast():
@@ -250,6 +253,10 @@ class CudaEmulation(TorchFunctionMode):
     def _call(self, func, name, args, kwargs):
         if func is F.scaled_dot_product_attention:
             return cuda_sdpa(self.rules, *args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            return _inside_mode(self, func, args, kwargs)
+        if func is torch._foreach_norm:
+            return _cuda_foreach_norm(func, args, kwargs)
         if func is F.dropout or func is torch.dropout:
             return _cuda_dropout(*args, **kwargs)
         if name in ("softmax", "log_softmax"):
@@ -257,6 +264,46 @@ class CudaEmulation(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _inside_mode(mode, func, args, kwargs):
+    """Run a Python torch function's body with the emulation active, so the calls inside it (the
+    projections and the SDPA call of nn.MultiheadAttention, as torchvision's ViT uses it) get
+    CUDA's rules too. Its own torch-function check is answered "no" for this one call (the body
+    would otherwise hand itself back to the mode); the builtins it calls still dispatch here."""
+    import torch.nn.functional as functional
+
+    original = functional.has_torch_function
+    functional.has_torch_function = lambda *a: False
+    try:
+        with mode:
+            return func(*args, **kwargs)
+    finally:
+        functional.has_torch_function = original
+
+
+# multi_tensor_apply's chunk (aten/src/ATen/native/cuda/MultiTensorApply.cuh: kChunkSize)
+FOREACH_CHUNK = 65536
+
+
+def _cuda_foreach_norm(func, args, kwargs):
+    """``torch._foreach_norm`` as CUDA's fast path allocates it (aten/src/ATen/native/cuda/
+    ForeachReduceOp.cu ``_foreach_tensor_norm_cuda_impl``): a zeroed partial-sum buffer of
+    ntensors x max_chunks_per_tensor opmath floats (max_chunks = ceil(largest numel / 65536))
+    while the kernel runs, then one 0-dim result per tensor (the CPU path makes only the results).
+    Used by ``clip_grad_norm_``: for a 128k-vocabulary embedding that buffer is megabytes."""
+    tensors = args[0] if args else kwargs.get("self")
+    ord_ = args[1] if len(args) > 1 else kwargs.get("ord", 2)
+    fast = (tensors and all(t.is_floating_point() and not t.is_complex() for t in tensors)
+            and float(ord_) in (1.0, 2.0, math.inf) and len({t.dtype for t in tensors}) == 1)
+    scratch = None
+    if fast:
+        chunks = max((t.numel() + FOREACH_CHUNK - 1) // FOREACH_CHUNK for t in tensors)
+        scratch = torch.zeros(len(tensors) * chunks, dtype=torch.float32 if tensors[0].dtype != torch.float64 else torch.float64,
+                              device=tensors[0].device)
+    out = func(*args, **kwargs)
+    del scratch
+    return out
 
 
 def _half_to_float_softmax(name: str, args, kwargs):

@@ -51,6 +51,9 @@ def _counts(spec: TrainingSpec):
     from ..models.source import resolve
     from ..models.build import quiet
 
+    if spec.dp:
+        raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
+                           "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
     source = resolve(spec.model)
     if spec.dp:
         raise MemlensError("--method formula does not model DP-SGD's per-sample gradients",
@@ -58,6 +61,13 @@ def _counts(spec: TrainingSpec):
     if source.kind == "factory":
         raise MemlensError(f"--method formula needs a transformers config (layers, hidden size, vocabulary); "
                            f"{spec.model} is a factory", hint="drop --method formula: simulate runs any factory")
+    if spec.compile or spec.hf_trainer:
+        raise MemlensError("--method formula has no terms for " + ("--compile" if spec.compile else "the Trainer's step (--hf-trainer)"),
+                           hint="drop --method formula: the simulation runs it")
+    if source.task not in ("causal-lm", "masked-lm", "vlm", "clip", "image-classification") or (
+            source.task == "image-classification" and not hasattr(source.config, "patch_size")):
+        raise MemlensError(f"--method formula has no activation terms for {source.name} ({source.task})",
+                           hint="drop --method formula: the simulation runs it")
     with torch.device("meta"), quiet():
         built = build(spec.replace(batch_size=1, seq_len=min(spec.seq_len or 8, 8)) if source.task in ("causal-lm", "masked-lm") else spec.replace(batch_size=1), source)
     model = built.model
@@ -118,10 +128,12 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
         logits = tokens * V * (e + 4 + 4)
         logits_why = f"B*L*V logits ({e} B) + fp32 log-softmax ({4} B) + its gradient ({4} B)"
     bpe = 2 if spec.param_dtype != "float32" else 4
-    opt_bytes = {"adamw": 2 * t_bytes, "adam": 2 * t_bytes, "sgd": 0, "sgd-momentum": t_bytes,
-                 "adafactor": int(0.02 * t_bytes) + 4 * 1024, "adamw-8bit": 2 * t_numel}[spec.optimizer]
-    opt_tmp = {"adamw": t_bytes, "adam": t_bytes, "sgd": 0, "sgd-momentum": 0, "adafactor": t_bytes,
-               "adamw-8bit": 0}[spec.optimizer]
+    opt_bytes = {"adamw": 2 * t_bytes, "adam": 2 * t_bytes, "adamw-fused": 2 * t_bytes, "adam-fused": 2 * t_bytes, "sgd": 0,
+                 "sgd-momentum": t_bytes, "adafactor": int(0.02 * t_bytes) + 4 * 1024, "adafactor-hf": int(0.02 * t_bytes) + 4 * 1024,
+                 "adamw-8bit": 2 * t_numel, "paged-adamw-8bit": 0}[spec.optimizer]
+    # foreach: one parameter-sized list; fused and bitsandbytes: none; transformers' Adafactor: two fp32 per tensor (largest)
+    opt_tmp = {"adamw": t_bytes, "adam": t_bytes, "adamw-fused": 0, "adam-fused": 0, "sgd": 0, "sgd-momentum": 0,
+               "adafactor": t_bytes, "adafactor-hf": 0, "adamw-8bit": 0, "paged-adamw-8bit": 0}[spec.optimizer]
     if spec.offload_optimizer:
         opt_bytes, opt_tmp = 0, 0
     shard = spec.world_size if spec.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1

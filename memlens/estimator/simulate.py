@@ -86,23 +86,42 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                    scaler=_FakeGradScaler() if spec.precision == "amp-fp16" else None)
     model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
-    register_model(tracker, model)
-    register_inputs(tracker, step.batch)
-    params = list(model.parameters())
-    dp = None
-    if spec.dp:
-        from .dp import PerSampleGradients
+    if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
+        from .compiled import compile_for_simulation
 
-        dp = PerSampleGradients(tracker, step.micro_batch)  # samples actually in the micro-batch
+        if step.step_fn is not None or spec.dp:
+            raise MemlensError("--compile is simulated for a model's forward only, not with " +
+                               ("a factory's own step function" if step.step_fn is not None else "--dp"),
+                               hint="drop --compile (the eager estimate is an upper bound of the compiled step)")
+
+        def trace_context():
+            stack = contextlib.ExitStack()
+            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation,
+                       autocast()):
+                stack.enter_context(cm)
+            return stack
+
+        try:
+            step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context, rules)
+        except MemlensError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
+            raise _untraceable(e, spec) from None
+    register_model(tracker, model)
+    if step.dp is None:
+        register_inputs(tracker, step.batch)
+    else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices
+        step.dp.observer = tracker
+    params = list(model.parameters())
 
     def on_grad(p) -> None:
+        if p.grad is None:  # a hook can fire with no gradient (e.g. Swin's relative position tables)
+            return
         tracker.retag(p.grad, "gradients")
-        if dp is not None:
-            dp.on_grad(p)
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
-                    "optimizer": log.module_id(OPTIMIZER_LABEL)}
+                    "clip": log.module_id(OPTIMIZER_LABEL), "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
     wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
     try:
@@ -114,8 +133,6 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                         tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
-                        if dp is not None and name == "optimizer":
-                            dp.clip_and_noise()
 
                     step.run(on_phase)
                     tag_optimizer_state(tracker, step.optimizer)
@@ -128,8 +145,19 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         for h in hooks:
             h.remove()
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
+    notes = list(step.notes)
+    if any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()):
+        from . import conv_workspaces
+
+        if not conv_workspaces.calibrated(spec.gpu):
+            notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu} (bench/gpu_generality_calibrate.py conv): "
+                         "not counted")
+    paged = getattr(step.optimizer, "paged_bytes", 0)
+    if paged:
+        notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
+                     "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                      attention, time.perf_counter() - t0, applied=step.applied, wrapper=step.wrapper)
+                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
@@ -196,15 +224,37 @@ class SimulationTracker(StorageTracker):
             self.register(t, "temporaries")
         del scratch
 
+    def _conv_workspace(self, func, args, out) -> None:
+        """cuDNN's workspace for one convolution call: allocated after the outputs, freed at the
+        end of the call (estimator/conv_workspaces.py: measured per class)."""
+        from . import conv_workspaces
+
+        fwd = func is torch.ops.aten.convolution.default
+        x, w = (args[0], args[1]) if fwd else (args[1], args[2])
+        groups = args[8] if fwd else args[9]
+        y = out if fwd else args[0]
+        nbytes = conv_workspaces.workspace_bytes(self.gpu.name, "forward" if fwd else "backward", x.dtype, tuple(w.shape), groups,
+                                                 x.shape[1], x.numel() * x.element_size(), y.numel() * y.element_size())
+        if nbytes > 0:
+            ws = torch.empty(nbytes, dtype=torch.uint8)
+            self.register(ws, "workspace")
+            del ws
+
     def _workspace(self, name: str, nbytes: int) -> None:
         t = torch.empty(nbytes, dtype=torch.uint8)  # inside the handler this mode is off: register it
         self.register(t, "workspace")
         self._workspaces[name] = t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.phase == "optimizer" and func is torch.ops.aten.lift_fresh.default:
+            # `torch.tensor(x)` in an optimizer step: torch's non-fused optimizers keep their step
+            # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
+            return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is torch.ops.aten.embedding_dense_backward.default:
             self._embedding_backward_scratch(args[0], args[1])
+        if func is torch.ops.aten.convolution.default or func is torch.ops.aten.convolution_backward.default:
+            self._conv_workspace(func, args, out)
         if func in _gemm_ops():
             thread = "backward" if self.phase == "backward" else "forward"
             if thread not in self._workspaces:

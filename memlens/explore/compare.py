@@ -54,7 +54,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     ``measured_peak_allocated_bytes``/``reserved``, ``step_seconds`` (median after the first step),
     ``time_overhead`` (vs the baseline), ``losses`` and ``estimate_error`` (estimated / measured - 1).
     """
-    names = list(techniques) if techniques else list(DEFAULT_TECHNIQUES)
+    names = list(techniques) if techniques else list(tech.COMPARE_DP if spec.dp else DEFAULT_TECHNIQUES)
     est = estimator or CachedEstimator()
     b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []

@@ -34,6 +34,7 @@ class Point:
     trainable_param_count: int = 0
     seq_len: int | None = None
     timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
+    by_component: tuple = field(default=(), compare=False)  # attention / mlp / embedding / norm / lora ... at the peak
     peak_rank: int | None = None        # several GPUs: the rank whose peak this is
 
     @classmethod
@@ -45,7 +46,7 @@ class Point:
         return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
-                   timeline=keep, peak_rank=d.get("peak_rank"))
+                   timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"))
 
 
 from .fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
@@ -128,6 +129,8 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     QLoRA dequantizes weights each matmul (x1.25). Offload adds moving gradients to the CPU and
     parameters back over PCIe, plus the CPU Adam step. ZeRO/FSDP over N GPUs splits the batch N
     ways and adds collectives: 2x (N-1)/N gradient bytes (stages 1-2, like DDP), 3x for stage 3.
+    DP-SGD (Opacus): the physical batches of the logical batch are the micro-steps; hooks add the
+    per-sample gradient einsums (2N_trainable per token), ghost clipping a second backward pass.
 
     >>> s = TrainingSpec(model="m", batch_size=8, seq_len=1024)
     >>> p = Point(0, 0, param_count=100_000_000, trainable_param_count=100_000_000)
@@ -138,11 +141,16 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     """
     mb = micro_batch if micro_batch is not None else spec.batch_size
     acc = grad_accum if grad_accum is not None else spec.grad_accum
+    if spec.dp and micro_batch is None and grad_accum is None:
+        mb = min(spec.physical_batch_size or spec.batch_size, spec.batch_size)
+        acc = ceil_div(spec.batch_size, mb)
     L = tokens_per_sample or p.seq_len or spec.seq_len or 512
     n, nt = max(p.param_count, 1), p.trainable_param_count
     n_ranks = spec.world_size if spec.sharding not in ("none",) or spec.world_size > 1 else 1
     tokens_micro = mb * L
     flops_per_token = 2 * n + 2 * n + 2 * nt
+    if spec.dp:
+        flops_per_token += (2 * n + 2 * nt) if spec.grad_sample_mode == "ghost" else 2 * nt
     recompute = 2 * n if spec.grad_checkpointing else 0
     from ..core.gpus import gpu_facts
 
@@ -178,3 +186,6 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
     return 1
 
 
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

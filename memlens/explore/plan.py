@@ -79,13 +79,13 @@ class PlanEntry:
         return d
 
 
-def _flags(changes: dict[str, Any], micro: int | None, accum: int | None) -> str:
+def _flags(changes: dict[str, Any], micro: int | None, accum: int | None, field_name: str = "batch_size") -> str:
     parts = []
     for k, v in changes.items():
         flag = "--" + k.replace("_", "-")
         parts.append(flag if v is True else f"{flag} {v}")
     if micro is not None:
-        parts.append(f"--batch-size {micro}")
+        parts.append(f"--{field_name.replace('_', '-')} {micro}")
     if accum and accum > 1:
         parts.append(f"--grad-accum {accum}")
     return " ".join(parts)
@@ -105,6 +105,9 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
                          None, None, gpus=n, error=f"the target batch {target_batch} does not split evenly over {n} GPUs")
     per_gpu = target_batch // n
+    dp = field_name == "physical_batch_size"   # DP-SGD: the logical batch stays, physical batches of it (Opacus)
+    if dp:
+        s = s.replace(batch_size=per_gpu, physical_batch_size=None)
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
     try:
         search = max_fitting_among(divisors, lambda b: need_bytes(est(s.replace(**{field_name: b}))), usable_bytes)
@@ -114,16 +117,18 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     m = search.limit
     micro = m or 1
     accum = per_gpu // micro
-    run = s.replace(**{field_name: micro}, grad_accum=max(1, accum))
+    run = s.replace(**{field_name: micro}) if dp else s.replace(**{field_name: micro}, grad_accum=max(1, accum))
     p = est(run)
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
+    if dp:
+        accum = 1   # the physical batches are Opacus' BatchMemoryManager's, not --grad-accum
     return PlanEntry(
         cand.name, cand.kind, cand.tradeoff, cand.changes, fits=m > 0,
         micro_batch=micro if m else None, grad_accum=accum if m else None,
-        effective_batch=micro * accum * n if m else None,
+        effective_batch=(per_gpu if dp else micro * accum) * n if m else None,
         predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes,
         predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n,
-        flags=_flags(cand.changes, micro if m else None, accum if m else None), estimates=est.calls - before,
+        flags=_flags(cand.changes, micro if m else None, accum if m else None, field_name), estimates=est.calls - before,
         extra={"step_time_parts": t.parts},
     )
 

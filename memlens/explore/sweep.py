@@ -133,7 +133,7 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
 
 def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = False, resume: bool = False,
           device: str = "cuda", steps: int = 3, timeout: float = 600, budget_bytes: int | None = None,
-          estimator: CachedEstimator | None = None, runner=None, gpus: list[int] | None = None,
+          estimator: CachedEstimator | None = None, runner=None, gpus: list[int] | None = None, detailed: bool = False,
           progress: Callable[[int, int, str, dict | None], None] | None = None) -> Result:
     """Run (or estimate) every cell of ``grid`` and return all rows in grid order.
 
@@ -146,10 +146,14 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     own GPU (``CUDA_VISIBLE_DEVICES``), as many cells at once as there are GPUs; a cell for several
     GPUs (``world_size``) runs under torchrun on that many of them. Rows are appended as cells
     finish; the result keeps grid order.
+
+    ``detailed`` (the Opacus profiler's detailed mode): each cell also gets ``detail``, its peak by
+    category, phase and component, from the estimate (``source: estimate``) or, measured, from a
+    full-mode profile of the trial.
     """
     cells = grid_cells(spec, grid)
     if not cells:
-        raise MemlensError("the grid is empty", hint="give at least one value per axis, e.g. --batch-sizes 1,2,4,8")
+        raise MemlensError("the grid is empty", hint="give at least one value per axis, e.g. --batch-sizes 1,2,4")
     runnable = [c for c in cells if c.spec is not None]
     if not runnable:
         raise MemlensError(f"no valid cell in the grid ({cells[0].skip})", hint="e.g. physical batch sizes must be <= batch sizes")
@@ -195,7 +199,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
             continue
         rec["spec"] = c.spec.to_dict()
         rec["_t0"] = time.perf_counter()
-        _estimate_cell(c, rec, est, budget_bytes, measure)
+        _estimate_cell(c, rec, est, budget_bytes, measure, detailed)
         if measure:
             todo.append((c, rec))
         else:
@@ -205,12 +209,14 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         from .trial import run_trial as run
 
     def measure_cell(c: Cell, rec: dict[str, Any], cell_gpus: list[int] | None) -> None:
-        kw = {"gpus": cell_gpus} if cell_gpus is not None else {}
+        kw: dict[str, Any] = {"gpus": cell_gpus} if cell_gpus is not None else {}
+        if detailed:
+            kw["detailed"] = True
         t = run(c.spec, device=device, steps=steps, timeout=timeout, memory_fraction=frac, **kw)
         rec.update(status=t["status"], peak_allocated_bytes=t.get("peak_allocated_bytes"),
                    peak_reserved_bytes=t.get("peak_reserved_bytes"), step_seconds=t.get("seconds"),
                    losses=t.get("losses"), timeline=t.get("timeline") or [], memory_measured=t.get("memory_measured", False))
-        for k in ("error", "ranks", "peak_rank", "gpus"):
+        for k in ("error", "detail", "ranks", "peak_rank", "gpus"):
             if t.get(k) is not None:
                 rec[k] = t[k]
         finish(c, _closed(rec))
@@ -225,7 +231,8 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
-            "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac}
+            "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac,
+            "detailed": detailed, "steps": steps}
     if gpus is not None:
         data["gpus"] = list(gpus)
     return Result(verb="sweep", spec=spec.to_dict(), notes=[
@@ -233,7 +240,8 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimate above --budget)"], data=data)
 
 
-def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_bytes: int | None, measure: bool) -> None:
+def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_bytes: int | None, measure: bool,
+                   detailed: bool = False) -> None:
     try:
         p = est(c.spec)
         rec.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
@@ -245,6 +253,11 @@ def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_by
         if not measure:
             rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
             rec["timeline"] = [dict(pt) for pt in p.timeline]
+            if detailed:
+                rec["detail"] = {"source": "estimate", "peak_allocated_bytes": p.peak_allocated_bytes,
+                                 "by_category": {k: v for k, v in (p.by_category or {}).items() if v},
+                                 "by_phase": {k: v.get("peak_allocated_bytes", 0) for k, v in (p.by_phase or {}).items()},
+                                 "by_component": [dict(x) for x in p.by_component]}
     except MemlensError as e:
         rec.update(estimated_peak_allocated_bytes=None, estimate_error_message=e.message)
         if not measure:

@@ -4,7 +4,8 @@ them, ``doctor`` advises them.
 
 Kinds: ``same math`` (training computes the same thing: checkpointing, accumulation, offload,
 sharding), ``numerics`` (the same model in other number formats or another optimizer), ``changes
-the model`` (what is trained changes: LoRA, QLoRA).
+the model`` (what is trained changes: LoRA, QLoRA), ``changes the privacy`` (DP-SGD with Opacus'
+hooks or ghost clipping, or without it).
 
 >>> from memlens.core.spec import TrainingSpec
 >>> s = TrainingSpec(model="gpt2", batch_size=8)
@@ -12,6 +13,9 @@ the model`` (what is trained changes: LoRA, QLoRA).
 'gpt2 b=8 amp-fp16 ckpt adamw'
 >>> TECHNIQUES["checkpointing"].kind, TECHNIQUES["lora"].kind
 ('same math', 'changes the model')
+>>> dp = TrainingSpec(model="gpt2", batch_size=16, dp=True, physical_batch_size=4)
+>>> [apply(dp, t).describe() for t in ("dp-ghost", "non-private")]
+['gpt2 b=16 fp32 adamw dp-ghost pb=4', 'gpt2 b=4 fp32 adamw accum=4']
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from typing import Any, Callable
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
 
-EXACT, NUMERICS, MODEL = "same math", "numerics", "changes the model"
+EXACT, NUMERICS, MODEL, PRIVACY = "same math", "numerics", "changes the model", "changes the privacy"
 
 Changes = dict[str, Any] | Callable[[TrainingSpec, "Context"], dict[str, Any]]
 
@@ -40,7 +44,7 @@ class Technique:
     name: str                  # the name compare / sweep take (`--techniques amp-bf16,checkpointing`)
     title: str                 # how a plan or advice names it
     changes: Changes           # spec fields it sets (a dict, or a function of the spec)
-    kind: str                  # EXACT | NUMERICS | MODEL
+    kind: str                  # EXACT | NUMERICS | MODEL | PRIVACY
     cost: str                  # what it is expected to cost, in words
     applies: Callable[[TrainingSpec], bool] = lambda s: True   # does it change anything for this spec?
 
@@ -73,6 +77,16 @@ def _qlora(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
     return out
 
 
+def _non_private(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
+    """The same logical batch without DP-SGD: physical-size micro-batches with plain accumulation."""
+    out: dict[str, Any] = {"dp": False, "physical_batch_size": None, "grad_sample_mode": None, "max_grad_norm": None,
+                           "noise_multiplier": None}
+    pb = spec.physical_batch_size
+    if pb and pb < spec.batch_size and spec.batch_size % pb == 0:
+        out.update(batch_size=pb, grad_accum=spec.grad_accum * (spec.batch_size // pb))
+    return out
+
+
 def _full_ft_8bit(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
     out: dict[str, Any] = {"optimizer": "adamw-8bit"}
     if spec.precision not in ("fp16", "bf16"):
@@ -83,13 +97,16 @@ def _full_ft_8bit(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
 
 
 _fp32 = lambda s: s.precision == "fp32"   # noqa: E731
+_no_dp = lambda s: not s.dp               # noqa: E731 - Opacus refuses it (memlens.integrations.opacus.check_spec)
+ADAM = ("adamw", "adam", "adamw-fused", "adam-fused")   # full-precision Adam states a switch of optimizer saves
 _full = lambda s: not s.uses_lora          # noqa: E731
-_one_gpu = lambda s: s.world_size == 1     # noqa: E731
+_one_gpu = lambda s: s.world_size == 1 and not s.dp   # noqa: E731 - DP over GPUs: not run yet (issue 10)
 
 TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("fp32", "fp32", {"precision": "fp32"}, NUMERICS, "fp32 everything: the baseline of mixed precision"),
     Technique("amp-fp16", "AMP fp16", {"precision": "amp-fp16"}, NUMERICS,
-              "fp16 autocast + GradScaler: activations in half, fp32 master weights; loss scaling", _fp32),
+              "fp16 autocast + GradScaler: activations in half, fp32 master weights; loss scaling",
+              lambda s: _fp32(s) and _no_dp(s)),
     Technique("amp-bf16", "AMP bf16", {"precision": "amp-bf16"}, NUMERICS,
               "bf16 autocast: activations in half, fp32 master weights; faster matmuls", _fp32),
     Technique("bf16", "bf16 weights", {"precision": "bf16"}, NUMERICS,
@@ -98,25 +115,25 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("fp16", "fp16 weights", {"precision": "fp16"}, NUMERICS, "pure fp16 training: overflow-prone without loss scaling",
               lambda s: s.precision not in ("fp16", "bf16") and not s.qlora),
     Technique("checkpointing", "checkpointing", {"grad_checkpointing": True}, EXACT,
-              "recomputes the forward in backward (~+33% compute)", lambda s: not s.grad_checkpointing),
+              "recomputes the forward in backward (~+33% compute)", lambda s: not s.grad_checkpointing and _no_dp(s)),
     Technique("accumulation", "accumulation x4", _accumulation, EXACT,
-              "the same effective batch in 4 micro-batches: a quarter of the activations, more steps"),
+              "the same effective batch in 4 micro-batches: a quarter of the activations, more steps", _no_dp),
     Technique("halve-batch", "halve micro-batch, double accumulation", _halve, EXACT,
-              "the same effective batch, about half the activations", lambda s: s.batch_size > 1),
+              "the same effective batch, about half the activations", lambda s: s.batch_size > 1 and _no_dp(s)),
     Technique("lora", "LoRA r={rank}", lambda s, c: {"lora_rank": c.lora_rank}, MODEL,
               "trains low-rank adapters only; base frozen", _full),
     Technique("qlora", "QLoRA r={rank}", _qlora, MODEL, "4-bit NF4 frozen base + LoRA adapters (bitsandbytes)",
               lambda s: not s.qlora),
     Technique("adamw-8bit", "8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS,
               "bitsandbytes AdamW8bit: states in 8 bits (2 B/param instead of 8)",
-              lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora),
+              lambda s: s.optimizer in ADAM and not s.uses_lora),
     Technique("adafactor", "Adafactor", {"optimizer": "adafactor"}, NUMERICS,
-              "factored second moment, no first moment: tiny states", lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora),
+              "factored second moment, no first moment: tiny states", lambda s: s.optimizer in ADAM and not s.uses_lora),
     Technique("sgd", "SGD", {"optimizer": "sgd"}, NUMERICS, "no optimizer state; needs another learning-rate schedule",
               lambda s: s.optimizer != "sgd"),
     Technique("full-8bit", "bf16 + checkpointing + 8-bit AdamW", _full_ft_8bit, NUMERICS,
               "everything that keeps full fine-tuning",
-              lambda s: s.optimizer in ("adamw", "adam") and not s.uses_lora and not (s.precision in ("fp16", "bf16") and s.grad_checkpointing)),
+              lambda s: s.optimizer in ADAM and not s.uses_lora and not (s.precision in ("fp16", "bf16") and s.grad_checkpointing)),
     Technique("offload", "CPU offload of the optimizer", {"offload_optimizer": True}, EXACT,
               "ZeRO-Offload: optimizer states and step on the CPU; PCIe transfers each step",
               lambda s: not s.offload_optimizer and not s.uses_lora),
@@ -124,14 +141,25 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               "optimizer states and gradients sharded; batch split over GPUs", _one_gpu),
     Technique("fsdp", "FSDP (ZeRO-3) over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "fsdp"}, EXACT,
               "parameters sharded too; all-gathers each layer (1.5x the communication of DDP)", _one_gpu),
+    # DP-SGD (Opacus): memlens.integrations.opacus runs them
+    Technique("dp-hooks", "DP-SGD (Opacus hooks)", {"dp": True, "grad_sample_mode": "hooks"}, PRIVACY,
+              "per-sample gradients: trainable parameters x physical batch, kept into the optimizer step",
+              lambda s: s.dp and s.grad_sample_mode != "hooks"),
+    Technique("dp-ghost", "DP-SGD (Opacus ghost clipping)", {"dp": True, "grad_sample_mode": "ghost"}, PRIVACY,
+              "two backward passes (graph kept through both); B x T x T Gram matrices per Linear layer",
+              lambda s: s.dp and s.grad_sample_mode != "ghost"),
+    Technique("non-private", "non-private (no DP-SGD)", _non_private, PRIVACY,
+              "no privacy guarantee; the same logical batch with plain accumulation", lambda s: s.dp),
 )}
 
 # the seeds' six configurations and the single techniques the issue names
 COMPARE_DEFAULT = ("fp32", "amp-fp16", "amp-bf16", "bf16", "checkpointing", "accumulation", "lora", "adamw-8bit",
                    "adafactor", "amp-fp16+checkpointing", "amp-fp16+checkpointing+accumulation", "amp-bf16+checkpointing+lora")
-# what a plan tries for a target, in this order (ranking comes after)
+# hooks vs ghost vs non-private side by side (compare's default for a --dp spec; the first is the baseline)
+COMPARE_DP = ("non-private", "dp-hooks", "dp-ghost")
+# what a plan tries for a target, in this order (ranking comes after); dp-* apply to --dp specs only
 PLAN = ("amp-bf16", "bf16", "checkpointing", "amp-bf16+checkpointing", "adamw-8bit", "adafactor", "full-8bit",
-        "offload", "lora", "qlora", "zero2", "fsdp")
+        "offload", "lora", "qlora", "zero2", "fsdp", "dp-hooks", "dp-ghost")
 # what doctor tries against an OOM, in the order people try them (then combined)
 DOCTOR = ("halve-batch", "checkpointing", "amp-bf16", "adamw-8bit", "lora")
 
@@ -183,7 +211,7 @@ def title(name: str, ctx: Context | None = None) -> str:
 
 def kind(name: str) -> str:
     """The strongest kind among the parts (changes the model > numerics > same math)."""
-    order = {EXACT: 0, NUMERICS: 1, MODEL: 2}
+    order = {EXACT: 0, NUMERICS: 1, MODEL: 2, PRIVACY: 3}
     return max((t.kind for t in parts(name)), key=order.__getitem__)
 
 

@@ -11,6 +11,11 @@ context, so one trial's fragmentation or OOM never leaks into the next, and a ha
 - ``timeout``: killed after ``timeout`` seconds;
 - ``crash``: the process died or raised something else (``error``: the last line of stderr).
 
+``detailed=True`` (the Opacus profiler's detailed mode) profiles the steps instead (``memlens
+profile``'s runner, full mode: the allocator's history on CUDA, the ledger on the CPU) and adds
+``detail``: the peak by category (memory type), by phase (operation), by component (attention,
+MLP, embedding, norm, LoRA) and the labelled snapshots.
+
 On ``device="cpu"`` the steps run on real CPU tensors: times and losses are measured, memory is
 not (``memory_measured`` is false and the memory fields are None). That is what CI uses to test
 the subprocess, timeout and resume machinery without a GPU.
@@ -35,7 +40,7 @@ MARK = "MEMLENS_TRIAL "
 
 
 def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_fraction: float | None = None,
-            seed: int = 0) -> dict[str, Any]:
+            seed: int = 0, detailed: bool = False) -> dict[str, Any]:
     """Run ``steps`` optimizer steps of ``spec`` in this process and return what was measured.
 
     The model is built by memlens' builder with weights from ``torch.manual_seed(seed)`` and trained by
@@ -58,6 +63,8 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
         rec["total_memory_bytes"] = torch.cuda.get_device_properties(dev).total_memory
     sync = (lambda: torch.cuda.synchronize(dev)) if cuda else (lambda: None)
     timeline: list[dict[str, Any]] = []
+    if detailed:
+        return _measure_detailed(spec, dev, steps, rec)
     try:
         step = prepare(spec, device=dev, seed=seed)
         if cuda:  # this process is the trial's own: its peak counter measures the steps only
@@ -93,6 +100,33 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
     return rec
 
 
+def _measure_detailed(spec: TrainingSpec, dev, steps: int, rec: dict[str, Any]) -> dict[str, Any]:
+    """The steps under memlens' profiler (full mode): the peak and its breakdown per category, phase and component."""
+    import torch
+
+    from ..measure.runner import profile_spec
+
+    cuda = dev.type == "cuda"
+    try:
+        r, _ = profile_spec(spec, steps=steps, warmup=0, device=dev, mode="full")
+    except torch.OutOfMemoryError as e:
+        return {**rec, "status": "oom", "error": str(e).splitlines()[0][:300] if str(e) else "OutOfMemoryError",
+                "peak_allocated_bytes": None, "peak_reserved_bytes": None}
+    d = r.data
+    times = [s["host_seconds"] for s in d.get("steps", [])]
+    rec.update(step_seconds=times, seconds=_median(times[1:] or times), losses=None,
+               peak_allocated_bytes=r.peak_allocated_bytes if cuda else None,
+               peak_reserved_bytes=r.peak_reserved_bytes if cuda else None,
+               timeline=[{"step": s["step"], "phase": s["phase"], "label": s["label"], "t": s["t_s"],
+                          "allocated_bytes": s["allocated_bytes"], "peak_allocated_bytes": s["peak_allocated_bytes"]}
+                         for s in d.get("snapshots", [])],
+               detail={"source": d.get("measured_by"), "peak_allocated_bytes": r.peak_allocated_bytes,
+                       "by_category": {k: v for k, v in r.by_category.items() if v},
+                       "by_phase": {k: v["peak_allocated_bytes"] for k, v in r.by_phase.items()},
+                       "by_component": d.get("by_component") or [], "dp": d.get("dp")})
+    return rec
+
+
 def _median(xs: list[float]) -> float | None:
     if not xs:
         return None
@@ -111,16 +145,19 @@ def _child_env() -> dict[str, str]:
 
 
 def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeout: float = 600,
-              memory_fraction: float | None = None, seed: int = 0, gpus: list[int] | None = None) -> dict[str, Any]:
+              memory_fraction: float | None = None, seed: int = 0, detailed: bool = False,
+              gpus: list[int] | None = None) -> dict[str, Any]:
     """``measure`` in a fresh ``python -m memlens.explore.trial`` process; never raises for the trial's fate.
+    The child inherits the environment (HF_TOKEN for gated configs: never on its command line).
 
     ``gpus``: the GPUs the trial may see (CUDA_VISIBLE_DEVICES). A spec for several GPUs runs under
-    torchrun, one process per GPU (:func:`memlens.distributed.launch.job_trial`)."""
+    torchrun, one process per GPU (:func:`memlens.distributed.launch.job_trial`; every rank's peaks)."""
     if spec.world_size > 1:
         from ..distributed.launch import job_trial
 
         return job_trial(spec, steps=steps, timeout=timeout, memory_fraction=memory_fraction, gpus=gpus)
-    req = {"spec": spec.to_dict(), "device": device, "steps": steps, "memory_fraction": memory_fraction, "seed": seed}
+    req = {"spec": spec.to_dict(), "device": device, "steps": steps, "memory_fraction": memory_fraction, "seed": seed,
+           "detailed": detailed}
     t = time.perf_counter()
     base = {"spec": spec.to_dict(), "device": device}
     try:
@@ -146,7 +183,8 @@ def _main() -> int:
     spec = TrainingSpec.from_dict(req["spec"])
     try:
         rec = measure(spec, device=req.get("device", "cuda"), steps=int(req.get("steps", 3)),
-                      memory_fraction=req.get("memory_fraction"), seed=int(req.get("seed", 0)))
+                      memory_fraction=req.get("memory_fraction"), seed=int(req.get("seed", 0)),
+                      detailed=bool(req.get("detailed", False)))
     except Exception as e:  # noqa: BLE001 - reported to the parent as a crash
         rec = {"status": "crash", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     sys.stdout.write(MARK + json.dumps(rec) + "\n")

@@ -229,6 +229,11 @@ class HistoryRecorder:
     def _on_moment(self, n: int) -> None:
         if not self.rec.moments:
             self.rec.moment_base = n
+        # numbers another recorder took meanwhile (memlens.guard() beside the profiler) label allocations
+        # made in this recorder's last moment: keep moments[n - moment_base] aligned
+        gap = n - self.rec.moment_base - len(self.rec.moments)
+        if gap > 0:
+            self.rec.moments.extend([self.rec.moments[-1]] * gap)
         self.rec.moments.append(Moment(self.phase, self.step, self.module))
 
     def moment_taken(self, n: int) -> None:

@@ -243,3 +243,59 @@ class Monitor:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         return _save(fig, plt, path)
+
+
+class StepTrend:
+    """Memory per step and where its trend goes: the seeds' exercise 9.4 (a least-squares line over
+    a sliding window of steps, as ``AdaptiveMemoryManager.predict_oom_risk``), on bytes per step.
+
+    ``record(step, end_bytes, peak_bytes)``: memory left allocated at the end of the step (what a
+    leak grows) and the process' running peak then. :meth:`predicted_peak` extrapolates the peak
+    ``steps_ahead`` steps by the slope of the end-of-step memory; it is only trusted while the running
+    peak is rising (this step set a new high, so the running peak *is* this step's peak): after a
+    smaller micro-batch the old high is stale, and nothing is predicted until memory grows past it.
+
+    >>> t = StepTrend(window=5)
+    >>> for s in range(1, 6):
+    ...     t.record(s, 1000 + 100 * s, 5000 + 100 * s)
+    >>> t.slope(), t.predicted_peak(10)
+    (100.0, 6500)
+    >>> t.reset(); t.predicted_peak(10) is None
+    True
+    """
+
+    def __init__(self, window: int = 10, min_points: int = 3):
+        if window < 2 or min_points < 2:
+            raise MemlensError("a trend needs a window of at least 2 steps", hint="e.g. StepTrend(window=10)")
+        self.window = window
+        self.min_points = min_points
+        self.points: list[tuple[float, int, int]] = []
+
+    def reset(self) -> None:
+        self.points.clear()
+
+    def record(self, step: float, end_bytes: int, peak_bytes: int) -> None:
+        self.points.append((float(step), int(end_bytes), int(peak_bytes)))
+        del self.points[:-self.window]
+
+    def slope(self) -> float | None:
+        """Bytes per step of the end-of-step memory over the window (None: too few steps)."""
+        pts = self.points
+        if len(pts) < self.min_points:
+            return None
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        var = sum((p[0] - mx) ** 2 for p in pts)
+        return sum((p[0] - mx) * (p[1] - my) for p in pts) / var if var > 0 else None
+
+    def rising(self) -> bool:
+        """Did the last step set a new running peak (so the running peak is that step's own)?"""
+        return len(self.points) >= 2 and self.points[-1][2] > self.points[-2][2]
+
+    def predicted_peak(self, steps_ahead: int) -> int | None:
+        """The peak ``steps_ahead`` steps on, if the trend is growing and the peak is current; else None."""
+        s = self.slope()
+        if s is None or s <= 0 or not self.rising():
+            return None
+        return int(self.points[-1][2] + s * steps_ahead)

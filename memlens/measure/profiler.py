@@ -51,7 +51,7 @@ from ..core.tracker import register_inputs, register_model, tag_optimizer_state
 from ..report.result import Result
 
 MODES = ("phases", "full", "ledger")
-PHASE_NAMES = ("forward", "backward", "optimizer")
+PHASE_NAMES = ("forward", "backward", "clip", "optimizer")   # clip: DP-SGD (Opacus' DPOptimizer before the update)
 META_PREFIX = "memlens:"   # allocator user metadata of our moments: "memlens:<moment index>"
 
 
@@ -75,11 +75,14 @@ class Snapshot:
     peak_exact: bool = True          # False: no allocator history covered the interval (a lower bound)
     running_max_bytes: int = 0       # max_memory_allocated() when taken (never reset by memlens)
     moment: int = -1                 # allocator-history moment that starts here (CUDA)
+    substep: str = ""                # e.g. "physical 2/4": DP-SGD's physical batch within the step
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["t_s"] = round(self.t_s, 6)
         del d["moment"], d["running_max_bytes"]
+        if not self.substep:
+            del d["substep"]
         return d
 
 
@@ -198,6 +201,8 @@ class Profiler:
         self.optimizer_hooks = optimizer_hooks
         self.gather = gather            # several ranks: gather every rank's result on rank 0 (None: when torch.distributed runs)
         self.snapshots: list[Snapshot] = []
+        self.setup_snapshots: list[Snapshot] = []   # read by the caller before start (model load ...), prepended to the result
+        self.substep = ""                            # labels snapshots within a step (DP-SGD: "physical 2/4")
         self.steps: list[dict[str, Any]] = []
         self.step = 1
         self.current_phase = "start"
@@ -327,6 +332,29 @@ class Profiler:
         """Close the current step explicitly (when no optimizer hook is installed)."""
         self._end_step()
 
+    def retag(self, tensor, category: str) -> None:
+        """Say what a live tensor is (e.g. Opacus' per-sample gradients): in the ledger, and in the
+        allocator-history classification on CUDA (full mode)."""
+        if tensor is None:
+            return
+        if self.tracker is not None:
+            self.tracker.retag(tensor, category)
+        if self.history is not None:
+            self.history.observe(category, [tensor])
+
+    def retag_all(self, tensors, category: str) -> None:
+        """:meth:`retag` for many tensors (one allocator-history observation)."""
+        tensors = [t for t in tensors if t is not None]
+        if self.tracker is not None:
+            for t in tensors:
+                self.tracker.retag(t, category)
+        if self.history is not None and tensors:
+            self.history.observe(category, tensors)
+
+    def scope(self, category: str):
+        """Storages created inside get ``category`` in the ledger (the allocator history classifies by phase)."""
+        return self.tracker.scope(category) if self.tracker is not None else contextlib.nullcontext()
+
     # ------------------------------------------------------------ internals
     def _snap(self, label: str, phase: str, ended: str = "") -> Snapshot:
         alloc, res, active, peak, peak_res = self.meter.read()
@@ -334,7 +362,8 @@ class Profiler:
         if self.history is not None:
             self.history.moment_taken(moment)
         s = Snapshot(label, self.step, phase, time.perf_counter() - self._t0, int(alloc), int(res), int(active),
-                     int(peak), int(peak_res), ended, running_max_bytes=int(peak), moment=moment)
+                     int(peak), int(peak_res), ended, running_max_bytes=int(peak), moment=moment,
+                     substep=self.substep if phase not in ("start", "stop", "end") else "")
         self.meter.reset_peak()
         self.snapshots.append(s)
         return s
@@ -355,7 +384,7 @@ class Profiler:
                 self.tracker.module = self.log.module_id(OPTIMIZER_LABEL)
             elif name == "forward":
                 self.tracker.module = self.log.module_id(OUTSIDE_LABEL)
-        self._snap(f"step {self.step} {name}", name, ended)
+        self._snap(f"step {self.step} " + (f"{self.substep} " if self.substep else "") + name, name, ended)
         self.current_phase = name
         self._backward_seen = name == "backward"
 

@@ -19,9 +19,11 @@ def build_result(prof: "Profiler") -> Result:
     """Everything the profiler saw, as one Result (verb "profile")."""
     import torch
 
-    snaps = prof.snapshots
+    snaps = prof.setup_snapshots + prof.snapshots
     after_start = [s for s in snaps if s.phase != "start"]
     peak = max((s.peak_allocated_bytes for s in after_start), default=0)
+    # the profiled steps alone (the ledger's span): setup readings (model load, warmup ...) come before it
+    steps_peak = max((s.peak_allocated_bytes for s in prof.snapshots if s.phase != "start"), default=0)
     peak_res = max((s.peak_reserved_bytes for s in after_start), default=0)
     peak_snap = max(after_start, key=lambda s: s.peak_allocated_bytes) if after_start else None
     peak_phase = (peak_snap.ended_phase or peak_snap.label) if peak_snap else ""
@@ -41,6 +43,10 @@ def build_result(prof: "Profiler") -> Result:
         f"peak_allocated_bytes is {what} over the profiled span; the process' own peak counters are never "
         "reset (each phase's peak comes from the allocator history, anchored at every phase boundary).",
     ]
+    if prof.setup_snapshots:
+        notes.append("the span starts before the model was built: the setup snapshots (" +
+                     ", ".join(s.label for s in prof.setup_snapshots) + ") are read at each stage, their peaks from "
+                     "the process' running maximum, so peak_allocated_bytes is the process' max_memory_allocated()")
     if any(not s.peak_exact for s in after_start):
         notes.append("some phase peaks are lower bounds: the allocator history did not cover them "
                      "(raise snapshot_max_entries, or profile fewer steps).")
@@ -50,6 +56,7 @@ def build_result(prof: "Profiler") -> Result:
         "measured_by": "cuda caching allocator counters" if cuda else "memlens ledger of CPU tensor storages",
         "peak_phase": peak_phase,
         "peak_step": peak_snap.step if peak_snap else None,
+        "profiled_steps_peak_allocated_bytes": steps_peak,
         "snapshots": [s.to_dict() for s in snaps],
         "steps": prof.steps,
         "labels": {
@@ -71,7 +78,7 @@ def build_result(prof: "Profiler") -> Result:
         if cuda and untracked:
             by_category["workspace"] = by_category.get("workspace", 0) + max(untracked, 0)
         attributed = sum(by_category.values())
-        by_category[UNATTRIBUTED] = peak - attributed if cuda else 0
+        by_category[UNATTRIBUTED] = steps_peak - attributed if cuda else 0
         by_module = view.by_module
         lora = [r for r in by_module if r["lora"]]
         data["ledger"] = {
@@ -83,9 +90,13 @@ def build_result(prof: "Profiler") -> Result:
             "sizes": "allocator blocks (512-byte rounded)" if cuda else "raw storage bytes",
         }
         data["categories_sum_bytes"] = attributed
-        data["categories_error"] = round((attributed - peak) / peak, 6) if peak else 0.0
+        data["categories_error"] = round((attributed - steps_peak) / steps_peak, 6) if steps_peak else 0.0
         data["lora_bytes_at_peak"] = sum(r["bytes"] for r in lora)
-        data["by_operation"] = {ph: view.by_phase_allocated.get(ph, 0) for ph in ("start", *PHASE_NAMES)}
+        data["by_operation"] = {ph: view.by_phase_allocated.get(ph, 0) for ph in ("start", *PHASE_NAMES)
+                                if ph != "clip" or ph in view.by_phase_allocated}   # clip: DP-SGD only
+        from ..core.components import by_component
+
+        data["by_component"] = by_component(by_module)
         if not cuda:
             data["peak_phase"] = view.peak_phase
             data["peak_step"] = view.peak_step

@@ -1,6 +1,12 @@
 """`profile` of a spec, end to end: build its step with random weights on the device, run warmup
 then profiled steps under the :class:`~memlens.measure.profiler.Profiler`, and compare with the
-estimate."""
+estimate.
+
+The setup is read too, as labelled snapshots before the profiled steps: model load, data
+preparation, optimizer setup, privacy engine setup (``--dp``) and the warmup steps (on CUDA the
+allocator's counters, never reset; on the CPU a ledger of tensor storages). Under ``--dp`` each
+physical batch's forward / backward / clip and the logical step's optimizer are their own snapshots
+("step 1 physical 2/4 backward")."""
 from __future__ import annotations
 
 import os
@@ -56,26 +62,42 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
                                 hint=f"use --device cuda:0..{torch.cuda.device_count() - 1}")
         torch.cuda.set_device(dev)
     cuda = dev.type == "cuda"
-    step = prepare(spec, device=dev, source=source, load_on_cpu=load_on_cpu)
-    load = dict(step.load)
-
+    setup = SetupMeter(torch, dev)
+    with setup:
+        step = prepare(spec, device=dev, source=source, load_on_cpu=load_on_cpu, on_stage=setup.mark)
+        load = dict(step.load)
+        with quiet():
+            for _ in range(warmup):
+                step.run()
+            if warmup:
+                setup.mark(f"warmup ({warmup} step{'s' if warmup > 1 else ''})", phase="warmup")
+    dp = step.dp
+    if dp is not None and dp.functorch_layers and (mode == "ledger" or not cuda):
+        raise MemlensError(f"Opacus computes the per-sample gradients of {', '.join(dp.functorch_layers)} with functorch, "
+                           "which cannot run under the ledger's saved-tensor hooks",
+                           hint="profile on CUDA in --mode phases or full, or freeze those layers")
     with quiet():
-        for _ in range(warmup):
-            step.run()
         if cuda:
             torch.cuda.synchronize()
-            if own_process:
+            if own_process:   # the setup snapshots keep the load peaks; the profiled steps' peak is read exactly
                 torch.cuda.reset_peak_memory_stats(dev)
-        prof = Profiler(step.model, step.optimizer, device=dev, mode=mode, record_snapshot=snapshot,
-                        torch_profiler=torch_profiler, spec=spec.to_dict(), gather=gather)
+        # under DP-SGD the wrapped optimizer's step runs once per logical batch: its hooks mark the optimizer phase
+        prof = Profiler(step.model, dp.original_optimizer if dp else step.optimizer, device=dev, mode=mode,
+                        record_snapshot=snapshot, torch_profiler=torch_profiler, spec=spec.to_dict(), gather=gather)
+        prof.setup_snapshots = setup.snapshots()
         regions = _Regions(torch) if torch_profiler else None
+        on_phase = _dp_phases(prof, dp, regions) if dp else (regions.on_phase if regions else (lambda name: None))
+        if dp:
+            dp.observer = prof
         with prof:
             for i in range(steps):
-                step.run(regions.on_phase if regions else (lambda name: None))
+                step.run(on_phase)
                 if progress:
                     progress(i + 1, steps)
             if cuda:
                 torch.cuda.synchronize()
+        if dp:
+            dp.observer = None
     r = prof.result
     r.data["model_load"] = load
     r.data["warmup_steps"] = warmup
@@ -84,6 +106,11 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
     r.data["image_size"] = step.image_size
     r.data["model_source"] = step.source.to_dict()
     r.data["applied"] = step.applied
+    if dp:
+        r.data["dp"] = {"grad_sample_mode": dp.mode, "max_grad_norm": dp.optimizer.max_grad_norm,
+                        "noise_multiplier": dp.optimizer.noise_multiplier, "logical_batch_size": dp.logical_batch,
+                        "physical_batch_size": dp.physical_batch, "physical_batches": dp.n_physical,
+                        "opacus": type(dp.model).__module__.split(".")[0] + " " + _opacus_version()}
     artifacts: dict[str, Any] = {}
     if prof.memory_snapshot is not None:
         artifacts["memory_snapshot"] = prof.memory_snapshot
@@ -94,6 +121,91 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         r.data["compare_estimate"] = compare_with_estimate(spec, r)
     del step, prof
     return r, artifacts
+
+
+def _opacus_version() -> str:
+    import opacus
+
+    return opacus.__version__
+
+
+def _dp_phases(prof: Profiler, dp, regions):
+    """on_phase for a DP-SGD step: the physical batch labels the snapshots; "clip" (Opacus'
+    DPOptimizer before the update) is entered explicitly, the other phases come from the hooks."""
+    def on_phase(name: str) -> None:
+        i, k = dp.physical
+        prof.substep = f"physical {i}/{k}" if k > 1 and name != "end" else ""
+        if name == "clip":
+            prof.phase("clip")
+        if regions is not None:
+            regions.on_phase(name)
+
+    return on_phase
+
+
+class SetupMeter:
+    """Labelled readings of the device while a step is set up (before the profiler starts).
+
+    On CUDA: ``memory_allocated`` / ``memory_reserved`` and the running maxima (never reset), so a
+    stage's peak is exact whenever the running maximum rose during it (else the larger of its two
+    readings, marked inexact). On the CPU: a ledger of tensor storages (memlens' StorageTracker)
+    while the stages run, the profiler's CPU figures."""
+
+    def __init__(self, torch, dev):
+        import time
+
+        self.torch = torch
+        self.dev = dev
+        self.cuda = dev.type == "cuda"
+        self.readings: list[dict[str, Any]] = []
+        self._time = time.perf_counter
+        self._t0 = self._time()
+        self.log = self.tracker = None
+
+    def __enter__(self) -> "SetupMeter":
+        if not self.cuda:
+            from ..core.tracker import StorageTracker
+            from .profiler import _counting_log
+
+            self.log = _counting_log()
+            self.tracker = StorageTracker(self.log, device_type="cpu")
+            self.tracker.__enter__()
+        self._prev = self._read()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def _read(self) -> tuple[int, int, int, int]:
+        if self.cuda:
+            st = self.torch.cuda.memory_stats(self.dev)
+            return (st.get("allocated_bytes.all.current", 0), st.get("reserved_bytes.all.current", 0),
+                    st.get("allocated_bytes.all.peak", 0), st.get("reserved_bytes.all.peak", 0))
+        cur, peak = self.log.current, self.log.peak
+        self.log.peak = cur     # the ledger is memlens' own: its peak restarts at every reading
+        return cur, cur, peak, peak
+
+    def mark(self, label: str, phase: str = "setup") -> None:
+        a, r, pa, pr = now = self._read()
+        pa0 = self._prev[2]
+        if self.cuda:
+            exact = pa > pa0
+            peak = pa if exact else max(self._prev[0], a)
+        else:
+            exact, peak = True, pa
+        self.readings.append({"label": label, "phase": phase, "t": self._time(), "allocated": a, "reserved": r,
+                              "peak": peak, "peak_reserved": pr if self.cuda else peak, "exact": exact})
+        self._prev = now
+
+    def snapshots(self) -> list:
+        """The readings as profiler Snapshots (step 0), times in seconds before the profiler started."""
+        from .profiler import Snapshot
+
+        t_end = self._time()
+        return [Snapshot(x["label"], 0, x["phase"], x["t"] - t_end, int(x["allocated"]), int(x["reserved"]),
+                         int(x["allocated"]), int(x["peak"]), int(x["peak_reserved"]), x["phase"], x["exact"],
+                         running_max_bytes=int(x["peak"])) for x in self.readings]
 
 
 class _Regions:

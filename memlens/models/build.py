@@ -16,17 +16,26 @@ from ..core.spec import TrainingSpec
 from .source import ModelSource
 
 DEFAULT_SEQ_LEN = 512
+DEFAULT_IMAGE_SIZE = 224   # ImageNet crops, for configs that do not name an image size (ResNet, RegNet)
 
 
 @dataclass
 class Built:
-    """A model ready to train, its batch, and how to get a loss from its output."""
+    """A model ready to train, its batch, and how to get a loss from its output.
+
+    ``forward_keys``: for a dict batch, the entries the model's ``forward`` takes (None: all);
+    the others reach only ``loss_fn``. ``step``: a factory's own ``step(model, batch) -> loss``.
+    """
 
     model: Any
     batch: Any
     loss_fn: Callable | None = None
     seq_len: int | None = None
     image_size: int | None = None
+    forward_keys: frozenset[str] | None = None
+    step: Callable | None = None
+    target_len: int | None = None
+    notes: tuple[str, ...] = ()
 
 
 def torch_dtype(name: str):
@@ -42,9 +51,22 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
     """
     if source.kind == "factory":
         return _build_factory(spec, source, device)
-    model = _build_hf(spec, source, device)
+    if source.kind == "module":
+        return _build_module(spec, source)
+    if source.kind in ("timm", "torchvision"):
+        from .vision import build_vision_module
+
+        return build_vision_module(spec, source, device)
+    if spec.target_len is not None and source.task not in SEQ2SEQ_TASKS:
+        raise SpecError(f"--target-len is for encoder-decoder models; {source.name} trains {source.task}",
+                        hint="drop --target-len (or use --seq-len)")
+    model, notes = _build_hf(spec, source, device)
     batch, seq_len, image_size = make_batch(spec, source, device)
-    return Built(model, batch, None, seq_len, image_size)
+    target = int(batch["labels"].shape[1]) if source.task in SEQ2SEQ_TASKS else None
+    return Built(model, batch, None, seq_len, image_size, target_len=target, notes=notes)
+
+
+SEQ2SEQ_TASKS = ("seq2seq", "speech-seq2seq")
 
 
 # ---------------------------------------------------------------- Hugging Face models
@@ -54,6 +76,9 @@ def _auto_class(task: str):
     return {
         "causal-lm": tf.AutoModelForCausalLM,
         "masked-lm": tf.AutoModelForMaskedLM,
+        "seq-classification": tf.AutoModelForSequenceClassification,
+        "seq2seq": tf.AutoModelForSeq2SeqLM,
+        "speech-seq2seq": tf.AutoModelForSpeechSeq2Seq,
         "image-classification": tf.AutoModelForImageClassification,
         "clip": tf.AutoModel,
         "vlm": tf.AutoModelForImageTextToText,
@@ -72,14 +97,22 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         config.image_size = spec.image_size   # position embeddings for that many patches (as a fine-tune at that size)
     dtype = torch_dtype(spec.param_dtype)
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
+    notes: tuple[str, ...] = ()
+    cls = _auto_class(source.task)
     try:
+        attn = {"attn_implementation": spec.attn}
+        if not has_attention(cls, config):
+            attn = {}  # CNNs (ConvNeXt, ResNet): transformers refuses an attention implementation
+            notes = (f"{source.name} has no attention layers: --attn does not apply",)
         with ctx:
-            model = _auto_class(source.task).from_config(config, attn_implementation=spec.attn, dtype=dtype)
+            model = cls.from_config(config, dtype=dtype, **attn)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
         msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise ModelSourceError(f"transformers cannot build {source.name!r}: {msg}",
                                hint="check the config (or use pkg.module:factory for custom code)") from None
     model.train()
+    if spec.hf_trainer and hasattr(model.config, "use_cache"):
+        model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
     apply_freeze(model, spec.freeze)
     if spec.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
@@ -91,15 +124,57 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         from .quant import quantize_frozen_linears
 
         quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16)
-    return model
+    return model, notes
+
+
+def has_attention(cls, config) -> bool:
+    """Whether the transformers class that ``cls`` (an Auto class) builds for ``config`` has
+    attention layers, i.e. takes an attention implementation. Classes that support SDPA or
+    attention backends do; convolutional ones (ConvNeXt, ResNet, RegNet...) declare neither."""
+    try:
+        model_cls = cls._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return True
+    return bool(getattr(model_cls, "_supports_sdpa", False) or getattr(model_cls, "_supports_attention_backend", False)
+                or getattr(model_cls, "_supports_flash_attn", False) or getattr(model_cls, "_supports_flex_attn", False)
+                or any("attention" in n.lower() for n in _module_class_names(model_cls)))
+
+
+def _module_class_names(model_cls) -> list[str]:
+    """Names of the classes defined in the modeling module of ``model_cls`` (a cheap look for
+    attention modules in models that support no SDPA yet)."""
+    import sys
+
+    import torch
+
+    mod = sys.modules.get(model_cls.__module__)
+    return [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)
+            and v.__module__ == mod.__name__] if mod else []
+
+
+# T5-style relative position buckets have no absolute position limit
+_RELATIVE_POSITIONS = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 
 
 def _check_lengths(spec: TrainingSpec, source: ModelSource) -> None:
     cfg = source.config
+    if source.task == "speech-seq2seq":
+        src = getattr(cfg, "max_source_positions", None)
+        if spec.seq_len is not None:
+            raise SpecError(f"{source.name}'s encoder takes a fixed {2 * src if src else 'length of'} mel frames, not --seq-len",
+                            hint="drop --seq-len; --target-len sets the decoder tokens")
+        tgt = getattr(cfg, "max_target_positions", None)
+        if spec.target_len and tgt and spec.target_len > tgt:
+            raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {tgt} decoder positions", hint=f"use --target-len {tgt} or less")
+        return
     text_cfg = getattr(cfg, "text_config", None) or cfg
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    if cfg.model_type in _RELATIVE_POSITIONS:
+        max_pos = None
     if spec.seq_len and max_pos and spec.seq_len > max_pos and source.task != "vlm":
         raise SpecError(f"seq_len {spec.seq_len} exceeds {source.name}'s {max_pos} positions", hint=f"use --seq-len {max_pos} or less")
+    if spec.target_len and max_pos and spec.target_len > max_pos:
+        raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {max_pos} decoder positions", hint=f"use --target-len {max_pos} or less")
 
 
 def apply_freeze(model, patterns) -> None:
@@ -169,10 +244,26 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
         L = default_seq_len(spec, source)
         ids = torch.randint(0, cfg.vocab_size, (B, L), **dev)
         return {"input_ids": ids, "labels": ids}, L, None
+    if task == "seq-classification":
+        L = default_seq_len(spec, source)
+        n_labels = getattr(cfg, "num_labels", 2)
+        labels = torch.randn(B, **dev) if n_labels == 1 else torch.randint(0, n_labels, (B,), **dev)
+        return {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev), "labels": labels}, L, None
+    if task == "seq2seq":  # the model makes decoder_input_ids from the labels (shift right)
+        L = default_seq_len(spec, source)
+        T = spec.target_len or L
+        return {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev),
+                "labels": torch.randint(0, cfg.vocab_size, (B, T), **dev)}, L, None
+    if task == "speech-seq2seq":  # Whisper: 30 s of log-mel frames (2 x max_source_positions)
+        frames = 2 * cfg.max_source_positions
+        T = spec.target_len or min(cfg.max_source_positions, cfg.max_target_positions)
+        return {"input_features": torch.randn(B, cfg.num_mel_bins, frames, dtype=pix_dtype, **dev),
+                "labels": torch.randint(0, cfg.vocab_size, (B, T), **dev)}, frames, None
     if task == "image-classification":
-        S = spec.image_size or cfg.image_size
+        S = spec.image_size or getattr(cfg, "image_size", None) or DEFAULT_IMAGE_SIZE
+        S = S[0] if isinstance(S, (list, tuple)) else S
         n_labels = max(getattr(cfg, "num_labels", 2), 2)
-        return {"pixel_values": torch.randn(B, 3, S, S, dtype=pix_dtype, **dev),
+        return {"pixel_values": torch.randn(B, getattr(cfg, "num_channels", 3), S, S, dtype=pix_dtype, **dev),
                 "labels": torch.randint(0, n_labels, (B,), **dev)}, None, S
     if task == "clip":
         S = spec.image_size or cfg.vision_config.image_size
@@ -199,6 +290,11 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
 
 # ---------------------------------------------------------------- factories
 def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Built:
+    """A factory returns ``(model, batch)``, ``(model, batch, loss_fn)`` with
+    ``loss_fn(output, batch) -> loss``, or ``(model, batch, step)`` with ``step(model, batch) -> loss``
+    (a callable of two parameters whose first is named ``model``, or marked ``step.memlens_step = True``).
+    A dict batch reaches ``forward`` only through the entries its signature takes (all of them
+    when it takes ``**kwargs``); the rest (labels...) are for the loss function."""
     import contextlib
 
     import torch
@@ -212,17 +308,83 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
     with ctx:
         out = fn(spec) if takes_spec else fn()
     if not isinstance(out, (tuple, list)) or len(out) not in (2, 3):
-        raise ModelSourceError(f"factory {source.name} must return (model, batch) or (model, batch, loss_fn)",
+        raise ModelSourceError(f"factory {source.name} must return (model, batch), (model, batch, loss_fn) or (model, batch, step)",
                                hint="e.g. `return model, {'input_ids': ids, 'labels': ids}`")
     model, batch = out[0], out[1]
-    loss_fn = out[2] if len(out) == 3 else None
+    third = out[2] if len(out) == 3 else None
     if not isinstance(model, torch.nn.Module):
         raise ModelSourceError(f"factory {source.name} returned {type(model).__name__}, not an nn.Module", hint="return (model, batch)")
+    if third is not None and not callable(third):
+        raise ModelSourceError(f"factory {source.name}: the third item is {type(third).__name__}, not a function",
+                               hint="return (model, batch, loss_fn) with loss_fn(output, batch), or a step(model, batch)")
+    step = third if third is not None and is_step_callable(third) else None
+    loss_fn = None if step is not None else third
+    forward_keys = None
+    if step is None:
+        forward_keys = forward_batch_keys(model, batch, source.name, has_loss_fn=loss_fn is not None)
     model.train()
     apply_freeze(model, spec.freeze)
+    if spec.grad_checkpointing and not takes_spec:  # a factory given the spec applies it itself
+        raise SpecError(f"--grad-checkpointing: factory {source.name} takes no spec, so it cannot apply checkpointing",
+                        hint="write the factory as fn(spec) and checkpoint when spec.grad_checkpointing, or drop the flag")
     if spec.lora_rank:
         model = apply_lora(model, spec)
-    return Built(model, batch, loss_fn)
+    return Built(model, batch, loss_fn, forward_keys=forward_keys, step=step)
+
+
+def _build_module(spec: TrainingSpec, source: ModelSource) -> Built:
+    """A model built elsewhere (a Trainer's, as a meta skeleton) with its batch: trained as it
+    is (its own frozen parameters and adapters); gradient checkpointing is switched on as the
+    Trainer does at ``train()`` (transformers 5.x: non-reentrant)."""
+    model, batch = source.factory(spec)   # the batch at the spec's micro-batch
+    model.train()
+    if spec.grad_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "gradient_checkpointing_enable"):
+            raise SpecError(f"{source.name} does not support gradient checkpointing", hint="turn gradient_checkpointing off")
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
+            model.enable_input_require_grads()   # what peft-wrapped Trainer runs do for checkpointing
+    return Built(model, batch)
+
+
+def is_step_callable(f) -> bool:
+    """A factory's third item is a step (``step(model, batch) -> loss``) rather than a loss
+    function (``loss_fn(output, batch) -> loss``) when it says so (``memlens_step = True``) or its
+    first parameter is named ``model``."""
+    if getattr(f, "memlens_step", False):
+        return True
+    try:
+        params = list(inspect.signature(f).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0] == "model"
+
+
+def forward_batch_keys(model, batch, name: str, has_loss_fn: bool) -> frozenset[str] | None:
+    """The entries of a dict batch that ``model.forward`` takes (None: all of them, or not a dict).
+
+    Entries forward does not name go only to the loss function; a batch with none that forward
+    takes, or with extra entries and no loss function to read them, is refused in one line."""
+    if not isinstance(batch, dict):
+        return None
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    names = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)}
+    taken = frozenset(k for k in batch if k in names)
+    extra = sorted(k for k in batch if k not in names)
+    if not taken:
+        raise ModelSourceError(f"factory {name}: forward({', '.join(params)}) takes none of the batch entries "
+                               f"{', '.join(map(str, batch))}",
+                               hint="name the batch entries after forward's arguments, or return a step(model, batch) callable")
+    if extra and not has_loss_fn:
+        raise ModelSourceError(f"factory {name}: batch entries {', '.join(map(str, extra))} are not arguments of forward "
+                               "and there is no loss function to use them",
+                               hint="return (model, batch, loss_fn) with loss_fn(output, batch), or drop those entries")
+    return taken if extra else None
 
 
 @contextlib.contextmanager

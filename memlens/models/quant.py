@@ -72,13 +72,36 @@ def quantize_frozen_linears(model, compute_dtype: torch.dtype) -> int:
 
 
 class AdamW8bitSim(torch.optim.Optimizer):
-    """AdamW with 8-bit block-wise states, as bitsandbytes.optim.AdamW8bit allocates them.
+    """AdamW with 8-bit block-wise states, as bitsandbytes.optim.AdamW8bit allocates them
+    (bitsandbytes/optim/optimizer.py Optimizer2State.init_state):
+
+    - tensors of >= 4096 elements (``min_8bit_size``): state1/state2 uint8 of the parameter's
+      shape, absmax1/absmax2 fp32 of ceil(n / 256) blocks, and the two 256-entry fp32 quantization
+      maps (``dynamic``, ``udynamic``) moved to the GPU once per optimizer;
+    - smaller tensors, and those given ``optim_bits=32`` (``fp32_params``: the Trainer's override
+      for embeddings), keep fp32 state1/state2;
+    - ``paged``: ``get_state_buffer`` puts state tensors of >= 1e5 elements in CUDA managed memory
+      (cudaMallocManaged), outside PyTorch's caching allocator: they are not allocated here and
+      their bytes are summed in ``paged_bytes``.
 
     The update runs in place inside one kernel, so there are no parameter-sized temporaries.
     """
 
-    def __init__(self, params, lr: float = 1e-3):
+    QMAP_ENTRIES = 256
+    PAGED_MIN_NUMEL = 100_000   # get_state_buffer: `not self.is_paged or p.numel() < 1e5` -> zeros_like
+
+    def __init__(self, params, lr: float = 1e-3, paged: bool = False, fp32_params: set[int] | None = None):
         super().__init__(params, {"lr": lr})
+        self.paged = paged
+        self.fp32_params = fp32_params or set()
+        self.paged_bytes = 0
+        self._qmaps: list[torch.Tensor] = []
+
+    def _buffer(self, p, dtype):
+        if self.paged and p.numel() >= self.PAGED_MIN_NUMEL:
+            self.paged_bytes += p.numel() * torch.empty((), dtype=dtype).element_size()
+            return None
+        return torch.zeros_like(p, dtype=dtype)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -88,14 +111,21 @@ class AdamW8bitSim(torch.optim.Optimizer):
                     continue
                 st = self.state[p]
                 if not st:
-                    st["step"] = torch.zeros((), dtype=torch.float32)
-                    if p.numel() >= OPT8_MIN_SIZE:
+                    st["step"] = torch.zeros((), dtype=torch.float32)   # a Python int in bitsandbytes: host
+                    if p.numel() >= OPT8_MIN_SIZE and id(p) not in self.fp32_params:
+                        if not self._qmaps:
+                            self._qmaps = [torch.empty(self.QMAP_ENTRIES, dtype=torch.float32, device=p.device) for _ in range(2)]
                         blocks = (p.numel() + OPT8_BLOCK - 1) // OPT8_BLOCK
-                        st["state1"] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
-                        st["state2"] = torch.empty(p.shape, dtype=torch.uint8, device=p.device)
-                        st["absmax1"] = torch.empty(blocks, dtype=torch.float32, device=p.device)
-                        st["absmax2"] = torch.empty(blocks, dtype=torch.float32, device=p.device)
+                        for k in ("state1", "state2"):
+                            buf = self._buffer(p, torch.uint8)
+                            if buf is not None:
+                                st[k] = buf
+                        st["qmap1"], st["qmap2"] = self._qmaps
+                        st["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        st["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
                     else:
-                        st["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                        st["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                        for k in ("state1", "state2"):
+                            buf = self._buffer(p, torch.float32)
+                            if buf is not None:
+                                st[k] = buf
         return None

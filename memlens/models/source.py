@@ -1,7 +1,9 @@
 """Model sources: how to get a model's skeleton without weights.
 
 A source is one of: a built-in registry name (offline), a Hugging Face id (config.json only),
-a local directory or config.json, or ``package.module:factory`` returning ``(model, batch)``.
+a local directory or config.json, ``timm:NAME`` / ``torchvision:NAME`` (the library's own
+constructor on the meta device; optional extras), or ``package.module:factory`` returning
+``(model, batch)``, ``(model, batch, loss_fn)`` or ``(model, batch, step)`` (see models/build.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from typing import Any, Callable
 from ..core.errors import ModelSourceError
 from . import registry
 
-TASKS = ("causal-lm", "masked-lm", "image-classification", "clip", "vlm", "factory")
+TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq", "speech-seq2seq", "image-classification", "clip",
+         "vlm", "vision-module", "factory")
+VISION_LIBRARIES = ("timm", "torchvision")
 
 
 @dataclass
@@ -24,7 +28,7 @@ class ModelSource:
     """Where a model comes from and what kind of task it trains."""
 
     name: str
-    kind: str                      # builtin | hf | local | factory
+    kind: str                      # builtin | hf | local | factory | timm | torchvision
     task: str                      # one of TASKS
     config: Any = None             # transformers PretrainedConfig (None for factories)
     factory: Callable | None = None
@@ -41,6 +45,9 @@ def resolve(model: str) -> ModelSource:
     'causal-lm'
     """
     model = model.strip()
+    lib, sep, lib_name = model.partition(":")
+    if sep and lib in VISION_LIBRARIES:
+        return _vision_library_source(lib, lib_name.strip())
     doc = registry.get(model)
     if doc is not None:
         return ModelSource(doc["name"], "builtin", doc["task"], config=_config_from_dict(doc["config"], doc["name"]))
@@ -102,6 +109,7 @@ _ARCH_TASKS = (
     ("LMHeadModel", "causal-lm"),
     ("ForMaskedLM", "masked-lm"),
     ("ForPreTraining", "masked-lm"),
+    ("ForSequenceClassification", "seq-classification"),
     ("ForImageClassification", "image-classification"),
     ("ForConditionalGeneration", "vlm"),
     ("ForImageTextToText", "vlm"),
@@ -116,28 +124,75 @@ def _source_from_config_dict(cfg: dict, name: str, kind: str) -> ModelSource:
 
 def infer_task(config) -> str:
     """The training task for a transformers config (from `architectures`, else the model type)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    mt = config.model_type
+    # encoder-decoders first: transformers also maps e.g. whisper and bart to a decoder-only ForCausalLM
+    if mt in ma.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+        return "speech-seq2seq"
+    if getattr(config, "is_encoder_decoder", False) and mt in ma.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        arch = (getattr(config, "architectures", None) or [""])[0]
+        if not arch.endswith("ForSequenceClassification"):
+            return "seq2seq"
     for arch in getattr(config, "architectures", None) or []:
         if arch in ("CLIPModel", "SiglipModel"):
             return "clip"
         for suffix, task in _ARCH_TASKS:
             if arch.endswith(suffix):
                 if task == "vlm" and not hasattr(config, "vision_config"):
-                    continue  # e.g. T5ForConditionalGeneration: not supported as a VLM
+                    continue  # e.g. an encoder-decoder not in transformers' seq2seq mapping
                 return task
-    mt = config.model_type
     if mt in ("clip", "siglip"):
         return "clip"
     if hasattr(config, "vision_config") and hasattr(config, "text_config"):
         return "vlm"
-    if mt in ("vit", "deit", "beit", "swin", "convnext", "dinov2", "resnet"):
+    if mt in ma.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES:
         return "image-classification"
     if mt in ("bert", "roberta", "distilbert", "deberta", "deberta-v2", "electra", "albert", "xlm-roberta", "modernbert"):
         return "masked-lm"
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if mt in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if mt in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return "causal-lm"
     raise ModelSourceError(f"cannot tell what task model_type {mt!r} trains", hint="add `architectures` to config.json, or use pkg.module:factory")
+
+
+def _vision_library_source(lib: str, name: str) -> ModelSource:
+    """``timm:NAME`` / ``torchvision:NAME``: checked against the library's own model list (the
+    library is an optional extra: `pip install memlens[vision]`)."""
+    import importlib.util
+
+    if not name:
+        raise ModelSourceError(f"{lib}: needs a model name", hint=f"e.g. --model {lib}:resnet50")
+    if importlib.util.find_spec(lib) is None:
+        raise ModelSourceError(f"--model {lib}:{name} needs {lib}, which is not installed",
+                               hint=f"pip install {lib} (or memlens[vision])")
+    try:
+        names = _library_models(lib)
+    except Exception as e:  # noqa: BLE001 - a broken install (e.g. a CUDA torchvision on a CPU torch)
+        raise ModelSourceError(f"{lib} is installed but cannot be imported ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
+                               hint=f"install a {lib} build that matches torch {_torch_version()}") from None
+    if name not in names:
+        import difflib
+
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ModelSourceError(f"{lib} has no model {name!r}",
+                               hint=(f"did you mean {', '.join(close)}? " if close else "") + f"see {lib}'s model list")
+    return ModelSource(f"{lib}:{name}", lib, "vision-module")
+
+
+def _library_models(lib: str) -> list[str]:
+    if lib == "timm":
+        import timm
+
+        return list(timm.list_models())
+    import torchvision
+
+    return list(torchvision.models.list_models(module=torchvision.models))
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _factory_source(target: str) -> ModelSource:

@@ -96,6 +96,7 @@ class EstimatePayload(Payload):
     steps: list | None = UNSET                    # per simulated step: peak, end allocated / reserved
     attention_backends: list | None = UNSET       # the SDPA kernels CUDA would pick
     by_module_group: list | None = UNSET          # by_module summed per block
+    by_component: list | None = UNSET             # by_module summed per component (attention, mlp, embedding, norm, lora ...)
     param_count: int | None = UNSET
     trainable_param_count: int | None = UNSET
     seq_len: int | None = UNSET
@@ -134,6 +135,8 @@ class ProfilePayload(Payload):
     applied: list | None = UNSET
     compare_estimate: dict | None = UNSET
     torch_profiler: dict | None = UNSET
+    by_component: list | None = UNSET             # by_module summed per component (attention, mlp, embedding, norm, lora ...)
+    dp: dict | None = UNSET                       # DP-SGD: Opacus' settings and the physical batches
     ranks: list | None = UNSET                    # several GPUs: each rank's profile
 
 
@@ -156,6 +159,9 @@ class SweepPayload(Payload):
     status_counts: dict | None = UNSET
     budget_bytes: int | None = UNSET
     memory_fraction: float | None = UNSET
+    detailed: bool | None = UNSET                 # cells carry ``detail`` (category, phase, component at the peak)
+    steps: int | None = UNSET                     # optimizer steps per measured cell
+    seed_files: list | None = UNSET               # the Opacus profiler's files written (seeds/004)
 
 
 @dataclass
@@ -189,6 +195,20 @@ class DoctorPayload(Payload):
 
 
 @dataclass
+class GuardPayload(Payload):
+    """memlens.guard(): live memory at an OOM, the account, the diagnosis and the levers."""
+
+    device: str | None = UNSET
+    requested_bytes: int | None = UNSET
+    allocated_bytes: int | None = UNSET           # memory_allocated() at the failure
+    reserved_bytes: int | None = UNSET
+    categories_sum_bytes: int | None = UNSET      # the classified live blocks (= allocated)
+    diagnosis: str | None = UNSET
+    account: dict | None = UNSET
+    levers: list | None = UNSET
+
+
+@dataclass
 class WatchPayload(Payload):
     time_s: float | None = UNSET
     gpus: list | None = UNSET
@@ -197,7 +217,7 @@ class WatchPayload(Payload):
 PAYLOADS: dict[str, type[Payload]] = {
     "estimate": EstimatePayload, "profile": ProfilePayload, "compare": ComparePayload, "sweep": SweepPayload,
     "fit": FitPayload, "watch": WatchPayload, "doctor.oom": DoctorPayload, "doctor.log": DoctorPayload,
-    "doctor.snapshot": DoctorPayload, "doctor.stats": DoctorPayload,
+    "doctor.snapshot": DoctorPayload, "doctor.stats": DoctorPayload, "guard": GuardPayload,
 }
 
 

@@ -57,10 +57,19 @@ def memory_tables(result: Any, top_modules: int = 12):
         ph = Table(title="peak of each phase", title_justify="left")
         ph.add_column("phase")
         ph.add_column("peak allocated", justify="right")
-        for k in ("setup", "forward", "backward", "optimizer"):
+        for k in ("setup", "forward", "backward", "clip", "optimizer"):   # clip: DP-SGD (Opacus)
             if k in d["by_phase"]:
                 ph.add_row(k, fmt_bytes(d["by_phase"][k]["peak_allocated_bytes"]))
         out.append(ph)
+
+    if d.get("by_component"):
+        ct = Table(title="at the peak, by component (module-name patterns)", title_justify="left")
+        ct.add_column("component")
+        ct.add_column("bytes", justify="right")
+        ct.add_column("share", justify="right")
+        for c in d["by_component"]:
+            ct.add_row(c["component"], fmt_bytes(c["bytes"]), _pct(c["bytes"], peak))
+        out.append(ct)
 
     if d.get("terms"):
         tt = Table(title="closed-form terms at the peak", title_justify="left")

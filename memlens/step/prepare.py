@@ -16,8 +16,12 @@ What is applied, in order:
    ``physical_batch_size`` samples at once);
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
-6. DP-SGD, and for ``world_size > 1`` the multi-GPU wrapper of this rank
+6. DP-SGD: Opacus' ``make_private`` and ``BatchMemoryManager`` over the logical batch
+   (:mod:`memlens.integrations.opacus`); for ``world_size > 1`` the multi-GPU wrapper of this rank
    (:mod:`memlens.distributed`: DDP, ZeRO-1, FSDP2), applied before the optimizer is built.
+
+``on_stage(label)`` is called after each setup stage ("model load", "data preparation",
+"optimizer setup", "privacy engine setup"), so a profiler can read the device there.
 
 >>> from memlens.core.spec import TrainingSpec
 >>> p = prepare(TrainingSpec(model="tests.tiny_models:mlp"), device="cpu")   # doctest: +SKIP
@@ -52,10 +56,14 @@ class PreparedStep:
     image_size: int | None = None
     micro_batch: int = 1              # samples materialized at once (the physical batch under DP-SGD)
     fake_mode: Any = None
-    wrapper: Any = None               # memlens.distributed wrapper of this rank (world_size > 1)
+    dp: Any = None                    # memlens.integrations.opacus.DPStep under --dp (runs the step)
     applied: list[str] = field(default_factory=list)   # what was applied, in order (for reports)
     notes: list[str] = field(default_factory=list)
     load: dict[str, Any] = field(default_factory=dict)  # model-load figures (real devices)
+    forward_keys: frozenset[str] | None = None   # a factory's dict batch: the entries forward takes
+    step_fn: Callable | None = None              # a factory's own step(model, batch) -> loss
+    target_len: int | None = None                # seq2seq: decoder tokens
+    wrapper: Any = None                          # memlens.distributed wrapper of this rank (world_size > 1)
 
     @property
     def param_count(self) -> int:
@@ -66,13 +74,21 @@ class PreparedStep:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def run(self, on_phase: PhaseHook = lambda name: None):
-        """One optimizer step (all ``grad_accum`` micro-batches); returns the last micro-batch's loss."""
+        """One optimizer step (all ``grad_accum`` micro-batches, or under DP-SGD all physical batches of
+        the logical batch); returns the last micro-batch's loss."""
+        if self.dp is not None:
+            return self.dp.run(on_phase)
         return train_step(self.model, self.optimizer, self.batch, grad_accum=self.spec.grad_accum,
-                          autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase)
+                          autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase,
+                          max_grad_norm=self.spec.max_grad_norm, hf_trainer=self.spec.hf_trainer,
+                          forward_keys=self.forward_keys, step_fn=self.step_fn)
 
 
 def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
     """One clear line for every spec field this step kind cannot apply (never ignore one)."""
+    if spec.dp and spec.world_size > 1:
+        raise SpecError(f"--dp with --world-size {spec.world_size}: DP-SGD over several GPUs (Opacus' DPDDP with hooks, "
+                        "FSDP2 with ghost clipping) is not simulated or run yet", hint="drop --world-size (one GPU)")
     if source is not None:
         _refuse_for_source(spec, source)
     if spec.world_size > 1:
@@ -82,9 +98,6 @@ def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
     elif spec.offload_optimizer:
         raise SpecError("--offload-optimizer is not simulated or run by this step yet",
                         hint="use --method formula, or drop --offload-optimizer")
-    if spec.dp and not fake:
-        raise SpecError("real DP-SGD steps need Opacus, which this step does not run yet",
-                        hint="use `memlens estimate --dp` (simulated), or drop --dp")
     if spec.qlora and not fake:
         raise SpecError("--qlora on a real device needs bitsandbytes' 4-bit layers, which this step does not build",
                         hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
@@ -97,6 +110,8 @@ def _refuse_for_source(spec: TrainingSpec, source) -> None:
     """Fields the model's task has no use for, and what a factory without a spec cannot see."""
     task = source.task
     if task == "factory":
+        if source.kind != "factory":   # a model built elsewhere (a Trainer's): memlens makes its batch
+            return
         import inspect
 
         try:
@@ -123,7 +138,7 @@ def _refuse_for_source(spec: TrainingSpec, source) -> None:
 
 def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, source=None, fake_mode=None,
             autocast: Callable[[], Any] | None = None, scaler: Any = None, load_on_cpu: bool = False,
-            seed: int | None = None) -> PreparedStep:
+            seed: int | None = None, on_stage: Callable[[str], None] | None = None) -> PreparedStep:
     """Build ``spec``'s step: on fake CPU tensors (``fake=True``; no memory, no weights) or with
     random weights on ``device``. ``autocast`` / ``scaler`` override the precision's own (the
     estimator passes its CUDA emulation). ``load_on_cpu`` builds on the CPU and moves the model,
@@ -136,14 +151,17 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
     source = source or resolve(spec.model)
     refuse_unsupported(spec, fake=fake, source=source)
+    stage = on_stage or (lambda label: None)
+    if spec.dp:
+        from ..integrations.opacus import check_spec
+
+        check_spec(spec, source.task)
     wrapper = None
     if spec.world_size > 1:
         from ..distributed.strategies import wrapper_for
 
         wrapper = wrapper_for(spec, fake=fake)
-    # DP-SGD materializes the physical batch at once (Opacus' BatchMemoryManager)
-    micro = spec.physical_batch_size if spec.dp and spec.physical_batch_size else spec.batch_size
-    build_spec = spec.replace(batch_size=micro) if micro != spec.batch_size else spec
+    micro = spec.batch_size   # under DP-SGD the logical batch: Opacus' data loader splits it
     applied: list[str] = []
     load: dict[str, Any] = {}
     if seed is not None:
@@ -153,7 +171,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
         fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=False)
         with torch.device("meta"), quiet():
-            built = build(build_spec, source)
+            built = build(spec, source)
             if source.kind == "factory" and spec.param_dtype != "float32":
                 built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
         if wrapper is not None:
@@ -175,7 +193,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
         load["t0"] = time.perf_counter()
         with wrapper.build_context(), quiet():
-            built = build(build_spec, source)
+            built = build(spec, source)
             if source.kind == "factory" and spec.param_dtype != "float32":
                 built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
         model = wrapper.wrap(built.model, device=dev)
@@ -190,7 +208,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
         t0 = time.perf_counter()
         with quiet():
-            built = build(build_spec, source, device="cpu" if (load_on_cpu and cuda) else dev)
+            built = build(spec, source, device="cpu" if (load_on_cpu and cuda) else dev)
             if source.kind == "factory" and spec.param_dtype != "float32":
                 built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
         model, batch = built.model, built.batch
@@ -203,13 +221,17 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
             load["move_seconds"] = round(time.perf_counter() - t1, 3)
             load["allocated_after_move_bytes"] = torch.cuda.memory_allocated(dev)
             load["reserved_after_move_bytes"] = torch.cuda.memory_reserved(dev)
-        batch = to_device(batch, dev)
         load["t0"] = t0
         if wrapper is not None:
             model = wrapper.wrap(model, device=dev)
+    stage("model load")
+    if not fake:
+        # DP-SGD: the logical batch is the data loader's dataset, on the host; each physical batch is copied over
+        batch = to_device(batch, torch.device("cpu") if spec.dp else dev)
+    stage("data preparation")
     applied.append(f"model from {source.kind} source {source.name!r}")
-    if spec.precision in ("fp16", "bf16"):
-        applied.append(f"{spec.precision} weights")
+    if spec.param_dtype != "float32":
+        applied.append({"float16": "fp16", "bfloat16": "bf16"}[spec.param_dtype] + " weights")
     if spec.freeze:
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
@@ -224,7 +246,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)
     else:
         optimizer = make_optimizer(spec, model, simulate=fake)
+    if spec.compile and not fake:  # what the Trainer's torch_compile does: the model compiled, the optimizer not
+        model = torch.compile(model)
+        applied.append("torch.compile (inductor)")
     applied.append(f"optimizer {spec.optimizer}")
+    stage("optimizer setup")
     if autocast is None:
         autocast, default_scaler = amp_setup(spec, dev)
         scaler = scaler if scaler is not None else (None if fake else default_scaler)
@@ -234,13 +260,25 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(f"autocast {spec.autocast_dtype}" + (" + GradScaler" if spec.precision == "amp-fp16" else ""))
     if spec.grad_accum > 1:
         applied.append(f"accumulation x{spec.grad_accum}")
-    if spec.dp:
-        applied.append(f"DP-SGD, physical batch {micro}")
+    if spec.max_grad_norm and not spec.dp:
+        applied.append(f"clip_grad_norm_ {spec.max_grad_norm:g}")
+    if spec.hf_trainer:
+        applied.append("the Trainer's step (decay/no-decay groups" + (", fp32 outputs)" if spec.autocast_dtype else ")"))
     first = next((t for t in tensors(batch) if t.dim() > 0), None)
     if first is not None:
         micro = int(first.shape[0])   # a factory's batch has the samples it built
+    dp = None
+    if spec.dp:
+        from ..integrations.opacus import describe, make_private
+
+        dp = make_private(spec, model, optimizer, batch, device=dev, fake=fake, task=source.task, loss_fn=built.loss_fn,
+                          autocast=autocast, name=source.name)
+        model, optimizer, micro = dp.model, dp.optimizer, dp.physical_batch
+        applied.append(describe(dp))
+        stage("privacy engine setup")
     p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, built.loss_fn, autocast, scaler,
-                     built.seq_len, built.image_size, micro, fake_mode, wrapper, applied, load=load)
+                     built.seq_len, built.image_size, micro, fake_mode, dp, applied, list(built.notes), load=load,
+                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper)
     if not fake:
         _load_figures(p)
     return p

@@ -104,3 +104,27 @@ def test_hub_id_offline_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = run(capsys, "estimate", "--model", "someorg/some-model-xyz")
     assert code == 2 and "cannot fetch config.json of 'someorg/some-model-xyz'" in err
+
+
+def test_trainer_args_file_and_its_bad_inputs(capsys, tmp_path):
+    ta = tmp_path / "args.json"
+    ta.write_text(json.dumps({"per_device_train_batch_size": 2, "bf16": True, "optim": "adamw_torch"}))
+    code, out, _ = run(capsys, "estimate", "--model", "tests.tiny_models:linear_norm", "--trainer-args", str(ta), "--json")
+    d = json.loads(out)
+    assert code == 0
+    assert (d["spec"]["precision"], d["spec"]["optimizer"], d["spec"]["max_grad_norm"], d["spec"]["hf_trainer"]) == \
+        ("amp-bf16", "adamw", 1.0, True)
+    ta.write_text(json.dumps({"optim": "galore_adamw"}))
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--trainer-args", str(ta))
+    assert code == 2 and "ERROR: optim 'galore_adamw' is not a Trainer optimizer memlens models" in err and "Traceback" not in err
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--trainer-args", str(tmp_path / "none.yaml"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_new_flags_refused_in_one_line(capsys):
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--target-len", "16")
+    assert code == 2 and "--target-len is for encoder-decoder models" in err
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--max-grad-norm", "-1")
+    assert code == 2 and "max-grad-norm must be a number >= 0" in err
+    code, _, err = run(capsys, "estimate", "--model", "gpt2", "--compile", "--method", "formula")
+    assert code == 2 and "--method formula has no terms for --compile" in err

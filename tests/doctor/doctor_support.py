@@ -19,10 +19,11 @@ def format_size(size: int) -> str:
     return f"{size / 1073741824:.2f} GiB"
 
 
-def gpu_fixture(name: str) -> Path:
-    """A fixture captured by bench/gpu_doctor.py on a GPU; the test is skipped while it is absent."""
+def gpu_fixture(name: str, script: str = "bench/gpu_doctor.py") -> Path:
+    """A fixture captured by ``script`` on a GPU; the test is skipped while it is absent."""
     p = FIXTURES / name
     if not p.exists():
-        pytest.skip(f"{p.relative_to(FIXTURES.parent.parent.parent)} is absent: run `python bench/gpu_doctor.py OUT` "
-                    f"on a CUDA machine and copy OUT/* to tests/fixtures/doctor/")
+        where = "OUT/fixtures/*" if script.endswith("gpu_oom.py") else "OUT/*"
+        pytest.skip(f"{p.relative_to(FIXTURES.parent.parent.parent)} is absent: run `python {script} OUT` "
+                    f"on a CUDA machine and copy {where} to tests/fixtures/doctor/")
     return p

@@ -65,3 +65,31 @@ def test_dropout_keeps_a_bool_mask():
     with fake, cr.CudaEmulation(cr.CudaRules()):
         y = F.dropout(x, 0.1, training=True)
     assert y.grad_fn.name() == "NativeDropoutBackward0"
+
+
+def test_softmax_with_dtype_none_upcasts_like_cuda_autocast():
+    """F.softmax passes dtype=None down; CUDA's fp32_set_opt_dtype policy treats that as unset, so
+    an fp16 softmax under autocast returns fp32 (BERT's eager attention probabilities)."""
+    import torch
+    import torch.nn.functional as F
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlens.estimator.cuda_rules import CudaEmulation, CudaRules, cuda_autocast
+
+    emu = CudaEmulation(CudaRules(autocast_dtype=torch.float16))
+    with FakeTensorMode():
+        x = torch.empty(2, 4, 8, 8, dtype=torch.float16)
+        with emu, cuda_autocast(emu, torch.float16):
+            assert F.softmax(x, dim=-1).dtype == torch.float32
+            assert F.softmax(x, dim=-1, dtype=torch.float16).dtype == torch.float16
+            assert torch.softmax(x, -1).dtype == torch.float32
+
+
+def test_multihead_attention_reaches_the_fused_kernels():
+    """nn.MultiheadAttention calls SDPA inside F.multi_head_attention_forward: CUDA's fused kernel
+    is chosen there too (the CPU would build the L x L matrix)."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+
+    r = estimate(TrainingSpec(model="tests.tiny_models:mha", optimizer="sgd"))
+    assert r.data["attention_backends"] == ["efficient"]

@@ -39,7 +39,7 @@ def _peak(spec):
 APPLIED = {
     "batch_size": ("gpt2", 2), "seq_len": ("gpt2", 64), "image_size": ("vit", 64), "precision": ("gpt2", "bf16"),
     "grad_checkpointing": ("gpt2", True), "attn": ("gpt2", "eager"), "optimizer": ("gpt2", "sgd"),
-    "lora_rank": ("gpt2", 8), "freeze": ("gpt2", ("wte",)), "grad_accum": ("gpt2", 2), "dp": ("gpt2", True),
+    "lora_rank": ("gpt2", 8), "freeze": ("gpt2", ("wte",)), "grad_accum": ("gpt2", 2),
     "gpu": ("gpt2", "a100-80gb"),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
@@ -49,11 +49,17 @@ REFUSED = {  # field -> (model key, value, words of the error)
 }
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
-    "qlora": ("gpt2", {"lora_rank": 8}, True), "physical_batch_size": ("gpt2", {"dp": True, "batch_size": 4}, 2),
+    "qlora": ("gpt2", {"lora_rank": 8}, True),
+    "physical_batch_size": ("gpt2", {"dp": True, "lora_rank": 8, "batch_size": 4}, 2),
     "sharding": ("gpt2", {"world_size": 2, "sharding": "ddp"}, "fsdp"),
     "reshard_after_forward": ("gpt2", {"world_size": 2, "sharding": "fsdp"}, False),
     "gradient_as_bucket_view": ("gpt2", {"world_size": 2, "sharding": "ddp"}, True),
     "bucket_cap_mb": ("gpt2", {"world_size": 2, "sharding": "ddp"}, 1.0),
+    # Opacus has grad samplers for LoRA's Linear layers (GPT-2's Conv1D would need functorch)
+    "dp": ("gpt2", {"lora_rank": 8}, True),
+    "grad_sample_mode": ("gpt2", {"dp": True, "lora_rank": 8}, "ghost"),
+    "max_grad_norm": ("gpt2", {"dp": True, "lora_rank": 8}, 0.5),
+    "noise_multiplier": ("gpt2", {"dp": True, "lora_rank": 8}, 0.3),
 }
 
 

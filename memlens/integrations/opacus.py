@@ -1,0 +1,463 @@
+"""Opacus as memlens' DP-SGD engine (``--dp``): the model, optimizer and data loader wrapped by
+Opacus' own ``PrivacyEngine.make_private``, the logical batch split by Opacus' own
+``BatchMemoryManager``, and the step a DP-SGD user writes around them.
+
+The same :class:`DPStep` runs on fake CPU tensors (``estimate``) and on a real device
+(``profile``, the measured trials of compare / sweep / fit, the bench), so an estimate and a
+measurement are the same code. What Opacus allocates, all of it by running its own code:
+
+- ``grad_sample_mode="hooks"`` (``GradSampleModule``): a forward hook keeps each trainable layer's
+  input; in backward the layer's grad sampler computes the per-sample gradients (``einsum`` into
+  physical batch x parameter shape), copied into a zero-filled ``p.grad_sample`` buffer of the same
+  size; the ordinary ``p.grad`` is computed too. ``DPOptimizer.step`` clips them
+  (``clip_and_accumulate``: per-sample norms, then an ``einsum`` into one parameter-sized tensor
+  added to ``p.summed_grad``).
+- ``grad_sample_mode="ghost"`` (``GradSampleModuleFastGradientClipping`` + ``DPLossFastGradientClipping``):
+  ``loss.backward()`` runs two backward passes, the first with ``retain_graph=True`` (every saved
+  activation lives through both); in the first, each ``nn.Linear``'s norm sampler builds the
+  physical batch x T x T Gram matrices of its output gradients and inputs for sequence inputs
+  (so ghost can cost more than hooks at long T); layers without a norm sampler materialize their
+  per-sample gradients for a moment. ``DPOptimizerFastGradientClipping.step`` copies ``p.grad``
+  into ``p.summed_grad``.
+- either way, the last physical batch of a logical batch adds noise (``torch.normal`` into a
+  parameter-sized tensor next to a zero-filled one), replaces ``p.grad`` by ``summed_grad + noise``
+  and steps the wrapped optimizer; the other physical batches only clip and accumulate
+  (``signal_skip_step``), and ``zero_grad`` drops the per-sample gradients.
+
+What cannot run on fake tensors, and what memlens does instead (the README says the same):
+
+- ``DataLoader`` iteration draws its base seed with ``.item()``, which a fake tensor cannot answer:
+  on fake tensors memlens iterates the BatchMemoryManager's own ``BatchSplittingSampler`` (which
+  signals the optimizer exactly as the data loader would) and calls the loader's collate function.
+- ``DPOptimizerFastGradientClipping.accumulate`` calls ``copy.deepcopy(p.grad.data)``, which on a
+  fake tensor makes a tensor of another fake mode: on fake tensors ``deepcopy`` of a tensor is run
+  as ``clone()`` (a new storage of the same size, what deepcopy allocates on a GPU).
+
+The dataset is the spec's logical batch on the host (random tokens or pixels); each physical batch
+is gathered and copied to the device as a DP-SGD training loop does. ``poisson_sampling=False``:
+every logical batch has exactly ``--batch-size`` samples (Poisson sampling draws a random batch
+size each step; memory follows the physical batch). The privacy accountant is Opacus' default.
+
+Distributed DP-SGD (DPDDP with hooks, FSDP2 with ghost clipping = Opacus' ``ghost_fsdp``) is not
+run here yet: :func:`make_private` takes the already-wrapped module, so a per-rank step can build
+its DDP / ``FSDP2Wrapper`` module first and pass it in (Opacus picks the distributed optimizer and
+``ghost_fsdp`` from the module type and ``grad_sample_mode``).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..core.enums import Category
+from ..core.errors import MemlensError, SpecError
+
+PER_SAMPLE = Category.PER_SAMPLE_GRADIENTS.value
+GRAM = Category.GRAM_MATRICES.value
+GRADIENTS = Category.GRADIENTS.value
+INPUTS = Category.INPUTS.value
+MIN_VERSION = (1, 5, 3)   # make_private returns the DPLossFastGradientClipping criterion for ghost clipping
+GHOST_TASKS = ("causal-lm", "masked-lm", "image-classification", "factory")
+
+
+def require_opacus():
+    """The opacus module, or one clear line saying how to install it."""
+    try:
+        import opacus
+    except ImportError:
+        raise MemlensError("--dp runs Opacus (DP-SGD), which is not installed", hint="pip install 'memlens[dp]'") from None
+    version = tuple(int(x) for x in opacus.__version__.split("+")[0].split(".")[:3] if x.isdigit())
+    if version < MIN_VERSION:
+        raise MemlensError(f"--dp needs opacus >= {'.'.join(map(str, MIN_VERSION))}, found {opacus.__version__}",
+                           hint="pip install -U 'memlens[dp]'")
+    return opacus
+
+
+# ---------------------------------------------------------------- the dataset: the logical batch on the host
+class SampleIndices:
+    """A map-style dataset whose items are sample indices; :class:`Gather` turns a list of them into a batch."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return int(i)
+
+
+class Gather:
+    """The collate function: the samples ``indices`` of the host batch, as new tensors (one per
+    tensor of the batch: ``labels`` that is ``input_ids`` stays one tensor). On fake tensors the
+    new tensor stands for the device copy; on a real device :meth:`to_device` copies it over."""
+
+    def __init__(self, batch: Any, n: int):
+        self.batch = batch
+        self.n = n
+
+    def __call__(self, indices: list[int]) -> Any:
+        import torch
+        from torch.utils._pytree import tree_map
+
+        idx = [int(i) for i in indices]
+        lo, hi = idx[0], idx[-1] + 1
+        contiguous = idx == list(range(lo, hi))
+        memo: dict[int, Any] = {}
+
+        def take(t):
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % self.n:
+                return t
+            if id(t) not in memo:
+                k = t.shape[0] // self.n     # rows per sample (VLMs: images per sample)
+                if contiguous:
+                    memo[id(t)] = t[lo * k:hi * k].clone()
+                else:
+                    rows = torch.tensor([i * k + j for i in idx for j in range(k)], dtype=torch.long)
+                    memo[id(t)] = t.index_select(0, rows)
+            return memo[id(t)]
+
+        return tree_map(take, self.batch)
+
+    @staticmethod
+    def to_device(batch: Any, device) -> Any:
+        import torch
+        from torch.utils._pytree import tree_map
+
+        memo: dict[int, Any] = {}
+
+        def move(t):
+            if not isinstance(t, torch.Tensor) or t.device == device:
+                return t
+            if id(t) not in memo:
+                memo[id(t)] = t.to(device)
+            return memo[id(t)]
+
+        return tree_map(move, batch)
+
+
+# ---------------------------------------------------------------- losses
+class FactoryCriterion:
+    """A factory's ``loss_fn(out, batch)`` as the criterion Opacus' ghost clipping wraps: it must
+    return one loss per sample (Opacus asks for ``reduction="none"``)."""
+
+    def __init__(self, loss_fn: Callable, name: str):
+        self.loss_fn = loss_fn
+        self.name = name
+        self.reduction = "mean"
+
+    def __call__(self, out, batch):
+        loss = self.loss_fn(out, batch)
+        if getattr(loss, "dim", lambda: 0)() != 1:
+            raise MemlensError(f"ghost clipping needs one loss per sample, and {self.name}'s loss function returns "
+                               f"shape {tuple(getattr(loss, 'shape', ()))}",
+                               hint="return the per-sample losses (shape [batch]) from the factory's loss, or use --grad-sample-mode hooks")
+        if self.reduction == "mean":
+            return loss.mean()
+        return loss
+
+
+def _hf_per_sample_loss(criterion, task: str, out, batch):
+    """Hugging Face's own loss (transformers.loss.loss_utils: ForCausalLMLoss / ForMaskedLMLoss /
+    sequence classification), per sample, through Opacus' DPLossFastGradientClipping ``criterion``:
+    logits upcast to fp32, labels shifted for causal LMs (padded with -100), flattened, then
+    cross-entropy per token reduced per sample (``shape=(B, T)``)."""
+    import torch
+
+    logits = out.logits
+    labels = batch["labels"]
+    if task in ("causal-lm", "masked-lm"):
+        logits = logits.float()
+        if task == "causal-lm":
+            labels = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        B, T, V = logits.shape
+        return criterion(logits.view(-1, V), labels.view(-1), shape=(B, T))
+    return criterion(logits.view(logits.shape[0], -1), labels.view(-1))
+
+
+# ---------------------------------------------------------------- the step
+@dataclass
+class DPStep:
+    """One DP-SGD optimizer step = the physical batches of one logical batch, as Opacus runs them."""
+
+    model: Any                        # GradSampleModule (hooks) / GradSampleModuleFastGradientClipping (ghost)
+    optimizer: Any                    # DPOptimizer / DPOptimizerFastGradientClipping
+    criterion: Any                    # DPLossFastGradientClipping (ghost) or None
+    data_loader: Any                  # the loader make_private returned (one logical batch per epoch)
+    loader: Any                       # BatchMemoryManager's loader over it (physical batches)
+    privacy_engine: Any
+    gather: Gather
+    device: Any
+    fake: bool
+    mode: str
+    task: str
+    logical_batch: int
+    physical_batch: int
+    loss_fn: Callable | None = None
+    autocast: Callable[[], Any] = contextlib.nullcontext
+    functorch_layers: list[str] = field(default_factory=list)   # trainable layer types Opacus handles with functorch
+    observer: Any = None              # .retag(tensor, category) and .scope(category): the estimate's tracker or the profiler
+    physical: tuple[int, int] = (0, 0)  # the physical batch running now: (number, of how many)
+    _on_phase: Callable[[str], None] = field(default=lambda name: None, repr=False)
+
+    @property
+    def original_optimizer(self):
+        """The torch optimizer inside the DPOptimizer: its ``step`` runs once per logical batch."""
+        return self.optimizer.original_optimizer
+
+    @property
+    def n_physical(self) -> int:
+        return -(-self.logical_batch // self.physical_batch)
+
+    def physical_batches(self):
+        """The physical batches of one logical batch, from BatchMemoryManager's sampler.
+
+        On fake tensors a physical batch that is neither the first two nor the last, and has the
+        size of the one before, is not re-run: it starts from the state the one before left
+        (``summed_grad`` accumulated, the step skipped) and allocates the same, so memory repeats.
+        Its skip signal is consumed as its ``optimizer.step()`` would have."""
+        if self.fake:
+            k, prev = self.n_physical, None
+            for i, idx in enumerate(self.loader.batch_sampler, 1):
+                if 2 < i < k and len(idx) == prev:
+                    self.optimizer._check_skip_next_step()
+                    continue
+                prev = len(idx)
+                yield i, self.gather(idx)
+        else:
+            for i, b in enumerate(self.loader, 1):
+                yield i, self.gather.to_device(b, self.device)
+
+    def run(self, on_phase: Callable[[str], None] = lambda name: None):
+        """Every physical batch: forward, backward (two passes under ghost clipping), the DP
+        optimizer's step ("clip": clip and accumulate; on the last physical batch also noise, then
+        "optimizer": the wrapped optimizer's update), zero_grad. Returns the last loss (None on fake tensors)."""
+        import warnings
+
+        self._on_phase = on_phase
+        with warnings.catch_warnings():
+            # PyTorch's note that a module hook fires on outputs when no input needs a gradient (a
+            # frozen embedding before the first adapter): what Opacus relies on, not a problem
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            return self._run(on_phase)
+
+    def _run(self, on_phase):
+        last = None
+        try:
+            k = self.n_physical
+            for i, batch in self.physical_batches():
+                self.physical = (i, k)
+                self._tag(_tensors(batch), INPUTS)
+                on_phase("forward")
+                with self.autocast():
+                    loss = self._loss(batch)
+                on_phase("backward")
+                loss.backward()
+                last = loss.detach()
+                del loss
+                on_phase("clip")
+                self._tag(self._per_sample_tensors(), PER_SAMPLE)
+                with self._fake_deepcopy():
+                    self.optimizer.step()          # the last physical batch enters "optimizer" through the hook
+                self._tag([t for p in self._params() for t in (p.grad, getattr(p, "summed_grad", None)) if t is not None],
+                          GRADIENTS)
+                self.optimizer.zero_grad(set_to_none=True)
+                del batch                          # the physical batch lives through its step, as in a training loop
+            on_phase("end")
+        finally:
+            self._on_phase = lambda name: None
+            self.physical = (0, 0)
+        if last is None or self.fake:
+            return None
+        return last
+
+    # -- pieces
+    def _loss(self, batch):
+        from ..step.loop import forward_loss
+
+        if self.criterion is None:                     # hooks: the model's own loss (or the factory's)
+            return forward_loss(self.model, batch, self.loss_fn)
+        if self.task == "factory":
+            if isinstance(batch, dict):
+                out = self.model(**batch)
+            elif isinstance(batch, (tuple, list)):
+                out = self.model(*batch)
+            else:
+                out = self.model(batch)
+            return self.criterion(out, batch)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return _hf_per_sample_loss(self.criterion, self.task, self.model(**inputs), batch)
+
+    def _params(self):
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _per_sample_tensors(self) -> list:
+        out = []
+        for p in self._params():
+            for name in ("grad_sample", "_current_grad_sample", "_norm_sample"):
+                v = getattr(p, name, None)
+                out.extend(v if isinstance(v, list) else [v] if v is not None else [])
+        return out
+
+    def _tag(self, tensors, category: str) -> None:
+        obs = self.observer
+        if obs is None:
+            return
+        if hasattr(obs, "retag_all"):            # the profiler: one observation for them all
+            obs.retag_all(list(tensors), category)
+            return
+        for t in tensors:
+            obs.retag(t, category)
+
+    def _scoped(self, fn, category: str):
+        def sampler(module, activations, backprops):
+            obs = self.observer
+            if obs is None:
+                return fn(module, activations, backprops)
+            with obs.scope(category):
+                return fn(module, activations, backprops)
+
+        return sampler
+
+    def _fake_deepcopy(self):
+        return _deepcopy_as_clone() if self.fake else contextlib.nullcontext()
+
+
+def _tensors(batch) -> list:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+
+def _deepcopy_as_clone():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class DeepcopyAsClone(TorchFunctionMode):
+        """``copy.deepcopy(tensor)`` as ``tensor.clone()``: the same new storage, in the same fake mode."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.__deepcopy__:
+                t, memo = args
+                out = memo[id(t)] = t.clone()
+                return out
+            return func(*args, **(kwargs or {}))
+
+    return DeepcopyAsClone()
+
+
+# ---------------------------------------------------------------- what this step can run
+def check_spec(spec, task: str) -> None:
+    """One clear line for DP-SGD settings this step cannot run (before any model is built)."""
+    require_opacus()
+    if spec.grad_accum > 1:
+        raise SpecError("--grad-accum with --dp: DP-SGD accumulates through Opacus' BatchMemoryManager",
+                        hint=f"use --batch-size {spec.batch_size * spec.grad_accum} --physical-batch-size {spec.batch_size}")
+    if spec.grad_checkpointing:
+        raise SpecError("--grad-checkpointing with --dp: Opacus' hooks see each checkpointed layer's forward twice "
+                        "(the recomputation) and lose its per-sample gradients", hint="drop --grad-checkpointing")
+    if spec.precision == "amp-fp16":
+        raise SpecError("--precision amp-fp16 with --dp: GradScaler does not unscale Opacus' per-sample gradients",
+                        hint="use --precision amp-bf16 or bf16")
+    if spec.grad_sample_mode == "ghost" and task not in GHOST_TASKS:
+        raise SpecError(f"--grad-sample-mode ghost needs a per-sample loss, which memlens builds for {', '.join(GHOST_TASKS[:-1])} "
+                        f"models and factories (this model trains {task})", hint="use --grad-sample-mode hooks")
+
+
+# ---------------------------------------------------------------- make_private, the way users call it
+def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str, loss_fn: Callable | None = None,
+                 autocast: Callable[[], Any] = contextlib.nullcontext, name: str = "model",
+                 grad_sample_mode: str | None = None) -> DPStep:
+    """Wrap ``model`` and ``optimizer`` with Opacus' ``PrivacyEngine.make_private`` over a data
+    loader of ``batch`` (the logical batch, on the host), and ``BatchMemoryManager`` with the
+    spec's physical batch.
+
+    For a distributed step (not run yet): pass the rank's module already wrapped, Opacus'
+    ``DifferentiallyPrivateDistributedDataParallel(model)`` for hooks or ``FSDP2Wrapper(model)``
+    with ``grad_sample_mode="ghost_fsdp"`` for ghost clipping, the optimizer built on it, and the
+    rank's share of the logical batch: Opacus picks its distributed optimizer from the module type."""
+    require_opacus()
+    import warnings
+
+    import torch
+    from opacus import PrivacyEngine
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+    from opacus.validators.errors import UnsupportedModuleError
+    from torch.utils._pytree import tree_flatten
+
+    first = next((t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    if first is None:
+        raise SpecError(f"{name}: the batch has no tensor with a batch dimension", hint="DP-SGD splits the batch per sample")
+    n = int(first.shape[0])
+    physical = min(spec.physical_batch_size or n, n)
+    mode = grad_sample_mode or spec.grad_sample_mode or "hooks"
+    fallback = functorch_layers(model, mode)
+    if fake and fallback:
+        raise SpecError(f"Opacus has no grad sampler for {', '.join(fallback)}: it would use functorch, which does not run "
+                        "on the fake tensors of an estimate", hint="freeze those layers (--freeze), train LoRA adapters "
+                        "(--lora-rank 16), or measure it: memlens profile --dp --device cuda")
+    gather = Gather(batch, n)
+    loader = torch.utils.data.DataLoader(SampleIndices(n), batch_size=n, shuffle=False, collate_fn=gather)
+    criterion = None
+    if mode.startswith("ghost"):
+        criterion = FactoryCriterion(loss_fn, name) if task == "factory" else torch.nn.CrossEntropyLoss()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # "Secure RNG turned off" and friends
+        engine = PrivacyEngine()
+        kwargs = dict(module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=spec.noise_multiplier,
+                      max_grad_norm=spec.max_grad_norm, poisson_sampling=False, grad_sample_mode=mode)
+        if criterion is not None:
+            kwargs["criterion"] = criterion
+        try:
+            out = engine.make_private(**kwargs)
+        except (UnsupportedModuleError, NotImplementedError, ValueError) as e:
+            msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+            raise SpecError(f"Opacus cannot make {name} private: {msg}",
+                            hint="freeze the unsupported modules (--freeze), or train LoRA adapters (--lora-rank 16)") from None
+    if mode.startswith("ghost"):
+        dp_model, dp_opt, dp_criterion, dp_loader = out
+    else:
+        (dp_model, dp_opt, dp_loader), dp_criterion = out, None
+    bmm = BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=physical, optimizer=dp_opt)
+    step = DPStep(dp_model, dp_opt, dp_criterion, dp_loader, bmm.__enter__(), engine, gather, device, fake, mode, task,
+                  n, physical, loss_fn=loss_fn, autocast=autocast, functorch_layers=fallback)
+    # the grad / norm samplers run inside the observer's category scope (instance attributes
+    # shadow Opacus' class-level registries; the functions are Opacus' own)
+    dp_model.GRAD_SAMPLERS = {k: step._scoped(f, PER_SAMPLE) for k, f in type(dp_model).GRAD_SAMPLERS.items()}
+    if hasattr(type(dp_model), "NORM_SAMPLERS"):
+        dp_model.NORM_SAMPLERS = {k: step._scoped(f, GRAM) for k, f in type(dp_model).NORM_SAMPLERS.items()}
+    step.original_optimizer.register_step_pre_hook(lambda opt, args, kwargs: step._on_phase("optimizer"))
+    return step
+
+
+def functorch_layers(model, mode: str) -> list[str]:
+    """Types of trainable layers Opacus has no grad (or, for ghost, norm) sampler for: it computes their
+    per-sample gradients with functorch (``torch.func.vmap(grad(...))`` over a meta-device copy)."""
+    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
+    from opacus.utils.module_utils import trainable_modules
+
+    known = set(GradSampleModule.GRAD_SAMPLERS)
+    if mode.startswith("ghost"):
+        known |= set(GradSampleModuleFastGradientClipping.NORM_SAMPLERS)
+    return sorted({type(m).__name__ for _, m in trainable_modules(model) if type(m) not in known})
+
+
+def describe(step: DPStep) -> str:
+    """One line for the prepared step's "applied" list."""
+    what = "per-sample gradients (hooks)" if step.mode == "hooks" else "ghost clipping (two backward passes)"
+    text = (f"DP-SGD with Opacus {_version()}: make_private {what}, max_grad_norm {step.optimizer.max_grad_norm:g}, "
+            f"noise {step.optimizer.noise_multiplier:g}; BatchMemoryManager: logical batch {step.logical_batch} in "
+            f"{step.n_physical} physical batch(es) of <= {step.physical_batch}")
+    if step.fake and step.n_physical > 3:
+        text += " (simulated: the first two, the last, and each change of size; the others repeat their memory)"
+    return text
+
+
+def _version() -> str:
+    import opacus
+
+    return opacus.__version__
+
+
+__all__ = ["DPStep", "make_private", "check_spec", "require_opacus", "describe", "GHOST_TASKS"]
