@@ -76,3 +76,28 @@ def test_analyze_breakdown_sums_to_peak_and_stops_at_done():
     assert a.peak_phase == "backward"
     assert a.steps[0]["end_allocated_bytes"] == 8 * MiB
     assert a.by_module[0]["module"] == "layer"
+
+
+def test_blocks_are_reused_only_on_their_own_stream():
+    """CUDACachingAllocator keeps a pool per stream: a block freed on one stream serves only that stream."""
+    a = CachingAllocatorModel()
+    a.malloc("x", 4 * MiB, stream=1)          # a 20 MiB segment of stream 1
+    a.free("x")
+    a.malloc("y", 4 * MiB)                    # the default stream cannot take it: a new segment
+    assert (a.reserved, a.num_segments) == (40 * MiB, 2)
+    a.malloc("z", 4 * MiB, stream=1)          # stream 1 reuses its own cached block
+    assert (a.reserved, a.num_segments, a.allocated) == (40 * MiB, 2, 8 * MiB)
+
+
+def test_streams_in_the_log_replay():
+    log = EventLog()
+    m = log.module_id("m")
+    log.alloc(1, 4 * MiB, "communication", m, "forward", stream=1)
+    log.free(1)
+    log.alloc(2, 4 * MiB, "parameters", m, "forward")
+    assert analyze(log).peak_reserved_bytes == 40 * MiB
+    same = EventLog()
+    same.alloc(1, 4 * MiB, "communication", m, "forward")
+    same.free(1)
+    same.alloc(2, 4 * MiB, "parameters", m, "forward")
+    assert analyze(same).peak_reserved_bytes == 20 * MiB

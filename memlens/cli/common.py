@@ -45,8 +45,22 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--grad-sample-mode", choices=GRAD_SAMPLE_MODES,
                    help="DP-SGD: Opacus' hooks (per-sample gradients) or ghost (ghost clipping, two backward passes) (default hooks)")
     g.add_argument("--noise-multiplier", type=float, metavar="S", help="DP-SGD: noise multiplier (default 1.0; no effect on memory)")
-    g.add_argument("--world-size", type=int, metavar="N", help="GPUs (default 1)")
-    g.add_argument("--sharding", choices=SHARDING, help="how model states are split over --world-size GPUs")
+    g.add_argument("--world-size", type=int, metavar="N", help="GPUs, one rank each (default 1); --batch-size is per GPU")
+    g.add_argument("--sharding", choices=SHARDING,
+                   help="how --world-size GPUs train, as the PyTorch settings that realize it: ddp = DistributedDataParallel; "
+                        "zero1 = DDP + ZeroRedundancyOptimizer (optimizer states split); zero2 = FSDP2 fully_shard with "
+                        "reshard_after_forward=False (gradients and optimizer states split, parameters gathered from forward "
+                        "to backward); zero3 = fsdp = FSDP2 fully_shard defaults (parameters split too, re-gathered in "
+                        "backward). FSDP2 wraps each transformer block, then the root; amp-bf16 = "
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+    g.add_argument("--reshard-after-forward", metavar="true|false|N",
+                   help="FSDP2: free gathered parameters after forward (true, zero3/fsdp default), keep them (false, zero2), "
+                        "or keep a shard over N GPUs")
+    g.add_argument("--gradient-as-bucket-view", action="store_const", const=True,
+                   help="DDP: gradients become views of the all-reduce buckets (saves one gradient copy)")
+    g.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP: all-reduce bucket size (default 25)")
+    g.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="DeepSpeed ZeRO config: not modelled, refused "
+                   "(memlens simulates PyTorch's own ZeRO: --sharding zero1/zero2/zero3)")
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
     g.add_argument("--gpu", metavar="NAME", help="the GPU the estimate is for: its CUDA context, workspaces, attention kernels, "
                    "FLOP rates (default h100; `memlens estimate --list-gpus`)")
@@ -56,12 +70,16 @@ SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
-    "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile",
+    "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
+    "bucket_cap_mb",
 )
 
 
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     """Merge --config YAML and explicit flags into one validated TrainingSpec."""
+    if getattr(args, "deepspeed", None):
+        raise SpecError("DeepSpeed ZeRO configs (--deepspeed) are not modelled: memlens simulates PyTorch's own ZeRO "
+                        "(ZeroRedundancyOptimizer, FSDP2)", hint="use --sharding zero1, zero2 or zero3 (see --help for their settings)")
     base: dict = {}
     if getattr(args, "config", None):
         base = TrainingSpec.from_yaml(args.config).to_dict()

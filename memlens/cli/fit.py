@@ -144,12 +144,12 @@ def render(result) -> None:
                 t.add_row(str(e["rank"]), e["name"], "?", "-", "-", "-", "-", e["kind"], f"[dim]{e['error'][:60]}[/dim]")
                 continue
             mxa = f"{e['micro_batch']} x {e['grad_accum']}" + (f" x {e['gpus']} GPUs" if e["gpus"] > 1 else "") if e["fits"] else "-"
-            t.add_row(str(e["rank"]), e["name"] + (" *" if e.get("derived") else ""), "yes" if e["fits"] else "[red]no[/red]", mxa,
+            t.add_row(str(e["rank"]), e["name"], "yes" if e["fits"] else "[red]no[/red]", mxa,
                       fmt_bytes(e["predicted_peak_bytes"]), f"{e['predicted_step_seconds']:.3f} s",
                       f"{e['step_time_factor']:.2f}x" if e.get("step_time_factor") else "-", e["kind"], e["flags"])
         c.print(t)
-        if any(e.get("derived") for e in d["plan"]):
-            c.print("[dim]* peak derived from a one-GPU simulation (sharded / offloaded model states), not simulated itself[/dim]")
+        if any(e["gpus"] > 1 for e in d["plan"]):
+            c.print("[dim]multi-GPU entries: each rank simulated under a fake process group; peaks are the rank that peaks[/dim]")
 
 
 if __name__ == "__main__":

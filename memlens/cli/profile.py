@@ -4,6 +4,8 @@
     memlens profile --model llama-3.2-1b --precision bf16 --mode full --out prof/      (categories, modules, report.html)
     memlens profile --model gpt2 --compare-estimate --torch-profiler --snapshot --out prof/
     memlens profile --model mypkg.models:tiny --device cpu --steps 2                   (CPU ledger mode, no GPU)
+    memlens profile --model gpt2 --world-size 2 --sharding fsdp --precision amp-bf16 --out prof/
+                                          (launches torchrun: one process per GPU, every rank profiled, one report)
 
 The model is built with random weights (no download) on the device, read after each setup stage
 (model load, data preparation, optimizer setup, privacy engine setup under --dp); --warmup steps run
@@ -53,11 +55,20 @@ def run(args: argparse.Namespace) -> int:
 
     mode = args.mode or ("full" if device == "cpu" else "phases")
     trace = str(d / "trace.json") if (d is not None and args.torch_profiler) else None
-    with _progress(args, args.steps) as progress:
-        result, artifacts = profile_spec(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
-                                         torch_profiler=args.torch_profiler, snapshot=args.snapshot,
-                                         compare_estimate=args.compare_estimate, trace_path=trace, progress=progress,
-                                         load_on_cpu=args.load_on_cpu, own_process=True)
+    if spec.world_size > 1:
+        from ..distributed.launch import profile_distributed
+
+        if args.load_on_cpu:
+            raise MemlensError("--load-on-cpu is a one-GPU experiment", hint="drop --load-on-cpu with --world-size")
+        result, artifacts = profile_distributed(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
+                                                torch_profiler=args.torch_profiler, snapshot=args.snapshot,
+                                                compare_estimate=args.compare_estimate, out_dir=d)
+    else:
+        with _progress(args, args.steps) as progress:
+            result, artifacts = profile_spec(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
+                                             torch_profiler=args.torch_profiler, snapshot=args.snapshot,
+                                             compare_estimate=args.compare_estimate, trace_path=trace, progress=progress,
+                                             load_on_cpu=args.load_on_cpu, own_process=True)
     if d is not None:
         from ..report.profile_report import write_report
 
@@ -116,7 +127,18 @@ def render(result) -> None:
     nv = d.get("nvml") or {}
     if nv.get("available"):
         c.print(f"  nvidia-smi for this process {fmt_bytes(nv['process_used_bytes'])} (NVML: reserved + CUDA context + libraries)")
-    t = Table(title="peak of every phase", box=None)
+    if d.get("ranks"):
+        t = Table(title=f"per rank ({len(d['ranks'])} ranks; * the rank that peaks)", box=None)
+        for col in ("rank", "peak allocated", "peak reserved", "nvidia-smi (NVML)", "peak phase"):
+            t.add_column(col, justify="left" if col in ("rank", "peak phase") else "right")
+        for r in d["ranks"]:
+            nvr = (r.get("nvml") or {})
+            t.add_row(f"{r['rank']}{' *' if r['rank'] == d.get('peak_rank') else ''}", fmt_bytes(r["peak_allocated_bytes"]),
+                      fmt_bytes(r["peak_reserved_bytes"]), fmt_bytes(nvr["process_used_bytes"]) if nvr.get("available") else "-",
+                      f"{r.get('peak_phase')} (step {r.get('peak_step')})")
+        c.print(t)
+        c.print(f"  imbalance between ranks: {fmt_bytes(d.get('rank_imbalance_bytes'))} (peak allocated)")
+    t = Table(title="peak of every phase" + (f" (rank {d['peak_rank']})" if d.get("ranks") else ""), box=None)
     t.add_column("phase")
     t.add_column("peak allocated", justify="right")
     t.add_column("step", justify="right")

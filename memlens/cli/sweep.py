@@ -41,6 +41,16 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _gpu_list(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise argparse.ArgumentTypeError(f"{part!r} is not a GPU index")
+        out.append(int(part))
+    return out
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("sweep", help="a grid of configurations, estimated or measured: CSV, heatmaps, lines",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +68,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--steps", "--num_steps", type=int, default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
     r.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured cell (default 600)")
     r.add_argument("--budget", metavar="SIZE", help="memory limit: measured cells run under it (OOM above), estimated cells are marked")
+    r.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="with --measure: run cells in parallel, one per GPU "
+                   "(a cell of --world-size N takes N of them), each in its own subprocess")
     r.add_argument("--resume", action="store_true", help="continue the sweep in --out: skip cells already in results.jsonl")
     r.add_argument("--detailed", action="store_true",
                    help="each cell's peak by component, memory type and operation (measured: a full-mode profile per cell)")
@@ -128,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     prog = _Progress(enabled=not args.json)
     try:
         result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
-                       timeout=args.timeout, budget_bytes=budget, progress=prog, detailed=args.detailed)
+                       timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, progress=prog, detailed=args.detailed)
     finally:
         prog.close()
     from pathlib import Path

@@ -15,7 +15,13 @@ Allocator facts modelled (c10/cuda/CUDACachingAllocator.cpp, default settings):
 - a block is split only if the remainder is >= 512 B (small pool) or > 1 MiB (large pool), so a
   large request can be handed a block up to 1 MiB bigger than asked, and ``allocated`` counts it;
 - freed blocks merge with free neighbours in the same segment; segments are never released
-  (no ``empty_cache``), so ``reserved`` only grows.
+  (no ``empty_cache``), so ``reserved`` only grows;
+- every block belongs to the CUDA stream it was allocated on, and a free block is handed out only
+  to a request on that same stream (``BlockComparatorSize`` orders pools by stream first and
+  ``get_free_block`` rejects a block of another stream): collectives that allocate on their own
+  streams (FSDP's all-gather copy-in and reduce-scatter streams) keep their own cached blocks.
+  Streams are the ``stream`` of each :class:`~memlens.core.events.Alloc` (0: the default stream),
+  so a single-stream log replays exactly as before.
 """
 from __future__ import annotations
 
@@ -71,7 +77,7 @@ class _Block:
 
 
 class CachingAllocatorModel:
-    """A model of PyTorch's CUDA caching allocator (one device, one stream, default config).
+    """A model of PyTorch's CUDA caching allocator (one device, default config; per-stream pools).
 
     >>> a = CachingAllocatorModel()
     >>> a.malloc("x", 1000)
@@ -82,6 +88,10 @@ class CachingAllocatorModel:
     1024
     >>> a.allocated, a.reserved
     (0, 2097152)
+    >>> a.malloc("y", 1000, stream=1)     # the cached block belongs to stream 0: a new segment
+    1024
+    >>> a.reserved, a.num_segments
+    (4194304, 2)
     """
 
     def __init__(self) -> None:
@@ -92,26 +102,29 @@ class CachingAllocatorModel:
         self.peak_reserved = 0
         self.num_segments = 0
         self._next_addr = 0
-        # free blocks per pool, sorted by (size, addr)
-        self._free: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
+        # free blocks per (pool, stream), sorted by (size, addr)
+        self._free: dict[tuple[bool, int], list[tuple[int, int]]] = {(True, 0): [], (False, 0): []}
         self._blocks_by_addr: dict[int, _Block] = {}
         self._live: dict[Any, tuple[_Block, int]] = {}
-        self._segments: dict[int, tuple[int, bool]] = {}  # segment id -> (size, small pool)
+        self._segments: dict[int, tuple[int, tuple[bool, int]]] = {}  # segment id -> (size, (small pool, stream))
 
     # -- pool bookkeeping
-    def _insert_free(self, b: _Block, small: bool) -> None:
-        bisect.insort(self._free[small], (b.size, b.addr))
+    def _insert_free(self, b: _Block, pool: tuple[bool, int]) -> None:
+        bisect.insort(self._free[pool], (b.size, b.addr))
 
-    def _remove_free(self, b: _Block, small: bool) -> None:
-        lst = self._free[small]
+    def _remove_free(self, b: _Block, pool: tuple[bool, int]) -> None:
+        lst = self._free[pool]
         i = bisect.bisect_left(lst, (b.size, b.addr))
         del lst[i]
 
-    def malloc(self, key: Any, nbytes: int) -> int:
-        """Allocate ``nbytes`` for ``key``; returns the block size charged to ``allocated``."""
+    def malloc(self, key: Any, nbytes: int, stream: int = 0) -> int:
+        """Allocate ``nbytes`` for ``key`` on ``stream``; returns the block size charged to ``allocated``."""
         size = round_size(nbytes)
         small = size <= K_SMALL_SIZE
-        lst = self._free[small]
+        pool = (small, stream)
+        lst = self._free.get(pool)
+        if lst is None:
+            lst = self._free[pool] = []
         i = bisect.bisect_left(lst, (size, -1))
         if i < len(lst):
             bsize, addr = lst[i]
@@ -120,7 +133,7 @@ class CachingAllocatorModel:
         else:
             seg = segment_size(size)
             block = _Block(self._next_addr, seg, self.num_segments)
-            self._segments[self.num_segments] = (seg, small)
+            self._segments[self.num_segments] = (seg, pool)
             self._blocks_by_addr[block.addr] = block
             self._next_addr += seg + (1 << 30)  # gap: segments never merge
             self.num_segments += 1
@@ -134,7 +147,7 @@ class CachingAllocatorModel:
             block.next = rest
             block.size = size
             self._blocks_by_addr[rest.addr] = rest
-            self._insert_free(rest, small)
+            self._insert_free(rest, pool)
         block.free = False
         self._live[key] = (block, nbytes)
         self.allocated += block.size
@@ -149,11 +162,11 @@ class CachingAllocatorModel:
         released = block.size
         self.allocated -= released
         self.requested -= nbytes
-        small = self._segments[block.segment][1]
+        pool = self._segments[block.segment][1]
         block.free = True
         for nb in (block.prev, block.next):
             if nb is not None and nb.free:
-                self._remove_free(nb, small)
+                self._remove_free(nb, pool)
                 if nb is block.prev:
                     nb.size += block.size
                     nb.next = block.next
@@ -167,7 +180,7 @@ class CachingAllocatorModel:
                     if nb.next is not None:
                         nb.next.prev = block
                     del self._blocks_by_addr[nb.addr]
-        self._insert_free(block, small)
+        self._insert_free(block, pool)
         return released
 
     def is_live(self, key: Any) -> bool:
@@ -205,7 +218,7 @@ class RawSizes:
     def is_live(self, key: Any) -> bool:
         return key in self._live
 
-    def malloc(self, key: Any, nbytes: int) -> int:
+    def malloc(self, key: Any, nbytes: int, stream: int = 0) -> int:
         size = self.size_fn(nbytes)
         self._live[key] = (size, nbytes)
         self.allocated += size
@@ -247,7 +260,7 @@ def _apply(sizer, ev) -> int | None:
     kind = ev[0]
     if kind == ALLOC:
         if not sizer.is_live(ev[1]):
-            return sizer.malloc(ev[1], ev[2])
+            return sizer.malloc(ev[1], ev[2], ev[8]) if len(ev) > 8 and ev[8] else sizer.malloc(ev[1], ev[2])
     elif kind == FREE:
         if sizer.is_live(ev[1]):
             return -sizer.free(ev[1])

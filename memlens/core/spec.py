@@ -51,6 +51,11 @@ class TrainingSpec:
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
     gpu: str = "h100"                   # the GPU the estimate is for (memlens.core.gpus; `--gpu`)
+    # several GPUs (memlens.distributed): FSDP2's reshard_after_forward (None: by --sharding);
+    # DDP's gradient_as_bucket_view and bucket_cap_mb (None: DDP's default, 25)
+    reshard_after_forward: bool | int | None = None
+    gradient_as_bucket_view: bool = False
+    bucket_cap_mb: float | None = None
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
@@ -105,9 +110,31 @@ class TrainingSpec:
             )
         if self.sharding != "none" and self.world_size == 1:
             raise SpecError(f"sharding {self.sharding!r} needs --world-size > 1", hint="add --world-size 8")
+        self._check_distributed()
         if self.precision in ("fp16",) and self.optimizer == "adamw-8bit":
             pass  # allowed: bnb 8-bit optimizers work with fp16 params
 
+    def _check_distributed(self) -> None:
+        # (--world-size without --sharding is refused where a step is built: memlens.distributed.strategies.check)
+        fsdp = self.sharding in ("zero2", "zero3", "fsdp")
+        ddp = self.sharding in ("ddp", "zero1")
+        raf = self.reshard_after_forward
+        if raf is not None:
+            if not fsdp:
+                raise SpecError("--reshard-after-forward is an FSDP2 setting", hint="use it with --sharding fsdp (or zero2, zero3)")
+            if self.sharding == "zero2" and raf is not False:
+                raise SpecError("zero2 is FSDP2 with reshard_after_forward=False", hint="drop --reshard-after-forward, or use --sharding fsdp")
+            if not isinstance(raf, bool):
+                if not isinstance(raf, int) or raf < 2 or raf >= self.world_size or self.world_size % raf:
+                    raise SpecError(f"--reshard-after-forward {raf!r} must be true, false or a divisor of the world size between 2 and "
+                                    f"{self.world_size - 1}", hint="e.g. --reshard-after-forward true")
+        if self.gradient_as_bucket_view and not ddp:
+            raise SpecError("--gradient-as-bucket-view is a DDP setting", hint="use it with --sharding ddp or zero1")
+        if self.bucket_cap_mb is not None:
+            if not ddp:
+                raise SpecError("--bucket-cap-mb is a DDP setting", hint="use it with --sharding ddp or zero1")
+            if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
+                raise SpecError(f"--bucket-cap-mb must be a positive number, got {self.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
     def _check_dp(self) -> None:
         """DP-SGD settings need --dp; under --dp they get Opacus' defaults (hooks, max_grad_norm 1, noise 1)."""
         dp_only = {"grad_sample_mode": self.grad_sample_mode, "noise_multiplier": self.noise_multiplier}
@@ -228,6 +255,12 @@ class TrainingSpec:
             parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if self.world_size > 1:
             parts.append(f"{self.sharding}x{self.world_size}")
+        if self.reshard_after_forward is not None:
+            parts.append(f"reshard={str(self.reshard_after_forward).lower()}")
+        if self.gradient_as_bucket_view:
+            parts.append("bucket-view")
+        if self.bucket_cap_mb is not None:
+            parts.append(f"bucket={self.bucket_cap_mb:g}MB")
         return " ".join(parts)
 
 
@@ -246,7 +279,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
-_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile"}
+_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "target_len"}
 
@@ -271,6 +304,13 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
         return tuple(value)
+    if name == "reshard_after_forward":
+        return parse_reshard(value)
+    if name == "bucket_cap_mb":
+        try:
+            return float(value) if not isinstance(value, bool) else value
+        except (TypeError, ValueError):
+            raise SpecError(f"bucket-cap-mb must be a number, got {value!r}", hint="e.g. --bucket-cap-mb 25") from None
     if name in ("lora_alpha", "max_grad_norm", "noise_multiplier"):
         try:
             return float(value)
@@ -278,3 +318,24 @@ def _coerce(name: str, value: Any) -> Any:
             flag = name.replace("_", "-")
             raise SpecError(f"{flag} must be a number, got {value!r}", hint=f"e.g. --{flag} 1.0") from None
     return value
+
+
+def parse_reshard(value: Any) -> bool | int:
+    """FSDP2's reshard_after_forward from a flag or YAML: true/false, or a whole number.
+
+    >>> parse_reshard("false"), parse_reshard("True"), parse_reshard("2"), parse_reshard(4)
+    (False, True, 2, 4)
+    """
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "on"):
+        return True
+    if text in ("false", "no", "off"):
+        return False
+    if text.isdigit():
+        return int(text)
+    raise SpecError(f"reshard-after-forward must be true, false or a whole number, got {value!r}",
+                    hint="e.g. --reshard-after-forward false")

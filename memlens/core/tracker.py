@@ -22,7 +22,13 @@ _ITEM = torch.ops.aten._local_scalar_dense.default
 def _is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return isinstance(t, FakeTensor)
+    return isinstance(_local(t), FakeTensor)
+
+
+def _local(t):
+    """The tensor that owns the memory: a DTensor's local shard (FSDP2 parameters, gradients and
+    optimizer states are DTensors whose storage is their ``_local_tensor``'s), else ``t``."""
+    return t if type(t) is torch.Tensor else getattr(t, "_local_tensor", t)
 
 
 from .enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL  # noqa: F401 - labels used by callers
@@ -43,6 +49,7 @@ class StorageTracker(TorchDispatchMode):
         self._keys: dict[int, int] = {}      # id(storage) -> key
         self._category: dict[int, str] = {}  # key -> current category
         self._next = 0
+        self.stream_of: Any = None           # () -> CUDA stream id of the next allocation (None: always 0)
 
     # ---------------------------------------------------------------- registration
     def current_module(self) -> int:
@@ -59,6 +66,7 @@ class StorageTracker(TorchDispatchMode):
 
     def register(self, t: torch.Tensor, category: str, module: str | None = None, op: str = "") -> int | None:
         """Account a tensor created outside the mode (parameters, inputs). Returns its key."""
+        t = _local(t)
         if self.device_type is not None and t.device.type != self.device_type:
             return None
         st = t.untyped_storage()
@@ -90,7 +98,7 @@ class StorageTracker(TorchDispatchMode):
         self.log.free(key)
 
     def key_of(self, t: torch.Tensor) -> int | None:
-        return self._keys.get(id(t.untyped_storage()))
+        return self._keys.get(id(_local(t).untyped_storage()))
 
     def retag(self, t: torch.Tensor, category: str, only_from: tuple[str, ...] | None = None) -> None:
         key = self.key_of(t)
@@ -139,7 +147,11 @@ class StorageTracker(TorchDispatchMode):
             flat = tree_flatten(out)[0]
         dev = self.device_type
         for t in flat:
-            if not isinstance(t, torch.Tensor) or (dev is not None and t.device.type != dev):
+            if not isinstance(t, torch.Tensor):
+                continue
+            if type(t) is not torch.Tensor:
+                t = _local(t)
+            if dev is not None and t.device.type != dev:
                 continue
             st = t.untyped_storage()
             sid = id(st)
@@ -150,7 +162,10 @@ class StorageTracker(TorchDispatchMode):
                 continue
             key = self._new_key(st, sid)
             self._category[key] = self.category_default
-            self.log.alloc(key, nbytes, self.category_default, self.module, self.phase, func)
+            if self.stream_of is None:
+                self.log.alloc(key, nbytes, self.category_default, self.module, self.phase, func)
+            else:
+                self.log.alloc(key, nbytes, self.category_default, self.module, self.phase, func, stream=self.stream_of())
         return out
 
 
@@ -251,6 +266,8 @@ def tag_optimizer_state(tracker: StorageTracker, optimizer, register: bool = Fal
     after the first step). On fake tensors everything is on one device, so the per-parameter
     ``step`` counter is released unless the optimizer keeps it on the GPU (fused or capturable):
     torch keeps it on the CPU otherwise."""
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        optimizer = optimizer.optim    # ZeRO-1 keeps this rank's states in its local optimizer
     on_device = bool(getattr(optimizer, "_memlens_step_on_device", False)) or any(
         g.get("fused") or g.get("capturable") for g in getattr(optimizer, "param_groups", []))
     for state in optimizer.state.values():

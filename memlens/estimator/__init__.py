@@ -19,7 +19,9 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
 
     method "simulate" runs the step on fake tensors (exact, seconds); "formula" uses the closed
     form (instant, any size, each term explained). ``source``: a resolved model source (default:
-    ``spec.model`` resolved; :func:`memlens.estimate_trainer` passes a Trainer's model).
+    ``spec.model`` resolved; :func:`memlens.estimate_trainer` passes a Trainer's model). With
+    ``world_size > 1`` "simulate" runs each rank that can differ under a fake process group
+    (:mod:`memlens.distributed`).
     """
     from ..core.errors import MemlensError
     from ..core.gpus import gpu_facts
@@ -31,6 +33,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
         from .formula import formula_estimate
 
         return formula_estimate(spec)
+    if spec.world_size > 1:
+        from ..distributed.estimate import estimate_ranks
+
+        return estimate_ranks(spec, steps=steps, source=source)     # one simulation per rank that can differ
     from ..core.components import by_component
     from ..core.ledger import analyze, group_modules
     from .simulate import simulate

@@ -45,6 +45,7 @@ class Simulation:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
+    wrapper: Any = None             # the multi-GPU wrapper of the simulated rank (memlens.distributed)
 
 
 class _FakeGradScaler:
@@ -122,9 +123,10 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
                     "clip": log.module_id(OPTIMIZER_LABEL), "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
+    wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
     try:
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
-                torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
+                wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model):
                     def on_phase(name: str, n=n) -> None:
@@ -155,7 +157,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
                      "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied)
+                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:

@@ -74,7 +74,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
         try:
             p = est(s)
             row.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
-                       predicted_step_seconds=predict_step_time(s, p).seconds, derived=p.derived)
+                       predicted_step_seconds=predict_step_time(s, p).seconds)
             if b is not None:
                 row.update(fits(p, b).to_dict())
         except MemlensError as e:

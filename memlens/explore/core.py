@@ -1,15 +1,12 @@
-"""Shared pieces of compare / sweep / fit: a cached estimator, derived peaks for sharding and
-offload, and the step-time model.
+"""Shared pieces of compare / sweep / fit: a cached estimator and the step-time model.
 
-Everything here returns numbers; nothing prints.
+Everything here returns numbers; nothing prints. A spec for several GPUs is estimated like any
+other: ``memlens.estimator.estimate`` simulates each rank that can differ (memlens.distributed),
+so one spec gives one peak (the rank that peaks) through estimate, compare, sweep and fit.
 
->>> from memlens.explore.core import Point, derive_peak
->>> p = Point(peak_allocated_bytes=10_000, peak_reserved_bytes=11_000,
-...           by_category={"parameters": 1000, "gradients": 1000, "optimizer_state": 2000},
-...           by_phase={"forward": {"peak_allocated_bytes": 8000}, "optimizer": {"peak_allocated_bytes": 10_000}},
-...           peak_phase="optimizer", param_count=250, trainable_param_count=250)
->>> derive_peak(p, sharding="zero1", world_size=2).peak_allocated_bytes
-9000
+>>> p = Point(peak_allocated_bytes=10_000, peak_reserved_bytes=11_000, peak_phase="optimizer")
+>>> p.peak_allocated_bytes, p.peak_rank
+(10000, None)
 """
 from __future__ import annotations
 
@@ -36,9 +33,9 @@ class Point:
     param_count: int = 0
     trainable_param_count: int = 0
     seq_len: int | None = None
-    derived: str | None = None          # how the peak was derived from a simulated one, if it was
     timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
     by_component: tuple = field(default=(), compare=False)  # attention / mlp / embedding / norm / lora ... at the peak
+    peak_rank: int | None = None        # several GPUs: the rank whose peak this is
 
     @classmethod
     def from_result(cls, r) -> "Point":
@@ -49,7 +46,7 @@ class Point:
         return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
-                   timeline=keep, by_component=tuple(d.get("by_component") or ()))
+                   timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"))
 
 
 from .fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
@@ -59,10 +56,10 @@ EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anythi
 
 
 class CachedEstimator:
-    """Estimates specs once each (a simulated 1B step takes seconds) and derives sharded/offloaded peaks.
+    """Estimates specs once each (a simulated 1B step takes seconds; a sharded spec one simulation
+    per rank that can differ).
 
-    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``. Specs with sharding or
-    ``offload_optimizer`` are simulated as one unsharded rank and derived (see ``derive_peak``).
+    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``.
 
     >>> est = CachedEstimator(fn=lambda s: _Fake(s.batch_size))
     >>> est(TrainingSpec(model="m", batch_size=3)).peak_allocated_bytes, est.calls
@@ -91,13 +88,7 @@ class CachedEstimator:
         return self.cache[spec]
 
     def __call__(self, spec: TrainingSpec) -> Point:
-        base = spec
-        if spec.sharding != "none" or spec.world_size > 1 or spec.offload_optimizer:
-            base = spec.replace(sharding="none", world_size=1, offload_optimizer=False)
-        p = self.raw(base)
-        if base is spec:
-            return p
-        return derive_peak(p, sharding=spec.sharding, world_size=spec.world_size, offload_optimizer=spec.offload_optimizer)
+        return self.raw(spec)
 
 
 class _Fake:  # for the docstring above
@@ -105,76 +96,6 @@ class _Fake:  # for the docstring above
         self.peak_allocated_bytes = b * 1000
         self.peak_reserved_bytes = b * 1000
         self.by_category, self.by_phase, self.data, self.timeline = {}, {}, {}, []
-
-
-# ---------------------------------------------------------------- sharding / offload (derived)
-ZERO_SHARDS = {  # which model states each stage splits over the ranks
-    "none": (), "ddp": (), "zero1": ("optimizer_state",), "zero2": ("optimizer_state", "gradients"),
-    "zero3": ("optimizer_state", "gradients", "parameters"), "fsdp": ("optimizer_state", "gradients", "parameters"),
-}
-
-
-def derive_peak(p: Point, *, sharding: str = "none", world_size: int = 1, offload_optimizer: bool = False) -> Point:
-    """Per-rank peak of a sharded / offloaded run, derived from one simulated unsharded rank.
-
-    ZeRO (Rajbhandari et al. 2020): stage 1 splits optimizer states, 2 also gradients, 3 (= FSDP
-    full shard) also parameters, each to 1/N per rank. At the simulated peak the bytes of those
-    categories (``by_category``) shrink by (1 - 1/N); optimizer-step temporaries shrink alike
-    (each rank updates its shard). Other phases' peaks lose the states that live through them
-    (optimizer states, and parameters under stage 3). Stage 3 adds back one all-gathered layer:
-    parameters / number of blocks, approximated as 1/12 of the parameters (a rough upper bound for
-    models of >= 12 blocks). DDP adds its gradient buckets (= one more copy of the gradients).
-    ``offload_optimizer`` (ZeRO-Offload): optimizer states and the step live on the CPU, so the
-    optimizer phase leaves the GPU and the other phases lose the optimizer states.
-    The result is marked ``derived``: it is arithmetic on a simulation, not a simulation.
-    """
-    n = max(int(world_size), 1)
-    shard = ZERO_SHARDS.get(sharding, ()) if n > 1 else ()
-    cut = 1.0 - 1.0 / n
-    cats = p.by_category or {}
-    pb = int(cats.get("parameters", 0))
-    ob = int(cats.get("optimizer_state", 0))
-    notes = []
-    # the peak phase, with its full breakdown
-    saved = 0.0
-    for c in shard:
-        saved += cut * cats.get(c, 0)
-    if shard and p.peak_phase == "optimizer":
-        saved += cut * cats.get("temporaries", 0)
-    extra = 0
-    if "parameters" in shard:
-        extra += pb // 12
-    if sharding == "ddp" and n > 1:
-        extra += int(cats.get("gradients", 0)) or int(p.trainable_param_count * 4)
-    phase_peaks: dict[str, float] = {}
-    phase_peaks[p.peak_phase or "peak"] = p.peak_allocated_bytes - saved + extra
-    # other phases: only their totals are known; subtract the states that live through them
-    for ph, st in (p.by_phase or {}).items():
-        if ph == p.peak_phase or ph in ("setup", "end"):
-            continue
-        v = float(st.get("peak_allocated_bytes", 0))
-        lost = 0.0
-        if "optimizer_state" in shard:
-            lost += cut * ob
-        if "parameters" in shard:
-            lost += cut * pb
-        phase_peaks[ph] = v - lost + extra
-    if offload_optimizer:
-        phase_peaks.pop("optimizer", None)
-        off = ob if "optimizer_state" not in shard else ob / n
-        for ph in list(phase_peaks):
-            phase_peaks[ph] -= off
-        if not phase_peaks:
-            phase_peaks["peak"] = p.peak_allocated_bytes - ob - cats.get("temporaries", 0)
-        notes.append("offload: optimizer states and step on the CPU")
-    if shard:
-        notes.append(f"{sharding} over {n} GPUs: {', '.join(shard)} / {n}")
-    if sharding == "ddp" and n > 1:
-        notes.append("ddp: + gradient buckets")
-    new_alloc = int(max(max(phase_peaks.values()), pb / n if "parameters" in shard else pb))
-    ratio = (p.peak_reserved_bytes / p.peak_allocated_bytes) if p.peak_allocated_bytes else 1.0
-    return Point(new_alloc, int(new_alloc * ratio), p.by_category, p.by_phase, p.peak_phase, p.param_count,
-                 p.trainable_param_count, p.seq_len, derived="; ".join(notes) or None)
 
 
 # ---------------------------------------------------------------- step time (predicted)
@@ -265,6 +186,6 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
     return 1
 
 
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-

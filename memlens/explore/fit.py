@@ -53,10 +53,25 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     """
     if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
         raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
+    n = spec.world_size
+    if target_batch is not None and target_batch % n:
+        raise MemlensError(f"the target batch {target_batch} does not split evenly over --world-size {n} GPUs",
+                           hint=f"use a multiple of {n}, e.g. --target-batch {n * max(1, round(target_batch / n))}")
+    notes_gpus: list[str] = []
+    if n > 1 and context_bytes is None:
+        # per GPU, the budget loses the CUDA context and NCCL's own buffers (outside the caching allocator)
+        from ..core.gpus import gpu_facts
+        from ..distributed.nccl import nccl_bytes
+
+        nccl, src = nccl_bytes(gpu_facts(spec.gpu).name, n)
+        context_bytes = gpu_facts(spec.gpu).cuda_context_bytes + (nccl or 0)
+        notes_gpus.append(f"per GPU: budget - CUDA context - NCCL buffers ({'%.0f MiB' % (nccl / 2**20) if nccl else 'unknown'}: {src})")
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
     est = estimator or CachedEstimator(method=method)
     f = search_field(spec)
-    target = target_batch or (spec.batch_size * spec.grad_accum if f == "batch_size" else spec.batch_size)
+    # the micro-batch is per GPU; the target is the effective batch of the whole job
+    per_gpu = (target_batch // n) if target_batch else (spec.batch_size * spec.grad_accum if f == "batch_size" else spec.batch_size)
+    target = per_gpu * n
     if progress:
         progress("max micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
@@ -67,21 +82,25 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     notes = [
         f"fits: {RULE}: {b.describe()}",
         "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
-    ]
+    ] + notes_gpus
+    if n > 1:
+        data.update(world_size=n, per_gpu_target_batch=per_gpu, peak_rank=None)
     peak_alloc = peak_res = None
     if mbs:
         p = est(base.replace(**{f: mbs}))
         peak_alloc, peak_res = p.peak_allocated_bytes, p.peak_reserved_bytes
+        if n > 1:
+            data["peak_rank"] = p.peak_rank
         data["predicted_need_bytes"] = need_bytes(p)
         if f == "batch_size":
-            micro = largest_divisor_at_most(target, mbs)
-            accum = target // micro
+            micro = largest_divisor_at_most(per_gpu, mbs)
+            accum = per_gpu // micro
         else:
-            micro, accum = min(mbs, target), 1
-        data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum,
+            micro, accum = min(mbs, per_gpu), 1
+        data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum * n,
                     predicted_peak_bytes=peak_res, predicted_peak_allocated_bytes=peak_alloc)
         if micro < mbs and f == "batch_size":
-            notes.append(f"micro-batch {micro} (not {mbs}) so that micro x accumulation = {target} exactly")
+            notes.append(f"micro-batch {micro} (not {mbs}) so that micro x accumulation{' x GPUs' if n > 1 else ''} = {target} exactly")
     else:
         p1 = est(base.replace(**{f: 1}))
         data.update(micro_batch_size=None, grad_accum=None, effective_batch_size=None, predicted_peak_bytes=None,
@@ -110,6 +129,9 @@ def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fracti
     """
     from .trial import run_trial
 
+    if spec.world_size > 1:
+        raise MemlensError(f"--verify runs one process; a {spec.world_size}-GPU job runs under torchrun",
+                           hint=f"measure it with `memlens profile --world-size {spec.world_size}` (launches torchrun)")
     runner = runner or run_trial
     f = search_field(spec)
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec

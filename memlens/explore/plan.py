@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
-from .core import CachedEstimator, ceil_div, need_bytes, predict_step_time
+from .core import CachedEstimator, need_bytes, predict_step_time
 from . import techniques
 from .search import max_fitting_among
 from .techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
@@ -62,7 +62,6 @@ class PlanEntry:
     predicted_step_seconds: float | None
     step_time_factor: float | None       # GPU-seconds vs the target run as given on one GPU (predicted)
     gpus: int = 1
-    derived: str | None = None           # set when the peak is arithmetic on a simulation (sharding, offload)
     error: str | None = None
     flags: str = ""
     rank: int = 0
@@ -102,7 +101,10 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
                          None, None, error=e.message)
     n = s.world_size if s.world_size > 1 else 1
-    per_gpu = ceil_div(target_batch, n)
+    if target_batch % n:
+        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
+                         None, None, gpus=n, error=f"the target batch {target_batch} does not split evenly over {n} GPUs")
+    per_gpu = target_batch // n
     dp = field_name == "physical_batch_size"   # DP-SGD: the logical batch stays, physical batches of it (Opacus)
     if dp:
         s = s.replace(batch_size=per_gpu, physical_batch_size=None)
@@ -125,7 +127,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         micro_batch=micro if m else None, grad_accum=accum if m else None,
         effective_batch=(per_gpu if dp else micro * accum) * n if m else None,
         predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes,
-        predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n, derived=p.derived,
+        predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n,
         flags=_flags(cand.changes, micro if m else None, accum if m else None, field_name), estimates=est.calls - before,
         extra={"step_time_parts": t.parts},
     )

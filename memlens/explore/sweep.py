@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,7 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
 
 def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = False, resume: bool = False,
           device: str = "cuda", steps: int = 3, timeout: float = 600, budget_bytes: int | None = None,
-          estimator: CachedEstimator | None = None, runner=None, detailed: bool = False,
+          estimator: CachedEstimator | None = None, runner=None, gpus: list[int] | None = None, detailed: bool = False,
           progress: Callable[[int, int, str, dict | None], None] | None = None) -> Result:
     """Run (or estimate) every cell of ``grid`` and return all rows in grid order.
 
@@ -140,6 +141,11 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     ``set_per_process_memory_fraction(budget / total)``, so cells above it OOM; estimated cells get
     ``estimated_fits`` by the one fit rule (:mod:`.fits`) against that cap (no context, no margin:
     the cap is the allocator's own).
+
+    ``gpus`` (measured): the GPUs to spread the cells over, each cell in its own subprocess on its
+    own GPU (``CUDA_VISIBLE_DEVICES``), as many cells at once as there are GPUs; a cell for several
+    GPUs (``world_size``) runs under torchrun on that many of them. Rows are appended as cells
+    finish; the result keeps grid order.
 
     ``detailed`` (the Opacus profiler's detailed mode): each cell also gets ``detail``, its peak by
     category, phase and component, from the estimate (``source: estimate``) or, measured, from a
@@ -151,6 +157,8 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     runnable = [c for c in cells if c.spec is not None]
     if not runnable:
         raise MemlensError(f"no valid cell in the grid ({cells[0].skip})", hint="e.g. physical batch sizes must be <= batch sizes")
+    if gpus is not None:
+        check_gpu_list(gpus, {c.spec.world_size for c in runnable}, measure)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS
@@ -167,55 +175,57 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
 
         frac = min(1.0, budget_bytes / torch.cuda.get_device_properties(0).total_memory)
     total = len(cells)
-    n_done = 0
+    state = {"n": 0}
+    lock = threading.Lock()
+
+    def finish(c: Cell, rec: dict[str, Any] | None) -> None:
+        with lock:
+            if rec is not None:
+                _append(path, rec)
+                done[c.key] = rec
+            state["n"] += 1
+            if progress:
+                progress(state["n"], total, c.key, rec)
+
+    todo: list[tuple[Cell, dict[str, Any]]] = []
     for c in cells:
         if c.key in done:
-            n_done += 1
-            if progress:
-                progress(n_done, total, c.key, None)
+            finish(c, None)
             continue
         rec: dict[str, Any] = {"key": c.key, **c.params}
         if c.spec is None:
             rec.update(status="skipped", error=c.skip)
+            finish(c, rec)
+            continue
+        rec["spec"] = c.spec.to_dict()
+        rec["_t0"] = time.perf_counter()
+        _estimate_cell(c, rec, est, budget_bytes, measure, detailed)
+        if measure:
+            todo.append((c, rec))
         else:
-            rec["spec"] = c.spec.to_dict()
-            t0 = time.perf_counter()
-            try:
-                p = est(c.spec)
-                rec.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
-                           predicted_step_seconds=predict_step_time(c.spec, p).seconds)
-                if budget_bytes:
-                    rec["estimated_fits"] = fits(p, Budget(budget_bytes, 0, 0)).fits
-                if not measure:
-                    rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
-                    rec["timeline"] = [dict(pt) for pt in p.timeline]
-                    if detailed:
-                        rec["detail"] = {"source": "estimate", "peak_allocated_bytes": p.peak_allocated_bytes,
-                                         "by_category": {k: v for k, v in (p.by_category or {}).items() if v},
-                                         "by_phase": {k: v.get("peak_allocated_bytes", 0) for k, v in (p.by_phase or {}).items()},
-                                         "by_component": [dict(c) for c in p.by_component]}
-            except MemlensError as e:
-                rec.update(estimated_peak_allocated_bytes=None, estimate_error_message=e.message)
-                if not measure:
-                    rec["status"] = "error"
-            if measure:
-                from .trial import run_trial
+            finish(c, _closed(rec))
+    run = runner
+    if run is None:
+        from .trial import run_trial as run
 
-                kw = {"detailed": True} if detailed else {}
-                t = (runner or run_trial)(c.spec, device=device, steps=steps, timeout=timeout, memory_fraction=frac, **kw)
-                rec.update(status=t["status"], peak_allocated_bytes=t.get("peak_allocated_bytes"),
-                           peak_reserved_bytes=t.get("peak_reserved_bytes"), step_seconds=t.get("seconds"),
-                           losses=t.get("losses"), timeline=t.get("timeline") or [], memory_measured=t.get("memory_measured", False))
-                if t.get("error"):
-                    rec["error"] = t["error"]
-                if t.get("detail"):
-                    rec["detail"] = t["detail"]
-            rec["seconds_taken"] = round(time.perf_counter() - t0, 3)
-        _append(path, rec)
-        done[c.key] = rec
-        n_done += 1
-        if progress:
-            progress(n_done, total, c.key, rec)
+    def measure_cell(c: Cell, rec: dict[str, Any], cell_gpus: list[int] | None) -> None:
+        kw: dict[str, Any] = {"gpus": cell_gpus} if cell_gpus is not None else {}
+        if detailed:
+            kw["detailed"] = True
+        t = run(c.spec, device=device, steps=steps, timeout=timeout, memory_fraction=frac, **kw)
+        rec.update(status=t["status"], peak_allocated_bytes=t.get("peak_allocated_bytes"),
+                   peak_reserved_bytes=t.get("peak_reserved_bytes"), step_seconds=t.get("seconds"),
+                   losses=t.get("losses"), timeline=t.get("timeline") or [], memory_measured=t.get("memory_measured", False))
+        for k in ("error", "detail", "ranks", "peak_rank", "gpus"):
+            if t.get(k) is not None:
+                rec[k] = t[k]
+        finish(c, _closed(rec))
+
+    if gpus is None or not todo:
+        for c, rec in todo:
+            measure_cell(c, rec, None)
+    else:
+        _run_on_gpus(todo, gpus, measure_cell)
     rows = [done[c.key] for c in cells]
     counts: dict[str, int] = {}
     for r in rows:
@@ -223,9 +233,97 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
             "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac,
             "detailed": detailed, "steps": steps}
+    if gpus is not None:
+        data["gpus"] = list(gpus)
     return Result(verb="sweep", spec=spec.to_dict(), notes=[
         "peak_allocated_bytes: measured max_memory_allocated; estimated_*: memlens estimate of the same cell",
         "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimate above --budget)"], data=data)
+
+
+def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_bytes: int | None, measure: bool,
+                   detailed: bool = False) -> None:
+    try:
+        p = est(c.spec)
+        rec.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
+                   predicted_step_seconds=predict_step_time(c.spec, p).seconds)
+        if p.peak_rank is not None:
+            rec["estimated_peak_rank"] = p.peak_rank
+        if budget_bytes:
+            rec["estimated_fits"] = fits(p, Budget(budget_bytes, 0, 0)).fits
+        if not measure:
+            rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
+            rec["timeline"] = [dict(pt) for pt in p.timeline]
+            if detailed:
+                rec["detail"] = {"source": "estimate", "peak_allocated_bytes": p.peak_allocated_bytes,
+                                 "by_category": {k: v for k, v in (p.by_category or {}).items() if v},
+                                 "by_phase": {k: v.get("peak_allocated_bytes", 0) for k, v in (p.by_phase or {}).items()},
+                                 "by_component": [dict(x) for x in p.by_component]}
+    except MemlensError as e:
+        rec.update(estimated_peak_allocated_bytes=None, estimate_error_message=e.message)
+        if not measure:
+            rec["status"] = "error"
+
+
+def _closed(rec: dict[str, Any]) -> dict[str, Any]:
+    rec["seconds_taken"] = round(time.perf_counter() - rec.pop("_t0"), 3)
+    return rec
+
+
+def check_gpu_list(gpus: list[int], world_sizes: set[int], measure: bool) -> None:
+    """One line for a GPU list that cannot run the cells: no --measure, GPUs that do not exist or
+    repeat, or a world size that does not divide the GPUs given."""
+    if not measure:
+        raise MemlensError("--gpus spreads measured cells over GPUs", hint="add --measure, or drop --gpus")
+    if not gpus or len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise MemlensError(f"--gpus {','.join(map(str, gpus))} must list distinct GPU indices", hint="e.g. --gpus 0,1,2,3")
+    try:
+        import torch
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        have = 0
+    missing = [g for g in gpus if g >= have]
+    if missing:
+        raise MemlensError(f"GPU {missing[0]} does not exist (this machine has {have})",
+                           hint=f"use --gpus {','.join(map(str, range(have))) or '0'}" if have else "run on a machine with GPUs")
+    for ws in sorted(world_sizes):
+        if len(gpus) % ws:
+            raise MemlensError(f"cells of --world-size {ws} do not divide the {len(gpus)} GPUs given",
+                               hint=f"give a multiple of {ws} GPUs with --gpus")
+
+
+def _run_on_gpus(todo: list, gpus: list[int], measure_cell) -> None:
+    """Run the measured cells on the GPUs, as many at once as free GPUs allow (each cell takes
+    ``world_size`` of them), each in its own subprocess."""
+    free = list(gpus)
+    cond = threading.Condition()
+    errors: list[BaseException] = []
+
+    def worker(c, rec, mine):
+        try:
+            measure_cell(c, rec, mine)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(e)
+        finally:
+            with cond:
+                free.extend(mine)
+                cond.notify_all()
+
+    threads = []
+    for c, rec in todo:
+        need = c.spec.world_size
+        with cond:
+            cond.wait_for(lambda: len(free) >= need or errors)
+            if errors:
+                break
+            mine = [free.pop(0) for _ in range(need)]
+        t = threading.Thread(target=worker, args=(c, rec, mine), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def _check_same_sweep(done: dict[str, dict[str, Any]], cells: list[Cell]) -> None:

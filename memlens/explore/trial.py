@@ -145,16 +145,27 @@ def _child_env() -> dict[str, str]:
 
 
 def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeout: float = 600,
-              memory_fraction: float | None = None, seed: int = 0, detailed: bool = False) -> dict[str, Any]:
+              memory_fraction: float | None = None, seed: int = 0, detailed: bool = False,
+              gpus: list[int] | None = None) -> dict[str, Any]:
     """``measure`` in a fresh ``python -m memlens.explore.trial`` process; never raises for the trial's fate.
-    The child inherits the environment (HF_TOKEN for gated configs: never on its command line)."""
+    The child inherits the environment (HF_TOKEN for gated configs: never on its command line).
+
+    ``gpus``: the GPUs the trial may see (CUDA_VISIBLE_DEVICES). A spec for several GPUs runs under
+    torchrun, one process per GPU (:func:`memlens.distributed.launch.job_trial`; every rank's peaks)."""
+    if spec.world_size > 1:
+        from ..distributed.launch import job_trial
+
+        return job_trial(spec, steps=steps, timeout=timeout, memory_fraction=memory_fraction, gpus=gpus)
     req = {"spec": spec.to_dict(), "device": device, "steps": steps, "memory_fraction": memory_fraction, "seed": seed,
            "detailed": detailed}
     t = time.perf_counter()
     base = {"spec": spec.to_dict(), "device": device}
     try:
+        env = _child_env()
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
         p = subprocess.run([sys.executable, "-m", "memlens.explore.trial"], input=json.dumps(req), capture_output=True,
-                           text=True, timeout=timeout, env=_child_env())
+                           text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {**base, "status": "timeout", "error": f"no result after {timeout:g} s", "wall_seconds": time.perf_counter() - t}
     wall = time.perf_counter() - t

@@ -15,6 +15,10 @@ Phases: forward and backward come from hooks on the model; the optimizer phase s
 ``on_pre_optimizer_step`` and the step ends at ``on_step_end`` (after zero_grad), so the
 accelerate-wrapped optimizer needs no hook. transformers is imported only when this module is.
 
+Under torchrun (DDP, FSDP through accelerate) every rank profiles itself; at the end rank 0
+gathers every rank's result (``result.data["ranks"]``, the top-level peak being the rank that
+peaks) and writes the report; the other ranks keep their own result.
+
 At an OOM (:mod:`.hf_oom`): ``guard=True`` (or a directory, or a ``memlens.guard(...)``) writes the
 guard's report when an OOM ends training; ``adaptive=True`` runs each batch in smaller micro-batches
 when it runs out of memory (or when the trend predicts it will), with the same effective batch:
@@ -107,13 +111,13 @@ class MemlensCallback(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.profiler is not None:     # first: the guard may own the allocator history the profiler reads
-            self.result = self.profiler.stop()
+            self.result = self.profiler.stop()    # every rank: rank 0 gets every rank's result gathered
         if self.oom is not None:
             self.oom.remove()
         if self.profiler is None:
             return
         self.result.data["integration"] = "transformers.Trainer"
-        if self.out_dir is not None:
+        if self.out_dir is not None and getattr(state, "is_world_process_zero", True):
             from ..report.profile_report import write_report
 
             write_report(self.result, self.out_dir)

@@ -9,6 +9,9 @@ Lightning runs forward and backward inside ``optimizer.step(closure)``, so the p
 Lightning's own hooks: on_train_batch_start (forward), on_before_backward, on_before_optimizer_step,
 on_train_batch_end (end of the step). Works with ``lightning`` or ``pytorch_lightning``.
 
+With several devices (DDP, FSDP strategies) every rank profiles itself; at the end rank 0 gathers
+every rank's result (``result.data["ranks"]``) and writes the report.
+
 At an OOM (:mod:`.lightning_oom`): ``guard=True`` (or a directory, or a ``memlens.guard(...)``)
 writes the guard's report when an OOM ends ``fit()``; ``adaptive=True`` runs each batch in smaller
 micro-batches when it runs out of memory, with the same effective batch:
@@ -85,13 +88,13 @@ class MemlensCallback(Callback):
 
     def on_train_end(self, trainer, pl_module):
         if self.profiler is not None:     # first: the guard may own the allocator history the profiler reads
-            self.result = self.profiler.stop()
+            self.result = self.profiler.stop()    # every rank: rank 0 gets every rank's result gathered
         if self.oom is not None:
             self.oom.remove()
         if self.profiler is None:
             return
         self.result.data["integration"] = "lightning.Trainer"
-        if self.out_dir is not None:
+        if self.out_dir is not None and getattr(trainer, "is_global_zero", True):
             from ..report.profile_report import write_report
 
             write_report(self.result, self.out_dir)

@@ -186,7 +186,7 @@ class Profiler:
 
     def __init__(self, model=None, optimizer=None, *, device: Any = None, mode: str = "phases",
                  record_snapshot: bool = False, snapshot_max_entries: int = 200_000, torch_profiler: bool = False,
-                 spec: dict | None = None, optimizer_hooks: bool = True):
+                 spec: dict | None = None, optimizer_hooks: bool = True, gather: bool | None = None):
         if mode not in MODES:
             raise MemlensError(f"profile mode {mode!r} is not one of {', '.join(MODES)}", hint="use mode='phases', 'full' or 'ledger'")
         import torch
@@ -199,6 +199,7 @@ class Profiler:
         self.mode = mode
         self.spec = spec
         self.optimizer_hooks = optimizer_hooks
+        self.gather = gather            # several ranks: gather every rank's result on rank 0 (None: when torch.distributed runs)
         self.snapshots: list[Snapshot] = []
         self.setup_snapshots: list[Snapshot] = []   # read by the caller before start (model load ...), prepended to the result
         self.substep = ""                            # labels snapshots within a step (DP-SGD: "physical 2/4")
@@ -293,6 +294,13 @@ class Profiler:
         self._close_steps()
         self._running = False
         self._result = self._build_result()
+        from ..distributed.gather import gather_profiles, rank_info
+
+        info = rank_info()
+        if info is not None:   # one rank of a job: say which; rank 0 gathers every rank's result (a collective)
+            self._result.data["rank"], self._result.data["world_size"] = info
+            if self.gather is not False:
+                self._result = gather_profiles(self._result)
         return self._result
 
     def __enter__(self) -> "Profiler":
@@ -500,7 +508,10 @@ def profile(model=None, optimizer=None, **kwargs) -> Profiler:
     """A :class:`Profiler` to use as ``with memlens.profile(model, optimizer) as prof:``.
 
     Keyword arguments: ``device`` ("cuda:0", "cpu"; default: the model's), ``mode`` ("phases",
-    "full" or "ledger"), ``record_snapshot`` (memory-history pickle), ``torch_profiler`` (operator tables).
+    "full" or "ledger"), ``record_snapshot`` (memory-history pickle), ``torch_profiler`` (operator tables),
+    ``gather`` (inside a torchrun job every rank profiles itself and, by default, rank 0 gathers all
+    ranks into its result, ``data["ranks"]``: every rank must stop its profiler; False keeps each
+    rank's own).
     """
     return Profiler(model, optimizer, **kwargs)
 

@@ -21,7 +21,7 @@ from .profiler import PHASE_NAMES, Profiler, _resolve_device
 def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, mode: str = "phases",
                  torch_profiler: bool = False, snapshot: bool = False, compare_estimate: bool = False,
                  trace_path: str | None = None, progress: Callable[[int, int], None] | None = None,
-                 load_on_cpu: bool = False, own_process: bool = False) -> tuple[Result, dict]:
+                 load_on_cpu: bool = False, own_process: bool = False, gather: bool | None = None) -> tuple[Result, dict]:
     """Build ``spec``'s step with random weights on ``device`` (no download; :func:`memlens.step.prepare`),
     run ``warmup`` then ``steps`` training steps under the profiler, and return (Result, artifacts).
 
@@ -83,7 +83,7 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
                 torch.cuda.reset_peak_memory_stats(dev)
         # under DP-SGD the wrapped optimizer's step runs once per logical batch: its hooks mark the optimizer phase
         prof = Profiler(step.model, dp.original_optimizer if dp else step.optimizer, device=dev, mode=mode,
-                        record_snapshot=snapshot, torch_profiler=torch_profiler, spec=spec.to_dict())
+                        record_snapshot=snapshot, torch_profiler=torch_profiler, spec=spec.to_dict(), gather=gather)
         prof.setup_snapshots = setup.snapshots()
         regions = _Regions(torch) if torch_profiler else None
         on_phase = _dp_phases(prof, dp, regions) if dp else (regions.on_phase if regions else (lambda name: None))

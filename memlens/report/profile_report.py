@@ -216,6 +216,71 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.2f}%"
 
 
+def rank_lanes_svg(ranks: list[dict], width: int = 1000, lane: int = 70) -> str:
+    """One lane per rank: allocated memory at each snapshot (line), each interval's peak (dots), on
+    one scale for every rank, so ranks compare at a glance (inline SVG, no plotting library)."""
+    top = max([p.get("peak_allocated_bytes") or p.get("allocated_bytes") or 0 for r in ranks for p in r.get("timeline") or []] + [1])
+    div, unit = _unit(top)
+    left, pad = 70, 8
+    h = lane * len(ranks) + 24
+    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{h}' font-family='sans-serif' font-size='11'>"]
+    for i, r in enumerate(ranks):
+        tl = r.get("timeline") or []
+        y0 = i * lane + pad
+        y1 = y0 + lane - 2 * pad
+        out.append(f"<rect x='{left}' y='{y0}' width='{width - left - 10}' height='{y1 - y0}' fill='#f7f7f7' stroke='#ddd'/>")
+        out.append(f"<text x='4' y='{(y0 + y1) // 2}'>rank {_e(r.get('rank'))}</text>")
+        out.append(f"<text x='4' y='{(y0 + y1) // 2 + 13}' fill='#666'>{_e(fmt_bytes(r.get('peak_allocated_bytes')))}</text>")
+        if not tl:
+            continue
+        n = max(len(tl) - 1, 1)
+
+        def xy(j, v):
+            return left + (width - left - 10) * j / n, y1 - (y1 - y0) * (v or 0) / top
+
+        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(j, p.get("allocated_bytes")) for j, p in enumerate(tl)))
+        out.append(f"<polyline fill='none' stroke='#3498db' stroke-width='1.5' points='{pts}'/>")
+        for j, p in enumerate(tl):
+            if p.get("peak_allocated_bytes"):
+                x, y = xy(j, p["peak_allocated_bytes"])
+                out.append(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='2' fill='#e74c3c'><title>{_e(p.get('label', ''))}: "
+                           f"peak {_e(fmt_bytes(p['peak_allocated_bytes']))}</title></circle>")
+            if p.get("phase") == "forward":
+                x, _ = xy(j, 0)
+                out.append(f"<line x1='{x:.1f}' x2='{x:.1f}' y1='{y0}' y2='{y1}' stroke='#ccc' stroke-width='0.5'/>")
+    out.append(f"<text x='{left}' y='{h - 6}' fill='#666'>snapshots in order (grey: a step's forward starts); "
+               f"scale 0 - {top / div:.2f} {unit} on every lane; blue: allocated at the snapshot, red: peak since the previous</text>")
+    out.append("</svg>")
+    return "".join(out)
+
+
+def ranks_html(result: Result) -> str:
+    """The per-rank section of a report: a table and a lane per rank."""
+    d = result.data
+    ranks = d["ranks"]
+    rows = []
+    for r in ranks:
+        nv = r.get("nvml") or {}
+        rows.append([f"{r['rank']}{' *' if r['rank'] == d.get('peak_rank') else ''}", fmt_bytes(r.get("peak_allocated_bytes")),
+                     fmt_bytes(r.get("peak_reserved_bytes")), fmt_bytes(nv.get("process_used_bytes")) if nv.get("available") else "-",
+                     f"{r.get('peak_phase')} (step {r.get('peak_step')})", r.get("device_name") or r.get("device") or ""])
+    job = d.get("job") or {}
+    parts = [f"<h2>Ranks ({len(ranks)}; * the rank that peaks)</h2>",
+             _table(["rank", "peak allocated", "peak reserved", "nvidia-smi (NVML, this process)", "peak phase", "device"], rows),
+             f"<div class='note'>imbalance: {_e(fmt_bytes(d.get('rank_imbalance_bytes')))} between the highest and the lowest "
+             f"rank's peak allocated; whole job: allocated {_e(fmt_bytes(job.get('peak_allocated_bytes_sum')))}, reserved "
+             f"{_e(fmt_bytes(job.get('peak_reserved_bytes_sum')))}"
+             + (f", NVML {_e(fmt_bytes(job['nvml_process_used_bytes_sum']))}" if job.get("nvml_process_used_bytes_sum") else "")
+             + " (each rank's peak summed).</div>",
+             rank_lanes_svg(ranks)]
+    phases = sorted({ph for r in ranks for ph in (r.get("by_phase") or {})}, key=lambda p: (p not in ("forward", "backward", "optimizer"), p))
+    if phases:
+        parts.append(_table(["phase"] + [f"rank {r['rank']}" for r in ranks],
+                            [[ph] + [fmt_bytes(((r.get("by_phase") or {}).get(ph) or {}).get("peak_allocated_bytes")) for r in ranks]
+                             for ph in phases]))
+    return "\n".join(parts)
+
+
 def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
     """One self-contained HTML page (inline CSS, PNGs as data: URIs)."""
     pngs = render_pngs(result) if pngs is None else pngs
@@ -235,8 +300,10 @@ def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
     parts.append("".join(f"<div class='kpi'><b>{_e(v)}</b><span>{_e(k)}: {_e(s)}</span></div>" for k, v, s in kpis))
     if spec:
         parts.append(f"<div class='note'>spec: {_e(', '.join(f'{k}={v}' for k, v in spec.items() if v not in (None, False, (), [])))}</div>")
+    if d.get("ranks"):
+        parts.append(ranks_html(result))
     # phases
-    parts.append("<h2>Peak of every phase</h2>")
+    parts.append("<h2>Peak of every phase" + (f" (rank {d.get('peak_rank')}, the rank that peaks)" if d.get("ranks") else "") + "</h2>")
     parts.append(_table(["phase", "peak allocated", "step", "peak reserved"],
                         [[ph, fmt_bytes(v["peak_allocated_bytes"]), v.get("peak_step"), fmt_bytes(v.get("peak_reserved_bytes"))]
                          for ph, v in result.by_phase.items()]))

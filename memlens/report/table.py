@@ -31,14 +31,20 @@ def memory_tables(result: Any, top_modules: int = 12):
         head.append(f"{fmt_bytes(d['peak_reserved_bytes'])}  (max_memory_reserved: caching allocator segments)\n")
     if d.get("cuda_context_bytes"):
         head.append("nvidia-smi     ", style="bold")
-        head.append(f"~{fmt_bytes(d.get('nvidia_smi_estimate_bytes'))}  (reserved + ~{fmt_bytes(d['cuda_context_bytes'])} CUDA context)\n")
+        nccl = (d.get("nccl") or {}) if d.get("ranks") else {}
+        extra = "" if not d.get("ranks") else (f" + {fmt_bytes(nccl['bytes_per_rank'])} NCCL" if nccl.get("bytes_per_rank")
+                                                else "; NCCL's own buffers not included: not measured for this GPU")
+        head.append(f"~{fmt_bytes(d.get('nvidia_smi_estimate_bytes'))}  (reserved + ~{fmt_bytes(d['cuda_context_bytes'])} CUDA context{extra})\n")
     if d.get("peak_phase"):
         head.append(f"peak reached in the {d['peak_phase']} phase" + (f" of step {d['peak_step']}" if d.get("peak_step") else ""))
         if d.get("attention_backends"):
             head.append(f"; attention kernel: {', '.join(d['attention_backends'])}")
     out.append(head)
 
-    cats = Table(title="at the peak, by category", title_justify="left")
+    if d.get("ranks"):
+        out.append(_ranks_table(d))
+
+    cats = Table(title="at the peak, by category" + (f" (rank {d['peak_rank']})" if d.get("ranks") else ""), title_justify="left")
     cats.add_column("category")
     cats.add_column("bytes", justify="right")
     cats.add_column("share", justify="right")
@@ -85,6 +91,34 @@ def memory_tables(result: Any, top_modules: int = 12):
             mt.add_row(row["module"], fmt_bytes(row["bytes"]), cat.replace("_", " "))
         out.append(mt)
     return out
+
+
+def _ranks_table(d: dict):
+    """One row per simulated (or measured) rank: its peaks and what nvidia-smi would show."""
+    from rich.table import Table
+
+    t = Table(title=f"per rank ({d.get('sharding')} over {d.get('world_size')} GPUs: {d.get('strategy', '')})", title_justify="left")
+    for col in ("ranks", "peak allocated", "peak reserved", "nvidia-smi", "peak phase", "largest terms at the peak"):
+        t.add_column(col, justify="left" if col in ("ranks", "peak phase", "largest terms at the peak") else "right")
+    for e in d["ranks"]:
+        ranks = e.get("ranks") or [e.get("rank")]
+        label = ",".join(map(str, ranks)) if len(ranks) <= 4 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+        if not e.get("simulated", True):
+            lo, hi = e["peak_allocated_bytes_between"]
+            t.add_row(label, f"{fmt_bytes(lo)}..{fmt_bytes(hi)}", "", "", "between the simulated ranks", "")
+            continue
+        terms = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in list((e.get("terms") or {}).items())[:2])
+        mark = " *" if e.get("rank") == d.get("peak_rank") else ""
+        t.add_row(label + mark, fmt_bytes(e["peak_allocated_bytes"]), fmt_bytes(e.get("peak_reserved_bytes")),
+                  fmt_bytes(e.get("nvidia_smi_estimate_bytes")) if e.get("nvidia_smi_estimate_bytes") else "-",
+                  f"{e.get('peak_phase')} (step {e.get('peak_step')})", terms)
+    job = d.get("job") or {}
+    if job:
+        smi = job.get("nvidia_smi_bytes_sum")
+        t.caption = (f"* the rank that peaks. Whole job ({job['gpus']} GPUs): allocated {fmt_bytes(job['peak_allocated_bytes_sum'])}, "
+                     f"reserved {fmt_bytes(job['peak_reserved_bytes_sum'])}"
+                     + (f", nvidia-smi {fmt_bytes(smi)}" if smi else ", nvidia-smi unknown (NCCL not measured)"))
+    return t
 
 
 def _describe(spec: dict) -> str:

@@ -17,7 +17,8 @@ What is applied, in order:
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
 6. DP-SGD: Opacus' ``make_private`` and ``BatchMemoryManager`` over the logical batch
-   (:mod:`memlens.integrations.opacus`); sharding wrappers, where the step kind supports them.
+   (:mod:`memlens.integrations.opacus`); for ``world_size > 1`` the multi-GPU wrapper of this rank
+   (:mod:`memlens.distributed`: DDP, ZeRO-1, FSDP2), applied before the optimizer is built.
 
 ``on_stage(label)`` is called after each setup stage ("model load", "data preparation",
 "optimizer setup", "privacy engine setup"), so a profiler can read the device there.
@@ -62,6 +63,7 @@ class PreparedStep:
     forward_keys: frozenset[str] | None = None   # a factory's dict batch: the entries forward takes
     step_fn: Callable | None = None              # a factory's own step(model, batch) -> loss
     target_len: int | None = None                # seq2seq: decoder tokens
+    wrapper: Any = None                          # memlens.distributed wrapper of this rank (world_size > 1)
 
     @property
     def param_count(self) -> int:
@@ -89,11 +91,11 @@ def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
                         "FSDP2 with ghost clipping) is not simulated or run yet", hint="drop --world-size (one GPU)")
     if source is not None:
         _refuse_for_source(spec, source)
-    if spec.world_size > 1 or spec.sharding != "none":
-        raise SpecError(f"--world-size {spec.world_size} --sharding {spec.sharding}: one rank of a multi-GPU job is not "
-                        "simulated or run by this step yet",
-                        hint="use --method formula for sharded model states, or drop --world-size/--sharding")
-    if spec.offload_optimizer:
+    if spec.world_size > 1:
+        from ..distributed.strategies import check
+
+        check(spec, fake=fake)       # what one rank of a multi-GPU job cannot apply
+    elif spec.offload_optimizer:
         raise SpecError("--offload-optimizer is not simulated or run by this step yet",
                         hint="use --method formula, or drop --offload-optimizer")
     if spec.qlora and not fake:
@@ -154,6 +156,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         from ..integrations.opacus import check_spec
 
         check_spec(spec, source.task)
+    wrapper = None
+    if spec.world_size > 1:
+        from ..distributed.strategies import wrapper_for
+
+        wrapper = wrapper_for(spec, fake=fake)
     micro = spec.batch_size   # under DP-SGD the logical batch: Opacus' data loader splits it
     applied: list[str] = []
     load: dict[str, Any] = {}
@@ -167,9 +174,30 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
             built = build(spec, source)
             if source.kind == "factory" and spec.param_dtype != "float32":
                 built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
-        model = materialize_on_fake(built.model, fake_mode)
+        if wrapper is not None:
+            model = wrapper.wrap(built.model, device=torch.device("cpu"), fake_mode=fake_mode)
+        else:
+            model = materialize_on_fake(built.model, fake_mode)
         batch = fake_batch(built.batch, fake_mode)
         dev = torch.device("cpu")
+    elif wrapper is not None and wrapper.builds_on_meta:
+        # FSDP2: parameters on the meta device, sharded, then materialized on the device (no rank holds the model)
+        if load_on_cpu:
+            raise SpecError("--load-on-cpu builds the whole model on the CPU; FSDP2 builds each rank's shards only",
+                            hint="drop --load-on-cpu with --sharding fsdp/zero2/zero3")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            load["before_allocated_bytes"] = torch.cuda.memory_allocated(dev)
+        import time
+
+        load["t0"] = time.perf_counter()
+        with wrapper.build_context(), quiet():
+            built = build(spec, source)
+            if source.kind == "factory" and spec.param_dtype != "float32":
+                built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
+        model = wrapper.wrap(built.model, device=dev)
+        batch = to_device(built.batch, dev)
     else:
         dev = torch.device(device)
         cuda = dev.type == "cuda"
@@ -194,6 +222,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
             load["allocated_after_move_bytes"] = torch.cuda.memory_allocated(dev)
             load["reserved_after_move_bytes"] = torch.cuda.memory_reserved(dev)
         load["t0"] = t0
+        if wrapper is not None:
+            model = wrapper.wrap(model, device=dev)
     stage("model load")
     if not fake:
         # DP-SGD: the logical batch is the data loader's dataset, on the host; each physical batch is copied over
@@ -211,7 +241,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.lora_rank:
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
                        + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else ""))
-    optimizer = make_optimizer(spec, model, simulate=fake)
+    if wrapper is not None:
+        applied.extend(wrapper.applied)
+        optimizer = wrapper.make_optimizer(spec, model, simulate=fake)
+    else:
+        optimizer = make_optimizer(spec, model, simulate=fake)
     if spec.compile and not fake:  # what the Trainer's torch_compile does: the model compiled, the optimizer not
         model = torch.compile(model)
         applied.append("torch.compile (inductor)")
@@ -222,7 +256,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if autocast is None:
         autocast, default_scaler = amp_setup(spec, dev)
         scaler = scaler if scaler is not None else (None if fake else default_scaler)
-    if spec.autocast_dtype:
+    if wrapper is not None and not wrapper.autocast:
+        autocast = contextlib.nullcontext      # FSDP2's MixedPrecisionPolicy casts the parameters instead
+    if spec.autocast_dtype and (wrapper is None or wrapper.autocast):
         applied.append(f"autocast {spec.autocast_dtype}" + (" + GradScaler" if spec.precision == "amp-fp16" else ""))
     if spec.grad_accum > 1:
         applied.append(f"accumulation x{spec.grad_accum}")
@@ -244,7 +280,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         stage("privacy engine setup")
     p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, built.loss_fn, autocast, scaler,
                      built.seq_len, built.image_size, micro, fake_mode, dp, applied, list(built.notes), load=load,
-                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len)
+                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper)
     if not fake:
         _load_figures(p)
     return p
@@ -291,7 +327,7 @@ def _load_figures(p: PreparedStep) -> None:
     t0 = load.pop("t0", None)
     if t0 is not None:
         load["seconds"] = round(time.perf_counter() - t0, 3)
-    params = list(p.model.parameters())
+    params = [getattr(t, "_local_tensor", t) for t in p.model.parameters()]   # a rank's own shards under FSDP2
     theo = sum(t.numel() * t.element_size() for t in params)
     load["theoretical_param_bytes"] = theo
     load["buffer_bytes"] = sum(b.numel() * b.element_size() for b in p.model.buffers())

@@ -20,6 +20,15 @@ def fake_point(spec: TrainingSpec) -> Point:
     if spec.grad_checkpointing:
         act //= 4
     b = spec.physical_batch_size if spec.dp and spec.physical_batch_size else spec.batch_size
+    n = spec.world_size       # sharded states per rank (exact arithmetic of this fake, not the simulation's)
+    if spec.sharding in ("zero3", "fsdp"):
+        pbytes //= n
+    if spec.sharding in ("zero2", "zero3", "fsdp"):
+        gbytes //= n
+    if spec.sharding in ("zero1", "zero2", "zero3", "fsdp"):
+        obytes //= n
+    if spec.sharding in ("ddp", "zero1"):
+        gbytes *= 2           # DDP's buckets: one more copy of the gradients
     alloc = pbytes + gbytes + obytes + b * act
     cats = {"parameters": pbytes, "gradients": gbytes, "optimizer_state": obytes, "activations": b * act, "temporaries": 0}
     return Point(alloc, alloc + 64 * 2**20, cats,

@@ -52,7 +52,10 @@ WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
     "qlora": ("gpt2", {"lora_rank": 8}, True),
     "physical_batch_size": ("gpt2", {"dp": True, "lora_rank": 8, "batch_size": 4}, 2),
-    "sharding": ("gpt2", {"world_size": 2}, "ddp"),
+    "sharding": ("gpt2", {"world_size": 2, "sharding": "ddp"}, "fsdp"),
+    "reshard_after_forward": ("gpt2", {"world_size": 2, "sharding": "fsdp"}, False),
+    "gradient_as_bucket_view": ("gpt2", {"world_size": 2, "sharding": "ddp"}, True),
+    "bucket_cap_mb": ("gpt2", {"world_size": 2, "sharding": "ddp"}, 1.0),
     # Opacus has grad samplers for LoRA's Linear layers (GPT-2's Conv1D would need functorch)
     "dp": ("gpt2", {"lora_rank": 8}, True),
     "grad_sample_mode": ("gpt2", {"dp": True, "lora_rank": 8}, "ghost"),

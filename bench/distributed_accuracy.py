@@ -1,0 +1,104 @@
+"""Compare `memlens estimate --world-size N` with every rank measured on N GPUs (bench/gpu_distributed.py).
+
+python bench/distributed_accuracy.py OUT_DIR/gpu_distributed.jsonl [case-substring ...]
+Writes bench/results/distributed_accuracy.json and .md: per case and per rank, measured and estimated
+max_memory_allocated and max_memory_reserved and their errors; NVML per process and NCCL's own
+memory as measured (the figure memlens.distributed.nccl.MEASURED takes).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main() -> None:
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+
+    args = sys.argv[1:]
+    path = args.pop(0)
+    recs = [json.loads(line) for line in open(path) if line.strip()]
+    env_files = [f for f in os.listdir(os.path.dirname(path) or ".") if f.startswith("gpu_distributed_env")]
+    env = json.load(open(os.path.join(os.path.dirname(path) or ".", env_files[0]))) if env_files else {}
+    rows, cases = [], []
+    for rec in recs:
+        if args and not any(a in rec["name"] for a in args):
+            continue
+        if rec.get("error"):
+            cases.append({"name": rec["name"], "error": rec["error"]})
+            continue
+        spec = TrainingSpec.from_dict(rec["spec"])
+        t0 = time.perf_counter()
+        r = estimate(spec)
+        dt = time.perf_counter() - t0
+        by_rank = {}
+        for e in r.data["ranks"]:
+            for k in e["ranks"]:
+                by_rank[k] = e
+        for m in rec["ranks"]:
+            e = by_rank[m["rank"]]
+            ea = e.get("peak_allocated_bytes") or e["peak_allocated_bytes_between"][1]
+            er = e.get("peak_reserved_bytes") or e["peak_reserved_bytes_between"][1]
+            row = {"name": rec["name"], "rank": m["rank"], "simulated_rank": e.get("rank"),
+                   "measured_peak_allocated": m["max_allocated"], "estimated_peak_allocated": ea,
+                   "error_pct": 100.0 * (ea - m["max_allocated"]) / m["max_allocated"],
+                   "measured_peak_reserved": m["max_reserved"], "estimated_peak_reserved": er,
+                   "reserved_error_pct": 100.0 * (er - m["max_reserved"]) / m["max_reserved"],
+                   "nvml_process_used": m.get("nvml_after_steps"), "nccl_bytes": m.get("nccl_bytes"),
+                   "nccl_bytes_after_init": m.get("nccl_bytes_after_init"), "cuda_context_bytes": m.get("cuda_context_bytes"),
+                   "estimated_peak_phase": e.get("peak_phase"), "estimate_seconds": round(dt, 1)}
+            rows.append(row)
+            print(f"{rec['name']:40s} r{m['rank']} meas {m['max_allocated'] / 2**30:8.3f} est {ea / 2**30:8.3f} GiB "
+                  f"err {row['error_pct']:+6.2f}%  res err {row['reserved_error_pct']:+6.2f}%  "
+                  f"NCCL {(m.get('nccl_bytes') or 0) / 2**20:5.0f} MiB  {dt:4.1f}s", flush=True)
+        cases.append({"name": rec["name"], "estimate_seconds": round(dt, 1), "peak_rank": r.data["peak_rank"]})
+    errs = [abs(r["error_pct"]) for r in rows]
+    res = [abs(r["reserved_error_pct"]) for r in rows]
+    nccl = [r["nccl_bytes"] for r in rows if r.get("nccl_bytes") is not None]
+    summary = {"cases": len({r["name"] for r in rows}), "rank_rows": len(rows),
+               "median_abs_error_pct": statistics.median(errs) if errs else None, "max_abs_error_pct": max(errs) if errs else None,
+               "within_5pct": sum(e <= 5 for e in errs),
+               "median_abs_reserved_error_pct": statistics.median(res) if res else None,
+               "max_abs_reserved_error_pct": max(res) if res else None, "within_10pct_reserved": sum(e <= 10 for e in res),
+               "nccl_bytes_median": int(statistics.median(nccl)) if nccl else None,
+               "gpu": env, "estimator_machine": f"{platform.machine()} {os.cpu_count()} cores (CPU only)"}
+    print(json.dumps({k: v for k, v in summary.items() if k != "gpu"}, indent=1))
+    if summary["nccl_bytes_median"]:
+        gpu = (env.get("device") or "").lower()
+        print(f"memlens/distributed/nccl.py MEASURED entry: ('{'h200' if 'h200' in gpu else 'h100' if 'h100' in gpu else gpu}', "
+              f"{env.get('world_size')}): ({summary['nccl_bytes_median']}, \"bench/gpu_distributed.py on {env.get('device')}, "
+              f"NCCL {env.get('nccl')}, torch {env.get('torch')}: median over ranks and cases\")")
+    if args:
+        return
+    out = os.path.join(HERE, "results")
+    ws = env.get("world_size", "N")
+    with open(os.path.join(out, "distributed_accuracy.json"), "w") as f:
+        json.dump({"summary": summary, "rows": rows, "cases": cases}, f, indent=1)
+    with open(os.path.join(out, "distributed_accuracy.md"), "w") as f:
+        f.write(f"# per-rank estimate vs {ws} x {env.get('device')} (torch {env.get('torch')}, NCCL {env.get('nccl')}, "
+                f"transformers {env.get('transformers')})\n\n")
+        if errs:
+            f.write(f"{summary['cases']} cases, {len(rows)} ranks; peak allocated: median |error| {summary['median_abs_error_pct']:.2f}%, "
+                    f"max {summary['max_abs_error_pct']:.2f}%, {summary['within_5pct']}/{len(rows)} within 5%; reserved: median "
+                    f"{summary['median_abs_reserved_error_pct']:.2f}%, max {summary['max_abs_reserved_error_pct']:.2f}%. "
+                    f"NCCL's own memory (NVML - reserved - context): median {(summary['nccl_bytes_median'] or 0) / 2**20:.0f} MiB per rank.\n\n")
+        f.write("| case | rank | measured peak allocated | estimated | error | reserved error | NVML | NCCL | estimate time (2-core CPU) |\n"
+                "|---|---|---|---|---|---|---|---|---|\n")
+        for r in rows:
+            f.write(f"| {r['name']} | {r['rank']} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
+                    f"{r['error_pct']:+.2f}% | {r['reserved_error_pct']:+.2f}% | {(r['nvml_process_used'] or 0) / 2**30:.2f} GiB | "
+                    f"{(r['nccl_bytes'] or 0) / 2**20:.0f} MiB | {r['estimate_seconds']:.1f} s |\n")
+        for c in cases:
+            if "error" in c:
+                f.write(f"| {c['name']} | - | run failed: {c['error'][:80]} | | | | | | |\n")
+
+
+if __name__ == "__main__":
+    main()

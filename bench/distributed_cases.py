@@ -1,0 +1,27 @@
+"""The per-rank accuracy cases (issue 10), for any world size: DDP (fp32, bf16, bucket views),
+ZeRO-1, FSDP2 (bf16; fp32 params + bf16 compute + checkpointing; reshard_after_forward=False;
+LoRA on an 8B-shaped Llama; an 8B Llama with checkpointing), a GPT-2 and a Llama family."""
+
+
+def cases(world_size: int) -> list[tuple[str, dict]]:
+    n = world_size
+    d = dict(world_size=n)
+    return [
+        ("ddp-gpt2-fp32-b4-L512", dict(model="gpt2", batch_size=4, seq_len=512, sharding="ddp", **d)),
+        ("ddp-gpt2-ampbf16-b8-L512", dict(model="gpt2", batch_size=8, seq_len=512, precision="amp-bf16", sharding="ddp", **d)),
+        ("ddp-gpt2-bucketview-fp32-b4-L512", dict(model="gpt2", batch_size=4, seq_len=512, sharding="ddp",
+                                                   gradient_as_bucket_view=True, **d)),
+        ("ddp-llama1b-bf16-b2-L1024", dict(model="llama-3.2-1b", batch_size=2, seq_len=1024, precision="bf16", sharding="ddp", **d)),
+        ("zero1-gpt2m-fp32-b2-L512", dict(model="gpt2-medium", batch_size=2, seq_len=512, sharding="zero1", **d)),
+        ("fsdp-llama1b-bf16-b4-L1024", dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16", sharding="fsdp", **d)),
+        ("fsdp-llama1b-ampbf16-ckpt-b4-L2048", dict(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="amp-bf16",
+                                                     grad_checkpointing=True, sharding="fsdp", **d)),
+        ("zero2-llama1b-bf16-b4-L1024", dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16", sharding="zero2", **d)),
+        ("fsdp-gpt2m-ampbf16-b4-L1024", dict(model="gpt2-medium", batch_size=4, seq_len=1024, precision="amp-bf16", sharding="fsdp", **d)),
+        ("fsdp-llama3b-bf16-ckpt-b2-L2048", dict(model="llama-3.2-3b", batch_size=2, seq_len=2048, precision="bf16",
+                                                  grad_checkpointing=True, sharding="fsdp", **d)),
+        ("fsdp-llama8b-lora16-bf16-b2-L1024", dict(model="llama-3.1-8b", batch_size=2, seq_len=1024, precision="bf16", lora_rank=16,
+                                                    sharding="fsdp", **d)),
+        ("fsdp-llama8b-bf16-ckpt-b1-L2048", dict(model="llama-3.1-8b", batch_size=1, seq_len=2048, precision="bf16",
+                                                  grad_checkpointing=True, sharding="fsdp", **d)),
+    ]

@@ -1,0 +1,214 @@
+"""The per-rank estimate of an N-GPU job, on this CPU: simulate the ranks that can differ.
+
+Each simulated rank is the real training step of :mod:`memlens.estimator.simulate`, with the
+rank's wrapper (DDP + the Reducer model, ZeRO-1, FSDP2) applied by :func:`memlens.step.prepare`
+under a fake process group of ``world_size`` ranks. Which ranks differ is the wrapper's answer
+(:meth:`~memlens.distributed.strategies.Wrapper.rank_groups`): every DDP rank holds the same
+tensors; FSDP2's first ranks hold the largest shards and the last the smallest; ZeRO-1's ranks
+differ by the parameter bytes their optimizer updates. Rank 0 is simulated first, then the other
+representatives; ranks between two simulated ones are reported as bounded by them.
+
+>>> from memlens.core.spec import TrainingSpec
+>>> r = estimate_ranks(TrainingSpec(model="tests.tiny_models:mlp", world_size=2, sharding="ddp"))  # doctest: +SKIP
+>>> [e["rank"] for e in r.data["ranks"]]                                                           # doctest: +SKIP
+[0]
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..core.spec import TrainingSpec
+from ..report.result import Result
+from .strategies import SETTINGS
+
+TOP_MODULES = 40
+
+
+def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2):
+    """One rank of ``spec``'s job simulated in this process (a fake process group around it)."""
+    from ..estimator.simulate import simulate
+    from .fakepg import fake_process_group
+
+    with fake_process_group(rank, spec.world_size):
+        return simulate(spec, source=source, steps=steps)
+
+
+def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
+    """Per-rank peaks (allocated and reserved), the rank that peaks, each simulated rank's breakdown
+    by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
+    from ..core.gpus import gpu_facts
+    from ..core.ledger import analyze, group_modules
+    from ..models.source import resolve
+    from .nccl import nccl_bytes
+
+    t0 = time.perf_counter()
+    source = source or resolve(spec.model)
+    gpu = gpu_facts(spec.gpu)
+    first = simulate_rank(spec, 0, source, steps)
+    groups = first.wrapper.rank_groups()
+    sims = {0: first}
+    for g in groups:
+        if g.rank > 0 and g.rank not in sims:
+            sims[g.rank] = simulate_rank(spec, g.rank, source, steps)
+    nccl, nccl_source = nccl_bytes(gpu.name, spec.world_size)
+    ctx = gpu.cuda_context_bytes
+    entries: list[dict[str, Any]] = []
+    analyses = {}
+    for g in groups:
+        if g.rank < 0:
+            continue
+        sim = sims[g.rank]
+        a = analyses[g.rank] = analyze(sim.log)
+        entries.append(_rank_entry(g, sim, a, ctx, nccl, group_modules))
+    peak = max(entries, key=lambda e: (e["peak_allocated_bytes"], -e["rank"]))
+    lo = min(entries, key=lambda e: e["peak_allocated_bytes"])
+    for g in groups:
+        if g.rank < 0:
+            entries.append({"rank": None, "ranks": list(g.ranks), "why": g.why, "simulated": False,
+                            "peak_allocated_bytes_between": [lo["peak_allocated_bytes"], peak["peak_allocated_bytes"]],
+                            "peak_reserved_bytes_between": [lo["peak_reserved_bytes"], peak["peak_reserved_bytes"]]})
+    a = analyses[peak["rank"]]
+    sim = sims[peak["rank"]]
+    job = _job(entries, spec.world_size, ctx, nccl)
+    imbalance = peak["peak_allocated_bytes"] - lo["peak_allocated_bytes"]
+    notes = [
+        f"{spec.sharding} over {spec.world_size} GPUs = {SETTINGS[spec.sharding]}; each rank's micro-batch is --batch-size "
+        f"{spec.batch_size} (effective batch {spec.effective_batch_size}).",
+        "peak_allocated_bytes / peak_reserved_bytes: the rank that peaks (max_memory_allocated / max_memory_reserved on "
+        f"its GPU); ranks: {', '.join(_describe_group(e) for e in entries)}.",
+        "job: every rank's peak summed (ranks peak at different moments, so it bounds what the GPUs hold at once).",
+        f"nvidia-smi per rank: reserved + CUDA context ({ctx // 2**20} MiB) + NCCL's own buffers "
+        + (f"({nccl / 2**20:.0f} MiB, {nccl_source})." if nccl is not None else f"(unknown: {nccl_source})."),
+    ]
+    data = {
+        "method": "simulate",
+        "world_size": spec.world_size,
+        "sharding": spec.sharding,
+        "strategy": SETTINGS[spec.sharding],
+        "peak_rank": peak["rank"],
+        "ranks": entries,
+        "rank_imbalance_bytes": imbalance,
+        "job": job,
+        "nccl": {"bytes_per_rank": nccl, "source": nccl_source},
+        "cuda_context_bytes": ctx,
+        "nvidia_smi_estimate_bytes": peak["nvidia_smi_estimate_bytes"],
+        "gpu": gpu.to_dict(),
+        "applied": sim.applied,
+        "wrapper": _jsonable(sim.wrapper.facts),
+        "peak_phase": a.peak_phase,
+        "peak_step": a.peak_step,
+        "peak_requested_bytes": a.peak_requested_bytes,
+        "steps": a.steps,
+        "attention_backends": sim.attention,
+        "by_module_group": group_modules(a.by_module),
+        "param_count": sim.param_count,
+        "trainable_param_count": sim.trainable_count,
+        "seq_len": sim.seq_len,
+        "image_size": sim.image_size,
+        "model_source": sim.source.to_dict(),
+        "simulate_seconds": round(time.perf_counter() - t0, 3),
+    }
+    return Result(verb="estimate", spec=spec.to_dict(), peak_allocated_bytes=a.peak_allocated_bytes,
+                  peak_reserved_bytes=a.peak_reserved_bytes, by_category=dict(a.by_category), by_phase=a.by_phase,
+                  by_module=a.by_module, timeline=a.timeline, notes=notes, data=data)
+
+
+def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[str, Any]:
+    terms, maxima = peak_terms(sim.log, a.peak_event, sim.wrapper)
+    step = max(1, len(a.timeline) // 120)
+    return {
+        "rank": g.rank, "ranks": list(g.ranks), "why": g.why, "simulated": True,
+        "peak_allocated_bytes": a.peak_allocated_bytes, "peak_reserved_bytes": a.peak_reserved_bytes,
+        "peak_phase": a.peak_phase, "peak_step": a.peak_step,
+        "nvidia_smi_estimate_bytes": a.peak_reserved_bytes + ctx + (nccl or 0),
+        "by_category": dict(a.by_category), "by_phase": a.by_phase,
+        "by_module_group": group_modules(a.by_module)[:TOP_MODULES],
+        "terms": terms,
+        "term_maxima": maxima,
+        "steps": a.steps,
+        "end_reserved_bytes": a.end_reserved_bytes,
+        "timeline": a.timeline[::step],
+        "simulate_seconds": round(sim.seconds, 3),
+    }
+
+
+def _describe_group(e: dict[str, Any]) -> str:
+    ranks = e["ranks"]
+    span = f"{ranks[0]}" if len(ranks) == 1 else (f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) else ",".join(map(str, ranks)))
+    if not e.get("simulated"):
+        return f"ranks {span} between the simulated ones"
+    return f"rank {e['rank']} simulated for rank{'s' if len(ranks) > 1 else ''} {span}"
+
+
+def _job(entries: list[dict[str, Any]], world: int, ctx: int, nccl: int | None) -> dict[str, Any]:
+    """The whole job: each rank's peak, every rank counted once (ranks between two simulated ranks at the higher)."""
+    alloc = res = 0
+    hi = max((e for e in entries if e.get("simulated")), key=lambda e: e["peak_allocated_bytes"])
+    counted = 0
+    for e in entries:
+        src = e if e.get("simulated") else hi
+        n = len(e["ranks"])
+        counted += n
+        alloc += n * src["peak_allocated_bytes"]
+        res += n * src["peak_reserved_bytes"]
+    return {"gpus": world, "ranks_counted": counted, "peak_allocated_bytes_sum": alloc, "peak_reserved_bytes_sum": res,
+            "cuda_context_bytes_sum": world * ctx, "nccl_bytes_sum": None if nccl is None else world * nccl,
+            "nvidia_smi_bytes_sum": None if nccl is None else res + world * (ctx + nccl)}
+
+
+def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]]:
+    """The memory of a rank split into the terms that shrink as 1/N under sharding and those that do
+    not: sharded parameters / gradients / optimizer states, gathered (unsharded) parameters and
+    gradients, collective buffers, activations, temporaries. Returns (bytes of each term live at
+    the peak, event ``index``; the most bytes of each term live at any moment), in allocator blocks."""
+    from ..core.events import ALLOC, FREE, PHASE, TAG
+    from ..core.ledger import CachingAllocatorModel
+
+    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
+    gathered = getattr(wrapper, "unsharded_keys", set())
+    gathered_grads = getattr(wrapper, "unsharded_grad_keys", set())
+    sharded = type(wrapper).__name__ == "FSDPWrapper"
+    opt_sharded = sharded or type(wrapper).__name__ == "Zero1Wrapper"
+
+    def term(key, cat: str) -> str:
+        if key in gathered:
+            return "gathered parameters"
+        if key in gathered_grads:
+            return "gathered gradients"
+        if cat in ("parameters", "gradients"):
+            return f"{'sharded ' if sharded else ''}{cat}"
+        if cat == "optimizer_state":
+            return "optimizer states" + (" (sharded)" if opt_sharded else "")
+        return cat
+
+    a = CachingAllocatorModel()
+    live: dict[Any, tuple[int, str]] = {}
+    now: dict[str, int] = {}
+    most: dict[str, int] = {}
+    at_peak: dict[str, int] = {}
+    for i, ev in enumerate(log.events):
+        k = ev[0]
+        if k == PHASE and ev[1] == "done":
+            break
+        if k == ALLOC and not a.is_live(ev[1]):
+            t = term(ev[1], final.get(ev[1], ev[3]))
+            size = a.malloc(ev[1], ev[2], ev[8])
+            live[ev[1]] = (size, t)
+            now[t] = now.get(t, 0) + size
+            if now[t] > most.get(t, 0):
+                most[t] = now[t]
+        elif k == FREE and a.is_live(ev[1]):
+            a.free(ev[1])
+            size, t = live.pop(ev[1])
+            now[t] -= size
+        if i == index:
+            at_peak = {t: v for t, v in now.items() if v}
+    order = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
+    return order(at_peak), order(most)
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    import json
+
+    return json.loads(json.dumps(d, default=str))

@@ -1,0 +1,206 @@
+"""The multi-GPU strategies, as the PyTorch settings that realize them, and the pluggable wrapping
+step that :func:`memlens.step.prepare` applies for one rank.
+
+==========  =====================================================================================
+sharding    what runs (torch 2.x)
+==========  =====================================================================================
+ddp         ``DistributedDataParallel(model, bucket_cap_mb, gradient_as_bucket_view)``
+zero1       ``ddp`` + ``ZeroRedundancyOptimizer`` (each rank keeps the optimizer states of its
+            share of the parameters, assigned greedily by size; updated parameters are broadcast)
+zero2       FSDP2 ``fully_shard`` on every transformer block, then the root, with
+            ``reshard_after_forward=False``: parameters, gradients and optimizer states sharded at
+            rest, parameters gathered from a block's forward until its backward
+zero3/fsdp  FSDP2 ``fully_shard`` defaults: blocks re-shard after forward and gather again in
+            backward; the root stays gathered after forward (FSDP2's own rule)
+==========  =====================================================================================
+
+Precision under FSDP2: ``amp-bf16`` is ``MixedPrecisionPolicy(param_dtype=bfloat16,
+reduce_dtype=float32)`` (fp32 sharded parameters and optimizer, bf16 compute, fp32 gradient
+reduction; no autocast); ``fp32`` / ``bf16`` run without a policy. DDP keeps the single-GPU
+precision (autocast for ``amp-*``).
+
+A wrapper is chosen by :func:`wrapper_for` from an ordered registry, so a later kind of step (DP-SGD
+over DDP, FSDP2 ghost clipping) registers its own ahead of these with :func:`register_wrapper`.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..core.errors import SpecError
+from ..core.spec import TrainingSpec
+
+FSDP_KINDS = ("zero2", "zero3", "fsdp")
+DDP_KINDS = ("ddp", "zero1")
+
+SETTINGS = {
+    "ddp": "DistributedDataParallel",
+    "zero1": "DistributedDataParallel + ZeroRedundancyOptimizer",
+    "zero2": "FSDP2 fully_shard(reshard_after_forward=False) per block + root",
+    "zero3": "FSDP2 fully_shard (reshard_after_forward=True) per block + root",
+    "fsdp": "FSDP2 fully_shard (reshard_after_forward=True) per block + root",
+}
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Ranks whose memory is the same as their representative's (or bounded by two simulated ranks)."""
+
+    rank: int                       # the rank simulated for the group
+    ranks: tuple[int, ...]          # every rank it stands for
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "ranks": list(self.ranks), "why": self.why}
+
+
+class Wrapper:
+    """How one rank's step is wrapped (applied by :func:`memlens.step.prepare`).
+
+    ``fake``: the step runs on fake CPU tensors under a fake process group (estimate); otherwise on
+    a real device under a real process group (torchrun).
+    """
+
+    name = ""
+    builds_on_meta = False          # prepare builds the model's parameters on the meta device
+    autocast = True                 # amp-* runs under autocast (False: the wrapper casts parameters itself)
+
+    def __init__(self, spec: TrainingSpec, *, fake: bool, rank: int, world_size: int):
+        self.spec = spec
+        self.fake = fake
+        self.rank = rank
+        self.world_size = world_size
+        self.facts: dict[str, Any] = {}     # what the wrapping did, for reports (buckets, groups, streams)
+        self.applied: list[str] = []
+
+    def build_context(self):
+        """Context for building the model on a real device (meta parameters for FSDP)."""
+        return contextlib.nullcontext()
+
+    def wrap(self, model, *, device, fake_mode=None):
+        return model
+
+    def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
+        from ..step.optim import make_optimizer
+
+        return make_optimizer(spec, model, simulate=simulate)
+
+    def simulation(self, tracker, step):
+        """Context entered inside the storage tracker for a simulated run (setup events, hooks)."""
+        return contextlib.nullcontext()
+
+    def rank_groups(self) -> list[RankGroup]:
+        return [RankGroup(0, tuple(range(self.world_size)), "every rank holds the same tensors")]
+
+    def inner(self, model):
+        """The user's module inside the wrapper (for module names)."""
+        return model
+
+
+_REGISTRY: list[tuple[Callable[[TrainingSpec], bool], type]] = []
+
+
+def register_wrapper(applies: Callable[[TrainingSpec], bool], cls: type, *, first: bool = True) -> None:
+    """Add a wrapper kind: ``cls`` wraps the specs ``applies`` accepts (checked before the built-in
+    ones when ``first``)."""
+    if first:
+        _REGISTRY.insert(0, (applies, cls))
+    else:
+        _REGISTRY.append((applies, cls))
+
+
+def check(spec: TrainingSpec, *, fake: bool) -> None:
+    """One line for every multi-GPU combination that cannot be simulated or run (never ignored)."""
+    if spec.world_size == 1:
+        return
+    if spec.sharding == "none":
+        raise SpecError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
+    if spec.offload_optimizer:
+        raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
+                        hint="drop --offload-optimizer, or use --method formula")
+    if spec.dp:
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding} is not simulated per rank yet",
+                        hint="drop --dp, or estimate DP-SGD on one GPU")
+    if spec.qlora:
+        raise SpecError(f"--qlora with --sharding {spec.sharding} is not simulated per rank",
+                        hint="use --lora-rank with bf16 weights, or one GPU")
+    if getattr(spec, "compile", False):
+        raise SpecError(f"--compile with --sharding {spec.sharding} is not simulated per rank",
+                        hint="drop --compile to estimate the eager step of each rank")
+    if getattr(spec, "hf_trainer", False):
+        raise SpecError(f"the Trainer's step (--hf-trainer) with --sharding {spec.sharding} is not simulated per rank",
+                        hint="drop --hf-trainer: the plain step of each rank is simulated")
+    if spec.sharding in FSDP_KINDS:
+        if spec.precision == "amp-fp16":
+            raise SpecError(f"amp-fp16 with --sharding {spec.sharding} needs FSDP2 loss scaling, which memlens does not model",
+                            hint="use --precision amp-bf16 (MixedPrecisionPolicy bf16) or bf16")
+        if spec.optimizer == "adamw-8bit":
+            raise SpecError(f"--optimizer adamw-8bit with --sharding {spec.sharding} (bitsandbytes on DTensor shards) is not modelled",
+                            hint="use --optimizer adamw, or --sharding ddp")
+    if spec.sharding == "zero1" and spec.optimizer == "adamw-8bit":
+        raise SpecError("--optimizer adamw-8bit with --sharding zero1 is not modelled",
+                        hint="use --optimizer adamw, or --sharding ddp")
+
+
+def wrapper_for(spec: TrainingSpec, *, fake: bool) -> Wrapper | None:
+    """The wrapper for ``spec`` on this rank (None on one GPU). The process group must be up: the
+    fake one of :func:`memlens.distributed.fakepg.fake_process_group`, or torchrun's."""
+    if spec.world_size == 1:
+        return None
+    check(spec, fake=fake)
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        how = ("`memlens estimate --world-size N` simulates each rank" if not fake else "run it inside memlens.distributed.fake_process_group")
+        raise SpecError(f"--world-size {spec.world_size}: this process is not one rank of a {spec.world_size}-GPU job",
+                        hint=f"`memlens profile --world-size {spec.world_size}` launches torchrun itself; {how}")
+    world = dist.get_world_size()
+    if world != spec.world_size:
+        raise SpecError(f"--world-size {spec.world_size} but the process group has {world} ranks",
+                        hint=f"launch with torchrun --nproc-per-node {spec.world_size}, or use --world-size {world}")
+    if not _REGISTRY:
+        _register_builtins()
+    for applies, cls in _REGISTRY:
+        if applies(spec):
+            return cls(spec, fake=fake, rank=dist.get_rank(), world_size=world)
+    raise SpecError(f"--sharding {spec.sharding} has no wrapper", hint="use ddp, zero1, zero2, zero3 or fsdp")
+
+
+def _register_builtins() -> None:
+    from .ddp import DDPWrapper, Zero1Wrapper
+    from .fsdp import FSDPWrapper
+
+    register_wrapper(lambda s: s.sharding == "ddp", DDPWrapper, first=False)
+    register_wrapper(lambda s: s.sharding == "zero1", Zero1Wrapper, first=False)
+    register_wrapper(lambda s: s.sharding in FSDP_KINDS, FSDPWrapper, first=False)
+
+
+@dataclass
+class Streams:
+    """CUDA stream ids for a simulated rank: 0 is the default stream; the others are numbered as
+    they first allocate, and named from the wrapper's own stream attributes."""
+
+    ids: dict[int, int] = field(default_factory=dict)
+    names: dict[int, str] = field(default_factory=lambda: {0: "default"})
+    namer: Any = None                 # stream object -> name (None: "stream <id>")
+
+    def current(self) -> int:
+        import torch
+
+        s = torch.cpu.current_stream()
+        i = self.ids.get(id(s))
+        if i is None:
+            if s is _default_stream():
+                i = 0
+            else:
+                i = len([k for k in self.ids.values() if k]) + 1
+                self.names[i] = (self.namer(s) if self.namer else None) or f"stream {i}"
+            self.ids[id(s)] = i
+        return i
+
+
+def _default_stream():
+    import torch
+
+    return torch.cpu._default_cpu_stream

@@ -1,0 +1,79 @@
+"""DDP's Reducer model on fake tensors: buckets to the byte on a hand-checked model (issue 10)."""
+from __future__ import annotations
+
+import pytest
+
+from memlens.core.ledger import analyze
+from memlens.core.spec import TrainingSpec
+from memlens.distributed.ddp import bucket_bytes, bucket_caps
+from memlens.distributed.estimate import simulate_rank
+
+MiB = 2**20
+W0, W1, B1 = 1024 * 1024 * 4, 256 * 1024 * 4, 256 * 4      # fp32 bytes of tests.distributed.dist_models:three
+
+
+def _sim(**kw):
+    spec = TrainingSpec(model="tests.distributed.dist_models:three", world_size=2, sharding="ddp", optimizer="sgd", **kw)
+    return simulate_rank(spec, 0)
+
+
+def test_buckets_first_one_then_rebuilt_in_ready_order():
+    sim = _sim()
+    red = sim.wrapper.reducer
+    # find_unused_parameters=False: one bucket of every trainable parameter at construction
+    assert sim.wrapper.facts["buckets"][0]["bucket_bytes"] == [W0 + W1 + B1]
+    # backward readies the bias, then W1, then W0; rebuilt with a 1 MiB first bucket: [bias, W1] passes 1 MiB, W0 alone
+    assert red.ready_order == [2, 1, 0]
+    assert sim.wrapper.facts["buckets"][1] == {"forward": 2, "bucket_bytes": [B1 + W1, W0]}
+
+
+def test_bucket_cap_changes_the_rebuild():
+    sim = _sim(bucket_cap_mb=2.0)        # explicit cap: no 1 MiB first bucket; bias + W1 < 2 MiB, so W0 joins them
+    assert bucket_caps(sim.spec) == (2 * MiB, 2 * MiB)
+    assert sim.wrapper.facts["buckets"][1]["bucket_bytes"] == [B1 + W1 + W0]
+    sim = _sim(bucket_cap_mb=0.5)        # bias + W1 pass 0.5 MiB: a bucket; W0 alone
+    assert sim.wrapper.facts["buckets"][1]["bucket_bytes"] == [B1 + W1, W0]
+
+
+def test_bucket_bytes_function():
+    import torch
+
+    params = [torch.empty(1024, 1024), torch.empty(256, 1024), torch.empty(256)]
+    assert bucket_bytes(params, order=[2, 1, 0], cap_bytes=25 * MiB, first_cap_bytes=MiB) == [B1 + W1, W0]
+    assert bucket_bytes(params, order=[0, 1, 2], cap_bytes=25 * MiB, first_cap_bytes=MiB) == [W0, W1 + B1]
+
+
+def test_buckets_are_communication_and_gradient_views_save_a_copy():
+    plain, view = analyze(_sim().log), analyze(_sim(gradient_as_bucket_view=True).log)
+    assert plain.by_category["communication"] == W0 + W1 + B1       # the rebuilt buckets, live at the peak
+    assert view.by_category["communication"] == 0                    # the buckets hold the gradients: tagged gradients
+    # the peak is when W0's fresh gradient appears: with bucket views the bias and W1 gradients already are views
+    assert plain.peak_allocated_bytes - view.peak_allocated_bytes == B1 + W1
+
+
+def test_every_ddp_rank_is_the_same():
+    sim = _sim()
+    groups = sim.wrapper.rank_groups()
+    assert [(g.rank, g.ranks) for g in groups] == [(0, (0, 1))]
+
+
+def test_zero1_ranks_keep_their_partition_of_optimizer_state():
+    spec = TrainingSpec(model="tests.distributed.dist_models:three", world_size=2, sharding="zero1", optimizer="adamw")
+    sims = [simulate_rank(spec, r) for r in (0, 1)]
+    loads = sims[0].wrapper.loads
+    assert sorted(loads) == [W1 + B1, W0]             # greedy by size: W0 alone, W1 + bias on the other rank
+    for r, sim in enumerate(sims):
+        log = sim.log
+        tags = {ev[1]: ev[2] for ev in log.events if ev[0] == 2}
+        state = sum(ev[2] for ev in log.events if ev[0] == 0 and tags.get(ev[1]) == "optimizer_state")
+        assert state == 2 * loads[r]                    # AdamW: exp_avg and exp_avg_sq of this rank's share
+    groups = sims[0].wrapper.rank_groups()
+    assert {g.rank for g in groups} == {0, 1}
+
+
+@pytest.mark.parametrize("bad", [{"gradient_as_bucket_view": True, "sharding": "fsdp"}, {"bucket_cap_mb": 25.0, "sharding": "zero2"}])
+def test_ddp_settings_refused_elsewhere(bad):
+    from memlens.core.errors import SpecError
+
+    with pytest.raises(SpecError, match="DDP setting"):
+        TrainingSpec(model="gpt2", world_size=2, **bad)
