@@ -325,8 +325,17 @@ def _shards_already_padded(model) -> None:
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for g in m._get_fsdp_state()._fsdp_param_groups:
+            for g in _param_groups(m._get_fsdp_state()):
                 g._reset_sharded_params = True
+
+
+def _param_groups(state) -> list:
+    """An FSDP state's parameter groups: a list from torch 2.13, one group (or None) before."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        g = getattr(state, "_fsdp_param_group", None)
+        groups = [g] if g is not None else []
+    return list(groups)
 
 
 def _init_values(model) -> None:
