@@ -42,6 +42,7 @@ class StorageTracker(TorchDispatchMode):
         self._keys: dict[int, int] = {}      # id(storage) -> key
         self._category: dict[int, str] = {}  # key -> current category
         self._next = 0
+        self.muted = False                   # True: ops run unaccounted (stand-ins for storages already logged)
 
     # ---------------------------------------------------------------- registration
     def current_module(self) -> int:
@@ -87,6 +88,20 @@ class StorageTracker(TorchDispatchMode):
         self._category.pop(key, None)
         self.log.free(key)
 
+    def new_key(self) -> int:
+        """A fresh key for a storage logged by hand (its tensor is adopted later, see :meth:`adopt`)."""
+        key = self._next
+        self._next += 1
+        return key
+
+    def adopt(self, t: torch.Tensor, key: int, category: str) -> None:
+        """Account ``t``'s storage under ``key``, already logged as allocated: no event now, the free when it dies."""
+        st = t.untyped_storage()
+        sid = id(st)
+        self._keys[sid] = key
+        self._refs[key] = weakref.ref(st, lambda _r, sid=sid, key=key: self._on_free(sid, key))
+        self._category[key] = category
+
     def key_of(self, t: torch.Tensor) -> int | None:
         return self._keys.get(id(t.untyped_storage()))
 
@@ -113,6 +128,8 @@ class StorageTracker(TorchDispatchMode):
 
     # ---------------------------------------------------------------- the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.muted:
+            return func(*args, **(kwargs or {}))
         if func is _ITEM and self.phase == "optimizer" and _is_fake(args[0]):
             # an optimizer reading a value (Adafactor's parameter RMS) only scales its update:
             # any number gives the same allocations, and a fake tensor has none to give

@@ -30,13 +30,22 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
         from .formula import formula_estimate
 
         return formula_estimate(spec)
-    from ..core.ledger import analyze, group_modules
+    from ..core.ledger import analyze
     from .simulate import simulate
 
     sim = simulate(spec, steps=steps)
-    a = analyze(sim.log)
+    return simulation_result(sim, analyze(sim.log))
+
+
+def simulation_result(sim, a) -> Result:
+    """The estimate Result of a simulation (or of a replay at another size, :mod:`.scaling`) and its analysis."""
+    from ..core.gpus import gpu_facts
+    from ..core.ledger import group_modules
+
+    spec = sim.spec
+    gpu = gpu_facts(spec.gpu)
     ctx = gpu.cuda_context_bytes
-    r = Result(
+    return Result(
         verb="estimate",
         spec=spec.to_dict(),
         peak_allocated_bytes=a.peak_allocated_bytes,
@@ -68,6 +77,6 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
             "image_size": sim.image_size,
             "model_source": sim.source.to_dict(),
             "simulate_seconds": round(sim.seconds, 3),
+            "later_steps": sim.later_steps,
         },
     )
-    return r

@@ -21,7 +21,7 @@ from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
 from ..core.spec import TrainingSpec
 from ..step.prepare import prepare
-from . import cuda_rules
+from . import cuda_rules, periodic
 from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
                             register_inputs, register_model, tag_optimizer_state)
 
@@ -45,6 +45,7 @@ class Simulation:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
+    later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
 
 
 class _FakeGradScaler:
@@ -67,8 +68,11 @@ class _FakeGradScaler:
         pass
 
 
-def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2) -> Simulation:
+def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2, repeat: bool = True) -> Simulation:
     """Run ``steps`` optimizer steps of ``spec`` on fake tensors and log every storage.
+
+    ``repeat``: write the forward and backward of steps 2.. from step 1's events where that is
+    provably the same (:mod:`.periodic`; ``Simulation.later_steps`` says which happened).
 
     >>> from memlens.core.spec import TrainingSpec
     >>> sim = simulate(TrainingSpec(model="gpt2", batch_size=1, seq_len=32))  # doctest: +SKIP
@@ -103,19 +107,30 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
                     "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
+    first = periodic.FirstStep(tracker, params) if repeat and dp is None else None
+    later: periodic.Repeat | str = "repeat=False" if not repeat else "DP-SGD hooks keep state" if dp is not None else ""
     try:
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model):
                     def on_phase(name: str, n=n) -> None:
+                        if n == 1 and first is not None:
+                            first.at_phase(name)
                         tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
                         if dp is not None and name == "optimizer":
                             dp.clip_and_noise()
 
-                    step.run(on_phase)
+                    written = n > 1 and isinstance(later, periodic.Repeat) and later.run(n, tracker, step, on_phase)
+                    if n > 1 and not written and isinstance(later, periodic.Repeat):
+                        later = "a stand-in for a gradient or the loss cannot be made"
+                    if not written:
+                        last = step.run(on_phase)
+                        if n == 1 and first is not None:
+                            later = first.plan(*periodic.loss_of(tracker, last))
+                        del last
                     tag_optimizer_state(tracker, step.optimizer)
             tracker.set_phase("done", steps)
     except MemlensError:
@@ -127,7 +142,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             h.remove()
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                      attention, time.perf_counter() - t0, applied=step.applied)
+                      attention, time.perf_counter() - t0, applied=step.applied,
+                      later_steps="written from step 1" if isinstance(later, periodic.Repeat) else f"simulated ({later})")
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:

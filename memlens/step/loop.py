@@ -63,6 +63,14 @@ def train_step(
         (scaler.scale(loss) if scaler is not None else loss).backward()
         last = loss.detach()
         del loss
+    optimizer_step(optimizer, scaler=scaler, on_phase=on_phase)
+    return last
+
+
+def optimizer_step(optimizer, *, scaler=None, on_phase: PhaseHook = lambda name: None) -> None:
+    """The end of :func:`train_step`: the optimizer phase (``scaler.step`` or ``optimizer.step``,
+    then ``zero_grad(set_to_none=True)``) and the "end" mark. The estimator runs it alone for a
+    step whose forward and backward it wrote from the first step's (memlens.estimator.periodic)."""
     on_phase("optimizer")
     if scaler is not None:
         scaler.step(optimizer)
@@ -71,4 +79,3 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     on_phase("end")
-    return last

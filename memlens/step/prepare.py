@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..core.errors import SpecError
 from ..core.spec import TrainingSpec
-from .loop import PhaseHook, train_step
+from .loop import PhaseHook, optimizer_step, train_step
 
 
 @dataclass
@@ -67,6 +67,10 @@ class PreparedStep:
         """One optimizer step (all ``grad_accum`` micro-batches); returns the last micro-batch's loss."""
         return train_step(self.model, self.optimizer, self.batch, grad_accum=self.spec.grad_accum,
                           autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase)
+
+    def run_optimizer(self, on_phase: PhaseHook = lambda name: None) -> None:
+        """Only the optimizer phase of :meth:`run` (the gradients must be in place)."""
+        optimizer_step(self.optimizer, scaler=self.scaler, on_phase=on_phase)
 
 
 def refuse_unsupported(spec: TrainingSpec, *, fake: bool) -> None:

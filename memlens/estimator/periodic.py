@@ -1,0 +1,190 @@
+"""Later simulated steps written from the first one: the forward and backward of step n >= 2
+allocate and free what step 1's did, in the same order; only the optimizer phase is run again.
+
+Why two steps are simulated at all: from step 2 on the optimizer state exists during forward and
+backward, and the allocator starts from the segments step 1 left (the reserved peak can move to
+step 2). The events themselves repeat:
+
+1. The forward and backward of a step are a function of the model's tensors (their shapes and
+   dtypes: values do not exist on fake tensors), of ``.grad`` (None at the start of every step:
+   ``zero_grad(set_to_none=True)``), of the batch (the same tensors every step) and of the CUDA
+   emulation's one-time state (the cuBLAS workspaces, taken at the first GEMM of each thread).
+2. So step n's forward and backward run the same ops on the same shapes as step 1's. Each op
+   allocates the same storages, and each storage dies at the same point (reference counts are
+   the same), except the storages created once and kept: those that outlive step 1.
+3. The only storages of step 1's forward and backward that may outlive it are the emulated
+   workspaces, which by construction are not taken again. Anything else that outlives step 1
+   (a module caching a tensor, a lazily built parameter) could be replaced at step 2, so then
+   step 2 is simulated in full.
+4. The optimizer does differ between steps (it creates its state at step 1), so its phase is
+   always run again, on stand-ins for the gradients and the returned loss: fake tensors of the
+   same storage size, accounted under the keys of the copied events, so that ``zero_grad`` and
+   the end of the step free them as they would free the real ones.
+
+Checked at run time, or step n is simulated in full (``reason`` says which failed): step 1's
+forward/backward frees no storage made before it; tags it puts on older storages would not be
+emitted again; what outlives step 1 is workspace only; what is alive when the optimizer phase
+starts is exactly the gradients and the returned loss; no DP-SGD (its hooks keep state).
+``tests/estimator/test_periodic.py`` compares the written steps with fully simulated ones event
+by event.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
+
+
+@dataclass
+class _Meta:
+    """What a stand-in needs to be: a storage of ``nbytes`` seen as (size, stride, offset, dtype)."""
+
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: Any
+    nbytes: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "_Meta":
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+
+    def make(self) -> torch.Tensor | None:
+        """A new tensor (in the ambient fake mode) with a storage of exactly ``nbytes``; None if none can be."""
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if self.nbytes % item:
+            return None
+        base = torch.empty(self.nbytes // item, dtype=self.dtype)
+        t = base if (self.size, self.stride, self.offset) == (tuple(base.shape), tuple(base.stride()), 0) else \
+            base.as_strided(self.size, self.stride, self.offset)
+        return t if t.untyped_storage().nbytes() == self.nbytes else None
+
+
+@dataclass
+class Repeat:
+    """Step 1's forward and backward as a template for later steps."""
+
+    segment: list[tuple]                # step 1's events from its first forward mark to its optimizer mark
+    fresh: list[Any]                    # keys allocated in it that later steps allocate again, in order
+    grads: list[tuple[Any, Any, _Meta, str]]   # (parameter, key in step 1, meta, category at the optimizer)
+    loss: tuple[Any, _Meta, str] | None  # the returned loss: (key in step 1, meta, category)
+
+    def run(self, n: int, tracker, step, on_phase: Callable[[str], None]) -> bool:
+        """Write step ``n``'s forward and backward into the log, then run its optimizer phase.
+        Returns False (nothing written) if a stand-in cannot be made."""
+        remap = {k: tracker.new_key() for k in self.fresh}
+        tracker.muted = True
+        try:
+            grads = [(p, g.make(), remap[k], cat) for p, k, g, cat in self.grads]
+            loss = (self.loss[1].make(), remap[self.loss[0]], self.loss[2]) if self.loss else None
+        finally:
+            tracker.muted = False
+        if any(t is None for _, t, _, _ in grads) or (loss is not None and loss[0] is None):
+            return False
+        out = tracker.log.events
+        for ev in self.segment:
+            kind = ev[0]
+            if kind == PHASE:
+                out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+                continue
+            new = remap.get(ev[1])
+            if new is None:
+                continue            # a one-time allocation, or a tag that would not be emitted again
+            if kind == ALLOC:
+                out.append(Alloc(ALLOC, new, *ev[2:]))
+            elif kind == FREE:
+                out.append(Free(FREE, new, ev[2]))
+            else:
+                out.append(Tag(TAG, new, ev[2], ev[3]))
+        tracker.phase, tracker.step = "backward", n
+        _install(tracker, grads)
+        grads.clear()               # the parameters hold the gradients now, nothing else
+        standin = None
+        if loss is not None:
+            standin = loss[0]
+            tracker.adopt(standin, loss[1], loss[2])
+            loss = None
+        step.run_optimizer(on_phase)
+        del standin                 # the loop drops the loss train_step returned here
+        return True
+
+
+def _install(tracker, grads) -> None:
+    for p, t, key, cat in grads:
+        tracker.adopt(t, key, cat)
+        p.grad = t
+
+
+class FirstStep:
+    """Watches step 1 (call :meth:`at_phase` before each phase mark is logged) and tells whether
+    later steps can be written from it (:meth:`plan`)."""
+
+    def __init__(self, tracker, params: list):
+        self.tracker = tracker
+        self.params = params
+        self.start: int | None = None
+        self.stop: int | None = None
+        self.grads: list[tuple[Any, Any, _Meta]] = []
+
+    def at_phase(self, name: str) -> None:
+        n = len(self.tracker.log.events)
+        if name == "forward" and self.start is None:
+            self.start = n
+        elif name == "optimizer" and self.stop is None:
+            self.stop = n
+            self.grads = [(p, self.tracker.key_of(p.grad), _Meta.of(p.grad)) for p in self.params if p.grad is not None]
+
+    def plan(self, loss_key: Any, loss_meta: _Meta | None) -> Repeat | str:
+        """A :class:`Repeat`, or why step 2 must be simulated in full (see the module docstring)."""
+        if self.start is None or self.stop is None:
+            return "step 1 has no forward or no optimizer phase"
+        events = self.tracker.log.events
+        seg = events[self.start:self.stop]
+        allocated: dict[Any, str] = {}       # key -> category at allocation, in order
+        final: dict[Any, str] = {}
+        live: set = set()
+        older_tags: dict[Any, str] = {}
+        for ev in seg:
+            kind = ev[0]
+            if kind == ALLOC:
+                allocated[ev[1]] = ev[3]
+                live.add(ev[1])
+            elif kind == FREE:
+                if ev[1] not in allocated:
+                    return "step 1 frees a storage made before it"
+                live.discard(ev[1])
+            elif kind == TAG:
+                if ev[1] in allocated:
+                    final[ev[1]] = ev[2]
+                elif older_tags.setdefault(ev[1], ev[2]) != ev[2]:
+                    return "step 1 tags a storage made before it twice"
+        for key, cat in older_tags.items():
+            if self.tracker._category.get(key) != cat:
+                return "step 1 retags a storage made before it"
+        # what outlives step 1: everything freed later is not
+        outlive = set(live) - {loss_key}      # the loss dies as soon as the step returns
+        for ev in events[self.stop:]:
+            if ev[0] == FREE:
+                outlive.discard(ev[1])
+        odd = [k for k in outlive if final.get(k, allocated[k]) != "workspace"]
+        if odd:
+            return f"{len(odd)} storage(s) made in step 1's forward or backward outlive it"
+        carried = live - outlive
+        grad_keys = [k for _, k, _ in self.grads]
+        expected = set(grad_keys) | ({loss_key} if loss_key is not None else set())
+        if len(set(grad_keys)) != len(grad_keys) or None in expected or carried != expected:
+            return "what is alive at the optimizer phase is not just the gradients and the loss"
+        cat = lambda k: final.get(k, allocated[k])  # noqa: E731
+        return Repeat(seg, [k for k in allocated if k not in outlive],
+                      [(p, k, m, cat(k)) for p, k, m in self.grads],
+                      (loss_key, loss_meta, cat(loss_key)) if loss_key is not None else None)
+
+
+def loss_of(tracker, last) -> tuple[Any, _Meta | None]:
+    """(key, meta) of the loss a step returned, or (None, None)."""
+    if isinstance(last, torch.Tensor) and tracker.key_of(last) is not None:
+        return tracker.key_of(last), _Meta.of(last)
+    return None, None
