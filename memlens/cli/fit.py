@@ -67,14 +67,11 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise NoDeviceError("--verify needs a CUDA GPU and this machine has none", hint="drop --verify for the estimate alone")
     context = parse_bytes(args.context) if args.context is not None else None
-    status = _status(args)
-    try:
+    from .progress import ProgressBar
+
+    with ProgressBar("fit", enabled=not args.json):
         result = fit(spec, args.budget, target_batch=args.target_batch, margin=_margin(args.margin), context_bytes=context,
-                     plan=not args.no_plan, gpus=args.gpus, method=args.method,
-                     progress=(lambda what: status.update(f"estimating: {what}")) if status else None)
-    finally:
-        if status:
-            status.stop()
+                     plan=not args.no_plan, gpus=args.gpus, method=args.method)
     d = result.data
     if d["max_batch_size"] == 0:
         best = next((e for e in d.get("plan", []) if e["fits"]), None)
@@ -100,16 +97,6 @@ def run(args: argparse.Namespace) -> int:
         if od is not None:
             print(f"written to {od}/")
     return 0
-
-
-def _status(args):
-    if args.json or not sys.stderr.isatty():
-        return None
-    from rich.console import Console
-
-    st = Console(stderr=True).status("estimating ...")
-    st.start()
-    return st
 
 
 def render(result) -> None:

@@ -81,12 +81,11 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         require_cuda(args.device)
     out = args.out or "memlens-sweep"
-    prog = _Progress(enabled=not args.json)
-    try:
+    from .progress import ProgressBar
+
+    with ProgressBar("sweep (measuring)" if args.measure else "sweep", enabled=not args.json):
         result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
-                       timeout=args.timeout, budget_bytes=budget, progress=prog)
-    finally:
-        prog.close()
+                       timeout=args.timeout, budget_bytes=budget, progress=_lines if not args.json and not sys.stderr.isatty() else None)
     from pathlib import Path
 
     from ..report.plots import have_matplotlib, skip_plots
@@ -105,36 +104,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Progress:
-    """A rich progress bar with ETA on a terminal; one line per cell on stderr otherwise."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.bar = None
-        self.task = None
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int, key: str, rec) -> None:
-        if not self.enabled:
-            return
-        status = "done before (resume)" if rec is None else rec.get("status")
-        if self.tty:
-            if self.bar is None:
-                from rich.console import Console
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-                self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                    TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
-                                    console=Console(stderr=True))
-                self.bar.start()
-                self.task = self.bar.add_task("", total=total)
-            self.bar.update(self.task, completed=done, description=f"{key}: {status}")
-        else:
-            print(f"[{done}/{total}] {key}: {status}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+def _lines(done: int, total: int, key: str, rec) -> None:
+    """Not on a terminal: one line per finished cell on stderr (a log, where a bar would be noise)."""
+    status = "done before (resume)" if rec is None else rec.get("status")
+    print(f"[{done}/{total}] {key}: {status}", file=sys.stderr, flush=True)
 
 
 def render(result) -> None:

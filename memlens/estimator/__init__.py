@@ -33,7 +33,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2) -> Re
     from ..core.ledger import analyze
     from .simulate import simulate
 
+    from ..core import progress
+
     sim = simulate(spec, steps=steps)
+    progress.stage(f"{spec.describe()}: replaying the allocator")
     return simulation_result(sim, analyze(sim.log))
 
 

@@ -45,6 +45,7 @@ from fractions import Fraction
 from math import lcm
 from typing import Any, Callable
 
+from ..core import progress
 from ..core.events import ALLOC, PHASE, Alloc, EventLog
 from ..core.spec import TrainingSpec
 
@@ -288,6 +289,7 @@ class Family:
     def __init__(self) -> None:
         self.regimes: list[Regime] = []
         self.results: dict[Point, Any] = {}     # exact answers (simulated or replayed), by point
+        self.errors: dict[Point, Exception] = {}  # points whose simulation failed (raised again when asked)
 
     def add(self, t: Trace) -> None:
         for r in self.regimes:
@@ -345,8 +347,11 @@ class ScalingEstimator:
         hit = fam.results.get(x)
         if hit is not None:
             return hit
+        if x in fam.errors:
+            raise fam.errors[x]
         regime, why = fam.regime_for(x)
         if regime is not None:
+            progress.stage(f"{spec.describe()}: replaying the traces {regime._points()} at this size")
             t0 = time.perf_counter()
             try:
                 sim = regime.simulation_at(spec, x)
@@ -361,13 +366,19 @@ class ScalingEstimator:
         return self._simulate_point(fam, spec, x, why)
 
     def _simulate_point(self, fam: Family, spec: TrainingSpec, x: Point, why: str):
-        t0 = time.perf_counter()
-        if self._simulate is None:
-            from .simulate import simulate
+        from ..core.errors import MemlensError
 
-            sim = simulate(spec)
-        else:
-            sim = self._simulate(spec)
+        t0 = time.perf_counter()
+        try:
+            if self._simulate is None:
+                from .simulate import simulate
+
+                sim = simulate(spec)
+            else:
+                sim = self._simulate(spec)
+        except MemlensError as e:
+            fam.errors[x] = e
+            raise
         fam.add(Trace.of(sim, x))
         self.simulations += 1
         self.seconds_simulating += time.perf_counter() - t0
@@ -380,6 +391,7 @@ class ScalingEstimator:
         from ..core.ledger import analyze
         from . import simulation_result
 
+        progress.stage(f"{sim.spec.describe()}: replaying the allocator")
         r = simulation_result(sim, analyze(sim.log))
         r.data["scaling"] = scaling
         return r
@@ -399,11 +411,16 @@ class ScalingEstimator:
 
     def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
         """Simulate :meth:`trace_points` of ``specs`` (each is one of them, so nothing is wasted)."""
+        from ..core.errors import MemlensError
+
         todo = [s for s in self.trace_points(specs) if family_of(s)[1] not in self._family(s)[0].results]
         for i, s in enumerate(todo, 1):
             if progress:
                 progress(i, len(todo), s)
-            self.estimate(s)
+            try:
+                self.estimate(s)
+            except MemlensError:
+                pass            # raised again when that spec is asked for
 
     def stats(self) -> dict[str, Any]:
         return {"simulations": self.simulations, "replays": self.replays,

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..core import progress
 from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
 from ..core.events import EventLog
@@ -78,6 +79,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     >>> sim = simulate(TrainingSpec(model="gpt2", batch_size=1, seq_len=32))  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    label = spec.describe()
+    progress.stage(f"{label}: building the model")
     source = source or resolve(spec.model)
     log = EventLog()
     tracker = SimulationTracker(log)
@@ -117,12 +120,16 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                     def on_phase(name: str, n=n) -> None:
                         if n == 1 and first is not None:
                             first.at_phase(name)
+                        if name != "end":
+                            progress.stage(f"{label}: step {n} {name}")
                         tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
                         if dp is not None and name == "optimizer":
                             dp.clip_and_noise()
 
+                    if n > 1 and isinstance(later, periodic.Repeat):
+                        progress.stage(f"{label}: step {n} forward and backward written from step 1")
                     written = n > 1 and isinstance(later, periodic.Repeat) and later.run(n, tracker, step, on_phase)
                     if n > 1 and not written and isinstance(later, periodic.Repeat):
                         later = "a stand-in for a gradient or the loss cannot be made"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
@@ -58,9 +59,10 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     est = estimator or CachedEstimator()
     b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []
-    for name in names:
+    for i, name in enumerate(names):
         if progress:
             progress(name)
+        core_progress.advance(i, len(names), name)
         row: dict[str, Any] = {"technique": name, "status": "ok"}
         try:
             s = technique_spec(spec, name)
@@ -93,7 +95,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
         rows.append(row)
     _relative(rows, measure)
     d: dict[str, Any] = {"rows": rows, "baseline": names[0], "measured": measure, "device": device if measure else None,
-                         "estimate_calls": est.calls}
+                         "estimate_calls": est.calls, "estimator": est.stats()}
     if b is not None:
         d.update(b.to_dict())
     notes = ["saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",

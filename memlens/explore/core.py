@@ -60,8 +60,11 @@ EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anythi
 class CachedEstimator:
     """Estimates specs once each (a simulated 1B step takes seconds) and derives sharded/offloaded peaks.
 
-    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``. Specs with sharding or
-    ``offload_optimizer`` are simulated as one unsharded rank and derived (see ``derive_peak``).
+    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``; for "simulate", through a
+    :class:`~memlens.estimator.scaling.ScalingEstimator`, which answers other batch sizes and
+    sequence lengths of a spec already simulated by replaying its traces (the same bytes, a
+    fraction of the time; ``prepare`` picks the traces for a known set of specs). Specs with
+    sharding or ``offload_optimizer`` are simulated as one unsharded rank and derived (see ``derive_peak``).
 
     >>> est = CachedEstimator(fn=lambda s: _Fake(s.batch_size))
     >>> est(TrainingSpec(model="m", batch_size=3)).peak_allocated_bytes, est.calls
@@ -74,11 +77,37 @@ class CachedEstimator:
         self.cache: dict[TrainingSpec, Point] = {}
         self.calls = 0
         self.seconds = 0.0
+        self.scaler = None
+        if fn is None and method == "simulate":
+            from ..estimator.scaling import ScalingEstimator
+
+            self.scaler = ScalingEstimator()
+
+    @staticmethod
+    def base(spec: TrainingSpec) -> TrainingSpec:
+        """The spec that is simulated for ``spec`` (one unsharded rank)."""
+        if spec.sharding != "none" or spec.world_size > 1 or spec.offload_optimizer:
+            return spec.replace(sharding="none", world_size=1, offload_optimizer=False)
+        return spec
+
+    def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
+        """Simulate first the specs that let the others be replayed (see ScalingEstimator.prepare)."""
+        if self.scaler is not None:
+            self.scaler.prepare([self.base(s) for s in specs], progress)
+
+    def stats(self) -> dict[str, Any]:
+        """Estimates made, and with the scaling estimator how many were simulated or replayed."""
+        out: dict[str, Any] = {"estimates": self.calls, "seconds": round(self.seconds, 2)}
+        if self.scaler is not None:
+            out.update(self.scaler.stats())
+        return out
 
     def raw(self, spec: TrainingSpec) -> Point:
         if spec not in self.cache:
             t = time.perf_counter()
-            if self._fn is None:
+            if self.scaler is not None:
+                r = self.scaler.estimate(spec)
+            elif self._fn is None:
                 from ..estimator import estimate
 
                 r = estimate(spec, method=self.method)
@@ -90,9 +119,7 @@ class CachedEstimator:
         return self.cache[spec]
 
     def __call__(self, spec: TrainingSpec) -> Point:
-        base = spec
-        if spec.sharding != "none" or spec.world_size > 1 or spec.offload_optimizer:
-            base = spec.replace(sharding="none", world_size=1, offload_optimizer=False)
+        base = self.base(spec)
         p = self.raw(base)
         if base is spec:
             return p

@@ -16,6 +16,7 @@ import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
@@ -59,6 +60,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     target = target_batch or (spec.batch_size * spec.grad_accum if f == "batch_size" else spec.batch_size)
     if progress:
         progress("max micro-batch")
+    core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
     s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
     mbs = s.limit
@@ -96,6 +98,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         data["plan"] = []
     data["estimate_calls"] = est.calls
     data["estimate_seconds"] = round(est.seconds, 2)
+    data["estimator"] = est.stats()
     return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
                   notes=notes, data=data)
 

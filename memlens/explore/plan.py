@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
 from .core import CachedEstimator, ceil_div, need_bytes, predict_step_time
@@ -149,9 +150,10 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     """Every candidate estimated and ranked (see the module docstring)."""
     cands = candidates(spec, gpus=gpus)
     entries = []
-    for c in cands:
+    for i, c in enumerate(cands):
         if progress:
             progress(c.name)
+        core_progress.advance(i, len(cands), f"plan: {c.name}")
         entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
     # the baseline: the target as given, at its full micro-batch (whether or not it fits)
     base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec

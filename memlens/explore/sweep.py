@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
@@ -163,6 +164,8 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
 
         frac = min(1.0, budget_bytes / torch.cuda.get_device_properties(0).total_memory)
     total = len(cells)
+    todo = [c.spec for c in cells if c.spec is not None and c.key not in done]
+    est.prepare(todo, progress=lambda i, n, s: core_progress.advance(0, total, f"tracing {i}/{n}: {s.describe()}"))
     n_done = 0
     for c in cells:
         if c.key in done:
@@ -170,6 +173,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
             if progress:
                 progress(n_done, total, c.key, None)
             continue
+        core_progress.advance(n_done, total, c.key)
         rec: dict[str, Any] = {"key": c.key, **c.params}
         if c.spec is None:
             rec.update(status="skipped", error=c.skip)
@@ -208,7 +212,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
-    data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
+    data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None, "estimator": est.stats(),
             "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac}
     return Result(verb="sweep", spec=spec.to_dict(), notes=[
         "peak_allocated_bytes: measured max_memory_allocated; estimated_*: memlens estimate of the same cell",
