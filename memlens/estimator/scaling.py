@@ -396,62 +396,92 @@ class ScalingEstimator:
         r.data["scaling"] = scaling
         return r
 
-    def trace_points(self, specs: list[TrainingSpec]) -> list[TrainingSpec]:
-        """The specs to simulate first so that the others of ``specs`` can be replayed: per family
-        with more than :func:`design` needs, the corners of its (b, L) range and one point inside."""
+    def trace_points(self, specs: list[TrainingSpec], level: int = 1) -> list[TrainingSpec]:
+        """The specs to simulate first so that the others of ``specs`` can be replayed (:func:`design`
+        per family), leaving out those already answered."""
+        out = []
+        for key, pts in self._by_family(specs).items():
+            fam = self.families.get(key)
+            for x in design(list(pts), level):
+                if fam is None or (x not in fam.results and x not in fam.errors):
+                    out.append(pts[x])
+        return out
+
+    @staticmethod
+    def _by_family(specs: list[TrainingSpec]) -> dict[tuple, dict[Point, TrainingSpec]]:
         by_fam: dict[tuple, dict[Point, TrainingSpec]] = {}
         for s in specs:
             key, x = family_of(s)
             by_fam.setdefault(key, {}).setdefault(x, s)
-        out = []
-        for pts in by_fam.values():
-            for x in design(list(pts)):
-                out.append(pts[x])
-        return out
+        return by_fam
 
     def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
-        """Simulate :meth:`trace_points` of ``specs`` (each is one of them, so nothing is wasted)."""
+        """Simulate the :meth:`trace_points` of ``specs`` (each is one of them, so nothing is wasted);
+        where they leave some of ``specs`` unanswerable, the level-2 design's points too."""
         from ..core.errors import MemlensError
 
-        todo = [s for s in self.trace_points(specs) if family_of(s)[1] not in self._family(s)[0].results]
-        for i, s in enumerate(todo, 1):
-            if progress:
-                progress(i, len(todo), s)
-            try:
-                self.estimate(s)
-            except MemlensError:
-                pass            # raised again when that spec is asked for
+        for level in (1, 2):
+            todo = self.trace_points(specs, level)
+            if level == 2:
+                need = {k for k, pts in self._by_family(specs).items()
+                        if any(x not in self.families[k].results and self.families[k].regime_for(x)[0] is None for x in pts)}
+                todo = [s for s in todo if family_of(s)[0] in need]
+            for i, s in enumerate(todo, 1):
+                if progress:
+                    progress(i, len(todo), s)
+                try:
+                    self.estimate(s)
+                except MemlensError:
+                    pass            # raised again when that spec is asked for
 
     def stats(self) -> dict[str, Any]:
         return {"simulations": self.simulations, "replays": self.replays,
                 "simulate_seconds": round(self.seconds_simulating, 2), "replay_seconds": round(self.seconds_replaying, 2)}
 
 
-def design(points: list[Point]) -> list[Point]:
-    """Which of ``points`` (one family's) to simulate so the rest can be replayed: the corners of
-    the range and one point off both middle lines (the check); all of them when that saves nothing.
-    Batch size 1 is designed apart: size-1 dimensions change which ops copy (a tensor of batch 1
-    is often contiguous already), so its event sequence differs from batch >= 2.
+def design(points: list[Point], level: int = 1) -> list[Point]:
+    """Which of ``points`` (one family's) to simulate so the rest can be replayed.
+
+    Level 1: the corners of the (b, L) range and one point off both middle lines (the check):
+    enough for sizes of degree 1 in each axis (b x L x hidden). Level 2 adds a middle value on
+    each axis (a 3 x 3 grid and the check): degree 2 (b x heads x L x L, a b x b matrix). All the
+    points when that saves nothing. Batch size 1 is designed apart: size-1 dimensions change
+    which ops copy (a tensor of batch 1 is often contiguous already), so its event sequence
+    differs from batch >= 2.
 
     >>> design([(b, 512) for b in (2, 4, 8, 16, 32)])
     [(2, 512), (32, 512), (8, 512)]
-    >>> sorted(design([(b, L) for b in (1, 2, 4) for L in (128, 256, 512)]))
-    [(1, 128), (1, 256), (1, 512), (2, 128), (2, 512), (4, 128), (4, 256), (4, 512)]
+    >>> design([(b, 512) for b in (2, 4, 8, 16, 32)], level=2)
+    [(2, 512), (4, 512), (32, 512), (8, 512)]
+    >>> grid = [(b, L) for b in (2, 4, 8, 16) for L in (128, 256, 512, 1024)]
+    >>> len(design(grid)), len(design(grid, level=2))
+    (5, 10)
     """
     ones = [p for p in points if p[0] == 1]
     rest = [p for p in points if p[0] != 1]
     if ones and rest:
-        return design(ones) + design(rest)
+        return design(ones, level) + design(rest, level)
     bs = sorted({p[0] for p in points})
     Ls = sorted({p[1] for p in points}, key=lambda v: (v is None, v))
     have = set(points)
-    chosen = [(b, L) for b in (bs[0], bs[-1]) for L in (Ls[0], Ls[-1])]
-    chosen = list(dict.fromkeys(p for p in chosen if p in have))
-    inner = [p for p in points if (len(bs) < 3 or p[0] not in (bs[0], bs[-1])) and (len(Ls) < 3 or p[1] not in (Ls[0], Ls[-1]))]
-    mid = (bs[len(bs) // 2], Ls[len(Ls) // 2])
-    if inner:
-        chosen.append(min(inner, key=lambda p: (abs(bs.index(p[0]) - bs.index(mid[0])) + abs(Ls.index(p[1]) - Ls.index(mid[1])))))
+
+    def inner(vals, v):
+        return len(vals) < 3 or v not in (vals[0], vals[-1])
+
+    cands = [p for p in points if inner(bs, p[0]) and inner(Ls, p[1])]
+    mid = (len(bs) // 2, len(Ls) // 2)
+    check = min(cands, key=lambda p: abs(bs.index(p[0]) - mid[0]) + abs(Ls.index(p[1]) - mid[1])) if cands else None
+
+    def nodes(vals, avoid):
+        out = [vals[0], vals[-1]]
+        if level >= 2:
+            middle = [v for v in vals[1:-1] if v != avoid]
+            if middle:
+                out.insert(1, min(middle, key=lambda v: abs(vals.index(v) - len(vals) // 2)))
+        return list(dict.fromkeys(out))
+
+    chosen = [(b, L) for b in nodes(bs, check and check[0]) for L in nodes(Ls, check and check[1]) if (b, L) in have]
+    if check is not None:
+        chosen.append(check)
     chosen = list(dict.fromkeys(chosen))
-    if len(chosen) >= len(points) or len(chosen) < len(set(chosen)):
-        return list(points)
-    return chosen
+    return list(points) if len(chosen) >= len(points) else chosen
