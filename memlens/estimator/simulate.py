@@ -93,6 +93,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
     register_model(tracker, model)
+    tracker.model = model
     register_inputs(tracker, step.batch)
     params = list(model.parameters())
     dp = None
@@ -107,6 +108,14 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             dp.on_grad(p)
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+
+    def stop(*_):
+        if tracker.stopped is not None:
+            raise tracker.stopped
+
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    hooks += [register_module_forward_pre_hook(stop), register_module_forward_hook(stop)]
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
                     "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
@@ -190,6 +199,14 @@ def _gemm_ops():
     return _GEMMS
 
 
+# The most ops one module may run itself (its children's are theirs) in one forward pass. A
+# transformer block's own code runs tens; a thousand means a Python loop, e.g. over the tokens of a
+# Mamba/RWKV-style scan in transformers' sequential fallback (24 layers x 512 tokens x ~12 ops,
+# forward and backward, two steps: a Mamba-130m config took 454 s), whose memory is not that of
+# the fused CUDA kernel the real run uses when its package (mamba-ssm) is installed.
+FORWARD_OPS_LIMIT = 1000
+
+
 class SimulationTracker(StorageTracker):
     """The storage tracker plus the library workspaces a CUDA step takes through the allocator.
 
@@ -205,6 +222,24 @@ class SimulationTracker(StorageTracker):
         super().__init__(log)
         self.gpu = gpu or gpu_facts(None)
         self._workspaces: dict[str, torch.Tensor] = {}
+        self._forward_ops: dict[int, int] = {}   # module id -> ops it ran itself in this forward pass
+        self.stopped: MemlensError | None = None  # why the simulation must stop (see FORWARD_OPS_LIMIT)
+        self.model = None                         # for naming a module that runs too many ops
+
+    def set_phase(self, name: str, step: int) -> None:
+        if name == "forward":
+            self._forward_ops = {}
+        super().set_phase(name, step)
+
+    def _too_many_ops(self) -> MemlensError:
+        label = self.log.modules[self.module] if 0 <= self.module < len(self.log.modules) else "?"
+        cls = next((type(m).__name__ for n, m in (self.model.named_modules() if self.model is not None else ())
+                    if self.module_label(n) == label), None)
+        return MemlensError(
+            f"{label}{f' ({cls})' if cls else ''} runs more than {FORWARD_OPS_LIMIT} ops of its own in one forward pass: "
+            "a Python loop, e.g. over tokens, as transformers' sequential fallback for a fused CUDA kernel (Mamba's "
+            "selective scan without mamba-ssm) runs; simulated op by op it takes minutes, and it is not the fused "
+            "kernel's memory", hint="use --method formula, or simulate a short --seq-len (the cost grows with it)")
 
     def _embedding_backward_scratch(self, grad: torch.Tensor, indices: torch.Tensor) -> None:
         """CUDA's embedding backward sorts the indices and sums rows per index segment in fp32
@@ -224,6 +259,11 @@ class SimulationTracker(StorageTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.phase == "forward":
+            n = self._forward_ops.get(self.module, 0) + 1
+            self._forward_ops[self.module] = n
+            if n > FORWARD_OPS_LIMIT and self.stopped is None:
+                self.stopped = self._too_many_ops()   # raised at the next module boundary (not from inside an op)
         if func is torch.ops.aten.embedding_dense_backward.default:
             self._embedding_backward_scratch(args[0], args[1])
         if func in _gemm_ops():
