@@ -54,7 +54,7 @@ class _Meta:
 
     def make(self) -> torch.Tensor | None:
         """A new tensor (in the ambient fake mode) with a storage of exactly ``nbytes``; None if none can be."""
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         if self.nbytes % item:
             return None
         base = torch.empty(self.nbytes // item, dtype=self.dtype)

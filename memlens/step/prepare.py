@@ -229,12 +229,15 @@ def materialize_on_fake(model, fake_mode):
     import torch
 
     memo: dict[int, Any] = {}
+    cpu = torch.device("cpu")
+    wrap = fake_mode.fake_tensor_converter.from_meta_and_device
 
     def fake_of(t):
         hit = memo.get(id(t))
         if hit is None:
-            with fake_mode:
-                new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            # a fresh contiguous meta tensor wrapped as a fake CPU tensor: what torch.empty under the
+            # fake mode returns, without dispatching an op for each of a 70B model's parameters
+            new = wrap(fake_mode, torch.empty(t.shape, dtype=t.dtype, device="meta"), cpu)
             hit = torch.nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
             memo[id(t)] = hit
         return hit
