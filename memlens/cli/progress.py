@@ -31,11 +31,11 @@ class ProgressBar:
     """See the module docstring. ``enabled=False`` (e.g. --json) makes it silent; ``console``
     (a rich Console) replaces stderr, for tests."""
 
-    def __init__(self, title: str, *, enabled: bool = True, delay: float = DELAY_S, console: Any = None):
+    def __init__(self, title: str, *, enabled: bool = True, delay: float | None = None, console: Any = None):
         self.title = title
         self.console = console
         self.enabled = enabled and (console is not None or sys.stderr.isatty())
-        self.delay = delay
+        self.delay = DELAY_S if delay is None else delay
         self.history: list[str] = []        # every stage and item shown or not (what tests read)
         self._lock = threading.Lock()
         self._done: int = 0
