@@ -109,7 +109,9 @@ def render(result) -> None:
     c.print(f"[bold]{result.spec['model']}[/bold]: largest micro-batch [bold]{d['max_batch_size']}[/bold] "
             f"(predicted peak reserved {fmt_bytes(d['predicted_peak_bytes'])}, allocated {fmt_bytes(d['predicted_peak_allocated_bytes'])})")
     c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
-            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates, {d['estimate_seconds']} s")
+            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates"
+            + (f" ({d['estimator']['simulations']} simulated, {d['estimator']['replays']} replayed)" if "simulations" in d.get("estimator", {}) else "")
+            + f", {d['estimate_seconds']} s")
     c.print(f"target batch {d['target_batch']}: micro-batch {d['micro_batch_size']} x accumulation {d['grad_accum']}")
     v = d.get("verify")
     if v:

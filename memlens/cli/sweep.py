@@ -116,8 +116,10 @@ def render(result) -> None:
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
+    e = d.get("estimator") or {}
+    how = f"; estimates: {e['simulations']} simulated, {e['replays']} replayed" if "simulations" in e else ""
     t = Table(title=f"{result.spec['model']}: sweep ({'measured on ' + d['device'] if d['measured'] else 'estimated'}); "
-              + ", ".join(f"{k}: {v}" for k, v in d["status_counts"].items()), title_justify="left")
+              + ", ".join(f"{k}: {v}" for k, v in d["status_counts"].items()) + how, title_justify="left")
     cols = ["cell", "status", "est. peak alloc"] + (["measured peak", "est. error", "step"] if d["measured"] else ["est. reserved", "step (pred.)"])
     for col in cols:
         t.add_column(col, justify="left" if col in ("cell", "status") else "right")
