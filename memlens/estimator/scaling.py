@@ -39,7 +39,12 @@ built-in models.
 from __future__ import annotations
 
 import itertools
+import os
+import sys
+import threading
 import time
+import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from math import lcm
@@ -78,7 +83,8 @@ class Trace:
         events = _until_done(sim.log.events)
         log = EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank)
         sim = replace(sim, log=log)
-        skeleton = [ev[:2] + ev[3:] if ev[0] == ALLOC else ev for ev in events]
+        # ops by name: a log simulated in a worker process comes back with names (ops do not pickle)
+        skeleton = [ev[:2] + ev[3:6] + (str(ev[6]),) + ev[7:] if ev[0] == ALLOC else ev for ev in events]
         sizes = [ev[2] for ev in events if ev[0] == ALLOC]
         L = point[1]
         seq_fact = "L" if L is not None and sim.seq_len == L else sim.seq_len
@@ -321,21 +327,69 @@ class Family:
 
 
 # ---------------------------------------------------------------- the estimator
+def default_workers() -> int:
+    """Processes that simulate at once: ``MEMLENS_WORKERS``, else the cores this process may use
+    (at most 4: each holds a model skeleton and an event log); 1 where a process cannot be forked
+    (the workers are forks of this process, so they start with its imports: not on macOS/Windows)."""
+    env = os.environ.get("MEMLENS_WORKERS", "").strip()
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            return 1
+    if not sys.platform.startswith("linux"):
+        return 1
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - Linux has it
+        n = os.cpu_count() or 1
+    return max(1, min(n, 4))
+
+
+def _worker_init() -> None:
+    from ..core import progress as _progress
+
+    _progress._current.set(None)     # a worker never reports: the progress bar lives in the parent
+
+
+def _simulate_in_worker(spec: TrainingSpec):
+    """simulate(spec) in a worker process; the log travels back as plain tuples (ops by name)."""
+    from ..core.errors import MemlensError
+    from .simulate import simulate
+
+    try:
+        sim = simulate(spec)
+    except MemlensError as e:
+        return e
+    events = [ev if ev[0] != ALLOC or isinstance(ev[6], str) else Alloc(*ev[:6], str(ev[6]), *ev[7:])
+              for ev in _until_done(sim.log.events)]
+    return replace(sim, log=EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank))
+
+
 class ScalingEstimator:
     """``estimate(spec)`` over many sizes of a few specs: replays where it can, simulates where it must.
 
     ``simulate_fn(spec) -> Simulation`` defaults to :func:`memlens.estimator.simulate.simulate`.
     Every Result carries ``data["scaling"]``: ``answer`` ("simulated" or "replayed"), ``traces``
     (the points simulated for its family), and for a simulated one ``reason`` (why no replay).
+
+    With ``workers`` > 1 (default :func:`default_workers`; always 1 with a ``simulate_fn``),
+    simulations run in that many forked worker processes: :meth:`prefetch` and :meth:`prepare`
+    start them together, and ``estimate`` may be called from several threads at once (the
+    answers do not depend on the order; only which of them were simulated does).
     """
 
-    def __init__(self, simulate_fn: Callable[[TrainingSpec], Any] | None = None):
+    def __init__(self, simulate_fn: Callable[[TrainingSpec], Any] | None = None, workers: int | None = None):
         self._simulate = simulate_fn
+        self.workers = 1 if simulate_fn is not None else (default_workers() if workers is None else max(1, int(workers)))
         self.families: dict[tuple, Family] = {}
         self.simulations = 0
         self.replays = 0
         self.seconds_simulating = 0.0
         self.seconds_replaying = 0.0
+        self._lock = threading.RLock()
+        self._pending: dict[tuple, tuple[Any, str]] = {}     # (family, point) -> (future, why simulated)
+        self._pool: Any = None
 
     def _family(self, spec: TrainingSpec) -> tuple[Family, Point]:
         key, x = family_of(spec)
@@ -343,12 +397,24 @@ class ScalingEstimator:
 
     def estimate(self, spec: TrainingSpec):
         """The estimate Result of ``spec`` (identical to ``memlens.estimate(spec)`` but for timings and ``data["scaling"]``)."""
-        fam, x = self._family(spec)
+        key, x = family_of(spec)
+        with self._lock:
+            r = self._answer_now(key, spec, x)
+            if r is not None:
+                return r
+            fut, why = self._pending[(key, x)]
+        return self._finish(key, spec, x, fut, why)
+
+    def _answer_now(self, key: tuple, spec: TrainingSpec, x: Point):
+        """Under the lock: the Result if known or replayable; else start (or join) its simulation and return None."""
+        fam = self.families.setdefault(key, Family())
         hit = fam.results.get(x)
         if hit is not None:
             return hit
         if x in fam.errors:
             raise fam.errors[x]
+        if (key, x) in self._pending:
+            return None
         regime, why = fam.regime_for(x)
         if regime is not None:
             progress.stage(f"{spec.describe()}: replaying the traces {regime._points()} at this size")
@@ -356,35 +422,74 @@ class ScalingEstimator:
             try:
                 sim = regime.simulation_at(spec, x)
             except _NoAnswer as e:
-                regime, why = None, str(e)
+                why = str(e)
             else:
                 r = self._result(sim, {"answer": "replayed", "traces": [_fmt(p) for p in fam.points()]})
                 self.replays += 1
                 self.seconds_replaying += time.perf_counter() - t0
                 fam.results[x] = r
                 return r
-        return self._simulate_point(fam, spec, x, why)
+        self._pending[(key, x)] = (self._start(spec), why)
+        return None
 
-    def _simulate_point(self, fam: Family, spec: TrainingSpec, x: Point, why: str):
+    def _start(self, spec: TrainingSpec) -> Future:
         from ..core.errors import MemlensError
 
-        t0 = time.perf_counter()
+        if self.workers > 1:
+            if self._pool is None:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
+
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                                 initializer=_worker_init)
+                weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+            for stream in (sys.stdout, sys.stderr):   # a forked worker must not flush a copy of unwritten output
+                try:
+                    stream.flush()
+                except (AttributeError, ValueError, OSError):
+                    pass
+            return self._pool.submit(_simulate_in_worker, spec)
+        fut: Future = Future()
         try:
             if self._simulate is None:
                 from .simulate import simulate
 
-                sim = simulate(spec)
+                fut.set_result(simulate(spec))
             else:
-                sim = self._simulate(spec)
+                fut.set_result(self._simulate(spec))
         except MemlensError as e:
-            fam.errors[x] = e
-            raise
-        fam.add(Trace.of(sim, x))
-        self.simulations += 1
-        self.seconds_simulating += time.perf_counter() - t0
-        r = self._result(sim, {"answer": "simulated", "reason": why, "traces": [_fmt(p) for p in fam.points()]})
-        fam.results[x] = r
-        return r
+            fut.set_result(e)
+        return fut
+
+    def _finish(self, key: tuple, spec: TrainingSpec, x: Point, fut: Future, why: str):
+        from concurrent.futures.process import BrokenProcessPool
+
+        from ..core.errors import MemlensError
+
+        if self.workers > 1 and not fut.done():
+            progress.stage(f"{spec.describe()}: simulating (worker processes)")
+        try:
+            sim = fut.result()
+        except BrokenProcessPool:      # a worker died (killed for memory?): simulate here from now on
+            with self._lock:
+                self.workers, self._pool = 1, None
+                self._pending[(key, x)] = (self._start(spec), why)
+                fut = self._pending[(key, x)][0]
+            sim = fut.result()
+        with self._lock:
+            self._pending.pop((key, x), None)
+            fam = self.families[key]
+            if x in fam.results:
+                return fam.results[x]
+            if isinstance(sim, MemlensError):
+                fam.errors[x] = sim
+                raise sim
+            fam.add(Trace.of(sim, x))
+            self.simulations += 1
+            self.seconds_simulating += sim.seconds
+            r = self._result(sim, {"answer": "simulated", "reason": why, "traces": [_fmt(p) for p in fam.points()]})
+            fam.results[x] = r
+            return r
 
     @staticmethod
     def _result(sim, scaling: dict):
@@ -395,6 +500,28 @@ class ScalingEstimator:
         r = simulation_result(sim, analyze(sim.log))
         r.data["scaling"] = scaling
         return r
+
+    def prefetch(self, specs: list[TrainingSpec], on_done: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
+        """Answer ``specs`` (all their simulations started at once with workers); errors are kept for
+        when each spec is asked for. ``on_done(i, n, spec)`` after each."""
+        from ..core.errors import MemlensError
+
+        specs = list(dict.fromkeys(specs))
+        if self.workers > 1:      # start them all, then collect
+            for s in specs:
+                key, x = family_of(s)
+                with self._lock:
+                    try:
+                        self._answer_now(key, s, x)
+                    except MemlensError:
+                        pass
+        for i, s in enumerate(specs, 1):
+            if on_done:
+                on_done(i, len(specs), s)
+            try:
+                self.estimate(s)
+            except MemlensError:
+                pass            # raised again when that spec is asked for
 
     def trace_points(self, specs: list[TrainingSpec], level: int = 1) -> list[TrainingSpec]:
         """The specs to simulate first so that the others of ``specs`` can be replayed (:func:`design`
@@ -418,24 +545,17 @@ class ScalingEstimator:
     def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
         """Simulate the :meth:`trace_points` of ``specs`` (each is one of them, so nothing is wasted);
         where they leave some of ``specs`` unanswerable, the level-2 design's points too."""
-        from ..core.errors import MemlensError
-
         for level in (1, 2):
             todo = self.trace_points(specs, level)
             if level == 2:
-                need = {k for k, pts in self._by_family(specs).items()
-                        if any(x not in self.families[k].results and self.families[k].regime_for(x)[0] is None for x in pts)}
+                with self._lock:
+                    need = {k for k, pts in self._by_family(specs).items()
+                            if any(x not in self.families[k].results and self.families[k].regime_for(x)[0] is None for x in pts)}
                 todo = [s for s in todo if family_of(s)[0] in need]
-            for i, s in enumerate(todo, 1):
-                if progress:
-                    progress(i, len(todo), s)
-                try:
-                    self.estimate(s)
-                except MemlensError:
-                    pass            # raised again when that spec is asked for
+            self.prefetch(todo, progress)
 
     def stats(self) -> dict[str, Any]:
-        return {"simulations": self.simulations, "replays": self.replays,
+        return {"simulations": self.simulations, "replays": self.replays, "workers": self.workers,
                 "simulate_seconds": round(self.seconds_simulating, 2), "replay_seconds": round(self.seconds_replaying, 2)}
 
 

@@ -59,6 +59,14 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     est = estimator or CachedEstimator()
     b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []
+    ahead: list[TrainingSpec] = []
+    for name in names:
+        try:
+            ahead.append(technique_spec(spec, name))
+        except MemlensError:
+            pass                        # reported in its row below
+    if hasattr(est, "prefetch"):        # all estimates at once, side by side in the worker processes
+        est.prefetch(ahead, lambda i, n, s: core_progress.advance(i - 1, n, f"estimating {s.describe()}"))
     for i, name in enumerate(names):
         if progress:
             progress(name)

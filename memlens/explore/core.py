@@ -13,6 +13,7 @@ Everything here returns numbers; nothing prints.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -78,6 +79,7 @@ class CachedEstimator:
         self.calls = 0
         self.seconds = 0.0
         self.scaler = None
+        self._lock = threading.Lock()
         if fn is None and method == "simulate":
             from ..estimator.scaling import ScalingEstimator
 
@@ -95,6 +97,17 @@ class CachedEstimator:
         if self.scaler is not None:
             self.scaler.prepare([self.base(s) for s in specs], progress)
 
+    def prefetch(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
+        """Estimate ``specs`` now, their simulations side by side in the worker processes (a no-op
+        without the scaling estimator: each is then estimated when asked)."""
+        if self.scaler is not None:
+            self.scaler.prefetch([self.base(s) for s in specs], progress)
+
+    @property
+    def workers(self) -> int:
+        """Simulations that can run at once (callers may then ask from several threads)."""
+        return self.scaler.workers if self.scaler is not None else 1
+
     def stats(self) -> dict[str, Any]:
         """Estimates made, and with the scaling estimator how many were simulated or replayed."""
         out: dict[str, Any] = {"estimates": self.calls, "seconds": round(self.seconds, 2)}
@@ -103,20 +116,24 @@ class CachedEstimator:
         return out
 
     def raw(self, spec: TrainingSpec) -> Point:
-        if spec not in self.cache:
-            t = time.perf_counter()
-            if self.scaler is not None:
-                r = self.scaler.estimate(spec)
-            elif self._fn is None:
-                from ..estimator import estimate
+        hit = self.cache.get(spec)
+        if hit is not None:
+            return hit
+        t = time.perf_counter()
+        if self.scaler is not None:
+            r = self.scaler.estimate(spec)
+        elif self._fn is None:
+            from ..estimator import estimate
 
-                r = estimate(spec, method=self.method)
-            else:
-                r = self._fn(spec)
-            self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
-            self.calls += 1
-            self.seconds += time.perf_counter() - t
-        return self.cache[spec]
+            r = estimate(spec, method=self.method)
+        else:
+            r = self._fn(spec)
+        with self._lock:      # threads of a plan may ask at once
+            if spec not in self.cache:
+                self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
+                self.calls += 1
+                self.seconds += time.perf_counter() - t
+            return self.cache[spec]
 
     def __call__(self, spec: TrainingSpec) -> Point:
         base = self.base(spec)

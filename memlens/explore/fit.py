@@ -62,6 +62,17 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         progress("max micro-batch")
     core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
+    planned = None
+    if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
+        import contextvars
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .plan import make_plan
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        planned = pool.submit(contextvars.copy_context().run, make_plan, spec, est, b.usable_bytes, target, gpus=gpus,
+                              field_name=f, progress=progress)
+        pool.shutdown(wait=False)
     s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
     mbs = s.limit
     data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
@@ -91,7 +102,8 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     if plan:
         from .plan import make_plan
 
-        entries = make_plan(spec, est, b.usable_bytes, target, gpus=gpus, field_name=f, progress=progress)
+        entries = planned.result() if planned is not None else make_plan(spec, est, b.usable_bytes, target, gpus=gpus,
+                                                                         field_name=f, progress=progress)
         data["plan"] = [e.to_dict() for e in entries]
         data["gpus"] = gpus
     else:

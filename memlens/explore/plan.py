@@ -149,12 +149,16 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
               field_name: str = "batch_size", progress=None) -> list[PlanEntry]:
     """Every candidate estimated and ranked (see the module docstring)."""
     cands = candidates(spec, gpus=gpus)
-    entries = []
-    for i, c in enumerate(cands):
-        if progress:
-            progress(c.name)
-        core_progress.advance(i, len(cands), f"plan: {c.name}")
-        entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
+    workers = getattr(est, "workers", 1)
+    if workers > 1 and len(cands) > 1:
+        entries = _entries_side_by_side(spec, cands, est, usable_bytes, target_batch, field_name, progress, workers)
+    else:
+        entries = []
+        for i, c in enumerate(cands):
+            if progress:
+                progress(c.name)
+            core_progress.advance(i, len(cands), f"plan: {c.name}")
+            entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
     # the baseline: the target as given, at its full micro-batch (whether or not it fits)
     base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
     try:
@@ -162,3 +166,27 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     except MemlensError:
         bt = None
     return rank_entries(entries, bt)
+
+
+def _entries_side_by_side(spec, cands, est, usable_bytes, target_batch, field_name, progress, workers) -> list[PlanEntry]:
+    """plan_entry of every candidate, each search in its own thread, so that the estimator's worker
+    processes simulate for several candidates at once (the entries do not depend on the order)."""
+    import contextvars
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+    done = [0]
+
+    def one(c: Candidate) -> PlanEntry:
+        if progress:
+            progress(c.name)
+        e = plan_entry(spec, c, est, usable_bytes, target_batch, field_name)
+        with lock:
+            done[0] += 1
+            core_progress.advance(done[0], len(cands), f"plan: {c.name}")
+        return e
+
+    with ThreadPoolExecutor(max_workers=min(len(cands), 2 * workers)) as ex:
+        futures = [ex.submit(contextvars.copy_context().run, one, c) for c in cands]   # the caller's progress reporter
+        return [f.result() for f in futures]

@@ -41,7 +41,8 @@ def test_nothing_is_shown_before_the_delay_or_when_disabled():
         assert len(bar.history) == 7          # reported all the same
 
 
-def test_compare_sweep_and_fit_advance_over_their_items(tmp_path):
+def test_compare_sweep_and_fit_advance_over_their_items(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMLENS_WORKERS", "1")      # simulate in this process: its stages are reported
     from memlens.explore.compare import compare
     from memlens.explore.fit import fit
     from memlens.explore.sweep import Grid, sweep
