@@ -50,7 +50,8 @@ def test_compare_sweep_and_fit_advance_over_their_items(tmp_path, monkeypatch):
     spec = TrainingSpec(model=LINEAR, optimizer="sgd")
     with ProgressBar("compare", console=terminal()[1], delay=0) as bar:
         compare(spec, ["fp32", "amp-bf16"])
-    assert [h for h in bar.history if h.startswith("[")] == ["[0/2] fp32", "[1/2] amp-bf16"]
+    assert [h for h in bar.history if h.startswith("[")] == [   # all estimates first (side by side with workers), then the rows
+        f"[0/2] estimating {LINEAR} b=1 fp32 sgd", f"[1/2] estimating {LINEAR} b=1 amp-bf16 sgd", "[0/2] fp32", "[1/2] amp-bf16"]
     with ProgressBar("sweep", console=terminal()[1], delay=0) as bar:
         sweep(spec, Grid(batch_sizes=[2, 3, 4, 5]), out=tmp_path / "sw")
     cells = [h for h in bar.history if h.startswith("[") and "tracing" not in h]
