@@ -102,6 +102,14 @@ class StorageTracker(TorchDispatchMode):
         self._refs[key] = weakref.ref(st, lambda _r, sid=sid, key=key: self._on_free(sid, key))
         self._category[key] = category
 
+    def disown(self, key: int) -> None:
+        """Stop accounting the storage of ``key`` without logging its free (that free is written by hand)."""
+        ref = self._refs.pop(key, None)
+        st = ref() if ref is not None else None
+        if st is not None and self._keys.get(id(st)) == key:
+            del self._keys[id(st)]
+        self._category.pop(key, None)
+
     def key_of(self, t: torch.Tensor) -> int | None:
         return self._keys.get(id(t.untyped_storage()))
 

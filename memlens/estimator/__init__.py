@@ -81,5 +81,6 @@ def simulation_result(sim, a) -> Result:
             "model_source": sim.source.to_dict(),
             "simulate_seconds": round(sim.seconds, 3),
             "later_steps": sim.later_steps,
+            **({"later_micro_batches": sim.later_micro_batches} if sim.later_micro_batches else {}),
         },
     )

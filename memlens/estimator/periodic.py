@@ -188,3 +188,104 @@ def loss_of(tracker, last) -> tuple[Any, _Meta | None]:
     if isinstance(last, torch.Tensor) and tracker.key_of(last) is not None:
         return tracker.key_of(last), _Meta.of(last)
     return None, None
+
+
+# ---------------------------------------------------------------- micro-batches 3..k of a step
+class SkipMicroBatches(Exception):
+    """Raised at the start of micro-batch 3 when micro-batches 3..k can be written from micro-batch 2
+    (:class:`MicroBatches`); :meth:`finish` writes them and runs the step's optimizer phase."""
+
+    def __init__(self, template: list[tuple], carried_in: Any, carried_out: Any, meta: _Meta, category: str, count: int):
+        super().__init__("micro-batches written from micro-batch 2")
+        self.template, self.carried_in, self.carried_out = template, carried_in, carried_out
+        self.meta, self.category, self.count = meta, category, count
+
+    def finish(self, n: int, tracker, step, on_phase: Callable[[str], None]):
+        """Write micro-batches 3..k of step ``n``, then its optimizer phase; returns the step's loss (a stand-in)."""
+        out = tracker.log.events
+        prev = self.carried_out                 # micro-batch 2's loss, freed in micro-batch 3
+        for _ in range(self.count):
+            remap = {}
+            for ev in self.template:
+                kind = ev[0]
+                if kind == PHASE:
+                    out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+                elif kind == ALLOC:
+                    new = remap[ev[1]] = tracker.new_key()
+                    out.append(Alloc(ALLOC, new, *ev[2:]))
+                elif kind == FREE:
+                    out.append(Free(FREE, prev if ev[1] == self.carried_in else remap[ev[1]], ev[2]))
+                elif ev[1] in remap:
+                    out.append(Tag(TAG, remap[ev[1]], ev[2], ev[3]))
+            prev = remap[self.carried_out]
+        tracker.phase, tracker.step = "backward", n
+        tracker.muted = True
+        try:
+            loss = self.meta.make()
+        finally:
+            tracker.muted = False
+        if loss is None:          # checked before anything was written (see MicroBatches)
+            raise AssertionError("stand-in")
+        tracker.adopt(loss, prev, self.category)
+        step.run_optimizer(on_phase)
+        return loss
+
+
+class MicroBatches:
+    """Watches a step's micro-batches (call :meth:`at_phase` before each phase mark is logged). With
+    accumulation over k >= 3 micro-batches, micro-batches 2..k start from the same storages (the
+    parameters, the gradients made by micro-batch 1 and accumulated in place since, the optimizer
+    state, the previous micro-batch's loss) and run the same ops on the same batch, so they
+    allocate and free alike. At the start of micro-batch 3 this is checked on micro-batch 2's
+    events: it frees exactly one storage from before it (micro-batch 1's loss), tags none that
+    would be tagged again, and leaves exactly one storage alive (its own loss) whose stand-in can
+    be made. Then :class:`SkipMicroBatches` is raised and micro-batches 3..k are written."""
+
+    def __init__(self, tracker, micro_batches: int):
+        self.tracker = tracker
+        self.k = micro_batches
+        self.marks: list[int] = []
+
+    def at_phase(self, name: str) -> None:
+        if name != "forward" or self.k < 3:
+            return
+        self.marks.append(len(self.tracker.log.events))
+        if len(self.marks) == 3:
+            skip = self._plan()
+            if skip is not None:
+                self.tracker.disown(skip.carried_out)   # its free is in micro-batch 3, written by hand
+                raise skip
+
+    def _plan(self) -> SkipMicroBatches | None:
+        events = self.tracker.log.events
+        m1, m2, m3 = self.marks
+        first, second = events[m1:m2], events[m2:m3]
+        alive1 = set()
+        for ev in first:
+            if ev[0] == ALLOC:
+                alive1.add(ev[1])
+            elif ev[0] == FREE:
+                alive1.discard(ev[1])
+        allocated, live, older_frees = {}, set(), []
+        for ev in second:
+            kind = ev[0]
+            if kind == ALLOC:
+                allocated[ev[1]] = ev[3]
+                live.add(ev[1])
+            elif kind == FREE:
+                if ev[1] in allocated:
+                    live.discard(ev[1])
+                else:
+                    older_frees.append(ev[1])
+            elif kind == TAG and ev[1] not in allocated:
+                return None         # a tag on an older storage: not shown to repeat
+        if len(older_frees) != 1 or older_frees[0] not in alive1 or len(live) != 1:
+            return None
+        out = next(iter(live))
+        ref = self.tracker._refs.get(out)
+        st = ref() if ref is not None else None
+        if st is None:
+            return None
+        meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
+        cat = self.tracker._category.get(out, allocated[out])
+        return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2)

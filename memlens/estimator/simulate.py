@@ -47,6 +47,7 @@ class Simulation:
     notes: list[str] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
     later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
+    later_micro_batches: str = ""  # with accumulation over k >= 3: how micro-batches 3..k were made
 
 
 class _FakeGradScaler:
@@ -120,13 +121,18 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                     "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
     first = periodic.FirstStep(tracker, params) if repeat and dp is None else None
+    micro = "simulated" if spec.grad_accum >= 3 else ""
     later: periodic.Repeat | str = "repeat=False" if not repeat else "DP-SGD hooks keep state" if dp is not None else ""
     try:
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model):
-                    def on_phase(name: str, n=n) -> None:
+                    watch = periodic.MicroBatches(tracker, spec.grad_accum) if repeat and dp is None else None
+
+                    def on_phase(name: str, n=n, watch=watch) -> None:
+                        if watch is not None:
+                            watch.at_phase(name)     # may end the micro-batch loop (periodic.SkipMicroBatches)
                         if n == 1 and first is not None:
                             first.at_phase(name)
                         if name != "end":
@@ -143,7 +149,13 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                     if n > 1 and not written and isinstance(later, periodic.Repeat):
                         later = "a stand-in for a gradient or the loss cannot be made"
                     if not written:
-                        last = step.run(on_phase)
+                        try:
+                            last = step.run(on_phase)
+                        except periodic.SkipMicroBatches as skip:
+                            progress.stage(f"{label}: step {n} micro-batches 3..{spec.grad_accum} written from micro-batch 2")
+                            last = skip.finish(n, tracker, step, on_phase)
+                            del skip
+                            micro = f"3..{spec.grad_accum} written from micro-batch 2"
                         if n == 1 and first is not None:
                             later = first.plan(*periodic.loss_of(tracker, last))
                         del last
@@ -159,7 +171,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
                       attention, time.perf_counter() - t0, applied=step.applied,
-                      later_steps="written from step 1" if isinstance(later, periodic.Repeat) else f"simulated ({later})")
+                      later_steps="written from step 1" if isinstance(later, periodic.Repeat) else f"simulated ({later})",
+                      later_micro_batches=micro)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:

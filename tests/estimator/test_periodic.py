@@ -108,3 +108,21 @@ def test_a_cache_that_outlives_step_one_forces_a_full_step_two():
 def test_estimate_reports_how_later_steps_were_made():
     r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="adamw"))
     assert r.data["later_steps"] == "written from step 1"
+
+
+@pytest.mark.parametrize("changes", [
+    {"grad_accum": 5},
+    {"grad_accum": 4, "precision": "amp-fp16"},
+    {"grad_accum": 3, "precision": "amp-bf16", "grad_checkpointing": True, "lora_rank": 4},
+], ids=["fp32-accum5", "amp-fp16-accum4", "ckpt-lora-accum3"])
+def test_micro_batches_three_to_k_written_from_the_second(changes):
+    spec = TrainingSpec(model=LLAMA if "lora_rank" in changes else GPT2, batch_size=2, seq_len=64, **changes)
+    fast = assert_same_log(spec)
+    assert fast.later_micro_batches == f"3..{changes['grad_accum']} written from micro-batch 2"
+    forwards = [ev for ev in fast.log.events if ev[0] == PHASE and ev[1] == "forward"]
+    assert len(forwards) == 2 * changes["grad_accum"]       # every micro-batch of both steps is in the log
+
+
+def test_dp_sgd_micro_batches_are_simulated():
+    r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="sgd", dp=True, grad_accum=3))
+    assert r.data["later_micro_batches"] == "simulated"
