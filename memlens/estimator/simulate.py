@@ -299,14 +299,12 @@ def _synthetic_batch_shortcuts():
     import os
     from unittest import mock
 
-    patches = [mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"})]
-    try:
-        import transformers.masking_utils as mu
+    import sys
 
-        if hasattr(mu, "find_packed_sequence_indices"):
-            patches.append(mock.patch.object(mu, "find_packed_sequence_indices", lambda position_ids: None))
-    except ImportError:  # pragma: no cover - older transformers
-        pass
+    patches = [mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"})]
+    mu = sys.modules.get("transformers.masking_utils")   # imported by the model's code if it uses it (not for plain torch models)
+    if mu is not None and hasattr(mu, "find_packed_sequence_indices"):
+        patches.append(mock.patch.object(mu, "find_packed_sequence_indices", lambda position_ids: None))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
