@@ -95,8 +95,14 @@ def _flags(changes: dict[str, Any], micro: int | None, accum: int | None) -> str
 
 def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable_bytes: int, target_batch: int,
                field_name: str = "batch_size") -> PlanEntry:
-    """Estimate one candidate: its largest micro-batch under the budget and what it costs."""
-    before = est.calls
+    """Estimate one candidate: its largest micro-batch under the budget and what it costs.
+    ``estimates`` counts the specs it asked for (entries run side by side share the estimator)."""
+    asked: set = set()
+
+    def estimated(s: TrainingSpec):
+        asked.add(s)
+        return est(s)
+
     try:
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError as e:
@@ -106,15 +112,15 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     per_gpu = ceil_div(target_batch, n)
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
     try:
-        search = max_fitting_among(divisors, lambda b: need_bytes(est(s.replace(**{field_name: b}))), usable_bytes)
+        search = max_fitting_among(divisors, lambda b: need_bytes(estimated(s.replace(**{field_name: b}))), usable_bytes)
     except MemlensError as e:
         return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
-                         None, None, error=e.message, estimates=est.calls - before)
+                         None, None, error=e.message, estimates=len(asked))
     m = search.limit
     micro = m or 1
     accum = per_gpu // micro
     run = s.replace(**{field_name: micro}, grad_accum=max(1, accum))
-    p = est(run)
+    p = estimated(run)
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
     return PlanEntry(
         cand.name, cand.kind, cand.tradeoff, cand.changes, fits=m > 0,
@@ -122,7 +128,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         effective_batch=micro * accum * n if m else None,
         predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes,
         predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n, derived=p.derived,
-        flags=_flags(cand.changes, micro if m else None, accum if m else None), estimates=est.calls - before,
+        flags=_flags(cand.changes, micro if m else None, accum if m else None), estimates=len(asked),
         extra={"step_time_parts": t.parts},
     )
 

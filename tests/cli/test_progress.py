@@ -61,7 +61,7 @@ def test_compare_sweep_and_fit_advance_over_their_items(tmp_path, monkeypatch):
     with ProgressBar("fit", console=terminal()[1], delay=0) as bar:
         fit(spec, "2GiB", target_batch=4, plan=False)
     assert bar.history[0] == "largest micro-batch"
-    assert any(h.startswith(f"{LINEAR} b=1 fp32 sgd: step 1") for h in bar.history)    # the probes
+    assert any(h.startswith(f"{LINEAR} b=2 fp32 sgd: step 1") for h in bar.history)    # the probes (batch 2 first)
 
 
 def test_fit_advances_over_its_plan():
