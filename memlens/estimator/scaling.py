@@ -346,6 +346,31 @@ def default_workers() -> int:
     return max(1, min(n, 4))
 
 
+def _warm(spec: TrainingSpec) -> None:
+    """Before the workers are forked: import what every simulation of ``spec``'s model imports on
+    first use (transformers' modeling code, peft, the fake-tensor machinery), once, so that each
+    worker starts with it instead of importing it again."""
+    import importlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        torch.empty(2) + 1                       # the dispatch path (it imports torch._dynamo on first use)
+    try:
+        from ..models.source import resolve
+
+        cfg = resolve(spec.model).config
+        mt = getattr(cfg, "model_type", None)
+        if mt:
+            mod = mt.replace("-", "_")
+            importlib.import_module(f"transformers.models.{mod}.modeling_{mod}")
+        if spec.lora_rank:
+            import peft  # noqa: F401
+    except Exception:  # noqa: BLE001 - only a warm-up: the simulation reports any real problem
+        pass
+
+
 def _worker_init() -> None:
     from ..core import progress as _progress
 
@@ -440,6 +465,7 @@ class ScalingEstimator:
                 import multiprocessing
                 from concurrent.futures import ProcessPoolExecutor
 
+                _warm(spec)
                 self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                                  initializer=_worker_init)
                 weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
