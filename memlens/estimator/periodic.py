@@ -289,3 +289,54 @@ class MicroBatches:
         meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
         cat = self.tracker._category.get(out, allocated[out])
         return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2)
+
+
+# ---------------------------------------------------------------- the steps of a simulation
+class Steps:
+    """Runs the optimizer steps of a simulation (the caller's loop: ``at_phase`` from its
+    ``on_phase`` hook, before the mark is logged; ``run`` for each step), writing what it can
+    prove the same from what was simulated: steps 2.. from step 1 (:class:`Repeat`), micro-batches
+    3..k from micro-batch 2 (:class:`MicroBatches`). ``why_not`` (e.g. DP-SGD's stateful hooks)
+    turns both off. ``later_steps`` and ``later_micro_batches`` say what happened."""
+
+    def __init__(self, tracker, step, params: list, *, why_not: str = "", label: str = ""):
+        from ..core import progress as _progress
+
+        self.tracker, self.step, self.label, self._progress = tracker, step, label, _progress
+        self.k = step.spec.grad_accum
+        self.first = FirstStep(tracker, params) if not why_not else None
+        self.later: Repeat | str = why_not
+        self.micro = "simulated" if self.k >= 3 else ""
+        self._watch: MicroBatches | None = None
+        self._n = 0
+
+    def at_phase(self, name: str, n: int) -> None:
+        if self._watch is not None:
+            self._watch.at_phase(name)        # may end the micro-batch loop (SkipMicroBatches)
+        if n == 1 and self.first is not None:
+            self.first.at_phase(name)
+
+    def run(self, n: int, on_phase: Callable[[str], None]) -> None:
+        """Step ``n``: written from step 1 if proven, else simulated (its micro-batches 3..k written if proven)."""
+        if n > 1 and isinstance(self.later, Repeat):
+            self._progress.stage(f"{self.label}: step {n} forward and backward written from step 1")
+            if self.later.run(n, self.tracker, self.step, on_phase):
+                return
+            self.later = "a stand-in for a gradient or the loss cannot be made"
+        self._watch = MicroBatches(self.tracker, self.k) if self.first is not None else None
+        try:
+            last = self.step.run(on_phase)
+        except SkipMicroBatches as skip:
+            self._progress.stage(f"{self.label}: step {n} micro-batches 3..{self.k} written from micro-batch 2")
+            last = skip.finish(n, self.tracker, self.step, on_phase)
+            del skip
+            self.micro = f"3..{self.k} written from micro-batch 2"
+        finally:
+            self._watch = None
+        if n == 1 and self.first is not None:
+            self.later = self.first.plan(*loss_of(self.tracker, last))
+        del last                              # as the loop drops the loss the step returned
+
+    @property
+    def later_steps(self) -> str:
+        return "written from step 1" if isinstance(self.later, Repeat) else f"simulated ({self.later})"

@@ -120,21 +120,15 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
                     "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
-    first = periodic.FirstStep(tracker, params) if repeat and dp is None else None
-    micro = "simulated" if spec.grad_accum >= 3 else ""
-    later: periodic.Repeat | str = "repeat=False" if not repeat else "DP-SGD hooks keep state" if dp is not None else ""
+    runner = periodic.Steps(tracker, step, params, label=label,
+                             why_not="repeat=False" if not repeat else "DP-SGD hooks keep state" if dp is not None else "")
     try:
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model):
-                    watch = periodic.MicroBatches(tracker, spec.grad_accum) if repeat and dp is None else None
-
-                    def on_phase(name: str, n=n, watch=watch) -> None:
-                        if watch is not None:
-                            watch.at_phase(name)     # may end the micro-batch loop (periodic.SkipMicroBatches)
-                        if n == 1 and first is not None:
-                            first.at_phase(name)
+                    def on_phase(name: str, n=n) -> None:
+                        runner.at_phase(name, n)
                         if name != "end":
                             progress.stage(f"{label}: step {n} {name}")
                         tracker.set_phase(name, n)
@@ -143,22 +137,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
                         if dp is not None and name == "optimizer":
                             dp.clip_and_noise()
 
-                    if n > 1 and isinstance(later, periodic.Repeat):
-                        progress.stage(f"{label}: step {n} forward and backward written from step 1")
-                    written = n > 1 and isinstance(later, periodic.Repeat) and later.run(n, tracker, step, on_phase)
-                    if n > 1 and not written and isinstance(later, periodic.Repeat):
-                        later = "a stand-in for a gradient or the loss cannot be made"
-                    if not written:
-                        try:
-                            last = step.run(on_phase)
-                        except periodic.SkipMicroBatches as skip:
-                            progress.stage(f"{label}: step {n} micro-batches 3..{spec.grad_accum} written from micro-batch 2")
-                            last = skip.finish(n, tracker, step, on_phase)
-                            del skip
-                            micro = f"3..{spec.grad_accum} written from micro-batch 2"
-                        if n == 1 and first is not None:
-                            later = first.plan(*periodic.loss_of(tracker, last))
-                        del last
+                    runner.run(n, on_phase)
                     tag_optimizer_state(tracker, step.optimizer)
             tracker.set_phase("done", steps)
     except MemlensError:
@@ -171,8 +150,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
                       attention, time.perf_counter() - t0, applied=step.applied,
-                      later_steps="written from step 1" if isinstance(later, periodic.Repeat) else f"simulated ({later})",
-                      later_micro_batches=micro)
+                      later_steps=runner.later_steps, later_micro_batches=runner.micro)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
