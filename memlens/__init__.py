@@ -8,20 +8,50 @@
 Importing memlens does not import torch; the functions do when called.
 """
 from .core.version import __version__
-from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
-from .core.errors import MemlensError
-from .estimator import estimate
-from .integrations.trainer_estimate import estimate_trainer
-from .explore.compare import compare
-from .explore.fit import fit, fit_batch_size
-from .explore.sweep import sweep
-from .measure.adaptive import adaptive_batch
-from .measure.guard import guard
-from .measure.monitor import Monitor
-from .measure.profiler import Profiler, profile
-from .measure.runner import profile_spec
-from .report.result import Result
-from .core.spec import TrainingSpec
+from typing import TYPE_CHECKING
+
+# Each name is imported on first use (PEP 562), so `import memlens` imports neither torch nor the
+# verbs a program does not call (`memlens doctor` never imports torch; `memlens estimate` no doctor).
+_EXPORTS = {
+    "TrainingSpec": ".core.spec", "Result": ".report.result", "MemlensError": ".core.errors",
+    "estimate": ".estimator", "compare": ".explore.compare", "sweep": ".explore.sweep", "fit": ".explore.fit",
+    "fit_batch_size": ".explore.fit", "profile": ".measure.profiler", "Profiler": ".measure.profiler",
+    "profile_spec": ".measure.runner", "Monitor": ".measure.monitor", "diagnose_oom": ".doctor",
+    "parse_oom": ".doctor", "doctor_log": ".doctor", "doctor_snapshot": ".doctor", "doctor_stats": ".doctor",
+    "estimate_trainer": ".integrations.trainer_estimate", "adaptive_batch": ".measure.adaptive", "guard": ".measure.guard",
+}
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .core.errors import MemlensError
+    from .core.spec import TrainingSpec
+    from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
+    from .estimator import estimate
+    from .explore.compare import compare
+    from .explore.fit import fit, fit_batch_size
+    from .explore.sweep import sweep
+    from .integrations.trainer_estimate import estimate_trainer
+    from .measure.adaptive import adaptive_batch
+    from .measure.guard import guard
+    from .measure.monitor import Monitor
+    from .measure.profiler import Profiler, profile
+    from .measure.runner import profile_spec
+    from .report.result import Result
+
+
+def __getattr__(name: str):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'memlens' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "__version__",

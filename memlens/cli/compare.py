@@ -44,19 +44,11 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         require_cuda(args.device)
     od = out_dir(args)
-    status = None
-    if not args.json and sys.stderr.isatty():
-        from rich.console import Console
+    from .progress import ProgressBar
 
-        status = Console(stderr=True).status("comparing ...")
-        status.start()
-    try:
+    with ProgressBar("compare (measuring)" if args.measure else "compare", enabled=not args.json):
         result = compare(spec, names, measure=args.measure, device=args.device, steps=args.steps, timeout=args.timeout,
-                         budget=args.budget,
-                         progress=(lambda n: status.update(f"{'measuring' if args.measure else 'estimating'}: {n}")) if status else None)
-    finally:
-        if status:
-            status.stop()
+                         budget=args.budget)
     if od is not None:
         from ..report.plots import have_matplotlib, skip_plots
 

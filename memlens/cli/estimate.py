@@ -46,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     spec = spec_from_args(args)
     from ..estimator import estimate
+    from .progress import ProgressBar
 
-    result = estimate(spec, method=args.method)
+    with ProgressBar("estimate", enabled=not args.json):
+        result = estimate(spec, method=args.method)
     d = out_dir(args)
     written: list[str] = []
     if d is not None:

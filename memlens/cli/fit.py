@@ -67,14 +67,11 @@ def run(args: argparse.Namespace) -> int:
         if not ok:
             raise NoDeviceError("--verify needs a CUDA GPU and this machine has none", hint="drop --verify for the estimate alone")
     context = parse_bytes(args.context) if args.context is not None else None
-    status = _status(args)
-    try:
+    from .progress import ProgressBar
+
+    with ProgressBar("fit", enabled=not args.json):
         result = fit(spec, args.budget, target_batch=args.target_batch, margin=_margin(args.margin), context_bytes=context,
-                     plan=not args.no_plan, gpus=args.gpus, method=args.method,
-                     progress=(lambda what: status.update(f"estimating: {what}")) if status else None)
-    finally:
-        if status:
-            status.stop()
+                     plan=not args.no_plan, gpus=args.gpus, method=args.method)
     d = result.data
     if d["max_batch_size"] == 0:
         best = next((e for e in d.get("plan", []) if e["fits"]), None)
@@ -102,16 +99,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _status(args):
-    if args.json or not sys.stderr.isatty():
-        return None
-    from rich.console import Console
-
-    st = Console(stderr=True).status("estimating ...")
-    st.start()
-    return st
-
-
 def render(result) -> None:
     """The answer and the plan as rich tables."""
     from rich.console import Console
@@ -124,7 +111,9 @@ def render(result) -> None:
     c.print(f"[bold]{result.spec['model']}[/bold]: largest {what} [bold]{d['max_batch_size']}[/bold] "
             f"(predicted peak reserved {fmt_bytes(d['predicted_peak_bytes'])}, allocated {fmt_bytes(d['predicted_peak_allocated_bytes'])})")
     c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
-            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates, {d['estimate_seconds']} s")
+            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates"
+            + (f" ({d['estimator']['simulations']} simulated, {d['estimator']['replays']} replayed)" if "simulations" in d.get("estimator", {}) else "")
+            + f", {d['estimate_seconds']} s")
     if dp and d.get("micro_batch_size"):
         k = -(-d["target_batch"] // d["micro_batch_size"])
         c.print(f"logical batch {d['target_batch']}: --physical-batch-size {d['micro_batch_size']} ({k} physical batch(es) per optimizer step)")

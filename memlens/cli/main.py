@@ -32,14 +32,16 @@ class _Parser(argparse.ArgumentParser):
         raise MemlensError(message, hint=f"see `{self.prog} --help`")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every verb, or with ``verb`` of that verb alone (imports only its module:
+    `memlens estimate` loads no doctor, `memlens doctor` no torch)."""
     parser = _Parser(prog="memlens", description="Predict, measure and explain the GPU memory of PyTorch training.")
     from ..core.version import __version__
 
     parser.add_argument("--version", action="version", version=f"memlens {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for internal errors")
     sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
-    for verb, modname in VERBS.items():
+    for verb, modname in VERBS.items() if verb not in VERBS else [(verb, VERBS[verb])]:
         try:
             mod = importlib.import_module(f"memlens.cli.{modname}")
         except ModuleNotFoundError as e:
@@ -69,9 +71,15 @@ def run_verb(module_run, args) -> int:
         return 1
 
 
+def _verb_of(argv: list[str]) -> str | None:
+    """The verb an argument list names (the first word that is not an option), if any."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser()
+        parser = build_parser(_verb_of(argv))
         args = parser.parse_args(argv)
     except MemlensError as e:
         print(e.render(), file=sys.stderr)

@@ -137,12 +137,12 @@ def run(args: argparse.Namespace) -> int:
     if big and len(big) < len(grid_cells(spec, grid)) and not args.json:
         print(f"skipping {len(big)} cell(s) with max_physical_batch_size > batch_size: the physical batch is a part of the "
               f"logical batch (Opacus' BatchMemoryManager), e.g. {big[0].key}", file=sys.stderr)
-    prog = _Progress(enabled=not args.json)
-    try:
+    from .progress import ProgressBar
+
+    with ProgressBar("sweep (measuring)" if args.measure else "sweep", enabled=not args.json):
         result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
-                       timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, progress=prog, detailed=args.detailed)
-    finally:
-        prog.close()
+                       timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, detailed=args.detailed,
+                       progress=_lines if not args.json and not sys.stderr.isatty() else None)
     from pathlib import Path
 
     from ..report.plots import have_matplotlib, skip_plots
@@ -172,36 +172,10 @@ def _is_dp_sweep(spec, grid) -> bool:
     return bool(spec.dp or grid.physical_batch_sizes)
 
 
-class _Progress:
-    """A rich progress bar with ETA on a terminal; one line per cell on stderr otherwise."""
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.bar = None
-        self.task = None
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, done: int, total: int, key: str, rec) -> None:
-        if not self.enabled:
-            return
-        status = "done before (resume)" if rec is None else rec.get("status")
-        if self.tty:
-            if self.bar is None:
-                from rich.console import Console
-                from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-                self.bar = Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                    TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"),
-                                    console=Console(stderr=True))
-                self.bar.start()
-                self.task = self.bar.add_task("", total=total)
-            self.bar.update(self.task, completed=done, description=f"{key}: {status}")
-        else:
-            print(f"[{done}/{total}] {key}: {status}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
+def _lines(done: int, total: int, key: str, rec) -> None:
+    """Not on a terminal: one line per finished cell on stderr (a log, where a bar would be noise)."""
+    status = "done before (resume)" if rec is None else rec.get("status")
+    print(f"[{done}/{total}] {key}: {status}", file=sys.stderr, flush=True)
 
 
 def render(result) -> None:
@@ -210,8 +184,10 @@ def render(result) -> None:
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
+    e = d.get("estimator") or {}
+    how = f"; estimates: {e['simulations']} simulated, {e['replays']} replayed" if "simulations" in e else ""
     t = Table(title=f"{result.spec['model']}: sweep ({'measured on ' + d['device'] if d['measured'] else 'estimated'}); "
-              + ", ".join(f"{k}: {v}" for k, v in d["status_counts"].items()), title_justify="left")
+              + ", ".join(f"{k}: {v}" for k, v in d["status_counts"].items()) + how, title_justify="left")
     cols = ["cell", "status", "est. peak alloc"] + (["measured peak", "est. error", "step"] if d["measured"] else ["est. reserved", "step (pred.)"])
     for col in cols:
         t.add_column(col, justify="left" if col in ("cell", "status") else "right")

@@ -50,6 +50,7 @@ class StorageTracker(TorchDispatchMode):
         self._category: dict[int, str] = {}  # key -> current category
         self._next = 0
         self.stream_of: Any = None           # () -> CUDA stream id of the next allocation (None: always 0)
+        self.muted = False                   # True: ops run unaccounted (stand-ins for storages already logged)
 
     # ---------------------------------------------------------------- registration
     def current_module(self) -> int:
@@ -97,6 +98,28 @@ class StorageTracker(TorchDispatchMode):
         self._category.pop(key, None)
         self.log.free(key)
 
+    def new_key(self) -> int:
+        """A fresh key for a storage logged by hand (its tensor is adopted later, see :meth:`adopt`)."""
+        key = self._next
+        self._next += 1
+        return key
+
+    def adopt(self, t: torch.Tensor, key: int, category: str) -> None:
+        """Account ``t``'s storage under ``key``, already logged as allocated: no event now, the free when it dies."""
+        st = t.untyped_storage()
+        sid = id(st)
+        self._keys[sid] = key
+        self._refs[key] = weakref.ref(st, lambda _r, sid=sid, key=key: self._on_free(sid, key))
+        self._category[key] = category
+
+    def disown(self, key: int) -> None:
+        """Stop accounting the storage of ``key`` without logging its free (that free is written by hand)."""
+        ref = self._refs.pop(key, None)
+        st = ref() if ref is not None else None
+        if st is not None and self._keys.get(id(st)) == key:
+            del self._keys[id(st)]
+        self._category.pop(key, None)
+
     def key_of(self, t: torch.Tensor) -> int | None:
         return self._keys.get(id(_local(t).untyped_storage()))
 
@@ -134,6 +157,8 @@ class StorageTracker(TorchDispatchMode):
 
     # ---------------------------------------------------------------- the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.muted:
+            return func(*args, **(kwargs or {}))
         if func is _ITEM and self.phase == "optimizer" and _is_fake(args[0]):
             # an optimizer reading a value (Adafactor's parameter RMS) only scales its update:
             # any number gives the same allocations, and a fake tensor has none to give

@@ -24,11 +24,9 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
     (:mod:`memlens.distributed`).
     """
     from ..core.errors import MemlensError
-    from ..core.gpus import gpu_facts
 
     if method not in METHODS:
         raise MemlensError(f"method {method!r} is not one of {', '.join(METHODS)}", hint="use --method simulate or formula")
-    gpu = gpu_facts(spec.gpu)
     if method == "formula":
         from .formula import formula_estimate
 
@@ -37,12 +35,23 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
         from ..distributed.estimate import estimate_ranks
 
         return estimate_ranks(spec, steps=steps, source=source)     # one simulation per rank that can differ
-    from ..core.components import by_component
-    from ..core.ledger import analyze, group_modules
+    from ..core import progress
+    from ..core.ledger import analyze
     from .simulate import simulate
 
     sim = simulate(spec, source=source, steps=steps)
-    a = analyze(sim.log)
+    progress.stage(f"{spec.describe()}: replaying the allocator")
+    return simulation_result(sim, analyze(sim.log))
+
+
+def simulation_result(sim, a) -> Result:
+    """The estimate Result of a simulation (or of a replay at another size, :mod:`.scaling`) and its analysis."""
+    from ..core.components import by_component
+    from ..core.gpus import gpu_facts
+    from ..core.ledger import group_modules
+
+    spec = sim.spec
+    gpu = gpu_facts(spec.gpu)
     ctx = gpu.cuda_context_bytes
     r = Result(
         verb="estimate",
@@ -77,6 +86,8 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
             "image_size": sim.image_size,
             "model_source": sim.source.to_dict(),
             "simulate_seconds": round(sim.seconds, 3),
+            "later_steps": sim.later_steps,
+            **({"later_micro_batches": sim.later_micro_batches} if sim.later_micro_batches else {}),
         },
     )
     r.notes.extend(sim.notes)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..core import progress
 from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
 from ..core.events import EventLog
@@ -21,7 +22,7 @@ from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
 from ..core.spec import TrainingSpec
 from ..step.prepare import prepare
-from . import cuda_rules
+from . import cuda_rules, periodic
 from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
                             register_inputs, register_model, tag_optimizer_state)
 
@@ -46,6 +47,8 @@ class Simulation:
     notes: list[str] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
     wrapper: Any = None             # the multi-GPU wrapper of the simulated rank (memlens.distributed)
+    later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
+    later_micro_batches: str = ""  # with accumulation over k >= 3: how micro-batches 3..k were made
 
 
 class _FakeGradScaler:
@@ -68,13 +71,18 @@ class _FakeGradScaler:
         pass
 
 
-def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2) -> Simulation:
+def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2, repeat: bool = True) -> Simulation:
     """Run ``steps`` optimizer steps of ``spec`` on fake tensors and log every storage.
+
+    ``repeat``: write the forward and backward of steps 2.. from step 1's events where that is
+    provably the same (:mod:`.periodic`; ``Simulation.later_steps`` says which happened).
 
     >>> from memlens.core.spec import TrainingSpec
     >>> sim = simulate(TrainingSpec(model="gpt2", batch_size=1, seq_len=32))  # doctest: +SKIP
     """
     t0 = time.perf_counter()
+    label = spec.describe()
+    progress.stage(f"{label}: building the model")
     source = source or resolve(spec.model)
     log = EventLog()
     gpu = gpu_facts(spec.gpu)
@@ -108,6 +116,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
             raise _untraceable(e, spec) from None
     register_model(tracker, model)
+    tracker.model = model
     if step.dp is None:
         register_inputs(tracker, step.batch)
     else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices
@@ -120,21 +129,36 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         tracker.retag(p.grad, "gradients")
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+
+    def stop(*_):
+        if tracker.stopped is not None:
+            raise tracker.stopped
+
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    hooks += [register_module_forward_pre_hook(stop), register_module_forward_hook(stop)]
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
                     "clip": log.module_id(OPTIMIZER_LABEL), "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
     wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
+    why_not = ("repeat=False" if not repeat else "DP-SGD hooks keep state" if step.dp is not None
+               else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
+               else "--compile runs the compiled graph" if spec.compile else "")
+    runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)
     try:
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model):
                     def on_phase(name: str, n=n) -> None:
+                        runner.at_phase(name, n)
+                        if name != "end":
+                            progress.stage(f"{label}: step {n} {name}")
                         tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
                         tracker.category_default = "temporaries"
 
-                    step.run(on_phase)
+                    runner.run(n, on_phase)
                     tag_optimizer_state(tracker, step.optimizer)
             tracker.set_phase("done", steps)
     except MemlensError:
@@ -157,7 +181,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
                      "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
     return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper)
+                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper,
+                      later_steps=runner.later_steps, later_micro_batches=runner.micro)
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
@@ -197,6 +222,14 @@ def _gemm_ops():
     return _GEMMS
 
 
+# The most ops one module may run itself (its children's are theirs) in one forward pass. A
+# transformer block's own code runs tens; a thousand means a Python loop, e.g. over the tokens of a
+# Mamba/RWKV-style scan in transformers' sequential fallback (24 layers x 512 tokens x ~12 ops,
+# forward and backward, two steps: a Mamba-130m config took 454 s), whose memory is not that of
+# the fused CUDA kernel the real run uses when its package (mamba-ssm) is installed.
+FORWARD_OPS_LIMIT = 1000
+
+
 class SimulationTracker(StorageTracker):
     """The storage tracker plus the library workspaces a CUDA step takes through the allocator.
 
@@ -212,6 +245,24 @@ class SimulationTracker(StorageTracker):
         super().__init__(log)
         self.gpu = gpu or gpu_facts(None)
         self._workspaces: dict[str, torch.Tensor] = {}
+        self._forward_ops: dict[int, int] = {}   # module id -> ops it ran itself in this forward pass
+        self.stopped: MemlensError | None = None  # why the simulation must stop (see FORWARD_OPS_LIMIT)
+        self.model = None                         # for naming a module that runs too many ops
+
+    def set_phase(self, name: str, step: int) -> None:
+        if name == "forward":
+            self._forward_ops = {}
+        super().set_phase(name, step)
+
+    def _too_many_ops(self) -> MemlensError:
+        label = self.log.modules[self.module] if 0 <= self.module < len(self.log.modules) else "?"
+        cls = next((type(m).__name__ for n, m in (self.model.named_modules() if self.model is not None else ())
+                    if self.module_label(n) == label), None)
+        return MemlensError(
+            f"{label}{f' ({cls})' if cls else ''} runs more than {FORWARD_OPS_LIMIT} ops of its own in one forward pass: "
+            "a Python loop, e.g. over tokens, as transformers' sequential fallback for a fused CUDA kernel (Mamba's "
+            "selective scan without mamba-ssm) runs; simulated op by op it takes minutes, and it is not the fused "
+            "kernel's memory", hint="use --method formula, or simulate a short --seq-len (the cost grows with it)")
 
     def _embedding_backward_scratch(self, grad: torch.Tensor, indices: torch.Tensor) -> None:
         """CUDA's embedding backward sorts the indices and sums rows per index segment in fp32
@@ -251,6 +302,11 @@ class SimulationTracker(StorageTracker):
             # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
             return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.phase == "forward":
+            n = self._forward_ops.get(self.module, 0) + 1
+            self._forward_ops[self.module] = n
+            if n > FORWARD_OPS_LIMIT and self.stopped is None:
+                self.stopped = self._too_many_ops()   # raised at the next module boundary (not from inside an op)
         if func is torch.ops.aten.embedding_dense_backward.default:
             self._embedding_backward_scratch(args[0], args[1])
         if func is torch.ops.aten.convolution.default or func is torch.ops.aten.convolution_backward.default:
@@ -275,14 +331,12 @@ def _synthetic_batch_shortcuts():
     import os
     from unittest import mock
 
-    patches = [mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"})]
-    try:
-        import transformers.masking_utils as mu
+    import sys
 
-        if hasattr(mu, "find_packed_sequence_indices"):
-            patches.append(mock.patch.object(mu, "find_packed_sequence_indices", lambda position_ids: None))
-    except ImportError:  # pragma: no cover - older transformers
-        pass
+    patches = [mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"})]
+    mu = sys.modules.get("transformers.masking_utils")   # imported by the model's code if it uses it (not for plain torch models)
+    if mu is not None and hasattr(mu, "find_packed_sequence_indices"):
+        patches.append(mock.patch.object(mu, "find_packed_sequence_indices", lambda position_ids: None))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
@@ -58,9 +59,18 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     est = estimator or CachedEstimator()
     b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []
+    ahead: list[TrainingSpec] = []
     for name in names:
+        try:
+            ahead.append(technique_spec(spec, name))
+        except MemlensError:
+            pass                        # reported in its row below
+    if hasattr(est, "prefetch"):        # all estimates at once, side by side in the worker processes
+        est.prefetch(ahead, lambda i, n, s: core_progress.advance(i - 1, n, f"estimating {s.describe()}"))
+    for i, name in enumerate(names):
         if progress:
             progress(name)
+        core_progress.advance(i, len(names), name)
         row: dict[str, Any] = {"technique": name, "status": "ok"}
         try:
             s = technique_spec(spec, name)
@@ -93,7 +103,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
         rows.append(row)
     _relative(rows, measure)
     d: dict[str, Any] = {"rows": rows, "baseline": names[0], "measured": measure, "device": device if measure else None,
-                         "estimate_calls": est.calls}
+                         "estimate_calls": est.calls, "estimator": est.stats()}
     if b is not None:
         d.update(b.to_dict())
     notes = ["saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",

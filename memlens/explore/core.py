@@ -10,6 +10,7 @@ so one spec gives one peak (the rank that peaks) through estimate, compare, swee
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -59,7 +60,11 @@ class CachedEstimator:
     """Estimates specs once each (a simulated 1B step takes seconds; a sharded spec one simulation
     per rank that can differ).
 
-    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``.
+    ``fn`` defaults to ``memlens.estimator.estimate`` with ``method``; for "simulate", through a
+    :class:`~memlens.estimator.scaling.ScalingEstimator`, which answers other batch sizes and
+    sequence lengths of a spec already simulated by replaying its traces (the same bytes, a
+    fraction of the time; ``prepare`` picks the traces for a known set of specs). A sharded spec
+    is estimated per rank (:mod:`memlens.distributed`), without the replay.
 
     >>> est = CachedEstimator(fn=lambda s: _Fake(s.batch_size))
     >>> est(TrainingSpec(model="m", batch_size=3)).peak_allocated_bytes, est.calls
@@ -72,20 +77,60 @@ class CachedEstimator:
         self.cache: dict[TrainingSpec, Point] = {}
         self.calls = 0
         self.seconds = 0.0
+        self.scaler = None
+        self._lock = threading.Lock()
+        if fn is None and method == "simulate":
+            from ..estimator.scaling import ScalingEstimator
+
+            self.scaler = ScalingEstimator()
+
+    @staticmethod
+    def _scalable(spec: TrainingSpec) -> bool:
+        """Specs the replay serves (one rank); a sharded spec is simulated per rank."""
+        return spec.world_size == 1
+
+    def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
+        """Simulate first the specs that let the others be replayed (see ScalingEstimator.prepare)."""
+        if self.scaler is not None:
+            self.scaler.prepare([s for s in specs if self._scalable(s)], progress)
+
+    def prefetch(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
+        """Estimate ``specs`` now, their simulations side by side in the worker processes (a no-op
+        without the scaling estimator: each is then estimated when asked)."""
+        if self.scaler is not None:
+            self.scaler.prefetch([s for s in specs if self._scalable(s)], progress)
+
+    @property
+    def workers(self) -> int:
+        """Simulations that can run at once (callers may then ask from several threads)."""
+        return self.scaler.workers if self.scaler is not None else 1
+
+    def stats(self) -> dict[str, Any]:
+        """Estimates made, and with the scaling estimator how many were simulated or replayed."""
+        out: dict[str, Any] = {"estimates": self.calls, "seconds": round(self.seconds, 2)}
+        if self.scaler is not None:
+            out.update(self.scaler.stats())
+        return out
 
     def raw(self, spec: TrainingSpec) -> Point:
-        if spec not in self.cache:
-            t = time.perf_counter()
-            if self._fn is None:
-                from ..estimator import estimate
+        hit = self.cache.get(spec)
+        if hit is not None:
+            return hit
+        t = time.perf_counter()
+        if self.scaler is not None and self._scalable(spec):
+            r = self.scaler.estimate(spec)
+        elif self._fn is None:
+            from ..estimator import estimate
 
-                r = estimate(spec, method=self.method)
-            else:
-                r = self._fn(spec)
-            self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
-            self.calls += 1
-            self.seconds += time.perf_counter() - t
-        return self.cache[spec]
+            r = estimate(spec, method=self.method)
+        else:
+            r = self._fn(spec)
+        with self._lock:      # threads of a plan may ask at once
+            if spec not in self.cache:
+                self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
+                self.calls += 1
+                self.seconds += time.perf_counter() - t
+            return self.cache[spec]
 
     def __call__(self, spec: TrainingSpec) -> Point:
         return self.raw(spec)

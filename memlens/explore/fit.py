@@ -16,6 +16,7 @@ import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
@@ -74,7 +75,19 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     target = per_gpu * n
     if progress:
         progress("max micro-batch")
+    core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
+    planned = None
+    if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
+        import contextvars
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .plan import make_plan
+
+        pool = ThreadPoolExecutor(max_workers=1)
+        planned = pool.submit(contextvars.copy_context().run, make_plan, spec, est, b.usable_bytes, target, gpus=gpus,
+                              field_name=f, progress=progress)
+        pool.shutdown(wait=False)
     s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
     mbs = s.limit
     data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
@@ -108,13 +121,15 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     if plan:
         from .plan import make_plan
 
-        entries = make_plan(spec, est, b.usable_bytes, target, gpus=gpus, field_name=f, progress=progress)
+        entries = planned.result() if planned is not None else make_plan(spec, est, b.usable_bytes, target, gpus=gpus,
+                                                                         field_name=f, progress=progress)
         data["plan"] = [e.to_dict() for e in entries]
         data["gpus"] = gpus
     else:
         data["plan"] = []
     data["estimate_calls"] = est.calls
     data["estimate_seconds"] = round(est.seconds, 2)
+    data["estimator"] = est.stats()
     return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
                   notes=notes, data=data)
 

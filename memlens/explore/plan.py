@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
 from .core import CachedEstimator, need_bytes, predict_step_time
@@ -93,8 +94,14 @@ def _flags(changes: dict[str, Any], micro: int | None, accum: int | None, field_
 
 def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable_bytes: int, target_batch: int,
                field_name: str = "batch_size") -> PlanEntry:
-    """Estimate one candidate: its largest micro-batch under the budget and what it costs."""
-    before = est.calls
+    """Estimate one candidate: its largest micro-batch under the budget and what it costs.
+    ``estimates`` counts the specs it asked for (entries run side by side share the estimator)."""
+    asked: set = set()
+
+    def estimated(s: TrainingSpec):
+        asked.add(s)
+        return est(s)
+
     try:
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError as e:
@@ -110,15 +117,15 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         s = s.replace(batch_size=per_gpu, physical_batch_size=None)
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
     try:
-        search = max_fitting_among(divisors, lambda b: need_bytes(est(s.replace(**{field_name: b}))), usable_bytes)
+        search = max_fitting_among(divisors, lambda b: need_bytes(estimated(s.replace(**{field_name: b}))), usable_bytes)
     except MemlensError as e:
         return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
-                         None, None, error=e.message, estimates=est.calls - before)
+                         None, None, error=e.message, estimates=len(asked))
     m = search.limit
     micro = m or 1
     accum = per_gpu // micro
     run = s.replace(**{field_name: micro}) if dp else s.replace(**{field_name: micro}, grad_accum=max(1, accum))
-    p = est(run)
+    p = estimated(run)
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
     if dp:
         accum = 1   # the physical batches are Opacus' BatchMemoryManager's, not --grad-accum
@@ -128,7 +135,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         effective_batch=(per_gpu if dp else micro * accum) * n if m else None,
         predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes,
         predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n,
-        flags=_flags(cand.changes, micro if m else None, accum if m else None, field_name), estimates=est.calls - before,
+        flags=_flags(cand.changes, micro if m else None, accum if m else None, field_name), estimates=len(asked),
         extra={"step_time_parts": t.parts},
     )
 
@@ -155,11 +162,16 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
               field_name: str = "batch_size", progress=None) -> list[PlanEntry]:
     """Every candidate estimated and ranked (see the module docstring)."""
     cands = candidates(spec, gpus=gpus)
-    entries = []
-    for c in cands:
-        if progress:
-            progress(c.name)
-        entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
+    workers = getattr(est, "workers", 1)
+    if workers > 1 and len(cands) > 1:
+        entries = _entries_side_by_side(spec, cands, est, usable_bytes, target_batch, field_name, progress, workers)
+    else:
+        entries = []
+        for i, c in enumerate(cands):
+            if progress:
+                progress(c.name)
+            core_progress.advance(i, len(cands), f"plan: {c.name}")
+            entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
     # the baseline: the target as given, at its full micro-batch (whether or not it fits)
     base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
     try:
@@ -167,3 +179,27 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     except MemlensError:
         bt = None
     return rank_entries(entries, bt)
+
+
+def _entries_side_by_side(spec, cands, est, usable_bytes, target_batch, field_name, progress, workers) -> list[PlanEntry]:
+    """plan_entry of every candidate, each search in its own thread, so that the estimator's worker
+    processes simulate for several candidates at once (the entries do not depend on the order)."""
+    import contextvars
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
+    done = [0]
+
+    def one(c: Candidate) -> PlanEntry:
+        if progress:
+            progress(c.name)
+        e = plan_entry(spec, c, est, usable_bytes, target_batch, field_name)
+        with lock:
+            done[0] += 1
+            core_progress.advance(done[0], len(cands), f"plan: {c.name}")
+        return e
+
+    with ThreadPoolExecutor(max_workers=min(len(cands), 2 * workers)) as ex:
+        futures = [ex.submit(contextvars.copy_context().run, one, c) for c in cands]   # the caller's progress reporter
+        return [f.result() for f in futures]

@@ -57,9 +57,11 @@ def max_fitting_budget(value: Callable[[int], float], budget: float, *, cap: int
             trials.append({"batch": b, "value": int(seen[b]), "fits": seen[b] <= budget})
         return seen[b] <= budget
 
-    if not run(1):
-        return Search(0, trials)
-    lo, hi = 1, None
+    # batch 2 first: batch 1 is probed only if 2 does not fit (to the estimator it is a simulation of
+    # its own: memlens.estimator.scaling.design)
+    if cap == 1 or not run(2):
+        return Search(1 if run(1) else 0, trials)
+    lo, hi = 2, None
     b = min(cap, max(2, start or 8))
     for i in range(64):
         if run(b):
@@ -162,11 +164,15 @@ def doubling_bisection(try_batch: Callable[[int], bool], *, cap: int = MAX_BATCH
 
 def max_fitting_among(values: list[int], value: Callable[[int], float], budget: float) -> Search:
     """Largest of the sorted ``values`` with ``value(v) <= budget`` (0 if none): the largest divisor
-    of a target batch that fits, say. Probes the largest, then the smallest, then the line's guess.
+    of a target batch that fits, say. Probes the largest, then the second smallest (if it fits, so
+    does the smallest, by monotony; batch 1 costs a simulation of its own, see
+    memlens.estimator.scaling.design), then the line's guess.
 
     >>> s = max_fitting_among([1, 2, 4, 8, 16, 32], lambda b: 1000 + 300 * b, 4000)
     >>> s.limit, [t["batch"] for t in s.trials]
-    (8, [32, 1, 8, 16])
+    (8, [32, 2, 8, 16])
+    >>> max_fitting_among([1, 2, 4], lambda b: 1000 * b, 1500).limit, max_fitting_among([1, 2, 4], lambda b: 1000 * b, 900).limit
+    (1, 0)
     """
     vals = sorted(set(int(v) for v in values))
     seen: dict[int, float] = {}
@@ -184,9 +190,15 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
     hi_i = len(vals) - 1
     if run(hi_i):
         return Search(vals[hi_i], trials)
-    if hi_i == 0 or not run(0):
+    if hi_i == 0:
         return Search(0, trials)
-    lo_i, guesses = 0, 0
+    if hi_i >= 2 and run(1):
+        lo_i = 1
+    elif run(0):
+        lo_i = 0
+    else:
+        return Search(0, trials)
+    guesses = 0
     while hi_i - lo_i > 1:
         nxt = None
         if guesses < 2:

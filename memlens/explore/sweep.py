@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
@@ -187,11 +188,14 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
             if progress:
                 progress(state["n"], total, c.key, rec)
 
+    est.prepare([c.spec for c in cells if c.spec is not None and c.key not in done],
+                progress=lambda i, n, s: core_progress.advance(0, total, f"tracing {i}/{n}: {s.describe()}"))
     todo: list[tuple[Cell, dict[str, Any]]] = []
     for c in cells:
         if c.key in done:
             finish(c, None)
             continue
+        core_progress.advance(state["n"], total, c.key)
         rec: dict[str, Any] = {"key": c.key, **c.params}
         if c.spec is None:
             rec.update(status="skipped", error=c.skip)
@@ -231,8 +235,8 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
-            "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes, "memory_fraction": frac,
-            "detailed": detailed, "steps": steps}
+            "estimator": est.stats(), "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes,
+            "memory_fraction": frac, "detailed": detailed, "steps": steps}
     if gpus is not None:
         data["gpus"] = list(gpus)
     return Result(verb="sweep", spec=spec.to_dict(), notes=[

@@ -194,7 +194,8 @@ def apply_lora(model, spec: TrainingSpec):
     from peft import LoraConfig, get_peft_model
 
     targets: Any = list(spec.lora_targets) if spec.lora_targets else None
-    if targets is None and hasattr(model.config, "text_config") and hasattr(model.config, "vision_config"):
+    mcfg = getattr(model, "config", None)      # None for a plain nn.Module from a factory
+    if targets is None and hasattr(mcfg, "text_config") and hasattr(mcfg, "vision_config"):
         # VLMs: peft has no default; adapt the language model's attention like text LLMs (q, v)
         targets = r".*language_model.*\.(q_proj|v_proj)$"
     cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=0.0,

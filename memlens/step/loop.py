@@ -138,6 +138,18 @@ def train_step(
         (scaler.scale(loss) if scaler is not None else loss).backward()
         last = loss.detach()
         del loss
+    optimizer_step(optimizer, model=model, max_grad_norm=max_grad_norm, scaler=scaler, on_phase=on_phase)
+    return last
+
+
+def optimizer_step(optimizer, *, model=None, max_grad_norm: float | None = None, scaler=None,
+                   on_phase: PhaseHook = lambda name: None) -> None:
+    """The end of :func:`train_step`: the optimizer phase (clipping with ``max_grad_norm``,
+    ``scaler.step`` or ``optimizer.step``, then ``zero_grad(set_to_none=True)``) and the "end"
+    mark. The estimator runs it alone for a step whose forward and backward it wrote from the
+    first step's (memlens.estimator.periodic)."""
+    from .optim import clip_gradients
+
     on_phase("optimizer")
     clip_gradients(model, max_grad_norm, scaler, optimizer)
     if scaler is not None:
@@ -147,4 +159,3 @@ def train_step(
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     on_phase("end")
-    return last

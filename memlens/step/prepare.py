@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..core.errors import SpecError
 from ..core.spec import TrainingSpec
-from .loop import PhaseHook, train_step
+from .loop import PhaseHook, optimizer_step, train_step
 
 
 @dataclass
@@ -82,6 +82,11 @@ class PreparedStep:
                           autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase,
                           max_grad_norm=self.spec.max_grad_norm, hf_trainer=self.spec.hf_trainer,
                           forward_keys=self.forward_keys, step_fn=self.step_fn)
+
+    def run_optimizer(self, on_phase: PhaseHook = lambda name: None) -> None:
+        """Only the optimizer phase of :meth:`run` (the gradients must be in place)."""
+        optimizer_step(self.optimizer, model=self.model, max_grad_norm=self.spec.max_grad_norm, scaler=self.scaler,
+                       on_phase=on_phase)
 
 
 def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
@@ -352,12 +357,15 @@ def materialize_on_fake(model, fake_mode):
     import torch
 
     memo: dict[int, Any] = {}
+    cpu = torch.device("cpu")
+    wrap = fake_mode.fake_tensor_converter.from_meta_and_device
 
     def fake_of(t):
         hit = memo.get(id(t))
         if hit is None:
-            with fake_mode:
-                new = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            # a fresh contiguous meta tensor wrapped as a fake CPU tensor: what torch.empty under the
+            # fake mode returns, without dispatching an op for each of a 70B model's parameters
+            new = wrap(fake_mode, torch.empty(t.shape, dtype=t.dtype, device="meta"), cpu)
             hit = torch.nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
             memo[id(t)] = hit
         return hit

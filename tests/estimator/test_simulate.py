@@ -102,3 +102,38 @@ def test_adafactor_keeps_factored_state():
     # one row and one column second-moment vector for the 1024x1024 weight: 2 x 1024 fp32, in 512 B blocks
     state = r.data["steps"][-1]["end_allocated_bytes"] - (W + X + 2 * CUBLAS_WORKSPACE_BYTES + LOSS)
     assert 0 < state <= 2 * 1024 * 4 + 4 * 512
+
+
+class Looping(torch.nn.Module):
+    """A forward that runs a Python loop of small ops (like transformers' token-by-token Mamba fallback)."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.steps = steps
+
+    def forward(self, x):
+        h = self.fc(x)
+        for _ in range(self.steps):
+            h = h * 0.5
+        return h
+
+
+def looping_1200(spec=None):
+    return torch.nn.Sequential(Looping(1200)), torch.randn(4, 8), lambda out, batch: out.sum()
+
+
+def looping_200(spec=None):
+    return torch.nn.Sequential(Looping(200)), torch.randn(4, 8), lambda out, batch: out.sum()
+
+
+def test_a_python_loop_of_ops_in_one_module_is_refused_in_one_line():
+    from memlens.core.errors import MemlensError
+
+    with pytest.raises(MemlensError) as e:
+        estimate(TrainingSpec(model="tests.estimator.test_simulate:looping_1200", optimizer="sgd"))
+    assert e.value.message.startswith("0 (Looping) runs more than 1000 ops of its own in one forward pass: a Python loop")
+    assert e.value.hint == "use --method formula, or simulate a short --seq-len (the cost grows with it)"
+    # 200 ops is a long module, not a loop over tokens: simulated (its 200 outputs die one by one)
+    r = estimate(TrainingSpec(model="tests.estimator.test_simulate:looping_200", optimizer="sgd"))
+    assert r.peak_allocated_bytes > 0

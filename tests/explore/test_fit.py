@@ -179,3 +179,21 @@ def test_cli_fit_bad_input(capsys, argv, needle):
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("ERROR:") and needle in err
+
+
+@pytest.mark.slow
+def test_plan_side_by_side_in_worker_processes_equals_one_at_a_time():
+    """The plan's searches in threads over two forked workers give the entries of one process alone."""
+    from memlens.explore.core import CachedEstimator
+
+    spec = TrainingSpec(model="explore_models:tiny", seq_len=256)
+    plans, stats = [], []
+    for workers in (1, 2):
+        est = CachedEstimator()
+        est.scaler.workers = workers
+        r = fit(spec, "72MiB", target_batch=16, context_bytes=0, margin=0, gpus=2, estimator=est)
+        plans.append([{k: e[k] for k in ("name", "fits", "micro_batch", "grad_accum", "predicted_peak_bytes", "error")} for e in r.data["plan"]])
+        stats.append((r.data["max_batch_size"], est.workers))
+    assert plans[0] == plans[1] and stats[0][0] == stats[1][0]
+    assert [s[1] for s in stats] == [1, 2]
+    assert any(e["fits"] for e in plans[0]) and any(e["micro_batch"] not in (None, 16) for e in plans[0])

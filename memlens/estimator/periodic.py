@@ -1,0 +1,342 @@
+"""Later simulated steps written from the first one: the forward and backward of step n >= 2
+allocate and free what step 1's did, in the same order; only the optimizer phase is run again.
+
+Why two steps are simulated at all: from step 2 on the optimizer state exists during forward and
+backward, and the allocator starts from the segments step 1 left (the reserved peak can move to
+step 2). The events themselves repeat:
+
+1. The forward and backward of a step are a function of the model's tensors (their shapes and
+   dtypes: values do not exist on fake tensors), of ``.grad`` (None at the start of every step:
+   ``zero_grad(set_to_none=True)``), of the batch (the same tensors every step) and of the CUDA
+   emulation's one-time state (the cuBLAS workspaces, taken at the first GEMM of each thread).
+2. So step n's forward and backward run the same ops on the same shapes as step 1's. Each op
+   allocates the same storages, and each storage dies at the same point (reference counts are
+   the same), except the storages created once and kept: those that outlive step 1.
+3. The only storages of step 1's forward and backward that may outlive it are the emulated
+   workspaces, which by construction are not taken again. Anything else that outlives step 1
+   (a module caching a tensor, a lazily built parameter) could be replaced at step 2, so then
+   step 2 is simulated in full.
+4. The optimizer does differ between steps (it creates its state at step 1), so its phase is
+   always run again, on stand-ins for the gradients and the returned loss: fake tensors of the
+   same storage size, accounted under the keys of the copied events, so that ``zero_grad`` and
+   the end of the step free them as they would free the real ones.
+
+Checked at run time, or step n is simulated in full (``reason`` says which failed): step 1's
+forward/backward frees no storage made before it; tags it puts on older storages would not be
+emitted again; what outlives step 1 is workspace only; what is alive when the optimizer phase
+starts is exactly the gradients and the returned loss; no DP-SGD (its hooks keep state).
+``tests/estimator/test_periodic.py`` compares the written steps with fully simulated ones event
+by event.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
+
+
+@dataclass
+class _Meta:
+    """What a stand-in needs to be: a storage of ``nbytes`` seen as (size, stride, offset, dtype)."""
+
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: Any
+    nbytes: int
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "_Meta":
+        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+
+    def make(self) -> torch.Tensor | None:
+        """A new tensor (in the ambient fake mode) with a storage of exactly ``nbytes``; None if none can be."""
+        item = self.dtype.itemsize
+        if self.nbytes % item:
+            return None
+        base = torch.empty(self.nbytes // item, dtype=self.dtype)
+        t = base if (self.size, self.stride, self.offset) == (tuple(base.shape), tuple(base.stride()), 0) else \
+            base.as_strided(self.size, self.stride, self.offset)
+        return t if t.untyped_storage().nbytes() == self.nbytes else None
+
+
+@dataclass
+class Repeat:
+    """Step 1's forward and backward as a template for later steps."""
+
+    segment: list[tuple]                # step 1's events from its first forward mark to its optimizer mark
+    fresh: list[Any]                    # keys allocated in it that later steps allocate again, in order
+    grads: list[tuple[Any, Any, _Meta, str]]   # (parameter, key in step 1, meta, category at the optimizer)
+    loss: tuple[Any, _Meta, str] | None  # the returned loss: (key in step 1, meta, category)
+
+    def run(self, n: int, tracker, step, on_phase: Callable[[str], None]) -> bool:
+        """Write step ``n``'s forward and backward into the log, then run its optimizer phase.
+        Returns False (nothing written) if a stand-in cannot be made."""
+        remap = {k: tracker.new_key() for k in self.fresh}
+        tracker.muted = True
+        try:
+            grads = [(p, g.make(), remap[k], cat) for p, k, g, cat in self.grads]
+            loss = (self.loss[1].make(), remap[self.loss[0]], self.loss[2]) if self.loss else None
+        finally:
+            tracker.muted = False
+        if any(t is None for _, t, _, _ in grads) or (loss is not None and loss[0] is None):
+            return False
+        out = tracker.log.events
+        for ev in self.segment:
+            kind = ev[0]
+            if kind == PHASE:
+                out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+                continue
+            new = remap.get(ev[1])
+            if new is None:
+                continue            # a one-time allocation, or a tag that would not be emitted again
+            if kind == ALLOC:
+                out.append(Alloc(ALLOC, new, *ev[2:]))
+            elif kind == FREE:
+                out.append(Free(FREE, new, ev[2]))
+            else:
+                out.append(Tag(TAG, new, ev[2], ev[3]))
+        tracker.phase, tracker.step = "backward", n
+        _install(tracker, grads)
+        grads.clear()               # the parameters hold the gradients now, nothing else
+        standin = None
+        if loss is not None:
+            standin = loss[0]
+            tracker.adopt(standin, loss[1], loss[2])
+            loss = None
+        step.run_optimizer(on_phase)
+        del standin                 # the loop drops the loss train_step returned here
+        return True
+
+
+def _install(tracker, grads) -> None:
+    for p, t, key, cat in grads:
+        tracker.adopt(t, key, cat)
+        p.grad = t
+
+
+class FirstStep:
+    """Watches step 1 (call :meth:`at_phase` before each phase mark is logged) and tells whether
+    later steps can be written from it (:meth:`plan`)."""
+
+    def __init__(self, tracker, params: list):
+        self.tracker = tracker
+        self.params = params
+        self.start: int | None = None
+        self.stop: int | None = None
+        self.grads: list[tuple[Any, Any, _Meta]] = []
+
+    def at_phase(self, name: str) -> None:
+        n = len(self.tracker.log.events)
+        if name == "forward" and self.start is None:
+            self.start = n
+        elif name == "optimizer" and self.stop is None:
+            self.stop = n
+            self.grads = [(p, self.tracker.key_of(p.grad), _Meta.of(p.grad)) for p in self.params if p.grad is not None]
+
+    def plan(self, loss_key: Any, loss_meta: _Meta | None) -> Repeat | str:
+        """A :class:`Repeat`, or why step 2 must be simulated in full (see the module docstring)."""
+        if self.start is None or self.stop is None:
+            return "step 1 has no forward or no optimizer phase"
+        events = self.tracker.log.events
+        seg = events[self.start:self.stop]
+        allocated: dict[Any, str] = {}       # key -> category at allocation, in order
+        final: dict[Any, str] = {}
+        live: set = set()
+        older_tags: dict[Any, str] = {}
+        for ev in seg:
+            kind = ev[0]
+            if kind == ALLOC:
+                allocated[ev[1]] = ev[3]
+                live.add(ev[1])
+            elif kind == FREE:
+                if ev[1] not in allocated:
+                    return "step 1 frees a storage made before it"
+                live.discard(ev[1])
+            elif kind == TAG:
+                if ev[1] in allocated:
+                    final[ev[1]] = ev[2]
+                elif older_tags.setdefault(ev[1], ev[2]) != ev[2]:
+                    return "step 1 tags a storage made before it twice"
+        for key, cat in older_tags.items():
+            if self.tracker._category.get(key) != cat:
+                return "step 1 retags a storage made before it"
+        # what outlives step 1: everything freed later is not
+        outlive = set(live) - {loss_key}      # the loss dies as soon as the step returns
+        for ev in events[self.stop:]:
+            if ev[0] == FREE:
+                outlive.discard(ev[1])
+        odd = [k for k in outlive if final.get(k, allocated[k]) != "workspace"]
+        if odd:
+            return f"{len(odd)} storage(s) made in step 1's forward or backward outlive it"
+        carried = live - outlive
+        grad_keys = [k for _, k, _ in self.grads]
+        expected = set(grad_keys) | ({loss_key} if loss_key is not None else set())
+        if len(set(grad_keys)) != len(grad_keys) or None in expected or carried != expected:
+            return "what is alive at the optimizer phase is not just the gradients and the loss"
+        cat = lambda k: final.get(k, allocated[k])  # noqa: E731
+        return Repeat(seg, [k for k in allocated if k not in outlive],
+                      [(p, k, m, cat(k)) for p, k, m in self.grads],
+                      (loss_key, loss_meta, cat(loss_key)) if loss_key is not None else None)
+
+
+def loss_of(tracker, last) -> tuple[Any, _Meta | None]:
+    """(key, meta) of the loss a step returned, or (None, None)."""
+    if isinstance(last, torch.Tensor) and tracker.key_of(last) is not None:
+        return tracker.key_of(last), _Meta.of(last)
+    return None, None
+
+
+# ---------------------------------------------------------------- micro-batches 3..k of a step
+class SkipMicroBatches(Exception):
+    """Raised at the start of micro-batch 3 when micro-batches 3..k can be written from micro-batch 2
+    (:class:`MicroBatches`); :meth:`finish` writes them and runs the step's optimizer phase."""
+
+    def __init__(self, template: list[tuple], carried_in: Any, carried_out: Any, meta: _Meta, category: str, count: int):
+        super().__init__("micro-batches written from micro-batch 2")
+        self.template, self.carried_in, self.carried_out = template, carried_in, carried_out
+        self.meta, self.category, self.count = meta, category, count
+
+    def finish(self, n: int, tracker, step, on_phase: Callable[[str], None]):
+        """Write micro-batches 3..k of step ``n``, then its optimizer phase; returns the step's loss (a stand-in)."""
+        out = tracker.log.events
+        prev = self.carried_out                 # micro-batch 2's loss, freed in micro-batch 3
+        for _ in range(self.count):
+            remap = {}
+            for ev in self.template:
+                kind = ev[0]
+                if kind == PHASE:
+                    out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+                elif kind == ALLOC:
+                    new = remap[ev[1]] = tracker.new_key()
+                    out.append(Alloc(ALLOC, new, *ev[2:]))
+                elif kind == FREE:
+                    out.append(Free(FREE, prev if ev[1] == self.carried_in else remap[ev[1]], ev[2]))
+                elif ev[1] in remap:
+                    out.append(Tag(TAG, remap[ev[1]], ev[2], ev[3]))
+            prev = remap[self.carried_out]
+        tracker.phase, tracker.step = "backward", n
+        tracker.muted = True
+        try:
+            loss = self.meta.make()
+        finally:
+            tracker.muted = False
+        if loss is None:          # checked before anything was written (see MicroBatches)
+            raise AssertionError("stand-in")
+        tracker.adopt(loss, prev, self.category)
+        step.run_optimizer(on_phase)
+        return loss
+
+
+class MicroBatches:
+    """Watches a step's micro-batches (call :meth:`at_phase` before each phase mark is logged). With
+    accumulation over k >= 3 micro-batches, micro-batches 2..k start from the same storages (the
+    parameters, the gradients made by micro-batch 1 and accumulated in place since, the optimizer
+    state, the previous micro-batch's loss) and run the same ops on the same batch, so they
+    allocate and free alike. At the start of micro-batch 3 this is checked on micro-batch 2's
+    events: it frees exactly one storage from before it (micro-batch 1's loss), tags none that
+    would be tagged again, and leaves exactly one storage alive (its own loss) whose stand-in can
+    be made. Then :class:`SkipMicroBatches` is raised and micro-batches 3..k are written."""
+
+    def __init__(self, tracker, micro_batches: int):
+        self.tracker = tracker
+        self.k = micro_batches
+        self.marks: list[int] = []
+
+    def at_phase(self, name: str) -> None:
+        if name != "forward" or self.k < 3:
+            return
+        self.marks.append(len(self.tracker.log.events))
+        if len(self.marks) == 3:
+            skip = self._plan()
+            if skip is not None:
+                self.tracker.disown(skip.carried_out)   # its free is in micro-batch 3, written by hand
+                raise skip
+
+    def _plan(self) -> SkipMicroBatches | None:
+        events = self.tracker.log.events
+        m1, m2, m3 = self.marks
+        first, second = events[m1:m2], events[m2:m3]
+        alive1 = set()
+        for ev in first:
+            if ev[0] == ALLOC:
+                alive1.add(ev[1])
+            elif ev[0] == FREE:
+                alive1.discard(ev[1])
+        allocated, live, older_frees = {}, set(), []
+        for ev in second:
+            kind = ev[0]
+            if kind == ALLOC:
+                allocated[ev[1]] = ev[3]
+                live.add(ev[1])
+            elif kind == FREE:
+                if ev[1] in allocated:
+                    live.discard(ev[1])
+                else:
+                    older_frees.append(ev[1])
+            elif kind == TAG and ev[1] not in allocated:
+                return None         # a tag on an older storage: not shown to repeat
+        if len(older_frees) != 1 or older_frees[0] not in alive1 or len(live) != 1:
+            return None
+        out = next(iter(live))
+        ref = self.tracker._refs.get(out)
+        st = ref() if ref is not None else None
+        if st is None:
+            return None
+        meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
+        cat = self.tracker._category.get(out, allocated[out])
+        return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2)
+
+
+# ---------------------------------------------------------------- the steps of a simulation
+class Steps:
+    """Runs the optimizer steps of a simulation (the caller's loop: ``at_phase`` from its
+    ``on_phase`` hook, before the mark is logged; ``run`` for each step), writing what it can
+    prove the same from what was simulated: steps 2.. from step 1 (:class:`Repeat`), micro-batches
+    3..k from micro-batch 2 (:class:`MicroBatches`). ``why_not`` (e.g. DP-SGD's stateful hooks)
+    turns both off. ``later_steps`` and ``later_micro_batches`` say what happened."""
+
+    def __init__(self, tracker, step, params: list, *, why_not: str = "", label: str = ""):
+        from ..core import progress as _progress
+
+        self.tracker, self.step, self.label, self._progress = tracker, step, label, _progress
+        self.k = step.spec.grad_accum
+        self.first = FirstStep(tracker, params) if not why_not else None
+        self.later: Repeat | str = why_not
+        self.micro = "simulated" if self.k >= 3 else ""
+        self._watch: MicroBatches | None = None
+        self._n = 0
+
+    def at_phase(self, name: str, n: int) -> None:
+        if self._watch is not None:
+            self._watch.at_phase(name)        # may end the micro-batch loop (SkipMicroBatches)
+        if n == 1 and self.first is not None:
+            self.first.at_phase(name)
+
+    def run(self, n: int, on_phase: Callable[[str], None]) -> None:
+        """Step ``n``: written from step 1 if proven, else simulated (its micro-batches 3..k written if proven)."""
+        if n > 1 and isinstance(self.later, Repeat):
+            self._progress.stage(f"{self.label}: step {n} forward and backward written from step 1")
+            if self.later.run(n, self.tracker, self.step, on_phase):
+                return
+            self.later = "a stand-in for a gradient or the loss cannot be made"
+        self._watch = MicroBatches(self.tracker, self.k) if self.first is not None else None
+        try:
+            last = self.step.run(on_phase)
+        except SkipMicroBatches as skip:
+            self._progress.stage(f"{self.label}: step {n} micro-batches 3..{self.k} written from micro-batch 2")
+            last = skip.finish(n, self.tracker, self.step, on_phase)
+            del skip
+            self.micro = f"3..{self.k} written from micro-batch 2"
+        finally:
+            self._watch = None
+        if n == 1 and self.first is not None:
+            self.later = self.first.plan(*loss_of(self.tracker, last))
+        del last                              # as the loop drops the loss the step returned
+
+    @property
+    def later_steps(self) -> str:
+        return "written from step 1" if isinstance(self.later, Repeat) else f"simulated ({self.later})"
