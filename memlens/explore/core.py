@@ -56,6 +56,9 @@ from .fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported 
 EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
 
 
+_ONE_AT_A_TIME = threading.Lock()
+
+
 class CachedEstimator:
     """Estimates specs once each (a simulated 1B step takes seconds; a sharded spec one simulation
     per rank that can differ).
@@ -122,7 +125,8 @@ class CachedEstimator:
         elif self._fn is None:
             from ..estimator import estimate
 
-            r = estimate(spec, method=self.method)
+            with _ONE_AT_A_TIME:   # a rank's simulation owns the process' (fake) process group: one at a time
+                r = estimate(spec, method=self.method)
         else:
             r = self._fn(spec)
         with self._lock:      # threads of a plan may ask at once
