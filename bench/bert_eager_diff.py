@@ -1,6 +1,6 @@
 """Diff the op-level storages of a real step (bench/gpu_bert_eager_probe.py) with the simulated one.
 
-python bench/bert_eager_diff.py OUT_DIR/probe_<case>.jsonl
+python bench/bert_eager_diff.py OUT_DIR/probe_<case>.jsonl     (the case's spec from bench/generality_cases.py)
 
 For step 2, counts allocations by (phase, op, bytes) on each side and prints the differences,
 largest first: an op the simulation runs differently on the CPU shows as a row whose counts
@@ -35,10 +35,10 @@ def main() -> None:
     path = sys.argv[1]
     real = [json.loads(line) for line in open(path)]
     real = [[int(e[0]), *e[1:]] for e in real]
-    hist = path.replace("probe_", "history_").replace(".jsonl", ".pickle")
-    import pickle
+    from bench.generality_cases import CASES
 
-    spec = TrainingSpec.from_dict(pickle.load(open(hist, "rb"))["spec"])
+    name = os.path.basename(path)[len("probe_"):-len(".jsonl")]
+    spec = TrainingSpec(**next(f for n, _, f in CASES if n == name))
     sim = simulate(spec)
     simulated = [[ev[0], str(ev[1])] + [str(x) for x in ev[2:]] for ev in sim.log.events]
     a, b = counts(real), counts(simulated)

@@ -95,6 +95,7 @@ def rank_main(req_path: str) -> None:
         rec["after_build_allocated"] = torch.cuda.memory_allocated()
         rec["after_build_reserved"] = torch.cuda.memory_reserved()
         rec["applied"] = step.applied
+        rec["tied_embeddings_kept"] = True      # FSDP builds re-tie embeddings (runs before this key measured untied ones)
         torch.cuda.reset_peak_memory_stats()
         steps, phases = [], []
         for n in range(1, STEPS + 1):

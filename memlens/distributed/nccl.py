@@ -14,13 +14,16 @@ context of the same process measured before the process group was created (field
 ``nccl_bytes`` of each rank's record). An entry is keyed by (GPU, world size). Without an entry
 the figure is reported as unknown, never guessed.
 
->>> nccl_bytes("h100", 2)[0] is None or nccl_bytes("h100", 2)[0] > 0
-True
+>>> nccl_bytes("h200", 2)[0] // 2**20, nccl_bytes("h100", 2)[0]
+(916, None)
 """
 from __future__ import annotations
 
 # (gpu, world size) -> (bytes per rank, where it was measured). Filled from bench/results/distributed_accuracy.json.
-MEASURED: dict[tuple[str, int], tuple[int, str]] = {}
+MEASURED: dict[tuple[str, int], tuple[int, str]] = {
+    ("h200", 2): (960495616, "bench/gpu_distributed.py on 2 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
+                             "median over 24 ranks of 12 cases (912-922 MiB)"),
+}
 
 
 def nccl_bytes(gpu: str, world_size: int) -> tuple[int | None, str]:

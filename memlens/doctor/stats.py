@@ -19,6 +19,7 @@ Measures (PyTorch's names):
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,8 @@ def normalize_stats(data: Any, name: str = "the stats") -> dict[str, Any]:
 
 
 def _num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+    """A byte count or counter: a finite, non-negative number (JSON allows Infinity and NaN)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
 
 
 def _get(flat: dict[str, Any], key: str) -> int:

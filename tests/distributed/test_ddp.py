@@ -45,10 +45,27 @@ def test_bucket_bytes_function():
 
 def test_buckets_are_communication_and_gradient_views_save_a_copy():
     plain, view = analyze(_sim().log), analyze(_sim(gradient_as_bucket_view=True).log)
-    assert plain.by_category["communication"] == W0 + W1 + B1       # the rebuilt buckets, live at the peak
-    assert view.by_category["communication"] == 0                    # the buckets hold the gradients: tagged gradients
+    # step 2's peak: the rebuilt buckets and the old ones, still in step 1's NCCL Works
+    assert plain.by_category["communication"] == 2 * (W0 + W1 + B1)
+    assert view.by_category["communication"] == W0 + W1 + B1        # the rebuilt buckets hold the gradients: tagged gradients
+    assert view.by_category["gradients"] == W0 + W1 + B1
     # the peak is when W0's fresh gradient appears: with bucket views the bias and W1 gradients already are views
     assert plain.peak_allocated_bytes - view.peak_allocated_bytes == B1 + W1
+
+
+def test_the_old_buckets_live_until_the_third_forward_and_not_under_zero1():
+    import torch
+
+    sim = _sim()
+    red = sim.wrapper.reducer
+    assert red.forwards == 2 and [t.numel() * 4 for t in red.stale] == [W0 + W1 + B1]   # through step 2
+    with torch.enable_grad():
+        red._pre_forward(None, ())                                       # step 3's forward: the watchdog has reaped them
+    assert red.forwards == 3 and red.stale == []
+    spec = TrainingSpec(model="tests.distributed.dist_models:three", world_size=2, sharding="zero1", optimizer="sgd")
+    assert simulate_rank(spec, 0).wrapper.reducer.stale == []
+    zero1 = analyze(simulate_rank(spec, 0).log)
+    assert zero1.by_category["communication"] == W0 + W1 + B1
 
 
 def test_every_ddp_rank_is_the_same():

@@ -98,3 +98,20 @@ def test_mixed_precision_gathers_in_bf16_and_keeps_fp32_shards(tmp_path):
     assert e["term_maxima"]["optimizer states (sharded)"] == 2 * sum(shards)       # fp32 AdamW states of the same rows
     # the root (tied embedding, never resharded after forward) is gathered in bf16 on top of a block
     assert e["term_maxima"]["gathered parameters"] > block(128 * 64 * 2)
+
+
+def test_a_rank_built_for_fsdp_on_a_device_keeps_tied_embeddings_tied(tmp_path):
+    """The device path builds under accelerate's init_empty_weights, which unties transformers 5
+    models; a rank must hold one embedding as the simulation does (2 x H200: +5 embedding shards)."""
+    import json
+
+    from memlens.distributed.fsdp import FSDPWrapper
+    from memlens.models.source import resolve
+    from memlens.step.prepare import build_for_sharding
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_GPT2))
+    spec = TrainingSpec(model=str(tmp_path), batch_size=1, seq_len=32, world_size=2, sharding="fsdp")
+    model = build_for_sharding(spec, resolve(spec.model), FSDPWrapper(spec, fake=False, rank=0, world_size=2)).model
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.lm_head.weight.device.type == "meta"
+    assert sum(p.numel() for p in model.parameters()) == 128 * 64 + 64 * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64

@@ -7,7 +7,7 @@ import pickle
 import pytest
 import doctor_synthetic as synthetic
 from doctor_support import FIXTURES
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memlens.cli.main import main
@@ -226,6 +226,8 @@ _json = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.float
 
 @settings(max_examples=300, deadline=None)
 @given(_json)
+@example({"allocated_bytes.all.current": float("inf")})
+@example({"reserved_bytes.all.current": float("nan"), "allocated_bytes.all.current": 5})
 def test_fuzz_stats(data):
     try:
         a = analyze_memory_stats(normalize_stats(data))
