@@ -24,4 +24,7 @@ def cases(world_size: int) -> list[tuple[str, dict]]:
                                                     sharding="fsdp", **d)),
         ("fsdp-llama8b-bf16-ckpt-b1-L2048", dict(model="llama-3.1-8b", batch_size=1, seq_len=2048, precision="bf16",
                                                   grad_checkpointing=True, sharding="fsdp", **d)),
+        # DP-SGD over DPDDP (needs opacus on the GPU machine: pip install .whl/opacus-*.whl --no-deps)
+        ("dpddp-llama1b-lora16-bf16-b8-pb4-L256", dict(model="llama-3.2-1b", batch_size=8, physical_batch_size=4, seq_len=256,
+                                                        precision="bf16", lora_rank=16, dp=True, sharding="ddp", **d)),
     ]

@@ -20,7 +20,6 @@ from typing import Any
 
 from ..core.spec import TrainingSpec
 from ..report.result import Result
-from .strategies import SETTINGS
 
 TOP_MODULES = 40
 
@@ -73,7 +72,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     job = _job(entries, spec.world_size, ctx, nccl)
     imbalance = peak["peak_allocated_bytes"] - lo["peak_allocated_bytes"]
     notes = [
-        f"{spec.sharding} over {spec.world_size} GPUs = {SETTINGS[spec.sharding]}; each rank's micro-batch is --batch-size "
+        f"{spec.sharding} over {spec.world_size} GPUs = {sim.wrapper.strategy}; each rank's micro-batch is --batch-size "
         f"{spec.batch_size} (effective batch {spec.effective_batch_size}).",
         "peak_allocated_bytes / peak_reserved_bytes: the rank that peaks (max_memory_allocated / max_memory_reserved on "
         f"its GPU); ranks: {', '.join(_describe_group(e) for e in entries)}.",
@@ -85,7 +84,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         "method": "simulate",
         "world_size": spec.world_size,
         "sharding": spec.sharding,
-        "strategy": SETTINGS[spec.sharding],
+        "strategy": sim.wrapper.strategy,
         "peak_rank": peak["rank"],
         "ranks": entries,
         "rank_imbalance_bytes": imbalance,

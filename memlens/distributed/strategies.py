@@ -74,6 +74,11 @@ class Wrapper:
         self.facts: dict[str, Any] = {}     # what the wrapping did, for reports (buckets, groups, streams)
         self.applied: list[str] = []
 
+    @property
+    def strategy(self) -> str:
+        """What the wrapping is, in words (reports)."""
+        return SETTINGS[self.spec.sharding]
+
     def build_context(self):
         """Context for building the model on a real device (meta parameters for FSDP)."""
         return contextlib.nullcontext()
@@ -119,9 +124,9 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
     if spec.offload_optimizer:
         raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
-    if spec.dp:
-        raise SpecError(f"DP-SGD with --sharding {spec.sharding} is not simulated per rank yet",
-                        hint="drop --dp, or estimate DP-SGD on one GPU")
+    if spec.dp and spec.sharding != "ddp":
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding} (Opacus' ghost_fsdp) is not simulated per rank yet",
+                        hint="use --sharding ddp (Opacus' DPDDP), or one GPU")
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {spec.sharding} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
@@ -169,8 +174,10 @@ def wrapper_for(spec: TrainingSpec, *, fake: bool) -> Wrapper | None:
 
 def _register_builtins() -> None:
     from .ddp import DDPWrapper, Zero1Wrapper
+    from .dpddp import DPDDPWrapper
     from .fsdp import FSDPWrapper
 
+    register_wrapper(lambda s: s.sharding == "ddp" and s.dp, DPDDPWrapper, first=False)
     register_wrapper(lambda s: s.sharding == "ddp", DDPWrapper, first=False)
     register_wrapper(lambda s: s.sharding == "zero1", Zero1Wrapper, first=False)
     register_wrapper(lambda s: s.sharding in FSDP_KINDS, FSDPWrapper, first=False)

@@ -38,10 +38,10 @@ is gathered and copied to the device as a DP-SGD training loop does. ``poisson_s
 every logical batch has exactly ``--batch-size`` samples (Poisson sampling draws a random batch
 size each step; memory follows the physical batch). The privacy accountant is Opacus' default.
 
-Distributed DP-SGD (DPDDP with hooks, FSDP2 with ghost clipping = Opacus' ``ghost_fsdp``) is not
-run here yet: :func:`make_private` takes the already-wrapped module, so a per-rank step can build
-its DDP / ``FSDP2Wrapper`` module first and pass it in (Opacus picks the distributed optimizer and
-``ghost_fsdp`` from the module type and ``grad_sample_mode``).
+Distributed DP-SGD: :func:`make_private` takes the rank's already-wrapped module, and Opacus picks
+its distributed optimizer from the module type. ``--dp --sharding ddp`` wraps in Opacus' DPDDP
+(:mod:`memlens.distributed.dpddp`); FSDP2 with ghost clipping (Opacus' ``ghost_fsdp``) is refused
+in one line: not simulated per rank yet.
 """
 from __future__ import annotations
 
@@ -373,10 +373,9 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
     loader of ``batch`` (the logical batch, on the host), and ``BatchMemoryManager`` with the
     spec's physical batch.
 
-    For a distributed step (not run yet): pass the rank's module already wrapped, Opacus'
-    ``DifferentiallyPrivateDistributedDataParallel(model)`` for hooks or ``FSDP2Wrapper(model)``
-    with ``grad_sample_mode="ghost_fsdp"`` for ghost clipping, the optimizer built on it, and the
-    rank's share of the logical batch: Opacus picks its distributed optimizer from the module type."""
+    For a distributed step the module is the rank's, already wrapped in Opacus'
+    ``DifferentiallyPrivateDistributedDataParallel``, with the rank's own logical batch: Opacus picks
+    ``DistributedDPOptimizer`` from the module type."""
     require_opacus()
     import warnings
 

@@ -91,9 +91,6 @@ class PreparedStep:
 
 def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
     """One clear line for every spec field this step kind cannot apply (never ignore one)."""
-    if spec.dp and spec.world_size > 1:
-        raise SpecError(f"--dp with --world-size {spec.world_size}: DP-SGD over several GPUs (Opacus' DPDDP with hooks, "
-                        "FSDP2 with ghost clipping) is not simulated or run yet", hint="drop --world-size (one GPU)")
     if source is not None:
         _refuse_for_source(spec, source)
     if spec.world_size > 1:

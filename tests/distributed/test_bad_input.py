@@ -13,7 +13,7 @@ from memlens.core.spec import TrainingSpec
     (["estimate", "--model", "gpt2", "--world-size", "2"], "needs --sharding"),
     (["estimate", "--model", "gpt2", "--world-size", "2", "--sharding", "fsdp", "--precision", "amp-fp16"], "amp-fp16"),
     (["estimate", "--model", "gpt2", "--world-size", "2", "--sharding", "fsdp", "--offload-optimizer"], "offload"),
-    (["estimate", "--model", "gpt2", "--world-size", "2", "--sharding", "ddp", "--dp"], "DP-SGD"),
+    (["estimate", "--model", "gpt2", "--world-size", "2", "--sharding", "zero1", "--dp"], "DP-SGD"),
     (["estimate", "--model", "gpt2", "--world-size", "2", "--sharding", "ddp", "--reshard-after-forward", "false"], "FSDP2 setting"),
     (["estimate", "--model", "gpt2", "--world-size", "2", "--sharding", "zero2", "--reshard-after-forward", "true"], "zero2"),
     (["estimate", "--model", "gpt2", "--world-size", "4", "--sharding", "fsdp", "--reshard-after-forward", "3"], "divisor"),

@@ -139,7 +139,7 @@ def test_profile_dp_on_cpu_records_the_seed_phases(capsys):
 
 # ---------------------------------------------------------------- refusals and bad input
 @pytest.mark.parametrize("kw,words", [
-    (dict(world_size=2), "DP-SGD over several GPUs"),
+    (dict(world_size=2, sharding="fsdp"), "ghost_fsdp"),
     (dict(grad_accum=2), "BatchMemoryManager"),
     (dict(precision="amp-fp16"), "GradScaler"),
     (dict(grad_checkpointing=True, model=LLAMA, lora_rank=4), "recomputation"),

@@ -1,0 +1,62 @@
+"""DP-SGD over several GPUs: Opacus' DPDDP + DistributedDPOptimizer run as is on fake tensors under a
+fake process group, one simulation per rank group (rank 0 adds the noise, the others do not)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("opacus")
+
+from memlens.core.errors import SpecError  # noqa: E402
+from memlens.core.ledger import analyze  # noqa: E402
+from memlens.core.spec import TrainingSpec  # noqa: E402
+from memlens.distributed.estimate import estimate_ranks, simulate_rank  # noqa: E402
+
+W = 32 * 64 * 4          # tests.tiny_models:seq_linear's one weight, fp32
+
+
+def _spec(**kw) -> TrainingSpec:
+    return TrainingSpec(**{"model": "tests.tiny_models:seq_linear", "optimizer": "sgd", "dp": True, "batch_size": 8,
+                           "world_size": 2, "sharding": "ddp", **kw})
+
+
+def test_rank_0_holds_the_noised_gradient_the_others_a_view():
+    a0, a1 = (analyze(simulate_rank(_spec(), r).log) for r in (0, 1))
+    # DistributedDPOptimizer.add_noise: rank 0 makes p.grad = summed_grad + noise (a new tensor),
+    # every other rank p.grad = summed_grad.view_as(p); all_reduce and /= N are in place
+    assert a0.by_phase["optimizer"]["peak_allocated_bytes"] - a1.by_phase["optimizer"]["peak_allocated_bytes"] == W
+    assert a0.by_phase["forward"] == a1.by_phase["forward"]          # no buckets, no broadcast copies
+
+
+def test_estimate_names_the_two_rank_groups_and_opacus_wrapper():
+    r = estimate_ranks(_spec(world_size=4))
+    assert [e["ranks"] for e in r.data["ranks"]] == [[0], [1, 2, 3]]
+    assert "DPDDP" in r.data["strategy"] and any("DifferentiallyPrivateDistributedDataParallel" in a for a in r.data["applied"])
+    assert not any("buckets" in k for k in r.data["wrapper"])                    # no Reducer
+    assert r.data["peak_rank"] == 0
+
+
+@pytest.mark.parametrize("sharding", ["zero1", "fsdp"])
+def test_other_shardings_with_dp_are_one_line(sharding):
+    with pytest.raises(SpecError) as e:
+        estimate_ranks(_spec(sharding=sharding))
+    assert "DP-SGD" in e.value.message and "\n" not in e.value.message and "ddp" in e.value.hint
+
+
+def test_cli_profile_dp_over_two_cpu_ranks(tmp_path):
+    """The same wrapper on real tensors: torchrun with gloo on the CPU, each rank profiles its own DP step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "memlens.cli.main", "profile", "--model", "tests.tiny_models:seq_linear",
+                        "--optimizer", "sgd", "--dp", "--batch-size", "8", "--physical-batch-size", "4", "--world-size", "2",
+                        "--sharding", "ddp", "--device", "cpu", "--steps", "1", "--out", str(tmp_path / "p")],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    d = json.loads((tmp_path / "p" / "result.json").read_text())
+    assert [r["rank"] for r in d["ranks"]] == [0, 1]
+    assert any("DifferentiallyPrivateDistributedDataParallel" in a for a in d["applied"])
+    assert d["by_category"]["per_sample_gradients"] == 2 * 4 * W            # 2 tensors of the physical batch of 4
