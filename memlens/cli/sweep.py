@@ -24,7 +24,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args
+from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args, positive, whole
 
 SEED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"   # the Opacus profiler's default --model_name
 
@@ -65,8 +65,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r = p.add_argument_group("running")
     r.add_argument("--measure", action="store_true", help="real steps, each cell in a fresh subprocess with --timeout")
     r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time and loss only)")
-    r.add_argument("--steps", "--num_steps", type=int, default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
-    r.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured cell (default 600)")
+    r.add_argument("--steps", "--num_steps", type=whole(1), default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
+    r.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per measured cell (default 600)")
     r.add_argument("--budget", metavar="SIZE", help="memory limit: measured cells run under it (OOM above), estimated cells are marked")
     r.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="with --measure: run cells in parallel, one per GPU "
                    "(a cell of --world-size N takes N of them), each in its own subprocess")

@@ -320,6 +320,10 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
                                hint="return (model, batch, loss_fn) with loss_fn(output, batch), or a step(model, batch)")
     step = third if third is not None and is_step_callable(third) else None
     loss_fn = None if step is not None else third
+    if third is not None:
+        from ..core import usercode
+
+        usercode.register(third, "step function" if step is not None else "loss function", source.name)
     forward_keys = None
     if step is None:
         forward_keys = forward_batch_keys(model, batch, source.name, has_loss_fn=loss_fn is not None)

@@ -203,7 +203,18 @@ def _factory_source(target: str) -> ModelSource:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise ModelSourceError(f"cannot import {mod_name!r} for factory {target!r} ({e})", hint="make the module importable (PYTHONPATH) and write it as pkg.module:function") from None
+    except Exception as e:  # noqa: BLE001 - the user's module fails as it is imported: theirs, with its last frame
+        from ..core.usercode import first_line, last_user_frame
+
+        where = f"{os.path.basename(e.filename)}:{e.lineno}" if isinstance(e, SyntaxError) and e.filename else last_user_frame(e)
+        raise ModelSourceError(f"importing your module {mod_name!r} for factory {target!r} raised {type(e).__name__}: "
+                               f"{first_line(e)}" + (f" ({where})" if where else ""),
+                               hint="fix the module: `python -c 'import " + mod_name + "'` shows the same error") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ModelSourceError(f"{mod_name!r} has no callable {fn_name!r}", hint="the factory is `def fn(spec) -> (model, batch)`")
+    from ..core import usercode
+
+    usercode.register_file(getattr(mod, "__file__", None), target)   # its failures are the user's (core/usercode.py)
+    usercode.register(fn, "factory", target)
     return ModelSource(target, "factory", "factory", factory=fn)
