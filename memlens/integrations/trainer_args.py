@@ -197,7 +197,10 @@ def weights_of_model(model: str) -> str:
         cfg = resolve(model).config
     except Exception:  # noqa: BLE001 - the spec's own validation reports a bad model later
         return "fp32"
-    dt = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
+    from ..models.build import quiet
+
+    with quiet():   # transformers 5 warns that `torch_dtype` is deprecated (a stray line on stderr)
+        dt = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
     return {"bfloat16": "bf16", "float16": "fp16"}.get(dt, "fp32")
 
 
