@@ -6,7 +6,7 @@ memory-vs-batch lines and per-config timelines.
     memlens sweep --model gpt2-medium --batch-sizes 4 8 16 32 --seq-lens 512 1024 --measure --out sw/   (GPU)
     memlens sweep ... --out sw/ --resume          (after a crash or kill: skips the finished cells)
 
-The Opacus memory profiler's flags (seeds/004) work as written: --seq_lengths, --batch_sizes,
+The flags of Opacus' memory profiler script work as written: --seq_lengths, --batch_sizes,
 --max_physical_batch_sizes (DP-SGD: Opacus' BatchMemoryManager), --lora_ranks, --num_steps,
 --model_name (default there: meta-llama/Llama-3.1-8B-Instruct when --token is given), --results_dir,
 --token (used for the Hugging Face config download; never printed or written), and --detailed
@@ -73,7 +73,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue the sweep in --out: skip cells already in results.jsonl")
     r.add_argument("--detailed", action="store_true",
                    help="each cell's peak by component, memory type and operation (measured: a full-mode profile per cell)")
-    s = p.add_argument_group("the Opacus memory profiler's names (seeds/004)")
+    s = p.add_argument_group("the names of Opacus' memory profiler script")
     s.add_argument("--model_name", metavar="ID", help=f"= --model (default {SEED_MODEL} when --token is given)")
     s.add_argument("--results_dir", metavar="DIR", help="= --out")
     s.add_argument("--token", metavar="HF_TOKEN", help="Hugging Face token for gated configs (used for the download only; "

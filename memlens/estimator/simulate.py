@@ -174,8 +174,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         from . import conv_workspaces
 
         if not conv_workspaces.calibrated(spec.gpu):
-            notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu} (bench/gpu_generality_calibrate.py conv): "
-                         "not counted")
+            # (calibrated by bench/gpu_generality_calibrate.py, group conv)
+            notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu}: not counted")
     paged = getattr(step.optimizer, "paged_bytes", 0)
     if paged:
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
