@@ -64,7 +64,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--techniques", metavar="T1,T2+T3", help="techniques as in `memlens compare` (default: the spec as given)")
     r = p.add_argument_group("running")
     r.add_argument("--measure", action="store_true", help="real steps, each cell in a fresh subprocess with --timeout")
-    r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time and loss only)")
+    r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time, loss and the CPU ledger's tensor storages)")
     r.add_argument("--steps", "--num_steps", type=whole(1), default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
     r.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per measured cell (default 600)")
     r.add_argument("--budget", metavar="SIZE", help="memory limit: measured cells run under it (OOM above), estimated cells are marked")
