@@ -73,7 +73,14 @@ def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise SpecError(f"trainer-args file {p} does not exist", hint="give the JSON TrainingArguments.to_json_string() wrote, or a YAML file")
-    text = p.read_text()
+    if p.is_dir():
+        raise SpecError(f"trainer-args {p} is a directory, not a file", hint="give the JSON TrainingArguments.to_json_string() wrote, or a YAML file")
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise SpecError(f"{p} is neither JSON nor valid YAML (not UTF-8 text)", hint="one `argument: value` per line, as HfArgumentParser reads") from None
+    except OSError as e:
+        raise SpecError(f"cannot read trainer-args {p}: {e.strerror or e}", hint="check the path given to --trainer-args") from None
     try:
         data = json.loads(text) if p.suffix.lower() == ".json" or text.lstrip().startswith("{") else None
     except json.JSONDecodeError as e:
