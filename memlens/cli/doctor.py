@@ -16,7 +16,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
+from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
 WHATS = ("oom", "log", "snapshot", "stats")
 
@@ -123,8 +123,6 @@ def _snapshot(args):
     from ..doctor.plots import plot_snapshot
     from ..doctor.snapshot import doctor_snapshot
 
-    if args.top < 1:
-        raise MemlensError("--top must be at least 1", hint="e.g. --top 10")
     return doctor_snapshot(args.snapshot, diff_with=args.diff, top=args.top), plot_snapshot
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

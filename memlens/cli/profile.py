@@ -18,7 +18,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
