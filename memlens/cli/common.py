@@ -10,6 +10,29 @@ from ..core.errors import SpecError
 from ..core.spec import ATTENTION, GRAD_SAMPLE_MODES, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
 
 
+def whole(lowest: int):
+    """argparse type: a whole number >= ``lowest`` (negative numbers parse, then are refused in one line)."""
+    def parse(text: str) -> int:
+        v = int(text)   # ValueError -> argparse's "invalid int value: 'x'"
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {lowest}, got {v}")
+        return v
+
+    parse.__name__ = "int"
+    return parse
+
+
+def positive(text: str) -> float:
+    """argparse type: a finite number > 0 (seconds, minutes)."""
+    v = float(text)
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return v
+
+
+positive.__name__ = "float"
+
+
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     """The spec flags (exact names reused by every verb). Defaults are None so YAML values show through."""
     g = p.add_argument_group("training spec (flags override --config)")

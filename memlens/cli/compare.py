@@ -14,7 +14,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
-from .common import require_cuda, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import require_cuda, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -25,9 +25,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--techniques", metavar="T1,T2+T3", help="comma-separated techniques, + combines (default: the seeds' set; "
                    "with --dp: non-private, dp-hooks, dp-ghost)")
     g.add_argument("--measure", action="store_true", help="run real steps, each configuration in a fresh subprocess")
-    g.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu measures time and loss only)")
-    g.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per measured configuration (default 3)")
-    g.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured configuration (default 600)")
+    g.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time, loss and the CPU ledger's tensor storages)")
+    g.add_argument("--steps", type=whole(1), default=3, metavar="N", help="optimizer steps per measured configuration (default 3)")
+    g.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per measured configuration (default 600)")
     g.add_argument("--budget", metavar="SIZE", help="also say which techniques fit this GPU memory (the fit rule of `memlens fit`)")
     add_output_args(p)
     p.set_defaults(func=run)

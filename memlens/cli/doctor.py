@@ -16,7 +16,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
 WHATS = ("oom", "log", "snapshot", "stats")
 
@@ -35,13 +35,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lg.add_argument("logfile", help="training log (plain lines, HF Trainer, Lightning metrics.csv, memlens CSV); '-': stdin")
     lg.add_argument("--capacity", metavar="SIZE", help="GPU memory to project against, e.g. 24GiB or 23.69GiB")
     lg.add_argument("--unit", metavar="UNIT", help="unit of memory numbers written without one (default: guessed)")
-    lg.add_argument("--gpu", type=int, metavar="N", help="which GPU's rows to read from a memlens watch CSV")
+    lg.add_argument("--gpu", type=whole(0), metavar="N", help="which GPU's rows to read from a memlens watch CSV")
     add_output_args(lg)
 
     sn = sub.add_parser("snapshot", help="a torch.cuda.memory._dump_snapshot pickle: top allocations, fragmentation, diff")
     sn.add_argument("snapshot", help="snapshot pickle")
     sn.add_argument("--diff", metavar="LATER.pickle", help="a later snapshot: list the allocation sites that grew")
-    sn.add_argument("--top", type=int, default=10, metavar="N", help="allocations / sites to list (default 10)")
+    sn.add_argument("--top", type=whole(1), default=10, metavar="N", help="allocations / sites to list (default 10)")
     add_output_args(sn)
 
     st = sub.add_parser("stats", help="a torch.cuda.memory_stats() JSON dump: fragmentation and retries")
@@ -123,8 +123,6 @@ def _snapshot(args):
     from ..doctor.plots import plot_snapshot
     from ..doctor.snapshot import doctor_snapshot
 
-    if args.top < 1:
-        raise MemlensError("--top must be at least 1", hint="e.g. --top 10")
     return doctor_snapshot(args.snapshot, diff_with=args.diff, top=args.top), plot_snapshot
 
 

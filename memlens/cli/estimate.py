@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="simulate: run the real step on fake tensors (exact); formula: closed form (instant, any size)")
     p.add_argument("--list-models", action="store_true", help="list the built-in models and exit")
     p.add_argument("--list-gpus", action="store_true", help="list the GPUs --gpu knows (memory, context, attention kernels) and exit")
-    p.add_argument("--top", type=int, default=12, metavar="N", help="modules to show (default 12)")
+    p.add_argument("--top", type=whole(0), default=12, metavar="N", help="modules to show (default 12)")
     add_output_args(p)
     p.set_defaults(func=run)
     return p

@@ -12,7 +12,7 @@ import sys
 
 from ..core.errors import MemlensError, NoDeviceError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -21,17 +21,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_spec_args(p)
     g = p.add_argument_group("fit")
     g.add_argument("--budget", metavar="SIZE", help="GPU memory for the process, e.g. 16GiB (default: this GPU's free memory)")
-    g.add_argument("--target-batch", type=int, metavar="N", help="effective batch to keep with accumulation (default: batch x grad-accum)")
+    g.add_argument("--target-batch", type=whole(1), metavar="N", help="effective batch to keep with accumulation (default: batch x grad-accum)")
     g.add_argument("--margin", metavar="F|SIZE", help="safety margin: a fraction (0.05) or a size (512MiB); default 5%%, >= 256 MiB")
     g.add_argument("--context", metavar="SIZE", help="CUDA context taken off the budget (default 740MiB; 0 for an allocator-only limit)")
-    g.add_argument("--gpus", type=int, default=8, metavar="N", help="GPUs for the plan's ZeRO/FSDP entries (default 8; 1: leave them out)")
+    g.add_argument("--gpus", type=whole(1), default=8, metavar="N", help="GPUs for the plan's ZeRO/FSDP entries (default 8; 1: leave them out)")
     g.add_argument("--no-plan", action="store_true", help="only the max micro-batch (fewer estimates)")
     g.add_argument("--method", choices=("simulate", "formula"), default="simulate", help="estimator (default simulate)")
     v = p.add_argument_group("verify on a GPU")
     v.add_argument("--verify", action="store_true", help="confirm the limit with real steps (fresh subprocesses), seeded by the estimate")
     v.add_argument("--device", default="cuda", help="device for --verify (default cuda)")
-    v.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per trial (default 600)")
-    v.add_argument("--steps", type=int, default=3, metavar="N", help="optimizer steps per trial (default 3)")
+    v.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per trial (default 600)")
+    v.add_argument("--steps", type=whole(1), default=3, metavar="N", help="optimizer steps per trial (default 3)")
     add_output_args(p)
     p.set_defaults(func=run)
     return p

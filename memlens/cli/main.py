@@ -10,8 +10,10 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
 from ..core.errors import MemlensError
+from ..core.usercode import user_code_error
 
 # verb -> module name under memlens.cli
 VERBS = {
@@ -48,8 +50,19 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
             if e.name == f"memlens.cli.{modname}":
                 continue  # verb not built yet
             raise
-        mod.add_parser(sub)
+        _add_debug(mod.add_parser(sub))
     return parser
+
+
+def _add_debug(parser) -> None:
+    """`memlens estimate ... --debug` works as well as `memlens --debug estimate ...` (and under doctor's verbs)."""
+    if parser is None:
+        return
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for internal errors")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _add_debug(child)
 
 
 def run_verb(module_run, args) -> int:
@@ -57,6 +70,9 @@ def run_verb(module_run, args) -> int:
     try:
         return int(module_run(args) or 0)
     except MemlensError as e:
+        cause = e.__cause__ or e.__context__
+        if cause is not None and _debug(args):   # what the one line summarizes
+            traceback.print_exception(cause, file=sys.stderr)
         print(e.render(), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
@@ -64,11 +80,21 @@ def run_verb(module_run, args) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    except Exception as e:  # an internal bug: one line unless --debug
-        if getattr(args, "debug", False) or os.environ.get("MEMLENS_DEBUG"):
-            raise
+    except Exception as e:  # the user's own code (a factory, a loss function), or an internal bug: one line unless --debug
+        if _debug(args):
+            traceback.print_exception(e, file=sys.stderr)
+        mine = user_code_error(e)
+        if mine is not None:
+            print(mine.render(), file=sys.stderr)
+            return mine.exit_code
+        if _debug(args):
+            return 1
         print(f"ERROR: internal error: {type(e).__name__}: {e}  HINT: rerun with --debug and report it", file=sys.stderr)
         return 1
+
+
+def _debug(args) -> bool:
+    return bool(getattr(args, "debug", False) or os.environ.get("MEMLENS_DEBUG"))
 
 
 def _verb_of(argv: list[str]) -> str | None:
@@ -80,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         parser = build_parser(_verb_of(argv))
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            verb = " ".join(w for w in (getattr(args, "verb", None), getattr(args, "doctor_what", None)) if w)
+            raise MemlensError(f"unrecognized arguments: {' '.join(extra)}",
+                               hint=f"see `memlens {verb} --help`" if verb else "see `memlens --help`")
     except MemlensError as e:
         print(e.render(), file=sys.stderr)
         return e.exit_code

@@ -18,7 +18,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args
+from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,8 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_spec_args(p)
     g = p.add_argument_group("profile")
-    g.add_argument("--steps", type=int, default=3, metavar="N", help="profiled optimizer steps (default 3)")
-    g.add_argument("--warmup", type=int, default=1, metavar="N", help="steps first, read as one interval (default 1)")
+    g.add_argument("--steps", type=whole(1), default=3, metavar="N", help="profiled optimizer steps (default 3)")
+    g.add_argument("--warmup", type=whole(0), default=1, metavar="N", help="steps first, read as one interval (default 1)")
     g.add_argument("--device", default=None, metavar="DEV", help="cuda:0 | cpu (default: cuda; refused without a GPU unless --device cpu)")
     g.add_argument("--mode", choices=("phases", "full", "ledger"), default=None,
                    help="phases: allocator counters at phase boundaries (<5%% overhead); full: + categories and modules "

@@ -6,7 +6,7 @@ memory-vs-batch lines and per-config timelines.
     memlens sweep --model gpt2-medium --batch-sizes 4 8 16 32 --seq-lens 512 1024 --measure --out sw/   (GPU)
     memlens sweep ... --out sw/ --resume          (after a crash or kill: skips the finished cells)
 
-The Opacus memory profiler's flags (seeds/004) work as written: --seq_lengths, --batch_sizes,
+The flags of Opacus' memory profiler script work as written: --seq_lengths, --batch_sizes,
 --max_physical_batch_sizes (DP-SGD: Opacus' BatchMemoryManager), --lora_ranks, --num_steps,
 --model_name (default there: meta-llama/Llama-3.1-8B-Instruct when --token is given), --results_dir,
 --token (used for the Hugging Face config download; never printed or written), and --detailed
@@ -24,7 +24,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args
+from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args, positive, whole
 
 SEED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"   # the Opacus profiler's default --model_name
 
@@ -64,16 +64,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--techniques", metavar="T1,T2+T3", help="techniques as in `memlens compare` (default: the spec as given)")
     r = p.add_argument_group("running")
     r.add_argument("--measure", action="store_true", help="real steps, each cell in a fresh subprocess with --timeout")
-    r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time and loss only)")
-    r.add_argument("--steps", "--num_steps", type=int, default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
-    r.add_argument("--timeout", type=float, default=600, metavar="S", help="seconds per measured cell (default 600)")
+    r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time, loss and the CPU ledger's tensor storages)")
+    r.add_argument("--steps", "--num_steps", type=whole(1), default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
+    r.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per measured cell (default 600)")
     r.add_argument("--budget", metavar="SIZE", help="memory limit: measured cells run under it (OOM above), estimated cells are marked")
     r.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="with --measure: run cells in parallel, one per GPU "
                    "(a cell of --world-size N takes N of them), each in its own subprocess")
     r.add_argument("--resume", action="store_true", help="continue the sweep in --out: skip cells already in results.jsonl")
     r.add_argument("--detailed", action="store_true",
                    help="each cell's peak by component, memory type and operation (measured: a full-mode profile per cell)")
-    s = p.add_argument_group("the Opacus memory profiler's names (seeds/004)")
+    s = p.add_argument_group("the names of Opacus' memory profiler script")
     s.add_argument("--model_name", metavar="ID", help=f"= --model (default {SEED_MODEL} when --token is given)")
     s.add_argument("--results_dir", metavar="DIR", help="= --out")
     s.add_argument("--token", metavar="HF_TOKEN", help="Hugging Face token for gated configs (used for the download only; "

@@ -14,19 +14,20 @@ import time
 from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.units import fmt_bytes
+from .common import positive, whole
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("watch", help="live GPU memory per device and process (NVML) with OOM-risk warnings",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between readings (default 1)")
+    p.add_argument("--interval", type=positive, default=1.0, metavar="S", help="seconds between readings (default 1)")
     p.add_argument("--once", action="store_true", help="one reading, then exit")
-    p.add_argument("--count", type=int, metavar="N", help="stop after N readings")
-    p.add_argument("--gpu", type=int, action="append", metavar="N", help="only this GPU (repeatable)")
+    p.add_argument("--count", type=whole(1), metavar="N", help="stop after N readings")
+    p.add_argument("--gpu", type=whole(0), action="append", metavar="N", help="only this GPU (repeatable)")
     p.add_argument("--log", metavar="FILE.csv", help="append every reading to this CSV")
-    p.add_argument("--window", type=float, default=60.0, metavar="S", help="seconds of history for the trend (default 60)")
+    p.add_argument("--window", type=positive, default=60.0, metavar="S", help="seconds of history for the trend (default 60)")
     p.add_argument("--warn-fraction", type=float, default=0.90, metavar="F", help="warn above this used fraction (default 0.9)")
-    p.add_argument("--warn-minutes", type=float, default=10.0, metavar="M", help="warn when full within M minutes (default 10)")
+    p.add_argument("--warn-minutes", type=positive, default=10.0, metavar="M", help="warn when full within M minutes (default 10)")
     p.add_argument("--json", action="store_true", help="print each reading as a Result JSON (one per line unless --once)")
     p.set_defaults(func=run)
     return p
@@ -35,13 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, sleep=time.sleep) -> int:
     from ..measure import nvml
 
-    if args.interval <= 0:
-        raise MemlensError("--interval must be positive", hint="e.g. --interval 0.5")
     if not 0 < args.warn_fraction <= 1:
         raise MemlensError("--warn-fraction must be in (0, 1]", hint="e.g. --warn-fraction 0.9")
-    count = 1 if args.once else args.count
-    if count is not None and count < 1:
-        raise MemlensError("--count must be at least 1", hint="e.g. --count 10")
+    count = 1 if args.once else args.count   # --count >= 1 (parsed by whole(1))
     backend = nvml.open_backend()
     log = _open_log(args.log) if args.log else None
     watcher = nvml.Watcher(backend, args.gpu, args.window, args.warn_fraction, args.warn_minutes * 60)

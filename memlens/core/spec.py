@@ -80,7 +80,7 @@ class TrainingSpec:
                             f"Trainer names: {', '.join(HF_OPTIM_ALIASES)})",
                             hint=(f"did you mean {close[0]!r}? " if close else "") + "use --optimizer adamw-fused")
         if self.max_grad_norm is not None:
-            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) or self.max_grad_norm < 0:
+            if isinstance(self.max_grad_norm, bool) or not isinstance(self.max_grad_norm, (int, float)) or not 0 <= self.max_grad_norm < float("inf"):
                 raise SpecError(f"max-grad-norm must be a number >= 0, got {self.max_grad_norm!r}", hint="e.g. --max-grad-norm 1.0 (0: no clipping)")
             if not self.dp:   # 0 = off, as in the Trainer; under DP-SGD clipping is the point (checked below)
                 object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm) or None)
@@ -96,6 +96,9 @@ class TrainingSpec:
             raise SpecError(f"batch_size {self.batch_size} is impossibly large", hint="use a micro-batch under 1000000")
         if self.qlora and self.lora_rank is None:
             raise SpecError("--qlora needs --lora-rank", hint="add --lora-rank 16 (QLoRA trains LoRA adapters on 4-bit weights)")
+        if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float))
+                                            or not self.lora_alpha > 0 or self.lora_alpha == float("inf")):
+            raise SpecError(f"lora-alpha must be a positive number, got {self.lora_alpha!r}", hint="e.g. --lora-alpha 32 (default 2 x rank)")
         if self.lora_alpha is not None and self.lora_rank is None:
             raise SpecError("--lora-alpha needs --lora-rank", hint="add --lora-rank 16")
         if self.lora_targets is not None and self.lora_rank is None:
@@ -205,8 +208,14 @@ class TrainingSpec:
         p = Path(path)
         if not p.exists():
             raise SpecError(f"config file {p} does not exist", hint="check the path given to --config")
+        if p.is_dir():
+            raise SpecError(f"config {p} is a directory, not a YAML file", hint="give --config the path of a spec.yaml")
         try:
             data = yaml.safe_load(p.read_text())
+        except OSError as e:
+            raise SpecError(f"cannot read config {p}: {e.strerror or e}", hint="check the path given to --config") from None
+        except UnicodeDecodeError:
+            raise SpecError(f"{p} is not valid YAML (not UTF-8 text)", hint="give --config a YAML text file (key: value per line)") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

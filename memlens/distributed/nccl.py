@@ -19,9 +19,10 @@ the figure is reported as unknown, never guessed.
 """
 from __future__ import annotations
 
-# (gpu, world size) -> (bytes per rank, where it was measured). Filled from bench/results/distributed_accuracy.json.
+# (gpu, world size) -> (bytes per rank, where it was measured). Filled from bench/results/distributed_accuracy.json,
+# measured by bench/gpu_distributed.py (the second item is shown to users: no internal paths there).
 MEASURED: dict[tuple[str, int], tuple[int, str]] = {
-    ("h200", 2): (960495616, "bench/gpu_distributed.py on 2 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
+    ("h200", 2): (960495616, "measured on 2 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
                              "median over 24 ranks of 12 cases (912-922 MiB)"),
 }
 
@@ -35,5 +36,5 @@ def nccl_bytes(gpu: str, world_size: int) -> tuple[int | None, str]:
     if same_gpu:
         w, (b, src) = min(same_gpu, key=lambda wv: abs(wv[0] - world_size))
         return b, f"{src} (measured at world size {w}, not {world_size})"
-    return None, (f"not measured for {gpu} at world size {world_size}: run bench/gpu_distributed.py on such a machine "
-                  "(NVML process memory - reserved - CUDA context)")
+    return None, (f"not measured for {gpu} at world size {world_size} (measured as NVML process memory - reserved - "
+                  "CUDA context)")

@@ -51,6 +51,11 @@ def _counts(spec: TrainingSpec):
     from ..models.source import resolve
     from ..models.build import quiet
 
+    if spec.world_size > 1 and spec.sharding == "none":   # as the simulation says (memlens.distributed.strategies.check)
+        raise MemlensError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
+    if spec.reshard_after_forward is not None and not isinstance(spec.reshard_after_forward, bool):
+        raise MemlensError(f"--method formula does not model FSDP2 resharding over {spec.reshard_after_forward} GPUs "
+                           "(--reshard-after-forward N)", hint="drop --method formula: the simulation runs FSDP2 itself")
     if spec.dp:
         raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
@@ -82,7 +87,12 @@ def _counts(spec: TrainingSpec):
             t_bytes += p.numel() * p.element_size()
     for b in model.buffers():
         buf += b.numel() * b.element_size()
-    return source, p_bytes, t_numel, t_bytes, buf
+    block = 0
+    if spec.sharding in ("zero3", "fsdp"):   # FSDP2 gathers one block's parameters whole (memlens.distributed.fsdp)
+        from ..distributed.fsdp import find_blocks
+
+        block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in find_blocks(model)), default=p_bytes)
+    return source, p_bytes, t_numel, t_bytes, buf, block
 
 
 def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
@@ -91,7 +101,7 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
 
     from ..core.gpus import gpu_facts
 
-    source, p_bytes, t_numel, t_bytes, buf = _counts(spec)
+    source, p_bytes, t_numel, t_bytes, buf, block = _counts(spec)
     ws = 2 * gpu_facts(spec.gpu).cublas_workspace_bytes  # one per handle: forward thread and autograd thread
     cfg = source.config
     text = getattr(cfg, "text_config", None) or cfg
@@ -146,9 +156,23 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
             grads //= shard
         if spec.sharding in ("zero3", "fsdp"):
             params //= shard
+    gathered = 0
+    shard_why = ""
+    if shard > 1:
+        split = ["optimizer states"] + (["gradients"] if spec.sharding in ("zero2", "zero3", "fsdp") else []) + \
+            (["parameters"] if spec.sharding in ("zero3", "fsdp") else [])
+        shard_why = f"{spec.sharding} over {shard} ranks: {', '.join(split)} / {shard} per rank"
+    if spec.sharding in ("zero3", "fsdp") and spec.reshard_after_forward is not False:
+        # FSDP2 all-gathers a block's parameters whole before it runs and prefetches the next one: two blocks at a time
+        gathered = 2 * block
+    bucket = 0
+    if spec.sharding in ("ddp", "zero1") and not spec.gradient_as_bucket_view:
+        bucket = grads   # DDP's Reducer copies every gradient into its flat all-reduce buckets (no views)
     fb = [
-        Term("parameters", params, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"),
-        Term("gradients", grads, "one gradient per trainable parameter, in its dtype"),
+        Term("parameters", params + gathered, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"
+             + (f"; {shard_why}" if shard_why else "") + ("; + 2 blocks gathered whole (the one running, the one prefetched)" if gathered else "")),
+        Term("gradients", grads + bucket, "one gradient per trainable parameter, in its dtype"
+             + ("; + DDP's all-reduce buckets (a copy of the gradients)" if bucket else "")),
         Term("optimizer_state", opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
         Term("activations", act, act_why),
         Term("temporaries", logits, logits_why or "none counted"),
@@ -156,7 +180,7 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     ]
     opt = [
         Term("parameters", params, "weights"),
-        Term("gradients", grads, "all gradients exist during the step"),
+        Term("gradients", grads + bucket, "all gradients exist during the step" + ("; + DDP's buckets" if bucket else "")),
         Term("optimizer_state", opt_bytes, "states"),
         Term("temporaries", opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
         Term("workspace", ws, "cuBLAS workspaces"),
@@ -164,6 +188,15 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     facts = {"hidden_size": H, "layers": layers, "heads": heads, "vocab_size": V, "tokens_per_micro_batch": tokens,
              "family": fam, "trainable_param_count": t_numel, "param_bytes": p_bytes}
     return fb, opt, facts
+
+
+def _sharding_note(spec: TrainingSpec) -> str:
+    if spec.sharding in ("ddp", "none"):
+        return "every rank holds the whole model states" + ("" if spec.gradient_as_bucket_view else " plus DDP's gradient buckets")
+    split = {"zero1": "optimizer states", "zero2": "gradients and optimizer states",
+             "zero3": "parameters, gradients and optimizer states", "fsdp": "parameters, gradients and optimizer states"}
+    return f"{split[spec.sharding]} divided by {spec.world_size}" + (
+        "; two blocks' parameters gathered whole" if spec.sharding in ("zero3", "fsdp") and spec.reshard_after_forward is not False else "")
 
 
 def formula_estimate(spec: TrainingSpec) -> Result:
@@ -187,7 +220,11 @@ def formula_estimate(spec: TrainingSpec) -> Result:
         by_category=by_cat,
         by_phase={"forward/backward": {"peak_allocated_bytes": fb_total}, "optimizer": {"peak_allocated_bytes": opt_total}},
         notes=["closed form: model states exact, activations from per-family constants (approximate);",
-               "peak_reserved_bytes assumes 5% allocator overhead; use --method simulate for exact figures."],
+               "peak_reserved_bytes assumes 5% allocator overhead; use --method simulate for exact figures."]
+        + ([f"per rank of {spec.world_size} GPUs ({spec.sharding}): {_sharding_note(spec)}; NCCL's buffers and "
+            "communication temporaries are not counted (--method simulate runs the wrapper)"] if spec.world_size > 1 else [])
+        + (["--offload-optimizer: optimizer states and step on the CPU (no GPU bytes counted for them)"]
+           if spec.offload_optimizer else []),
         data={"method": "formula", "peak_phase": "backward" if fb_total >= opt_total else "optimizer",
               "terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in terms],
               "forward_backward_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in fb],

@@ -174,8 +174,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         from . import conv_workspaces
 
         if not conv_workspaces.calibrated(spec.gpu):
-            notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu} (bench/gpu_generality_calibrate.py conv): "
-                         "not counted")
+            # (calibrated by bench/gpu_generality_calibrate.py, group conv)
+            notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu}: not counted")
     paged = getattr(step.optimizer, "paged_bytes", 0)
     if paged:
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
@@ -346,7 +346,18 @@ def _synthetic_batch_shortcuts():
 def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+    from ..core import usercode
+
     name = type(e).__name__
+    if "convert all Tensors to FakeTensors" in str(e):   # FakeTensorMode meets a tensor made before the simulation
+        d = usercode.describe(e)
+        who, where = d if d is not None else (f"the model or loss function of {spec.model}", None)
+        return MemlensError(f"{who} uses a real tensor created outside the factory, which estimate cannot trace"
+                            + (f" ({where})" if where else ""),
+                            hint="create every tensor inside the factory (or register it on the model as a buffer)")
+    mine = usercode.user_code_error(e)
+    if mine is not None and not isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
+        return mine
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(e).lower():
         return MemlensError(f"{spec.model}: the step has a data-dependent op that cannot be simulated ({name})",
                             hint="use --method formula for this model")

@@ -59,6 +59,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     est = estimator or CachedEstimator()
     b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []
+    first_error: MemlensError | None = None
     ahead: list[TrainingSpec] = []
     for name in names:
         try:
@@ -89,6 +90,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
                 row.update(fits(p, b).to_dict())
         except MemlensError as e:
             row.update(estimated_peak_allocated_bytes=None, estimated_peak_reserved_bytes=None, estimate_error_message=e.message)
+            first_error = first_error or e
         if measure:
             from .trial import run_trial
 
@@ -98,9 +100,11 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
                        step_seconds=rec.get("seconds"), losses=rec.get("losses"), memory_measured=rec.get("memory_measured", False))
             if rec.get("error"):
                 row["error"] = rec["error"]
-            if rec.get("peak_allocated_bytes") and row.get("estimated_peak_allocated_bytes"):
+            if rec.get("peak_allocated_bytes") and row.get("estimated_peak_allocated_bytes") and not device.startswith("cpu"):
                 row["estimate_error"] = row["estimated_peak_allocated_bytes"] / rec["peak_allocated_bytes"] - 1
         rows.append(row)
+    if not measure and first_error is not None and all(r.get("estimated_peak_allocated_bytes") is None for r in rows):
+        raise first_error   # no technique could be estimated: the spec itself is wrong, said in one line
     _relative(rows, measure)
     d: dict[str, Any] = {"rows": rows, "baseline": names[0], "measured": measure, "device": device if measure else None,
                          "estimate_calls": est.calls, "estimator": est.stats()}
@@ -109,7 +113,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     notes = ["saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
              "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
     if measure and device.startswith("cpu"):
-        notes.append("device cpu: step times and losses are measured, memory is not (estimates shown)")
+        notes.append("device cpu: step times, losses and the CPU ledger's peak of tensor storages are measured "
+                     "(no caching allocator, no CUDA workspaces: not comparable with the GPU estimate)")
     base = rows[0] if rows else {}
     return Result(verb="compare", spec=spec.to_dict(), peak_allocated_bytes=base.get("measured_peak_allocated_bytes") or base.get("estimated_peak_allocated_bytes"),
                   notes=notes, data=d)

@@ -168,6 +168,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         raise MemlensError(f"{path} already holds {len(done)} finished cells", hint="add --resume to continue that sweep, or choose another --out")
     if resume and done:
         _check_same_sweep(done, cells)
+    done_before = bool(done)
     _drop_torn_tail(path)
     est = estimator or CachedEstimator()
     frac = None
@@ -191,6 +192,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     est.prepare([c.spec for c in cells if c.spec is not None and c.key not in done],
                 progress=lambda i, n, s: core_progress.advance(0, total, f"tracing {i}/{n}: {s.describe()}"))
     todo: list[tuple[Cell, dict[str, Any]]] = []
+    errors: list[MemlensError] = []
     for c in cells:
         if c.key in done:
             finish(c, None)
@@ -203,11 +205,16 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
             continue
         rec["spec"] = c.spec.to_dict()
         rec["_t0"] = time.perf_counter()
-        _estimate_cell(c, rec, est, budget_bytes, measure, detailed)
+        err = _estimate_cell(c, rec, est, budget_bytes, measure, detailed)
+        if err is not None:
+            errors.append(err)
         if measure:
             todo.append((c, rec))
         else:
             finish(c, _closed(rec))
+    if not measure and not done_before and errors and len(errors) == len(runnable):
+        path.unlink(missing_ok=True)   # no cell could be estimated: the spec itself is wrong, said in one line
+        raise errors[0]
     run = runner
     if run is None:
         from .trial import run_trial as run
@@ -245,7 +252,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
 
 
 def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_bytes: int | None, measure: bool,
-                   detailed: bool = False) -> None:
+                   detailed: bool = False) -> MemlensError | None:
     try:
         p = est(c.spec)
         rec.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
@@ -266,6 +273,8 @@ def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_by
         rec.update(estimated_peak_allocated_bytes=None, estimate_error_message=e.message)
         if not measure:
             rec["status"] = "error"
+        return e
+    return None
 
 
 def _closed(rec: dict[str, Any]) -> dict[str, Any]:

@@ -16,14 +16,16 @@ profile``'s runner, full mode: the allocator's history on CUDA, the ledger on th
 ``detail``: the peak by category (memory type), by phase (operation), by component (attention,
 MLP, embedding, norm, LoRA) and the labelled snapshots.
 
-On ``device="cpu"`` the steps run on real CPU tensors: times and losses are measured, memory is
-not (``memory_measured`` is false and the memory fields are None). That is what CI uses to test
-the subprocess, timeout and resume machinery without a GPU.
+On ``device="cpu"`` the steps run on real CPU tensors under the CPU ledger of ``memlens profile
+--device cpu`` (the profiler's StorageTracker: the bytes of every live tensor storage): times,
+losses and the peak of the storages are measured (``measured_by`` says so; there is no caching
+allocator, so reserved = allocated). That is what CI uses to test the subprocess, timeout and
+resume machinery without a GPU.
 
 >>> from memlens.core.spec import TrainingSpec
 >>> rec = run_trial(TrainingSpec(model="gpt2", batch_size=1, seq_len=16), device="cpu", steps=1)  # doctest: +SKIP
->>> rec["status"], rec["memory_measured"]                                                          # doctest: +SKIP
-('ok', False)
+>>> rec["status"], rec["measured_by"]                                                              # doctest: +SKIP
+('ok', 'cpu ledger')
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
 
     cuda = device.startswith("cuda")
     dev = torch.device(device)
-    rec: dict[str, Any] = {"status": "ok", "device": device, "memory_measured": cuda, "steps": steps}
+    rec: dict[str, Any] = {"status": "ok", "device": device, "memory_measured": True, "steps": steps,
+                           "measured_by": "cuda allocator" if cuda else "cpu ledger"}
     if cuda:
         torch.cuda.init()
         if dev.index is None:
@@ -69,8 +72,11 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
         step = prepare(spec, device=dev, seed=seed)
         if cuda:  # this process is the trial's own: its peak counter measures the steps only
             torch.cuda.reset_peak_memory_stats(dev)
+        ledger = None if cuda else _cpu_ledger(step, spec)
         times, losses = [], []
         t_start = time.perf_counter()
+        if ledger is not None:
+            ledger.__enter__()
         for n in range(1, steps + 1):
             def on_phase(ph: str, n: int = n) -> None:
                 if cuda:
@@ -84,6 +90,8 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
             sync()
             times.append(time.perf_counter() - t)
             losses.append(float(loss) * spec.grad_accum if loss is not None else None)
+        if ledger is not None:
+            ledger.__exit__(None, None, None)
         rec["step_seconds"] = times
         rec["seconds"] = _median(times[1:] or times)
         rec["losses"] = losses
@@ -91,13 +99,33 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
             rec["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
             rec["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
             rec["num_alloc_retries"] = torch.cuda.memory_stats(dev).get("num_alloc_retries")
+        elif ledger is None:
+            rec.update(peak_allocated_bytes=None, peak_reserved_bytes=None, memory_measured=False,
+                       measured_by="not measured: Opacus' functorch per-sample gradients cannot run under the CPU ledger")
         else:
-            rec["peak_allocated_bytes"] = rec["peak_reserved_bytes"] = None
+            r = ledger.result
+            rec["peak_allocated_bytes"] = rec["peak_reserved_bytes"] = r.peak_allocated_bytes
+            timeline = [{"step": p["step"], "phase": p["phase"], "t": p["t_s"], "allocated_bytes": p["allocated_bytes"],
+                         "peak_allocated_bytes": p["peak_allocated_bytes"]} for p in r.data.get("snapshots", [])]
         rec["timeline"] = timeline
     except torch.OutOfMemoryError as e:
         rec = {**rec, "status": "oom", "error": str(e).splitlines()[0][:300] if str(e) else "OutOfMemoryError",
                "peak_allocated_bytes": None, "peak_reserved_bytes": None}
     return rec
+
+
+def _cpu_ledger(step, spec: TrainingSpec):
+    """The profiler in its CPU ledger mode over a prepared step (as `memlens profile --device cpu` runs it)."""
+    from ..measure.profiler import Profiler
+
+    dp = step.dp
+    if dp is not None and dp.functorch_layers:   # functorch cannot run under the ledger's saved-tensor hooks
+        return None
+    prof = Profiler(step.model, dp.original_optimizer if dp else step.optimizer, device="cpu", mode="phases",
+                    spec=spec.to_dict())
+    if dp:
+        dp.observer = prof
+    return prof
 
 
 def _measure_detailed(spec: TrainingSpec, dev, steps: int, rec: dict[str, Any]) -> dict[str, Any]:

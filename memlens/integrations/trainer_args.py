@@ -73,7 +73,14 @@ def load_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise SpecError(f"trainer-args file {p} does not exist", hint="give the JSON TrainingArguments.to_json_string() wrote, or a YAML file")
-    text = p.read_text()
+    if p.is_dir():
+        raise SpecError(f"trainer-args {p} is a directory, not a file", hint="give the JSON TrainingArguments.to_json_string() wrote, or a YAML file")
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise SpecError(f"{p} is neither JSON nor valid YAML (not UTF-8 text)", hint="one `argument: value` per line, as HfArgumentParser reads") from None
+    except OSError as e:
+        raise SpecError(f"cannot read trainer-args {p}: {e.strerror or e}", hint="check the path given to --trainer-args") from None
     try:
         data = json.loads(text) if p.suffix.lower() == ".json" or text.lstrip().startswith("{") else None
     except json.JSONDecodeError as e:
@@ -197,7 +204,10 @@ def weights_of_model(model: str) -> str:
         cfg = resolve(model).config
     except Exception:  # noqa: BLE001 - the spec's own validation reports a bad model later
         return "fp32"
-    dt = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
+    from ..models.build import quiet
+
+    with quiet():   # transformers 5 warns that `torch_dtype` is deprecated (a stray line on stderr)
+        dt = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")
     return {"bfloat16": "bf16", "float16": "fp16"}.get(dt, "fp32")
 
 

@@ -200,14 +200,38 @@ def apply_lora(model, spec: TrainingSpec):
         targets = r".*language_model.*\.(q_proj|v_proj)$"
     cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=0.0,
                      target_modules=targets, bias="none")
+    if targets is None and mcfg is None:   # a plain nn.Module: peft has no default targets for it
+        names = adaptable_modules(model)
+        raise SpecError("--lora-rank on a model without a transformers config needs --lora-targets "
+                        + (f"(its Linear/Conv modules: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''})" if names
+                           else "(it has no Linear/Conv module LoRA can adapt)"),
+                        hint=f"e.g. --lora-targets {','.join(names[:2])}" if names else "drop --lora-rank")
     try:
         model = get_peft_model(model, cfg)
-    except ValueError as e:
-        msg = str(e).splitlines()[0][:160]
-        raise SpecError(f"LoRA cannot be applied: {msg}", hint="name the modules with --lora-targets q_proj,v_proj") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        names = adaptable_modules(model)
+        raise SpecError(f"LoRA cannot be applied: {msg}",
+                        hint=(f"name the modules with --lora-targets (Linear/Conv modules: {', '.join(names[:6])})" if names
+                              else "name the modules with --lora-targets q_proj,v_proj")) from None
     if spec.grad_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def adaptable_modules(model) -> list[str]:
+    """Names of the modules peft's LoRA can adapt (Linear, Embedding, Conv1d/2d/3d, transformers' Conv1D),
+    as --lora-targets takes them (the last part of the name), most frequent first."""
+    import collections
+
+    import torch
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
+    count: collections.Counter = collections.Counter()
+    for name, m in model.named_modules():
+        if name and (isinstance(m, kinds) or type(m).__name__ == "Conv1D"):
+            count[name.rsplit(".", 1)[-1]] += 1
+    return [n for n, _ in count.most_common()]
 
 
 # ---------------------------------------------------------------- batches
@@ -320,6 +344,10 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
                                hint="return (model, batch, loss_fn) with loss_fn(output, batch), or a step(model, batch)")
     step = third if third is not None and is_step_callable(third) else None
     loss_fn = None if step is not None else third
+    if third is not None:
+        from ..core import usercode
+
+        usercode.register(third, "step function" if step is not None else "loss function", source.name)
     forward_keys = None
     if step is None:
         forward_keys = forward_batch_keys(model, batch, source.name, has_loss_fn=loss_fn is not None)

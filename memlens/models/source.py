@@ -7,6 +7,7 @@ constructor on the meta device; optional extras), or ``package.module:factory`` 
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -70,24 +71,81 @@ def resolve(model: str) -> ModelSource:
     raise ModelSourceError(f"unknown model {model!r}", hint=hint + "see `memlens estimate --list-models`, or give a Hugging Face id, a directory, or pkg.module:factory")
 
 
+_OFFLINE_HINT = ("use a built-in name (memlens estimate --list-models), a local directory with config.json, "
+                 "or set HF_HUB_OFFLINE/HF_HOME to a cache that has it")
+
+
 def _download_config(repo_id: str) -> dict:
-    """Fetch config.json only (never weights). HF_TOKEN is used for gated repositories."""
+    """Fetch config.json only (never weights). HF_TOKEN is used for gated repositories.
+
+    Without a network, one line at once: a cached copy is used when there is one (HF_HUB_OFFLINE,
+    or no connection to the Hub within 2 s), else the error says there is no network, before any
+    of huggingface_hub's retries."""
     try:
         from huggingface_hub import hf_hub_download
+        from huggingface_hub import utils as hf_errors   # the error classes, exported there by old and new versions
     except ImportError:  # pragma: no cover - transformers depends on it
         raise ModelSourceError("huggingface_hub is not installed", hint="pip install huggingface_hub") from None
+    what = f"cannot download the config of {repo_id}"
+    token = os.environ.get("HF_TOKEN") or None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    reason = "HF_HUB_OFFLINE is set" if offline else _hub_unreachable()
     try:
-        p = hf_hub_download(repo_id, "config.json", token=os.environ.get("HF_TOKEN") or None)
-    except Exception as e:  # offline, 404, gated: all one line
-        name = type(e).__name__
-        if "Gated" in name or "401" in str(e) or "403" in str(e):
-            hint = "the repository is gated: accept its licence on the Hub and set HF_TOKEN"
-        elif "NotFound" in name or "404" in str(e):
-            hint = "check the id, or use a built-in name (`memlens estimate --list-models`)"
-        else:
-            hint = "no network? use a built-in name, or download config.json and pass its path"
-        raise ModelSourceError(f"cannot fetch config.json of {repo_id!r} ({name})", hint=hint) from None
+        with _hub_quiet():
+            p = hf_hub_download(repo_id, "config.json", token=token, local_files_only=reason is not None)
+    except hf_errors.HFValidationError as e:
+        raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id ({str(e).splitlines()[0][:120]})",
+                               hint="write it as owner/name, or use a built-in name (`memlens estimate --list-models`)") from None
+    except hf_errors.GatedRepoError:
+        raise ModelSourceError(f"{what}: the repository is gated", hint="accept its licence on the Hub and set HF_TOKEN") from None
+    except (hf_errors.RepositoryNotFoundError, hf_errors.RevisionNotFoundError, hf_errors.EntryNotFoundError) as e:
+        if isinstance(e, hf_errors.LocalEntryNotFoundError) and reason is not None:   # offline, not in the cache
+            raise ModelSourceError(f"{what}: no network ({reason}) and no cached copy", hint=_OFFLINE_HINT) from None
+        if isinstance(e, hf_errors.LocalEntryNotFoundError):   # the connection failed during the download
+            raise ModelSourceError(f"{what}: no network ({_short(e)})", hint=_OFFLINE_HINT) from None
+        raise ModelSourceError(f"{what}: not found on the Hub ({type(e).__name__})",
+                               hint="check the id, or use a built-in name (`memlens estimate --list-models`)") from None
+    except (hf_errors.OfflineModeIsEnabled, OSError) as e:   # connection errors of requests/httpx are OSErrors or wrapped as such
+        raise ModelSourceError(f"{what}: no network ({reason or _short(e)})", hint=_OFFLINE_HINT) from None
+    except Exception as e:  # noqa: BLE001 - the Hub's other answers (5xx, rate limits...): one line
+        raise ModelSourceError(f"{what} ({type(e).__name__}: {_short(e)})",
+                               hint="try again later, or download config.json and pass its path") from None
     return json.loads(Path(p).read_text())
+
+
+def _short(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+
+
+def _hub_unreachable(timeout: float = 2.0) -> str | None:
+    """Why the Hub cannot be reached (DNS, refused, timeout), or None when a TCP connection opens."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"cannot reach {host}:{port}: {e.strerror or type(e).__name__}"
+    return None
+
+
+@contextlib.contextmanager
+def _hub_quiet():
+    """No log lines or warnings of huggingface_hub (retries, symlink notes) while config.json is fetched."""
+    import logging
+    import warnings
+
+    log = logging.getLogger("huggingface_hub")
+    old = log.level
+    log.setLevel(logging.CRITICAL)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            log.setLevel(old)
 
 
 def _config_from_dict(cfg: dict, label: str):
@@ -203,7 +261,18 @@ def _factory_source(target: str) -> ModelSource:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise ModelSourceError(f"cannot import {mod_name!r} for factory {target!r} ({e})", hint="make the module importable (PYTHONPATH) and write it as pkg.module:function") from None
+    except Exception as e:  # noqa: BLE001 - the user's module fails as it is imported: theirs, with its last frame
+        from ..core.usercode import first_line, last_user_frame
+
+        where = f"{os.path.basename(e.filename)}:{e.lineno}" if isinstance(e, SyntaxError) and e.filename else last_user_frame(e)
+        raise ModelSourceError(f"importing your module {mod_name!r} for factory {target!r} raised {type(e).__name__}: "
+                               f"{first_line(e)}" + (f" ({where})" if where else ""),
+                               hint="fix the module: `python -c 'import " + mod_name + "'` shows the same error") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ModelSourceError(f"{mod_name!r} has no callable {fn_name!r}", hint="the factory is `def fn(spec) -> (model, batch)`")
+    from ..core import usercode
+
+    usercode.register_file(getattr(mod, "__file__", None), target)   # its failures are the user's (core/usercode.py)
+    usercode.register(fn, "factory", target)
     return ModelSource(target, "factory", "factory", factory=fn)

@@ -103,7 +103,7 @@ def test_local_config_dir_of_a_known_architecture(capsys, tmp_path):
 def test_hub_id_offline_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     code, _, err = run(capsys, "estimate", "--model", "someorg/some-model-xyz")
-    assert code == 2 and "cannot fetch config.json of 'someorg/some-model-xyz'" in err
+    assert code == 2 and "cannot download the config of someorg/some-model-xyz: no network (HF_HUB_OFFLINE is set)" in err
 
 
 def test_trainer_args_file_and_its_bad_inputs(capsys, tmp_path):

@@ -115,7 +115,7 @@ def test_missing_snapshot_and_bad_top(tmp_path, capsys):
     assert main(["doctor", "snapshot", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
     assert main(["doctor", "snapshot", str(BEFORE), "--top", "0"]) == 2
-    assert "--top must be at least 1" in capsys.readouterr().err
+    assert "argument --top: must be a whole number >= 1, got 0" in capsys.readouterr().err
 
 
 def test_empty_snapshot_is_fine(tmp_path):

@@ -72,7 +72,9 @@ def test_measured_on_cpu_subprocesses_checkpointing_keeps_the_loss(tmp_path):
     r = compare(spec, ["fp32", "checkpointing"], measure=True, device="cpu", steps=2, timeout=120)
     a, b = r.data["rows"]
     assert a["status"] == b["status"] == "ok"
-    assert a["memory_measured"] is False and a["measured_peak_allocated_bytes"] is None
+    # the CPU ledger measures the storages (this tiny model peaks in the optimizer step: checkpointing saves none of it)
+    assert a["memory_measured"] is True and 0 < b["measured_peak_allocated_bytes"] <= a["measured_peak_allocated_bytes"]
+    assert "estimate_error" not in a   # CPU storages are not what a GPU estimate predicts
     assert a["step_seconds"] > 0 and b["step_seconds"] > 0
     # the same seeded weights and batch: checkpointing recomputes, it does not change the math
     assert b["losses"] == pytest.approx(a["losses"], rel=1e-6)

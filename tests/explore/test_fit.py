@@ -170,7 +170,7 @@ def test_cli_fit_json(capsys):
     (["--budget", "12XB"], "cannot read size"),
     (["--budget", "50MiB", "--context", "0", "--margin", "0"], "even batch 1"),
     (["--budget", "700MiB"], "leaves nothing"),
-    (["--budget", "1GiB", "--target-batch", "0"], "target batch"),
+    (["--budget", "1GiB", "--target-batch", "0"], "argument --target-batch: must be a whole number >= 1, got 0"),
     (["--budget", "1GiB", "--gpus", "0"], "--gpus"),
     (["--budget", "1GiB", "--verify", "--device", "cpu"], "--verify"),
 ])

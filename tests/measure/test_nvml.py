@@ -144,8 +144,8 @@ def test_watch_table(fake, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["watch", "--interval", "0"], "ERROR: --interval must be positive"),
-    (["watch", "--count", "0"], "ERROR: --count must be at least 1"),
+    (["watch", "--interval", "0"], "ERROR: argument --interval: must be a number > 0, got 0"),
+    (["watch", "--count", "0"], "ERROR: argument --count: must be a whole number >= 1, got 0"),
     (["watch", "--warn-fraction", "2"], "ERROR: --warn-fraction must be in (0, 1]"),
     (["watch", "--once", "--gpu", "7"], "ERROR: GPU 7 does not exist (this machine has 2)"),
     (["watch", "--once", "--log", "/nonexistent/dir/m.csv"], "ERROR: cannot write the log /nonexistent/dir/m.csv"),
