@@ -85,7 +85,7 @@ def untested(name: str, installed: str) -> str | None:
     >>> untested("torch", "2.13.0+cpu") is None and untested("transformers", "5.23.1") is None
     True
     >>> untested("transformers", "4.57.6")
-    'transformers 4.57.6 is older than the lowest tested (5.0.0)'
+    'transformers 4.57.6 is older than the lowest tested (5.15.0)'
     >>> untested("torch", "2.14.0")
     'torch 2.14.0 is newer than the newest tested (2.13)'
     """
