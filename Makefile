@@ -2,8 +2,14 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-# torch is pinned for the test venv only (a local CPU wheel); the package itself asks for torch>=2.4.
+# torch is pinned for the test venvs only (a local CPU wheel); the package itself asks for torch>=2.11,<3.
 TORCH_PIN ?= torch==2.13.0
+# The lowest supported versions (pyproject's lower bounds; memlens/core/version.py TESTED): the core suite runs on
+# them too, in a second venv, so that pyproject's ranges stay true.
+LOWEST_PINS ?= transformers==5.15.0 peft==0.18.0 opacus==1.6.0
+LOWEST := .venv-lowest
+# The core suite: spec, ledger, estimate on small models, every spec field, the architectures, the CLI contract.
+CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tests/estimator/test_simulate.py tests/cli tests/step tests/models
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,14 +20,30 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
-.PHONY: install demo test clean
+$(LOWEST)/bin/python:
+	$(PY) -m venv $(LOWEST)
+	$(LOWEST)/bin/pip install -q --upgrade pip
+
+$(LOWEST)/.installed: $(LOWEST)/bin/python pyproject.toml Makefile
+	$(LOWEST)/bin/pip install -q $(TORCH_PIN)
+	$(LOWEST)/bin/pip install -q -e ".[dev]" $(LOWEST_PINS)
+	touch $@
+
+.PHONY: install install-lowest demo test test-main test-lowest clean
 install: $(VENV)/.installed
+install-lowest: $(LOWEST)/.installed
 
 demo: install
 	$(BIN)/memlens estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16
 
-test: install
+# The whole suite on the newest versions, then the core suite on the lowest ones.
+test: test-main test-lowest
+
+test-main: install
 	$(BIN)/python -m pytest -q
 
+test-lowest: install-lowest
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LOWEST) .pytest_cache

@@ -25,6 +25,9 @@ from ..step.prepare import prepare
 from . import cuda_rules, periodic
 from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
                             register_inputs, register_model, tag_optimizer_state)
+from ..core.version import check_tested_versions
+
+check_tested_versions()   # one warning line when torch / transformers is outside the tested range
 
 # Memory CUDA libraries take through PyTorch's caching allocator (so it is in memory_allocated):
 # cuBLAS keeps one workspace per (handle, stream); the autograd engine's device thread gets its

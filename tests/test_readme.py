@@ -1,0 +1,169 @@
+"""The README runs: every `memlens ...` command in its ```console blocks (`$ memlens ...`) and ```bash blocks
+(`memlens ...`) is run here, on a tiny stand-in where the README's model is large (same verb, same flags shape),
+or parsed only where it needs a GPU, NVML or a token; where the README shows the output, the stand-in's output
+is compared with it on its shape (the same labels and headers, numbers aside).
+
+A README command that is not in COMMANDS fails `test_every_readme_command_is_covered`: a new example must say
+here how it runs.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from memlens.cli.main import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+FIX = "tests/fixtures"
+TINY_LLAMA = f"{FIX}/tiny-llama"
+TINY_GPT2 = f"{FIX}/models/tiny-gpt2"
+
+RUN, PARSE, SKIP = "run", "parse", "skip"
+# README command (continuation lines joined, comments dropped) -> (RUN, stand-in argv) | (PARSE, reason) | (SKIP, reason)
+COMMANDS = {
+    "estimate --model llama-3.2-1b --batch-size 4 --seq-len 2048 --precision bf16":
+        (RUN, f"estimate --model {TINY_LLAMA} --batch-size 4 --seq-len 256 --precision bf16"),
+    "fit --model gpt2 --seq-len 512 --batch-size 32 --budget 16GiB":
+        (RUN, f"fit --model {TINY_GPT2} --seq-len 512 --batch-size 32 --budget 1GiB --context 0"),
+    "compare --model gpt2-medium --batch-size 1 --seq-len 128 --measure --out cmp/":
+        (PARSE, "--measure runs real steps on a GPU"),
+    "sweep --model gpt2-medium --batch-sizes 4,8,16 --seq-lens 512,1024 --techniques fp32,amp-bf16+checkpointing --measure --budget 10GiB --out sw/":
+        (PARSE, "--measure runs real steps on a GPU"),
+    "sweep ... --out sw/ --resume": (SKIP, "elided flags (the sweep above, resumed)"),
+    "estimate --model llama-3.2-1b --precision bf16 --lora-rank 8 --dp --batch-size 16 --physical-batch-size 4 --seq-len 512":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision bf16 --lora-rank 8 --dp --batch-size 4 --physical-batch-size 2 --seq-len 32"),
+    "estimate ... --dp --grad-sample-mode ghost": (SKIP, "elided flags (the estimate above in ghost mode)"),
+    "compare --model llama-3.2-1b --precision bf16 --lora-rank 8 --dp --batch-size 16 --physical-batch-size 4 --seq-len 2048":
+        (RUN, f"compare --model {TINY_LLAMA} --precision bf16 --lora-rank 8 --dp --batch-size 4 --physical-batch-size 2 --seq-len 32"),
+    "fit --model llama-3.1-8b --precision bf16 --lora-rank 16 --dp --batch-size 64 --budget 80GiB":
+        (PARSE, "a DP fit of an 8B model searches many simulated steps (minutes); the DP estimate and compare above run"),
+    "profile --dp ... --mode full --out prof/": (SKIP, "elided flags; profile needs a GPU"),
+    "sweep --dp --token $HF_TOKEN --seq_lengths 128 256 512 --batch_sizes 8 16 32 --max_physical_batch_sizes 1 2 4 --lora_ranks 8 16 "
+    "--results_dir ./memory_results --num_steps 5 --measure": (PARSE, "--measure on a GPU, with a Hugging Face token"),
+    "sweep --dp --token $HF_TOKEN --seq_lengths 128 256 --batch_sizes 8 16 --max_physical_batch_sizes 1 2 --results_dir ./detailed_results "
+    "--num_steps 3 --detailed --measure": (PARSE, "--measure on a GPU, with a Hugging Face token"),
+    "doctor log train.log --capacity 23.69GiB --out report/": (RUN, f"doctor log {FIX}/doctor/seed_exercise_9_8.log --capacity 23.69GiB --out {{tmp}}"),
+    "doctor snapshot step5.pickle --diff step15.pickle --out report/":
+        (RUN, f"doctor snapshot {FIX}/doctor/gpu_snapshot_step5.pickle --diff {FIX}/doctor/gpu_snapshot_step15.pickle --out {{tmp}}"),
+    "doctor stats stats.json": (RUN, f"doctor stats {FIX}/doctor/gpu_memory_stats.json"),
+    "watch": (PARSE, "needs an NVIDIA driver (NVML)"),
+    "watch --once --json": (PARSE, "needs an NVIDIA driver (NVML)"),
+    "watch --log mem.csv": (PARSE, "needs an NVIDIA driver (NVML)"),
+    "profile --model gpt2 --batch-size 4 --seq-len 512 --precision amp-bf16": (PARSE, "profile measures on a GPU"),
+    "profile --model llama-3.2-1b --precision bf16 --mode full --compare-estimate --out prof/": (PARSE, "profile measures on a GPU"),
+    "profile --model gpt2 --torch-profiler --snapshot --out prof/": (PARSE, "profile measures on a GPU"),
+    "profile --model mypkg.models:tiny --device cpu --steps 2": (RUN, "profile --model tests.tiny_models:mlp --device cpu --steps 2"),
+    "profile --model gpt2 --load-on-cpu": (PARSE, "profile measures on a GPU"),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 8 --sharding fsdp":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 8 --sharding fsdp --seq-len 32"),
+    "estimate --model gpt2 --batch-size 8 --world-size 2 --sharding ddp --gradient-as-bucket-view":
+        (RUN, f"estimate --model {TINY_GPT2} --batch-size 8 --world-size 2 --sharding ddp --gradient-as-bucket-view --seq-len 32"),
+    "profile --model llama-3.2-1b --precision amp-bf16 --world-size 2 --sharding fsdp --out prof/": (PARSE, "launches torchrun on 2 GPUs"),
+    "fit --model llama-3.1-8b --precision bf16 --world-size 8 --sharding zero2 --budget 80GiB --target-batch 256":
+        (PARSE, "a sharded fit of an 8B model simulates many ranks and sizes (minutes); the sharded estimates above run"),
+    "sweep --model gpt2-medium --batch-sizes 4,8,16,32 --measure --gpus 0,1,2,3 --out sw/": (PARSE, "--measure on 4 GPUs"),
+    "doctor oom \"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.65 GiB "
+    "of which 1.19 GiB is free. Process 48213 has 22.33 GiB memory in use. Of the allocated memory 17.10 GiB is allocated by "
+    "PyTorch, and 4.71 GiB is reserved by PyTorch but unallocated.\"": (RUN, None),   # as written
+}
+
+
+def readme_examples(text: str) -> list[tuple[str, list[str]]]:
+    """(command after `memlens `, the output lines the README shows under it) for each example."""
+    out: list[tuple[str, list[str]]] = []
+    for lang, body in re.findall(r"^```(console|bash)\n(.*?)^```", text, re.S | re.M):
+        lines = body.splitlines()
+        i = 0
+        while i < len(lines):
+            line = lines[i]
+            prompt = lang == "bash" or line.startswith("$ ")
+            cmd = line[2:] if line.startswith("$ ") else line
+            if not (prompt and cmd.startswith("memlens ")):
+                i += 1
+                continue
+            while cmd.rstrip().endswith("\\") and i + 1 < len(lines):      # continuation lines
+                i += 1
+                cmd = cmd.rstrip()[:-1].rstrip() + " " + lines[i].strip()
+            i += 1
+            shown = []
+            while i < len(lines) and not lines[i].startswith("$ ") and not (lang == "bash" and lines[i].startswith("memlens ")):
+                shown.append(lines[i])
+                i += 1
+            cmd = re.sub(r"\s+#\s.*$", "", cmd[len("memlens "):]).strip()   # a trailing comment
+            out.append((re.sub(r"\s+", " ", cmd), [s for s in shown if s.strip() and not s.lstrip().startswith("#")]))
+    return out
+
+
+EXAMPLES = readme_examples((ROOT / "README.md").read_text())
+
+
+def test_every_readme_command_is_covered():
+    found = [c for c, _ in EXAMPLES]
+    assert len(found) >= 25, found
+    assert sorted(set(found) - set(COMMANDS)) == [], "README commands with no entry in COMMANDS"
+    assert sorted(set(COMMANDS) - set(found)) == [], "COMMANDS entries the README no longer has"
+
+
+_BOX = str.maketrans({c: " " for c in "│┃┏┓┗┛┡┩┢┪━─┳┻╇╈┼┯┷╋┠┨┌┐└┘├┤┬┴"})
+
+
+def _words(s: str) -> str:
+    return " ".join(s.translate(_BOX).split())
+
+
+_NUMBER = re.compile(r"^[~+\-]?\d[\d.,]*(%|x|s)?$")
+
+
+def skeleton(line: str, model: str | None = None) -> list[str]:
+    """The words of a shown line before its first number (a row's label, a table's header), after a leading row
+    number, and never the README's model name or a `b=4`-like setting: what the stand-in's output must show too."""
+    words = _words(line).split()
+    while words and words[0].isdigit():
+        words = words[1:]
+    out = []
+    for w in words:
+        if _NUMBER.match(w) or "=" in w or w in ("...", "…") or (model and model in w):
+            break
+        out.append(w)
+    return out
+
+
+def _ids():
+    return [c[:70] for c, _ in EXAMPLES]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=_ids())
+def test_readme_example(example, capsys, tmp_path, monkeypatch):
+    cmd, shown = example
+    kind, what = COMMANDS[cmd]
+    if kind == SKIP:
+        pytest.skip(what)
+    argv = shlex.split(cmd.replace("$HF_TOKEN", "hf_x"))
+    if kind == PARSE:       # the flags exist and take these values: the README's command is one memlens accepts
+        args = build_parser(argv[0]).parse_args(argv)
+        assert args is not None
+        return
+    monkeypatch.setenv("MEMLENS_WORKERS", "1")
+    monkeypatch.chdir(ROOT)
+    run_argv = argv if what is None else shlex.split(what.replace("{tmp}", str(tmp_path)))
+    assert run_argv[0] == argv[0], "a stand-in keeps the verb"
+    assert {a for a in run_argv if a.startswith("--")} >= {a for a in argv if a.startswith("--")}, "a stand-in keeps the flags"
+    code = main(run_argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    text = _words(out)
+    model = argv[argv.index("--model") + 1] if "--model" in argv else None
+    missing = []
+    for line in shown:
+        sk = skeleton(line, model)
+        if not sk:
+            continue
+        # a row or a line: its label as one phrase; a table header (4 words or more): each word, since rich wraps
+        # header cells over lines
+        ok = " ".join(sk) in text or (len(sk) >= 4 and all(w in text.split() for w in sk))
+        if not ok:
+            missing.append(" ".join(sk))
+    assert missing == [], f"the README shows lines this command no longer prints: {missing}\n--- output ---\n{out}"
