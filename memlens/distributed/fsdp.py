@@ -119,8 +119,13 @@ class FSDPWrapper(Wrapper):
 
     def build_context(self):
         """Real device: parameters on the meta device, buffers real (accelerate's init_empty_weights)."""
-        from accelerate import init_empty_weights
+        try:
+            from accelerate import init_empty_weights
+        except ImportError:
+            from ..core.errors import SpecError
 
+            raise SpecError("running FSDP2 on a device builds each rank's model with accelerate's init_empty_weights, "
+                            "and accelerate (which peft installs) is missing", hint="pip install accelerate") from None
         return init_empty_weights(include_buffers=False)
 
     def wrap(self, model, *, device, fake_mode=None):
