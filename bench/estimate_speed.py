@@ -129,8 +129,13 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="runs per command (the median is reported; default 3)")
     ap.add_argument("--only", action="append", default=[], help="only cases whose name contains this (repeatable)")
     ap.add_argument("--no-builtins", action="store_true", help="skip the every-built-in-model sweep")
+    ap.add_argument("--render", metavar="JSONL", help="write results/estimate_speed.{json,md} from the rows this script printed")
     ap.add_argument("--no-write", action="store_true", help="print only (partial runs never overwrite the committed results)")
     a = ap.parse_args()
+    if a.render:
+        rows = [json.loads(ln) for ln in open(a.render) if ln.startswith('{"case"')]
+        write(rows, _summary(rows, a.runs))
+        return
     cases = [(n, argv, tgt, "estimate") for n, argv, tgt in ESTIMATES]
     if not a.no_builtins:
         cases += [(f"{m} bf16 (defaults: b1, L512)", ["estimate", "--model", m, "--precision", "bf16"], 20, "builtin") for m in BUILTINS]
@@ -148,19 +153,40 @@ def main() -> None:
         row["meets_target"] = row.get("median_s") is not None and row["median_s"] <= target
         rows.append(row)
         print(json.dumps(row), flush=True)
-    ncpu = os.cpu_count() or 1
-    machine = f"{platform.processor() or platform.machine()}, {ncpu} cores, Python {platform.python_version()}"
-    loaded = any((r.get("load_avg") or 0) > ncpu for r in rows)
-    import torch
-    import transformers
-
-    summary = {"machine": machine, "torch": torch.__version__, "transformers": transformers.__version__, "runs": a.runs,
-               "provisional": loaded,
-               "note": ("taken while other processes loaded the machine (load average above the core count): rerun on a quiet "
-                        "machine with `python bench/estimate_speed.py`") if loaded else "quiet machine"}
+    summary = _summary(rows, a.runs)
     print(json.dumps(summary))
     if a.no_write or a.only:
         return
+    write(rows, summary)
+
+
+def _loaded(r: dict, ncpu: int) -> bool:
+    """Other processes shared the CPU: the load average above the cores, less the command's own worker
+    processes (fit, sweep and compare run their estimates in ``workers`` processes beside the main one)."""
+    own = (r.get("estimator") or {}).get("workers", 1) if r.get("kind") == "explore" else 1
+    return (r.get("load_avg") or 0) > ncpu + own - 1
+
+
+def _summary(rows: list[dict], runs: int) -> dict:
+    import torch
+    import transformers
+
+    ncpu = os.cpu_count() or 1
+    machine = f"{platform.processor() or platform.machine()}, {ncpu} cores, Python {platform.python_version()}"
+    loaded = any(_loaded(r, ncpu) for r in rows)
+    return {"machine": machine, "torch": torch.__version__, "transformers": transformers.__version__, "runs": runs,
+            "provisional": loaded,
+            "note": ("taken while other processes loaded the machine (load average above the core count plus the command's "
+                     "own workers): rerun on a quiet machine with `python bench/estimate_speed.py`") if loaded else "quiet machine"}
+
+
+def write(rows: list[dict], summary: dict) -> None:
+    machine = summary["machine"]
+    loaded = summary["provisional"]
+
+    class a:   # noqa: N801 - the runs, as main's arguments name them
+        runs = summary["runs"]
+
     out = os.path.join(HERE, "results")
     with open(os.path.join(out, "estimate_speed.json"), "w") as f:
         json.dump({"summary": summary, "rows": rows}, f, indent=1)
