@@ -5,13 +5,14 @@ profiler (on a real device with random weights), so both run exactly the same tr
 """
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core.errors import ModelSourceError, SpecError
+from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
 from .source import ModelSource
 
@@ -413,18 +414,6 @@ def forward_batch_keys(model, batch, name: str, has_loss_fn: bool) -> frozenset[
     return taken if extra else None
 
 
-@contextlib.contextmanager
 def quiet():
     """Silence transformers' logging and Python warnings while a model is built or run."""
-    import logging
-    import warnings
-
-    tlog = logging.getLogger("transformers")
-    old = tlog.level
-    tlog.setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            tlog.setLevel(old)
+    return silenced("transformers", logging.ERROR)

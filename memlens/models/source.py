@@ -7,7 +7,6 @@ constructor on the meta device; optional extras), or ``package.module:factory`` 
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
 import json
 import os
@@ -131,21 +130,13 @@ def _hub_unreachable(timeout: float = 2.0) -> str | None:
     return None
 
 
-@contextlib.contextmanager
 def _hub_quiet():
     """No log lines or warnings of huggingface_hub (retries, symlink notes) while config.json is fetched."""
     import logging
-    import warnings
 
-    log = logging.getLogger("huggingface_hub")
-    old = log.level
-    log.setLevel(logging.CRITICAL)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            log.setLevel(old)
+    from ..core.quiet import silenced
+
+    return silenced("huggingface_hub", logging.CRITICAL)
 
 
 def _config_from_dict(cfg: dict, label: str):
