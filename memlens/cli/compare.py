@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(result)
         if od is not None:
-            print(f"written to {od}/ (result.json, compare.png)")
+            print(f"written to {od}/ (result.json{', compare.png' if (od / 'compare.png').exists() else ''})")
     return 0
 
 

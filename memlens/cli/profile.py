@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         render(result)
         if d is not None:
-            _console().print(f"[dim]written to {d}/ (result.json, timeline.csv, *.png, report.html)[/dim]")
+            files = sorted(p.name for p in d.iterdir() if p.is_file())
+            _console().print(f"[dim]written to {d}/ ({', '.join(files)})[/dim]")
     return 0
 
 
