@@ -1,4 +1,16 @@
+import os
+
 import pytest
+
+try:   # property tests: the same examples on every run, so a suite that passed once passes again;
+    # MEMLENS_HYPOTHESIS_EXPLORE=1 explores new random examples (what found the non-finite stats bug)
+    from hypothesis import settings
+
+    settings.register_profile("repeatable", derandomize=True, print_blob=True)
+    settings.register_profile("explore", derandomize=False, print_blob=True)
+    settings.load_profile("explore" if os.environ.get("MEMLENS_HYPOTHESIS_EXPLORE") else "repeatable")
+except ImportError:  # pragma: no cover - hypothesis is a dev dependency
+    pass
 
 
 def pytest_collection_modifyitems(config, items):
