@@ -43,7 +43,7 @@ def test_report_has_a_lane_per_rank():
 
 
 USER_SCRIPT = textwrap.dedent("""
-    import json, torch, torch.distributed as dist
+    import json, sys, torch, torch.distributed as dist
     import memlens
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -56,8 +56,10 @@ USER_SCRIPT = textwrap.dedent("""
         for _ in range(2):
             model(x).sum().backward(); opt.step(); opt.zero_grad()
     r = prof.result
-    print("RESULT " + json.dumps({"rank": rank, "peak": r.peak_allocated_bytes, "data_rank": r.data.get("rank"),
-                                  "ranks": [[e["rank"], e["peak_allocated_bytes"]] for e in r.data.get("ranks", [])]}))
+    # one file per rank: the ranks' stdout lines can interleave in torchrun's pipe
+    with open(sys.argv[1] + f"/rank{rank}.json", "w") as f:
+        json.dump({"rank": rank, "peak": r.peak_allocated_bytes, "data_rank": r.data.get("rank"),
+                   "ranks": [[e["rank"], e["peak_allocated_bytes"]] for e in r.data.get("ranks", [])]}, f)
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -67,10 +69,10 @@ def test_memlens_profile_inside_a_users_torchrun_script_gathers_on_rank_0(tmp_pa
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)],
-                       capture_output=True, text=True, timeout=300, env=env)
-    out = {d["rank"]: d for d in (json.loads(ln.split("RESULT ", 1)[1]) for ln in p.stdout.splitlines() if "RESULT " in ln)}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
+    out = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert out[1]["ranks"] == [] and out[1]["data_rank"] == 1          # the other ranks keep their own result
     peaks = dict(out[0]["ranks"])
     assert sorted(peaks) == [0, 1] and peaks[1] > peaks[0]               # rank 1's larger batch
