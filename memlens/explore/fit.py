@@ -12,7 +12,6 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 """
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -184,36 +183,16 @@ def fit_batch_size(train_step: Callable[[int], Any], *, spec: TrainingSpec | Non
     else:
         seed = start if start is not None else 1
 
+    from ..measure.guard import free_cuda_cache, is_oom
+
     def t(bs: int) -> bool:
         try:
             train_step(bs)
             return True
         except Exception as e:  # noqa: BLE001 - only OOMs are swallowed
-            if not _is_oom(e):
+            if not is_oom(e):
                 raise
-        _free_cuda()   # outside the except block: the traceback (and its tensors) is gone by now
+        free_cuda_cache()   # outside the except block: the traceback (and its tensors) is gone by now
         return False
 
     return verify_limit(t, seed, cap=cap)
-
-
-def _is_oom(e: BaseException) -> bool:
-    try:
-        import torch
-
-        if isinstance(e, torch.OutOfMemoryError):
-            return True
-    except (ImportError, AttributeError):
-        pass
-    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
-
-
-def _free_cuda() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001
-        pass

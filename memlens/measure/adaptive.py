@@ -31,7 +31,6 @@ the batch their trainer hands to one training step (:mod:`memlens.integrations`)
 """
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import asdict, dataclass
@@ -40,7 +39,7 @@ from typing import Any, Callable
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
 from ..report.result import Result
-from .guard import is_oom
+from .guard import free_cuda_cache, is_oom
 from .monitor import StepTrend
 
 log = logging.getLogger("memlens.adaptive")
@@ -230,7 +229,7 @@ class SplitRunner:
             # outside the except block: the exception, its traceback and the frames holding the failed
             # micro-batch's tensors are gone; collect their cycles and hand the cache back
             self.ooms += 1
-            _free()
+            free_cuda_cache()
             msg, in_backward = failed
             where = "backward" if in_backward else "forward"
             if in_backward:
@@ -438,17 +437,6 @@ def start_from_fit(policy: MicroBatchPolicy, spec, budget, rows: int, fit_fn: Ca
     if m < cur:
         policy.set(int(m), 0, "start", f"memlens.fit: the largest micro-batch that fits is {m}", rows, cur)
     return said
-
-
-def _free() -> None:
-    gc.collect()
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    except Exception:  # noqa: BLE001
-        pass
 
 
 def _rng_state():

@@ -570,6 +570,21 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
 
 
+def free_cuda_cache() -> None:
+    """After an OOM was caught (outside the except block, so its traceback's tensors are gone):
+    collect garbage and hand the caching allocator's free blocks back."""
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001
+        pass
+
+
 # ---------------------------------------------------------------- helpers
 _STATS_KEPT = ("allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
 
