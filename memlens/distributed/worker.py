@@ -101,19 +101,13 @@ def main(argv: list[str] | None = None) -> int:
 def _nvml_used() -> int | None:
     """NVML used memory of this process (None where the driver does not say)."""
     try:
-        from ..measure.nvml import open_backend
+        from ..measure.nvml import open_backend, process_used_bytes
 
         be = open_backend()
     except Exception:  # noqa: BLE001 - no NVML: no figure
         return None
     try:
-        pid = os.getpid()
-        used = None
-        for i in range(be.device_count()):
-            for p, u in be.processes(i):
-                if p == pid and u is not None:
-                    used = (used or 0) + u
-        return used
+        return process_used_bytes(be, os.getpid())
     except Exception:  # noqa: BLE001
         return None
     finally:

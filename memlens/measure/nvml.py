@@ -115,6 +115,16 @@ def open_backend() -> NvmlBackend:
     return PynvmlBackend()
 
 
+def process_used_bytes(backend: NvmlBackend, pid: int) -> int | None:
+    """NVML's used memory of process ``pid`` summed over every GPU (None where the driver does not say)."""
+    used = None
+    for i in range(backend.device_count()):
+        for p, u in backend.processes(i):
+            if p == pid and u is not None:
+                used = (used or 0) + u
+    return used
+
+
 @dataclass
 class ProcessReading:
     """A process on a GPU: NVML's used memory for it (None when the driver does not report it)."""

@@ -169,18 +169,13 @@ def _nvml_this_process() -> dict[str, Any]:
     """NVML's used memory for this process (what nvidia-smi shows: reserved + CUDA context + libraries)."""
     label = "NVML per-process used memory, as nvidia-smi shows it: PyTorch's reserved memory plus the CUDA context and libraries"
     try:
-        from .nvml import open_backend
+        from .nvml import open_backend, process_used_bytes
 
         be = open_backend()
     except MemlensError as e:
         return {"available": False, "reason": e.message, "label": label}
     try:
-        pid = os.getpid()
-        used = None
-        for i in range(be.device_count()):
-            for p, u in be.processes(i):
-                if p == pid and u is not None:
-                    used = (used or 0) + u
+        used = process_used_bytes(be, os.getpid())
         return {"available": used is not None, "process_used_bytes": used, "label": label,
                 **({} if used is not None else {"reason": "the driver does not report per-process memory here"})}
     except Exception as e:  # noqa: BLE001 - NVML quirks must not fail a profile

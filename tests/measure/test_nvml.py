@@ -46,6 +46,18 @@ class FakeNvml:
         self.closed = True
 
 
+def test_process_used_bytes_sums_gpus_and_keeps_unknown_none():
+    from memlens.measure.nvml import process_used_bytes
+
+    class TwoGpus(FakeNvml):
+        def processes(self, i):
+            return [(4242, 18 * GIB), (777, None)] if i == 0 else [(4242, 2 * GIB)]
+
+    assert process_used_bytes(TwoGpus(), 4242) == 20 * GIB
+    assert process_used_bytes(TwoGpus(), 777) is None        # the driver hides it
+    assert process_used_bytes(TwoGpus(), 1) is None          # not on any GPU
+
+
 def test_read_gpus():
     gpus = read_gpus(FakeNvml())
     assert [g.index for g in gpus] == [0, 1]
