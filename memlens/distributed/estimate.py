@@ -38,6 +38,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
     from ..core.gpus import gpu_facts
     from ..core.ledger import analyze, group_modules
+    from ..estimator import simulation_facts
     from ..models.source import resolve
     from .nccl import nccl_bytes
 
@@ -93,19 +94,8 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         "cuda_context_bytes": ctx,
         "nvidia_smi_estimate_bytes": peak["nvidia_smi_estimate_bytes"],
         "gpu": gpu.to_dict(),
-        "applied": sim.applied,
         "wrapper": _jsonable(sim.wrapper.facts),
-        "peak_phase": a.peak_phase,
-        "peak_step": a.peak_step,
-        "peak_requested_bytes": a.peak_requested_bytes,
-        "steps": a.steps,
-        "attention_backends": sim.attention,
-        "by_module_group": group_modules(a.by_module),
-        "param_count": sim.param_count,
-        "trainable_param_count": sim.trainable_count,
-        "seq_len": sim.seq_len,
-        "image_size": sim.image_size,
-        "model_source": sim.source.to_dict(),
+        **simulation_facts(sim, a),
         "simulate_seconds": round(time.perf_counter() - t0, 3),
     }
     return Result(verb="estimate", spec=spec.to_dict(), peak_allocated_bytes=a.peak_allocated_bytes,

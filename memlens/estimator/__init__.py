@@ -44,11 +44,30 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
     return simulation_result(sim, analyze(sim.log))
 
 
+def simulation_facts(sim, a) -> dict:
+    """What every simulated Result says of its simulation (one GPU, or the rank that peaks)."""
+    from ..core.ledger import group_modules
+
+    return {
+        "applied": sim.applied,
+        "peak_phase": a.peak_phase,
+        "peak_step": a.peak_step,
+        "peak_requested_bytes": a.peak_requested_bytes,
+        "steps": a.steps,
+        "attention_backends": sim.attention,
+        "by_module_group": group_modules(a.by_module),
+        "param_count": sim.param_count,
+        "trainable_param_count": sim.trainable_count,
+        "seq_len": sim.seq_len,
+        "image_size": sim.image_size,
+        "model_source": sim.source.to_dict(),
+    }
+
+
 def simulation_result(sim, a) -> Result:
     """The estimate Result of a simulation (or of a replay at another size, :mod:`.scaling`) and its analysis."""
     from ..core.components import by_component
     from ..core.gpus import gpu_facts
-    from ..core.ledger import group_modules
 
     spec = sim.spec
     gpu = gpu_facts(spec.gpu)
@@ -72,19 +91,8 @@ def simulation_result(sim, a) -> Result:
             "cuda_context_bytes": ctx,
             "nvidia_smi_estimate_bytes": a.peak_reserved_bytes + ctx,
             "gpu": gpu.to_dict(),
-            "applied": sim.applied,
-            "peak_phase": a.peak_phase,
-            "peak_step": a.peak_step,
-            "peak_requested_bytes": a.peak_requested_bytes,
-            "steps": a.steps,
-            "attention_backends": sim.attention,
-            "by_module_group": group_modules(a.by_module),
+            **simulation_facts(sim, a),
             "by_component": by_component(a.by_module),
-            "param_count": sim.param_count,
-            "trainable_param_count": sim.trainable_count,
-            "seq_len": sim.seq_len,
-            "image_size": sim.image_size,
-            "model_source": sim.source.to_dict(),
             "simulate_seconds": round(sim.seconds, 3),
             "later_steps": sim.later_steps,
             **({"later_micro_batches": sim.later_micro_batches} if sim.later_micro_batches else {}),
