@@ -84,3 +84,19 @@ class _MHA(torch.nn.Module):
 def mha(spec=None):
     """nn.MultiheadAttention (as torchvision's ViT uses it) on a 2 x 32 x 64 batch."""
     return _MHA(), torch.randn(2, 32, 64), lambda out, batch: out.sum()
+
+
+class _ManyOps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        for _ in range(1100):   # a Python loop of its own ops (what a sequential scan fallback does)
+            x = x * 1.0001
+        return self.fc(x)
+
+
+def many_ops(spec=None):
+    """A module running 1100 ops of its own in one forward (refused eager, one graph compiled)."""
+    return _ManyOps(), {"x": torch.randn(spec.batch_size if spec else 4, 64)}, lambda out, b: out.sum()

@@ -7,7 +7,7 @@ memlens names an *implementation* (what memory it takes), not just an algorithm:
 - ``adamw-fused`` / ``adam-fused``: ``fused=True`` (one kernel, no temporaries; ``step`` counters
   are float32 tensors on the GPU, one 512-byte block per parameter tensor);
 - ``sgd`` / ``sgd-momentum``: torch's SGD (foreach), momentum 0.9 keeps one buffer per parameter;
-- ``adafactor``: ``torch.optim.Adafactor`` (foreach); ``adafactor-hf``: transformers' own
+- ``adafactor``: ``torch.optim.Adafactor`` (its default single-tensor path, also on CUDA); ``adafactor-hf``: transformers' own
   Adafactor (what the Trainer's ``optim="adafactor"`` builds: scale_parameter=False,
   relative_step=False);
 - ``adamw-8bit`` / ``paged-adamw-8bit``: bitsandbytes' AdamW with 8-bit block-wise states (the

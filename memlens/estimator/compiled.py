@@ -126,12 +126,27 @@ def _random_ops() -> set:
     return {a.rand.default, a.rand_like.default, a.randn.default, a.randn_like.default, a.bernoulli.default, a.bernoulli.p}
 
 
+def _indexing_ops() -> set:
+    """Ops inductor lowers to pointwise kernels that load through an index (torch/_inductor/lowering.py:
+    ``gather``, ``index``, and the constants ``full``, ``scalar_tensor``, ``arange``/``iota``)."""
+    a = torch.ops.aten
+    return {a.gather.default, a.index.Tensor, a.full.default, a.scalar_tensor.default, a.arange.default, a.arange.start,
+            a.arange.start_step, torch.ops.prims.iota.default}
+
+
 def _pointwise(node) -> bool:
-    """Elementwise in inductor's sense: pointwise ops, dtype conversions, and random draws (inductor
-    generates them inside the consuming kernel from a philox seed)."""
+    """Elementwise in inductor's sense: pointwise ops, dtype conversions, random draws (inductor
+    generates them inside the consuming kernel from a philox seed), indexing loads and constants,
+    and a scatter into a constant tensor (inductor's ``scatter_upon_const_tensor`` pass turns it
+    into a pointwise ``where``: cross-entropy's backward never stores its one-hot)."""
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and (torch.Tag.pointwise in t.tags or t is torch.ops.aten._to_copy.default
-                                                     or t in _random_ops())
+    if not isinstance(t, torch._ops.OpOverload):
+        return False
+    if t in (torch.ops.aten.scatter.value, torch.ops.aten.scatter.src):
+        base = node.args[0]
+        return getattr(base, "target", None) is torch.ops.aten.full.default
+    return (torch.Tag.pointwise in t.tags or t is torch.ops.aten._to_copy.default or t in _random_ops()
+            or t in _indexing_ops())
 
 
 def _fusible(node) -> bool:
@@ -185,6 +200,11 @@ def boxed_runner(gm, fuse: bool):
 
     graph = gm.graph
     keep = materialized(graph) if fuse else {}
+    # values never stored, and the views of them (a view of a fused value is no new storage either)
+    fused_away: set = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and (not keep.get(n, True) or (_is_view(n) and n.args and n.args[0] in fused_away)):
+            fused_away.add(n)
     last: dict = {}
     for n in graph.nodes:
         for a in n.all_input_nodes:
@@ -205,7 +225,10 @@ def boxed_runner(gm, fuse: bool):
             elif n.op == "call_function":
                 a = map_arg(n.args, env.__getitem__)
                 kw = map_arg(n.kwargs, env.__getitem__)
-                env[n] = n.target(*a, **kw) if keep.get(n, True) else unaccounted(n.target, a, kw)
+                if n in fused_away:
+                    env[n] = unaccounted(n.target, a, kw)
+                else:
+                    env[n] = n.target(*a, **kw)
             elif n.op == "output":
                 return list(map_arg(n.args[0], env.__getitem__))
             for dead in frees.get(n, ()):

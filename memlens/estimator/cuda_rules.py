@@ -62,7 +62,7 @@ class CudaRules:
     fused_attention: object = None     # the autograd.Function for fused SDPA (None: FusedAttention; --compile traces its own)
 
 
-def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None) -> str:
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None, v=None) -> str:
     """The kernel CUDA's SDPA dispatcher picks (``torch._fused_sdp_choice``) on ``gpu``
     (:class:`memlens.core.gpus.GpuFacts`; default H100).
 
@@ -72,6 +72,12 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, 
     here): flash for fp16/bf16 without a mask, head dim <= 256. fp32 everywhere: memory-efficient
     attention, or math with grouped-query attention (the memory-efficient kernel does not take
     enable_gqa).
+
+    Every fused kernel refuses inputs whose last dimension is not contiguous, the mask's included
+    on GPUs (sdp_utils ``check_last_dim_stride_equals_1_dense``): T5's relative position bias is a
+    permuted embedding (strides (H, 1, S*H, H)), so T5 runs the math path (measured on an H100,
+    bench/results/raw/gpu_t5_sdpa_probe.json). cuDNN refuses a mask that requires grad; the
+    memory-efficient kernel takes it and returns its gradient (measured: choice 2 on an H200).
     """
     from ..core.gpus import gpu_facts
 
@@ -79,7 +85,10 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, 
     half = q.dtype in (torch.float16, torch.bfloat16)
     d = q.shape[-1]
     gqa = enable_gqa and k.shape[-3] != q.shape[-3]
-    if half and facts.cudnn_attention and d <= 128 and d % 8 == 0:
+    if any(t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1 for t in (q, k, v, attn_mask) if t is not None):
+        return "math"
+    mask_grad = attn_mask is not None and attn_mask.requires_grad
+    if half and facts.cudnn_attention and d <= 128 and d % 8 == 0 and not mask_grad:
         return "cudnn"
     if half and facts.flash_attention and d <= 256 and d % 8 == 0 and attn_mask is None:
         return "flash"
@@ -108,7 +117,8 @@ class FusedAttention(torch.autograd.Function):
     backward allocates dq, dk, dv and the kernel's scratch while they are written:
       cudnn: two output-sized buffers, one stats-sized buffer, and with grouped-query attention
       dk/dv expanded to all query heads before they are summed;
-      efficient: one output-sized buffer and two logsumexp-sized buffers;
+      efficient: one output-sized buffer and two logsumexp-sized buffers; a mask that requires
+      grad gets its gradient over the expanded (B, H, L, ceil16(S)) bias, then summed to its shape;
       flash: a float32 dq accumulator (B, ceil128(L), H, ceil32(D)) and softmax_d (B, H, ceil128(L)).
     """
 
@@ -153,32 +163,52 @@ class FusedAttention(torch.autograd.Function):
         else:
             dk, dv = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
             scratch.clear()
-        return dq, dk, dv, None, None
+        dmask = None
+        if ctx.needs_input_grad[3]:  # efficient kernel: grad_bias over the expanded (B, H, L, ceil16(S)) bias
+            mask = ctx.saved_tensors[-1]
+            full = torch.empty(B, H, L, _ceil_to(S, 16), dtype=mask.dtype, device=dev)[..., :S]
+            lead = full.dim() - mask.dim()
+            dims = [*range(lead), *(lead + i for i, m in enumerate(mask.shape) if m == 1 and full.shape[lead + i] != 1)]
+            dmask = full.sum(dims, keepdim=True).reshape(mask.shape) if dims else full
+        return dq, dk, dv, dmask, None
 
 
 def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """The math backend as CUDA runs it (bool dropout mask), in the input dtype."""
+    """The math backend as CUDA runs it (aten/src/ATen/native/transformers/attention.cpp
+    ``_scaled_dot_product_attention_math``, torch 2.5 and later): half inputs are upcast to fp32 and
+    the whole L x S computation (scores, softmax, dropout) is fp32, kept for backward; dropout is
+    CUDA's fused kernel (bool mask); the output and the (discarded) weights go back to the input
+    dtype. A bool mask has become an additive mask of the input dtype in the dispatcher."""
+    origin = q.dtype
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=origin, device=q.device).masked_fill_(attn_mask.logical_not(), float("-inf"))
+    if origin in (torch.float16, torch.bfloat16):
+        q, k, v = q.float(), k.float(), v.float()
     L, S = q.shape[-2], k.shape[-2]
+    sf = math.sqrt(scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    q = q * sf
+    if is_causal:
+        causal = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        attn_mask = torch.zeros(L, S, dtype=q.dtype, device=q.device).masked_fill_(causal.logical_not(), float("-inf"))
+        del causal
     if enable_gqa and k.shape[-3] != q.shape[-3]:
         rep = q.shape[-3] // k.shape[-3]
         k = k.repeat_interleave(rep, dim=-3)
         v = v.repeat_interleave(rep, dim=-3)
-    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    sq = math.sqrt(s)
-    attn = (q * sq) @ (k * sq).transpose(-2, -1)
-    if is_causal:
-        mask = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        attn = attn.masked_fill(~mask, float("-inf"))
+    attn = q @ (k.transpose(-2, -1) * sf)
     if attn_mask is not None:
-        attn = attn.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else attn + attn_mask
-    attn = torch.softmax(attn, dim=-1)
+        attn.add_(attn_mask)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
     if dropout_p > 0:
         attn = torch.native_dropout(attn, dropout_p, True)[0]
-    return attn @ v
+    weights = attn.to(origin)  # the second output, made first (GCC evaluates make_tuple's arguments right to left)
+    out = (attn @ v).to(origin)
+    del weights
+    return out
 
 
 def cuda_sdpa(rules: CudaRules, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    backend = sdpa_backend(q, k, attn_mask, dropout_p, enable_gqa, rules.gpu)
+    backend = sdpa_backend(q, k, attn_mask, dropout_p, enable_gqa, rules.gpu, v)
     rules.attention_calls.append(AttentionCall(backend, tuple(q.shape), str(q.dtype).replace("torch.", ""), dropout_p > 0))
     if backend == "math":
         return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

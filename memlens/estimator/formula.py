@@ -141,9 +141,10 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     opt_bytes = {"adamw": 2 * t_bytes, "adam": 2 * t_bytes, "adamw-fused": 2 * t_bytes, "adam-fused": 2 * t_bytes, "sgd": 0,
                  "sgd-momentum": t_bytes, "adafactor": int(0.02 * t_bytes) + 4 * 1024, "adafactor-hf": int(0.02 * t_bytes) + 4 * 1024,
                  "adamw-8bit": 2 * t_numel, "paged-adamw-8bit": 0}[spec.optimizer]
-    # foreach: one parameter-sized list; fused and bitsandbytes: none; transformers' Adafactor: two fp32 per tensor (largest)
+    # foreach: one parameter-sized list; fused and bitsandbytes: none; Adafactor (torch's single-tensor path,
+    # transformers'): two parameter-sized temporaries of the largest tensor (fp32 for transformers')
     opt_tmp = {"adamw": t_bytes, "adam": t_bytes, "adamw-fused": 0, "adam-fused": 0, "sgd": 0, "sgd-momentum": 0,
-               "adafactor": t_bytes, "adafactor-hf": 0, "adamw-8bit": 0, "paged-adamw-8bit": 0}[spec.optimizer]
+               "adafactor": 0, "adafactor-hf": 0, "adamw-8bit": 0, "paged-adamw-8bit": 0}[spec.optimizer]
     if spec.offload_optimizer:
         opt_bytes, opt_tmp = 0, 0
     shard = spec.world_size if spec.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1

@@ -114,6 +114,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
 
         try:
             step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context, rules)
+            tracker.ops_limit = None
         except MemlensError:
             raise
         except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
@@ -251,6 +252,7 @@ class SimulationTracker(StorageTracker):
         self._forward_ops: dict[int, int] = {}   # module id -> ops it ran itself in this forward pass
         self.stopped: MemlensError | None = None  # why the simulation must stop (see FORWARD_OPS_LIMIT)
         self.model = None                         # for naming a module that runs too many ops
+        self.ops_limit: int | None = FORWARD_OPS_LIMIT  # None: a compiled graph (thousands of ops by design, no loop)
 
     def set_phase(self, name: str, step: int) -> None:
         if name == "forward":
@@ -305,10 +307,10 @@ class SimulationTracker(StorageTracker):
             # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
             return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.phase == "forward":
+        if self.phase == "forward" and self.ops_limit is not None:
             n = self._forward_ops.get(self.module, 0) + 1
             self._forward_ops[self.module] = n
-            if n > FORWARD_OPS_LIMIT and self.stopped is None:
+            if n > self.ops_limit and self.stopped is None:
                 self.stopped = self._too_many_ops()   # raised at the next module boundary (not from inside an op)
         if func is torch.ops.aten.embedding_dense_backward.default:
             self._embedding_backward_scratch(args[0], args[1])

@@ -13,7 +13,9 @@ adamw-fused,       exp_avg, exp_avg_sq; ``step`` a float32     none: one in-plac
 adam-fused         tensor on the GPU (512 B block each)        (``_fused_adam``: ``torch._fused_adamw_``)
 sgd                none                                        none (``_foreach_add_(params, grads)``)
 sgd-momentum       momentum_buffer (first step: grad clone)    none
-adafactor          row/col factors (torch.optim.Adafactor)     foreach temporaries of the factored update
+adafactor          row/col factors (torch.optim.Adafactor)     per tensor (single-tensor path, torch's
+                                                               default): the variance estimate and the
+                                                               update, two parameter-sized temporaries
 adafactor-hf       transformers' Adafactor, per parameter      grad**2 and update (fp32, parameter-sized)
 adamw-8bit         2 x uint8 + fp32 absmax / 256 elements       none (bitsandbytes' in-place kernel)
 paged-adamw-8bit   as adamw-8bit; tensors of >= 1e5 elements   none
@@ -106,7 +108,9 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
     if name == "adafactor":
         if not hasattr(torch.optim, "Adafactor"):
             raise SpecError("torch.optim.Adafactor needs torch >= 2.5", hint="upgrade torch or use --optimizer adafactor-hf")
-        return torch.optim.Adafactor(groups, lr=1e-2, **fe)
+        # foreach=None is the single-tensor path on CUDA too: Adafactor does not call
+        # _default_to_fused_or_foreach (torch/optim/_adafactor.py; measured on an H100)
+        return torch.optim.Adafactor(groups, lr=1e-2)
     if name == "adafactor-hf":
         from transformers.optimization import Adafactor
 

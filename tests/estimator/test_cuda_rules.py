@@ -93,3 +93,41 @@ def test_multihead_attention_reaches_the_fused_kernels():
 
     r = estimate(TrainingSpec(model="tests.tiny_models:mha", optimizer="sgd"))
     assert r.data["attention_backends"] == ["efficient"]
+
+
+def test_fused_kernels_refuse_a_mask_whose_last_dim_is_not_contiguous_and_cudnn_a_grad_mask():
+    """sdp_utils check_last_dim_stride_equals_1_dense (GPUs check the mask too): T5's relative
+    position bias, a permuted embedding output, sends T5 to the math path (measured on an H100);
+    cuDNN refuses a mask that requires grad, the memory-efficient kernel takes it (measured)."""
+    fake = FakeTensorMode()
+    with fake:
+        q = torch.empty(2, 12, 64, 64, dtype=torch.bfloat16)
+        bias = torch.empty(64, 64, 12, requires_grad=True).permute(2, 0, 1).unsqueeze(0)   # strides (12, 1, 768, 12)
+        assert cr.sdpa_backend(q, q, bias.to(torch.bfloat16), 0.1, False, v=q) == "math"
+        assert cr.sdpa_backend(q, q, bias.contiguous(), 0.1, False, v=q) == "efficient"
+        assert cr.sdpa_backend(q, q, bias.detach().contiguous(), 0.1, False, v=q) == "cudnn"
+        assert cr.sdpa_backend(q, q, None, 0.0, False, v=q.transpose(-1, -2)) == "math"
+
+
+def test_math_attention_runs_in_fp32_for_half_inputs():
+    """attention.cpp _scaled_dot_product_attention_math upcasts half q, k, v: the L x S scores,
+    softmax and dropout are fp32 (dropout keeps a bool mask, CUDA's fused kernel)."""
+    from memlens.core.ledger import EventLog, analyze
+    from memlens.core.tracker import StorageTracker
+
+    B, H, L, D = 2, 4, 128, 64
+    fake = FakeTensorMode()
+    log = EventLog()
+    with fake:
+        q = torch.empty(B, H, L, D, dtype=torch.bfloat16, requires_grad=True)
+        bias = torch.empty(L, L, H).permute(2, 0, 1).unsqueeze(0).to(torch.bfloat16)
+    with fake, cr.CudaEmulation(cr.CudaRules()), StorageTracker(log):
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=bias, dropout_p=0.1)
+    assert out.dtype == torch.bfloat16
+    a = analyze(log)
+    scores = B * H * L * L
+    # kept for backward: q, k, v upcast and scaled (3 x fp32 (B,H,L,D)), the softmax output (fp32),
+    # the dropout mask (bool) and the dropped weights (fp32); the bf16 output
+    kept = 3 * B * H * L * D * 4 + scores * 4 + scores * 1 + scores * 4 + B * H * L * D * 2
+    assert a.end_allocated_bytes == kept
+    del out
