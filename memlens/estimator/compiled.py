@@ -181,10 +181,26 @@ def materialized(graph) -> dict:
     return out
 
 
+def _reinplaceable_ops() -> set:
+    """Functional scatters that inductor's reinplacing pass (torch/_inductor/fx_passes/reinplace.py)
+    turns into in-place kernels on their ``self`` buffer when nothing else reads it (an embedding's
+    weight gradient: ``full`` zeros, then the index_put accumulate writes into them)."""
+    a = torch.ops.aten
+    return {a.index_put.default, a._unsafe_index_put.default, a._unsafe_masked_index_put_accumulate.default,
+            a.scatter_add.default, a.scatter.src, a.scatter.value, a.scatter_reduce.two}
+
+
+def _writes_in_place(node) -> bool:
+    base = node.args[0] if node.args else None
+    return (node.target in _reinplaceable_ops() and getattr(base, "op", None) == "call_function"
+            and len(base.users) == 1)
+
+
 def boxed_runner(gm, fuse: bool):
     """Run a partitioned graph the way inductor's generated ``call(args)`` runs: inputs as one list
     that is cleared once read, every value freed at its last use, and (``fuse``) the values
-    inductor fuses away computed without being accounted (outside the storage tracker)."""
+    inductor fuses away computed without being accounted (outside the storage tracker), and the
+    scatters it reinplaces written into their ``self`` buffer."""
     from torch.fx.node import map_arg
     from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 
@@ -227,6 +243,9 @@ def boxed_runner(gm, fuse: bool):
                 kw = map_arg(n.kwargs, env.__getitem__)
                 if n in fused_away:
                     env[n] = unaccounted(n.target, a, kw)
+                elif fuse and _writes_in_place(n) and n.args[0] not in fused_away:
+                    unaccounted(n.target, a, kw)   # shape check only
+                    env[n] = a[0]                  # the result is the self buffer, written in place
                 else:
                     env[n] = n.target(*a, **kw)
             elif n.op == "output":

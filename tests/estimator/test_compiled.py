@@ -106,3 +106,27 @@ def test_compiled_graph_is_not_refused_as_a_python_loop(tmp_path):
         estimate(TrainingSpec(**kw))
     r = estimate(TrainingSpec(compile=True, **kw))
     assert r.peak_allocated_bytes > 0
+
+
+def test_an_index_put_into_fresh_zeros_writes_in_place():
+    """inductor reinplaces a functional index_put whose self nothing else reads (an embedding's
+    weight gradient): one weight-sized buffer, not two."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memlens.core.ledger import EventLog, analyze
+    from memlens.core.tracker import StorageTracker
+    from memlens.estimator.compiled import boxed_runner
+
+    def f(idx, vals):
+        return (torch.full((512, 64), 0.0).index_put((idx,), vals, accumulate=True),)
+
+    gm = make_fx(f)(torch.randint(0, 512, (32,)), torch.randn(32, 64))
+    log = EventLog()
+    with FakeTensorMode() as fake:
+        idx, vals = torch.randint(0, 512, (32,)), torch.empty(32, 64)
+    with fake, StorageTracker(log):
+        out = boxed_runner(gm, fuse=True)([idx, vals])
+    assert analyze(log).peak_allocated_bytes == 512 * 64 * 4
+    del out
