@@ -81,6 +81,13 @@ def compile_gaps(results_dir: str) -> list[dict]:
     return rows
 
 
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
 def main() -> None:
     from memlens.core.spec import TrainingSpec
     from memlens.estimator import estimate
@@ -125,7 +132,8 @@ def main() -> None:
                "max_abs_error_pct": max(errs) if errs else None, "within_5pct": sum(e <= 5 for e in errs),
                "median_abs_reserved_error_pct": statistics.median(abs(r["reserved_error_pct"]) for r in ok) if ok else None,
                "trainer_three_way_equal": all(r.get("all_equal", True) for r in ok),
-               "gpu": env, "estimator_machine": f"{platform.machine()} {os.cpu_count()} cores (CPU only)"}
+               "gpu": env, "estimator_machine": f"{platform.machine()} {os.cpu_count()} cores (CPU only)",
+               "estimator_versions": _versions()}
     compile_rows = compile_gaps(results_dir)
     summary["compile_calibration"] = compile_rows
     print(json.dumps({k: v for k, v in summary.items() if k != "gpu"}, indent=1))
@@ -140,6 +148,10 @@ def main() -> None:
         f.write("None of these cases was used to tune the estimator. `--compile` estimates (memlens/estimator/compiled.py): "
                 "the saved activations come from inductor's own partitioner (exact), the generated kernels' buffers from "
                 "inductor's fusion rule (modelled).\n\n")
+        v = summary["estimator_versions"]
+        f.write(f"Estimated on the CPU with torch {v['torch']}, transformers {v['transformers']}: memlens runs the installed "
+                "library's model code, so the estimate uses the transformers the GPU ran (T5's attention path differs "
+                "between 5.17 and 5.23; README, Trainers and architectures).\n\n")
         f.write(f"{summary['cases']} cases ({summary['failed']} failed); median |error| {summary['median_abs_error_pct']:.2f}%, "
                 f"max {summary['max_abs_error_pct']:.2f}%, {summary['within_5pct']} within 5%; reserved: median "
                 f"{summary['median_abs_reserved_error_pct']:.2f}%. Trainer cases: hand flags = --trainer-args = estimate_trainer: "

@@ -100,3 +100,24 @@ class _ManyOps(torch.nn.Module):
 def many_ops(spec=None):
     """A module running 1100 ops of its own in one forward (refused eager, one graph compiled)."""
     return _ManyOps(), {"x": torch.randn(spec.batch_size if spec else 4, 64)}, lambda out, b: out.sum()
+
+
+class _LayerDrop(torch.nn.Module):
+    def __init__(self, p):
+        super().__init__()
+        self.fc = torch.nn.Linear(1024, 1024, bias=False)
+        self.p = p
+
+    def forward(self, x):
+        if self.training and torch.rand([]) < self.p:   # LayerDrop's host coin (transformers' BART up to 5.17)
+            return x
+        return self.fc(x)
+
+
+def layerdrop(spec=None):
+    """A layer skipped when a host draw falls under p = 0.0 (never): the branch reads the draw's value."""
+    return _LayerDrop(0.0), {"x": torch.randn(16, 1024)}, lambda out, b: out.sum()
+
+
+def no_layerdrop(spec=None):
+    return _Classifier(), {"x": torch.randn(16, 1024)}, lambda out, b: out.sum()

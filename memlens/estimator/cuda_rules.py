@@ -281,6 +281,8 @@ class CudaEmulation(TorchFunctionMode):
         return self._call(func, name, args, kwargs)
 
     def _call(self, func, name, args, kwargs):
+        if func is torch.rand and _host_scalar_draw(args, kwargs):
+            return _real_host_draw(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             return cuda_sdpa(self.rules, *args, **kwargs)
         if func is F.multi_head_attention_forward:
@@ -294,6 +296,27 @@ class CudaEmulation(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _host_scalar_draw(args, kwargs) -> bool:
+    """``torch.rand([])`` with no device: a 0-dim draw on the host, e.g. LayerDrop's per-layer coin
+    (transformers' BART/Whisper up to 5.17: ``if torch.rand([]) < self.layerdrop``)."""
+    size = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+    dev = kwargs.get("device")
+    return tuple(size) == () and (dev is None or torch.device(dev).type == "cpu")
+
+
+def _real_host_draw(func, args, kwargs):
+    """The draw as a constant: drawn for real, then made a tensor whose value the fake mode knows
+    (``torch.tensor`` of a number), so the model's Python branch on it runs as it does on CUDA
+    (a fake draw's value cannot be read). On CUDA it is a host tensor; here its 0-dim block is
+    counted for the moment it lives (512 bytes)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with unset_fake_temporarily(), _disable_current_modes():
+        value = func(*args, **kwargs).item()
+    return torch.tensor(value, dtype=kwargs.get("dtype") or torch.get_default_dtype())
 
 
 def _inside_mode(mode, func, args, kwargs):

@@ -131,3 +131,15 @@ def test_math_attention_runs_in_fp32_for_half_inputs():
     kept = 3 * B * H * L * D * 4 + scores * 4 + scores * 1 + scores * 4 + B * H * L * D * 2
     assert a.end_allocated_bytes == kept
     del out
+
+
+def test_a_host_draw_branch_runs_as_on_cuda():
+    """`if torch.rand([]) < p` (LayerDrop) reads a host draw's value: the draw is real, the layer
+    runs (p = 0), and the step's memory is that of the same model without the branch."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+
+    with_draw = estimate(TrainingSpec(model="tests.tiny_models:layerdrop"))
+    plain = estimate(TrainingSpec(model="tests.tiny_models:no_layerdrop"))
+    assert with_draw.peak_allocated_bytes == plain.peak_allocated_bytes
+    assert with_draw.by_category["activations"] == plain.by_category["activations"]
