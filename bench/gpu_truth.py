@@ -55,7 +55,9 @@ def run_case(name: str, fields: dict) -> dict:
         torch.cuda.synchronize()
         steps.append({"step": n, "seconds": time.perf_counter() - t, "peak_allocated": torch.cuda.max_memory_allocated(),
                       "end_allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                      "loss": float(loss) if loss is not None else None})
+                      "loss": float(loss) if loss is not None else None,
+                      # amp-fp16: GradScaler skips optimizer.step() while gradients overflow (no state then)
+                      "optimizer_state": bool(getattr(step.optimizer, "state", None))})
         phases.extend(marks)
     stats = torch.cuda.memory_stats()
     rec["steps"] = steps

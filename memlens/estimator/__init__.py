@@ -14,6 +14,13 @@ __all__ = ["estimate"]
 METHODS = ("simulate", "formula")
 
 
+
+# measured on an H100 (bench/gpu_fp16_steps.py): torchvision's ResNet-50 from random weights skipped
+# steps 1-3 (scale 65536, 32768, 16384) and first stepped at step 4
+FP16_SKIPPED_STEPS = ("amp-fp16: GradScaler skips optimizer.step() while the scaled gradients overflow (initial scale "
+                      "65536, halved at each skip), and a skipped step creates no optimizer state; this is the peak "
+                      "once the optimizer steps")
+
 def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, source=None) -> Result:
     """Predict the peak memory of ``spec``'s training step.
 
@@ -99,6 +106,8 @@ def simulation_result(sim, a) -> Result:
         },
     )
     r.notes.extend(sim.notes)
+    if spec.precision == "amp-fp16":
+        r.notes.append(FP16_SKIPPED_STEPS)
     if spec.compile:
         from .compiled import BOUND
 
