@@ -67,7 +67,11 @@ def main() -> None:
     with open(os.path.join(out, "estimate_accuracy.json"), "w") as f:
         json.dump({"summary": summary, "rows": rows}, f, indent=1)
     with open(os.path.join(out, "estimate_accuracy.md"), "w") as f:
+        import torch as _torch
+        import transformers as _tf
+
         f.write(f"# estimate accuracy vs real steps on {env['device']} (torch {env['torch']}, transformers {env['transformers']})\n\n")
+        f.write(f"Estimated on this CPU with torch {_torch.__version__}, transformers {_tf.__version__}.\n\n")
         f.write(f"{summary['cases']} cases; median |error| {summary['median_abs_error_pct']:.2f}%, max {summary['max_abs_error_pct']:.2f}%; "
                 f"reserved: median {summary['median_abs_reserved_error_pct']:.2f}%, max {summary['max_abs_reserved_error_pct']:.2f}%.\n\n")
         f.write(f"Closed form (`--method formula`, cross-check): median |error| {summary['median_abs_formula_error_pct']:.1f}%.\n\n")
