@@ -3,7 +3,7 @@
     python bench/gpu_peak_probe.py OUT.json adafactor        # torch.optim.Adafactor on one 1024 x 1024 weight
     python bench/gpu_peak_probe.py OUT.json compile-gpt2     # torch.compile'd GPT-2, amp-bf16, 8 x 1024
     python bench/gpu_peak_probe.py OUT.json compile-llama1b  # torch.compile'd Llama-3.2-1B shapes, bf16, 2 x 2048
-    python bench/gpu_peak_probe.py OUT.json torchvision-resnet50 | whisper-small   # generality cases off by > 1%
+    python bench/gpu_peak_probe.py OUT.json torchvision-resnet50 | whisper-small | phi-1.5   # generality cases off by > 1%
 
 Records torch.cuda.memory._record_memory_history(stacks="python") from the model's build through 3
 steps of memlens' reference step, replays the whole allocation trace, and writes the step's peak, the blocks alive at that
@@ -24,6 +24,7 @@ CASES = {
     "compile-llama1b": dict(model="llama-3.2-1b", batch_size=2, seq_len=2048, precision="bf16", compile=True),
     "torchvision-resnet50": dict(model="torchvision:resnet50", batch_size=64, precision="amp-fp16"),
     "whisper-small": dict(model="whisper-small", batch_size=16, precision="amp-bf16"),
+    "phi-1.5": dict(model="phi-1.5", batch_size=4, seq_len=1024, precision="bf16", optimizer="adamw-fused"),
 }
 
 

@@ -50,7 +50,7 @@ def test_cli_profile_dp_over_two_cpu_ranks(tmp_path):
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=root, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, "-m", "memlens.cli.main", "profile", "--model", "tests.tiny_models:seq_linear",
                         "--optimizer", "sgd", "--dp", "--batch-size", "8", "--physical-batch-size", "4", "--world-size", "2",
                         "--sharding", "ddp", "--device", "cpu", "--steps", "1", "--out", str(tmp_path / "p")],

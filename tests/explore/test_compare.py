@@ -92,10 +92,16 @@ def test_cli_compare_json_and_chart(tmp_path, capsys):
     assert (tmp_path / "compare.png").exists() and (tmp_path / "result.json").exists()
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--techniques", "fp32,turbo"], "unknown technique"),
     (["--techniques", ","], "no techniques"),
-    (["--measure"], "CUDA"),
+    pytest.param(["--measure"], "CUDA", marks=pytest.mark.skipif(_has_cuda(), reason="this machine has a GPU: --measure runs")),
     (["--steps", "0"], "--steps"),
 ])
 def test_cli_compare_bad_input(capsys, argv, needle):
