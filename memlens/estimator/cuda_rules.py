@@ -106,6 +106,17 @@ def _bhld(like: torch.Tensor, B: int, H: int, L: int, D: int) -> torch.Tensor:
     return torch.empty(B, L, H, D, dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
+def _matching_layout(like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """A tensor of ``shape`` laid out in ``like``'s stride order, as cuDNN attention allocates its
+    output and gradients (aten/src/ATen/native/cudnn/MHA.cpp ``alloc_with_matching_layout``): a
+    contiguous (B, H, L, D) query (Phi's partial-rotary ``cat``) gets a (B, H, L, D) output, which the
+    model's ``transpose(1, 2).contiguous()`` then copies (measured on an H100: one more output-sized
+    block per layer of Phi-1.5 than a (B, L, H, D) output gives)."""
+    order = sorted(range(like.dim()), key=lambda i: -like.stride(i))
+    t = torch.empty([shape[i] for i in order], dtype=like.dtype, device=like.device)
+    return t.permute([order.index(i) for i in range(like.dim())])
+
+
 class FusedAttention(torch.autograd.Function):
     """What CUDA's fused SDPA kernels allocate, on fake tensors (sizes measured on an H100).
 
@@ -125,7 +136,7 @@ class FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, backend):
         B, H, L, _ = q.shape
-        out = _bhld(q, B, H, L, v.shape[-1])
+        out = _matching_layout(q, (B, H, L, v.shape[-1])) if backend == "cudnn" else _bhld(q, B, H, L, v.shape[-1])
         dev = q.device
         if backend == "efficient":
             stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
@@ -145,7 +156,8 @@ class FusedAttention(torch.autograd.Function):
         B, H, L, D = q.shape
         Hk, S = k.shape[1], k.shape[2]
         dev = q.device
-        dq = _bhld(q, B, H, L, D)
+        cudnn = ctx.backend == "cudnn"
+        dq = _matching_layout(q, (B, H, L, D)) if cudnn else _bhld(q, B, H, L, D)
         scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
         if ctx.backend == "cudnn":
             scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
@@ -161,7 +173,10 @@ class FusedAttention(torch.autograd.Function):
             dk = dk_full.reshape(B, Hk, H // Hk, S, k.shape[-1]).sum(2)
             dv = dv_full.reshape(B, Hk, H // Hk, S, v.shape[-1]).sum(2)
         else:
-            dk, dv = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
+            if cudnn:
+                dk, dv = _matching_layout(k, (B, H, S, k.shape[-1])), _matching_layout(v, (B, H, S, v.shape[-1]))
+            else:
+                dk, dv = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
             scratch.clear()
         dmask = None
         if ctx.needs_input_grad[3]:  # efficient kernel: grad_bias over the expanded (B, H, L, ceil16(S)) bias

@@ -143,3 +143,30 @@ def test_a_host_draw_branch_runs_as_on_cuda():
     plain = estimate(TrainingSpec(model="tests.tiny_models:no_layerdrop"))
     assert with_draw.peak_allocated_bytes == plain.peak_allocated_bytes
     assert with_draw.by_category["activations"] == plain.by_category["activations"]
+
+
+def test_cudnn_output_follows_the_query_layout():
+    """cuDNN attention allocates its output in the query's stride order (MHA.cpp
+    alloc_with_matching_layout): a contiguous (B, H, L, D) query (Phi's partial-rotary cat) gives a
+    (B, H, L, D) output, and the model's transpose(1, 2).contiguous() copies it; a query viewed from
+    (B, L, H, D) (Llama's projections) gives a (B, L, H, D) output and no copy (measured, Phi-1.5)."""
+    from memlens.core.ledger import EventLog, analyze
+    from memlens.core.tracker import StorageTracker
+
+    B, H, L, D = 2, 4, 128, 64
+    out_bytes = B * H * L * D * 2
+    kept = {}
+    for layout in ("bhld", "blhd"):
+        fake = FakeTensorMode()
+        log = EventLog()
+        with fake:
+            if layout == "bhld":
+                q = torch.empty(B, H, L, D, dtype=torch.bfloat16, requires_grad=True)
+            else:
+                q = torch.empty(B, L, H, D, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+        with fake, cr.CudaEmulation(cr.CudaRules()), StorageTracker(log):
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+            merged = out.transpose(1, 2).contiguous()
+        kept[layout] = analyze(log).end_allocated_bytes
+        del out, merged
+    assert kept["bhld"] - kept["blhd"] == out_bytes
