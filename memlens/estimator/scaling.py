@@ -377,6 +377,16 @@ def _worker_init() -> None:
     _progress._current.set(None)     # a worker never reports: the progress bar lives in the parent
 
 
+# torch's autograd engine refuses to run in a forked child once the parent has started its device
+# threads (a CUDA build of torch that has run a backward: torch/csrc/autograd/engine.cpp); the
+# worker answers this, and the estimator simulates in its own process from then on
+FORKED_AUTOGRAD = "Unable to handle autograd's threading in combination with fork-based multiprocessing"
+
+
+class _ForkUnusable:
+    """What a worker returns when this process' autograd cannot run in a fork."""
+
+
 def _simulate_in_worker(spec: TrainingSpec):
     """simulate(spec) in a worker process; the log travels back as plain tuples (ops by name)."""
     from ..core.errors import MemlensError
@@ -385,7 +395,11 @@ def _simulate_in_worker(spec: TrainingSpec):
     try:
         sim = simulate(spec)
     except MemlensError as e:
-        return e
+        return _ForkUnusable() if FORKED_AUTOGRAD in str(e) else e
+    except RuntimeError as e:
+        if FORKED_AUTOGRAD in str(e):
+            return _ForkUnusable()
+        raise
     events = [ev if ev[0] != ALLOC or isinstance(ev[6], str) else Alloc(*ev[:6], str(ev[6]), *ev[7:])
               for ev in _until_done(sim.log.events)]
     return replace(sim, log=EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank))
@@ -497,7 +511,11 @@ class ScalingEstimator:
         try:
             sim = fut.result()
         except BrokenProcessPool:      # a worker died (killed for memory?): simulate here from now on
+            sim = _ForkUnusable()
+        if isinstance(sim, _ForkUnusable):   # (or this process' autograd cannot run in a fork)
             with self._lock:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False, cancel_futures=True)
                 self.workers, self._pool = 1, None
                 self._pending[(key, x)] = (self._start(spec), why)
                 fut = self._pending[(key, x)][0]

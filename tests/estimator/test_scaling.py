@@ -225,3 +225,26 @@ def test_a_real_step_whose_ops_change_with_batch_falls_back():
     assert r.data["scaling"]["answer"] == "simulated" and "outside the traced range" in r.data["scaling"]["reason"]
     for b in (3, 7, 9):
         assert comparable(est.estimate(mk(b))) == comparable(estimate(mk(b)))
+
+
+def test_workers_whose_autograd_cannot_run_in_a_fork_hand_over_to_this_process(monkeypatch):
+    """A CUDA build of torch that has run a backward refuses autograd in a forked child (measured on
+    the GPU machine: every simulation in a worker failed); the estimator then simulates here."""
+    import os
+
+    from memlens.estimator import simulate as sim_mod
+    from memlens.estimator.scaling import FORKED_AUTOGRAD
+
+    parent, real = os.getpid(), sim_mod.simulate
+
+    def simulate(spec, *a, **k):
+        if os.getpid() != parent:
+            raise RuntimeError(FORKED_AUTOGRAD + ". See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+        return real(spec, *a, **k)
+
+    monkeypatch.setattr(sim_mod, "simulate", simulate)
+    est = ScalingEstimator(workers=2)
+    spec = TrainingSpec(model="tests.tiny_models:linear", batch_size=2)
+    r = est.estimate(spec)
+    assert r.peak_allocated_bytes == estimate(spec).peak_allocated_bytes
+    assert est.stats()["workers"] == 1
