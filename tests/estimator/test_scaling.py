@@ -227,11 +227,13 @@ def test_a_real_step_whose_ops_change_with_batch_falls_back():
         assert comparable(est.estimate(mk(b))) == comparable(estimate(mk(b)))
 
 
-def test_workers_whose_autograd_cannot_run_in_a_fork_hand_over_to_this_process(monkeypatch):
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_workers_whose_autograd_cannot_run_in_a_fork_hand_over_to_this_process(monkeypatch, wrapped):
     """A CUDA build of torch that has run a backward refuses autograd in a forked child (measured on
     the GPU machine: every simulation in a worker failed); the estimator then simulates here."""
     import os
 
+    from memlens.core.errors import MemlensError
     from memlens.estimator import simulate as sim_mod
     from memlens.estimator.scaling import FORKED_AUTOGRAD
 
@@ -239,7 +241,10 @@ def test_workers_whose_autograd_cannot_run_in_a_fork_hand_over_to_this_process(m
 
     def simulate(spec, *a, **k):
         if os.getpid() != parent:
-            raise RuntimeError(FORKED_AUTOGRAD + ". See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork")
+            why = FORKED_AUTOGRAD + ". See https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork"
+            if wrapped:   # as simulate reports a model's failure (seen on the GPU machine)
+                raise MemlensError(f"simulating {spec.model} failed: RuntimeError: {why}")
+            raise RuntimeError(why)
         return real(spec, *a, **k)
 
     monkeypatch.setattr(sim_mod, "simulate", simulate)
