@@ -27,7 +27,7 @@ COMMANDS = {
     "estimate --model llama-3.2-1b --batch-size 4 --seq-len 2048 --precision bf16":
         (RUN, f"estimate --model {TINY_LLAMA} --batch-size 4 --seq-len 256 --precision bf16"),
     "fit --model gpt2 --seq-len 512 --batch-size 32 --budget 16GiB":
-        (RUN, f"fit --model {TINY_GPT2} --seq-len 512 --batch-size 32 --budget 1GiB --context 0"),
+        (RUN, f"fit --model {TINY_GPT2} --seq-len 512 --batch-size 32 --budget 600MiB --context 0"),
     "compare --model gpt2-medium --batch-size 1 --seq-len 128 --measure --out cmp/":
         (PARSE, "--measure runs real steps on a GPU"),
     "sweep --model gpt2-medium --batch-sizes 4,8,16 --seq-lens 512,1024 --techniques fp32,amp-bf16+checkpointing --measure --budget 10GiB --out sw/":

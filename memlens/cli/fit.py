@@ -26,6 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--context", metavar="SIZE", help="CUDA context taken off the budget (default 740MiB; 0 for an allocator-only limit)")
     g.add_argument("--gpus", type=whole(1), default=8, metavar="N", help="GPUs for the plan's ZeRO/FSDP entries (default 8; 1: leave them out)")
     g.add_argument("--no-plan", action="store_true", help="only the max micro-batch (fewer estimates)")
+    g.add_argument("--full-plan", action="store_true",
+                   help="search every plan entry (default: an entry that adds settings to one that fits and cannot be faster is not searched)")
     g.add_argument("--method", choices=("simulate", "formula"), default="simulate", help="estimator (default simulate)")
     v = p.add_argument_group("verify on a GPU")
     v.add_argument("--verify", action="store_true", help="confirm the limit with real steps (fresh subprocesses), seeded by the estimate")
@@ -71,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     with ProgressBar("fit", enabled=not args.json):
         result = fit(spec, args.budget, target_batch=args.target_batch, margin=_margin(args.margin), context_bytes=context,
-                     plan=not args.no_plan, gpus=args.gpus, method=args.method)
+                     plan=not args.no_plan, gpus=args.gpus, method=args.method, full_plan=args.full_plan)
     d = result.data
     if d["max_batch_size"] == 0:
         best = next((e for e in d.get("plan", []) if e["fits"]), None)
@@ -132,12 +134,17 @@ def render(result) -> None:
             if e.get("error"):
                 t.add_row(str(e["rank"]), e["name"], "?", "-", "-", "-", "-", e["kind"], f"[dim]{e['error'][:60]}[/dim]")
                 continue
+            if e.get("not_searched"):
+                f = e.get("best_step_time_factor")
+                t.add_row(str(e["rank"]), e["name"], "[dim]-[/dim]", "-", "-", f">= {e['best_gpu_seconds'] / e['gpus']:.3f} s",
+                          f">= {f:.2f}x" if f else "-", e["kind"], f"[dim]not searched: {e['not_searched_for']} fits and is faster[/dim]")
+                continue
             mxa = f"{e['micro_batch']} x {e['grad_accum']}" + (f" x {e['gpus']} GPUs" if e["gpus"] > 1 else "") if e["fits"] else "-"
             t.add_row(str(e["rank"]), e["name"], "yes" if e["fits"] else "[red]no[/red]", mxa,
                       fmt_bytes(e["predicted_peak_bytes"]), f"{e['predicted_step_seconds']:.3f} s",
                       f"{e['step_time_factor']:.2f}x" if e.get("step_time_factor") else "-", e["kind"], e["flags"])
         c.print(t)
-        if any(e["gpus"] > 1 for e in d["plan"]):
+        if any(e["gpus"] > 1 and not e.get("not_searched") for e in d["plan"]):
             c.print("[dim]multi-GPU entries: each rank simulated under a fake process group; peaks are the rank that peaks[/dim]")
 
 

@@ -471,23 +471,52 @@ class ScalingEstimator:
         self._pending[(key, x)] = (self._start(spec), why)
         return None
 
+    def start(self, spec: TrainingSpec) -> None:
+        """Fork the worker processes now (after importing what simulations of ``spec`` import).
+
+        Call it from the main thread before starting threads that ask for estimates: a process
+        forked while another thread holds a lock (an import of a module, say) starts with that
+        lock held forever, and a worker that needs it hangs. Otherwise the first simulation forks."""
+        if self.workers > 1:
+            with self._lock:
+                self._ensure_pool(spec)
+                self._pool.submit(int).result()      # with "fork", the first submit launches every worker
+
+    def _ensure_pool(self, spec: TrainingSpec) -> None:
+        if self._pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+
+            _warm(spec)
+            self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
+                                             initializer=_worker_init)
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        for stream in (sys.stdout, sys.stderr):   # a forked worker must not flush a copy of unwritten output
+            try:
+                stream.flush()
+            except (AttributeError, ValueError, OSError):
+                pass
+
+    def submit(self, fn: Callable, spec: TrainingSpec) -> Future:
+        """``fn(spec)`` in a worker process (``fn`` a module-level function; what it returns is
+        pickled back), or here with one worker. For estimates the replay does not serve (a sharded
+        spec, one simulation per rank): they run beside the other simulations, not in this process."""
+        if self.workers > 1:
+            with self._lock:
+                self._ensure_pool(spec)
+                return self._pool.submit(fn, spec)
+        fut: Future = Future()
+        try:
+            fut.set_result(fn(spec))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            fut.set_exception(e)
+        return fut
+
     def _start(self, spec: TrainingSpec) -> Future:
         from ..core.errors import MemlensError
 
         if self.workers > 1:
-            if self._pool is None:
-                import multiprocessing
-                from concurrent.futures import ProcessPoolExecutor
-
-                _warm(spec)
-                self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
-                                                 initializer=_worker_init)
-                weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-            for stream in (sys.stdout, sys.stderr):   # a forked worker must not flush a copy of unwritten output
-                try:
-                    stream.flush()
-                except (AttributeError, ValueError, OSError):
-                    pass
+            self._ensure_pool(spec)
             return self._pool.submit(_simulate_in_worker, spec)
         fut: Future = Future()
         try:
@@ -551,14 +580,7 @@ class ScalingEstimator:
         from ..core.errors import MemlensError
 
         specs = list(dict.fromkeys(specs))
-        if self.workers > 1:      # start them all, then collect
-            for s in specs:
-                key, x = family_of(s)
-                with self._lock:
-                    try:
-                        self._answer_now(key, s, x)
-                    except MemlensError:
-                        pass
+        self.begin(specs)
         for i, s in enumerate(specs, 1):
             if on_done:
                 on_done(i, len(specs), s)
@@ -566,6 +588,20 @@ class ScalingEstimator:
                 self.estimate(s)
             except MemlensError:
                 pass            # raised again when that spec is asked for
+
+    def begin(self, specs: list[TrainingSpec]) -> None:
+        """Start the simulations ``specs`` need (with workers; without, nothing) and return at once:
+        the worker processes take them in this order, before anything asked for later."""
+        from ..core.errors import MemlensError
+
+        if self.workers > 1:
+            for s in dict.fromkeys(specs):
+                key, x = family_of(s)
+                with self._lock:
+                    try:
+                        self._answer_now(key, s, x)
+                    except MemlensError:
+                        pass
 
     def trace_points(self, specs: list[TrainingSpec], level: int = 1) -> list[TrainingSpec]:
         """The specs to simulate first so that the others of ``specs`` can be replayed (:func:`design`

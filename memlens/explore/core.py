@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -82,6 +83,7 @@ class CachedEstimator:
         self.seconds = 0.0
         self.scaler = None
         self._lock = threading.Lock()
+        self._inflight: dict[TrainingSpec, Future] = {}
         if fn is None and method == "simulate":
             from ..estimator.scaling import ScalingEstimator
 
@@ -103,6 +105,11 @@ class CachedEstimator:
         if self.scaler is not None:
             self.scaler.prefetch([s for s in specs if self._scalable(s)], progress)
 
+    def begin(self, specs: list[TrainingSpec]) -> None:
+        """Start the simulations of ``specs`` in the worker processes, first in their queue, and return."""
+        if self.scaler is not None:
+            self.scaler.begin([s for s in specs if self._scalable(s)])
+
     @property
     def workers(self) -> int:
         """Simulations that can run at once (callers may then ask from several threads)."""
@@ -115,29 +122,89 @@ class CachedEstimator:
             out.update(self.scaler.stats())
         return out
 
-    def raw(self, spec: TrainingSpec) -> Point:
-        hit = self.cache.get(spec)
-        if hit is not None:
-            return hit
-        t = time.perf_counter()
-        if self.scaler is not None and self._scalable(spec):
-            r = self.scaler.estimate(spec)
-        elif self._fn is None:
-            from ..estimator import estimate
+    def start(self, spec: TrainingSpec) -> None:
+        """Start the worker processes now, from this thread (see ScalingEstimator.start): call it
+        before threads that ask for estimates exist."""
+        if self.scaler is not None:
+            self.scaler.start(spec)
 
-            with _ONE_AT_A_TIME:   # a rank's simulation owns the process' (fake) process group: one at a time
-                r = estimate(spec, method=self.method)
-        else:
-            r = self._fn(spec)
-        with self._lock:      # threads of a plan may ask at once
-            if spec not in self.cache:
-                self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
+    def known(self, spec: TrainingSpec, field_name: str = "batch_size") -> dict[int, float]:
+        """What the fit rule needs (:func:`need_bytes`) of every spec estimated so far that differs
+        from ``spec`` only in ``field_name``, by that field's value."""
+        from dataclasses import fields
+
+        names = [f.name for f in fields(spec) if f.name != field_name]
+        with self._lock:
+            items = list(self.cache.items())
+        return {getattr(s, field_name): need_bytes(p) for s, p in items
+                if getattr(s, field_name) is not None and all(getattr(s, n) == getattr(spec, n) for n in names)}
+
+    def raw(self, spec: TrainingSpec) -> Point:
+        with self._lock:      # threads of a plan may ask at once: one estimate per spec
+            hit = self.cache.get(spec)
+            if hit is not None:
+                return hit
+            fut = self._inflight.get(spec)
+            mine = fut is None
+            if mine:
+                fut = self._inflight[spec] = Future()
+        if not mine:
+            return fut.result()
+        t = time.perf_counter()
+        try:
+            if self.scaler is not None and self._scalable(spec):
+                r = self.scaler.estimate(spec)
+            elif self._fn is None:
+                r = self._elsewhere(spec)
+            else:
+                r = self._fn(spec)
+            with self._lock:
+                p = self.cache[spec] = r if isinstance(r, Point) else Point.from_result(r)
                 self.calls += 1
                 self.seconds += time.perf_counter() - t
-            return self.cache[spec]
+            fut.set_result(p)
+            return p
+        except BaseException as e:
+            fut.set_exception(e)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(spec, None)
+
+    def _elsewhere(self, spec: TrainingSpec):
+        """A spec the replay does not serve (sharded: one simulation per rank that can differ): in a
+        worker process beside the others when there are workers, else here."""
+        from concurrent.futures.process import BrokenProcessPool
+
+        from ..core.errors import MemlensError
+
+        if self.scaler is not None and self.scaler.workers > 1 and self.method == "simulate":
+            try:
+                r = self.scaler.submit(_simulated_point, spec).result()
+            except BrokenProcessPool:      # a worker died (killed for memory?): estimate it here
+                r = None
+            if isinstance(r, MemlensError):
+                raise r
+            if r is not None:
+                return r
+        from ..estimator import estimate
+
+        with _ONE_AT_A_TIME:   # a rank's simulation owns the process' (fake) process group: one at a time
+            return estimate(spec, method=self.method)
 
     def __call__(self, spec: TrainingSpec) -> Point:
         return self.raw(spec)
+
+
+def _simulated_point(spec: TrainingSpec):
+    """``estimate(spec)`` reduced to a Point, in a worker process (a MemlensError is returned, not raised)."""
+    from ..core.errors import MemlensError
+    from ..estimator import estimate
+
+    try:
+        return Point.from_result(estimate(spec, method="simulate"))
+    except MemlensError as e:
+        return e
 
 
 class _Fake:  # for the docstring above

@@ -12,6 +12,7 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +30,17 @@ def search_field(spec: TrainingSpec) -> str:
     return "physical_batch_size" if spec.dp else "batch_size"
 
 
+def first_probes(spec: TrainingSpec, cap: int = MAX_BATCH) -> list[TrainingSpec]:
+    """The search's first two probes (batch 2, then the spec's own if 2 fits: max_fitting_budget),
+    simulated side by side in the worker processes."""
+    f = search_field(spec)
+    if f == "physical_batch_size":
+        cap = min(cap, spec.batch_size)
+    if cap <= 1:
+        return []
+    return [spec.replace(**{f: b}) for b in dict.fromkeys((2, min(cap, max(2, getattr(spec, f) or 8))))]
+
+
 def find_max_batch_size(spec: TrainingSpec, usable_bytes: int, *, estimator: CachedEstimator | None = None,
                         cap: int = MAX_BATCH) -> Search:
     """Largest micro-batch whose estimated reserved peak stays <= ``usable_bytes`` (a few estimates)."""
@@ -37,16 +49,20 @@ def find_max_batch_size(spec: TrainingSpec, usable_bytes: int, *, estimator: Cac
     if f == "physical_batch_size":
         cap = min(cap, spec.batch_size)
     start = getattr(spec, f) or 8
+    if getattr(est, "workers", 1) > 1:
+        est.begin(first_probes(spec, cap))
     return max_fitting_budget(lambda b: need_bytes(est(spec.replace(**{f: b}))), usable_bytes, cap=cap, start=start)
 
 
 def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: int | None = None,
         margin: float | int | str | None = None, context_bytes: int | None = None, plan: bool = True, gpus: int = 8,
         estimator: CachedEstimator | None = None, method: str = "simulate", cap: int = MAX_BATCH,
-        progress: Callable[[str], None] | None = None) -> Result:
+        progress: Callable[[str], None] | None = None, full_plan: bool = False) -> Result:
     """The largest micro-batch of ``spec`` that fits ``budget``, its accumulation, and a ranked plan.
 
     ``target_batch``: the effective batch to keep (default: the spec's batch x accumulation).
+    ``full_plan``: search every plan entry (by default an entry that only adds settings to another
+    entry that fits, and cannot be faster, is listed as not searched: memlens.explore.plan).
     The result's data holds ``max_batch_size``, ``budget_bytes``, ``usable_bytes``,
     ``predicted_peak_bytes`` (reserved at max_batch_size), ``micro_batch_size`` and ``grad_accum``
     for the target, ``plan`` (ranked entries) and ``estimates`` (every probe).
@@ -77,17 +93,25 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
     planned = None
+    searched = threading.Event()       # the "as given" plan entry reuses this search's estimates
     if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
         import contextvars
         from concurrent.futures import ThreadPoolExecutor
 
         from .plan import make_plan
 
+        est.start(base)    # fork the workers before any thread exists (memlens.estimator.scaling.ScalingEstimator.start)
+        firsts = first_probes(base, cap)
+        est.begin(firsts)     # this search's first probes first in the workers' queue
         pool = ThreadPoolExecutor(max_workers=1)
         planned = pool.submit(contextvars.copy_context().run, make_plan, spec, est, b.usable_bytes, target, gpus=gpus,
-                              field_name=f, progress=progress)
+                              field_name=f, progress=progress, prune=not full_plan, given_ready=searched.wait,
+                              reference=firsts[0] if firsts else None)
         pool.shutdown(wait=False)
-    s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
+    try:
+        s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
+    finally:
+        searched.set()
     mbs = s.limit
     data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
                             "estimates": s.trials, "method": est.method}
@@ -121,7 +145,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         from .plan import make_plan
 
         entries = planned.result() if planned is not None else make_plan(spec, est, b.usable_bytes, target, gpus=gpus,
-                                                                         field_name=f, progress=progress)
+                                                                         field_name=f, progress=progress, prune=not full_plan)
         data["plan"] = [e.to_dict() for e in entries]
         data["gpus"] = gpus
     else:

@@ -8,6 +8,13 @@ and a predicted step time.
 Ranking: entries that fit first; among them, those that train the same model (everything but
 LoRA/QLoRA) before those that change what is trained; then by predicted step time, then by peak.
 
+Not searched (``prune``, the default of ``fit``): an entry that adds settings to another entry
+which fits, where what it adds leaves the parameters as they are (precision, optimizer,
+checkpointing, sharding, offload) and cannot be faster: even at its best (the whole per-GPU target
+in one micro-batch) its predicted GPU-seconds exceed those of the smaller entry. It stays in the
+plan, after the entries that fit, with why it was not searched (``not_searched``). Adding
+checkpointing to a setting that fits, or 8 GPUs to a step one GPU runs, is then not simulated.
+
 >>> from memlens.core.spec import TrainingSpec
 >>> [c.name for c in candidates(TrainingSpec(model="gpt2", batch_size=8), gpus=1)][:4]
 ['as given', 'AMP bf16', 'bf16 weights', 'checkpointing']
@@ -15,7 +22,7 @@ LoRA/QLoRA) before those that change what is trained; then by predicted step tim
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
@@ -54,7 +61,7 @@ class PlanEntry:
     kind: str
     tradeoff: str
     changes: dict[str, Any]
-    fits: bool
+    fits: bool | None                    # None: not searched
     micro_batch: int | None              # largest divisor of the per-GPU target batch that fits
     grad_accum: int | None
     effective_batch: int | None
@@ -67,6 +74,7 @@ class PlanEntry:
     flags: str = ""
     rank: int = 0
     estimates: int = 0
+    not_searched: str | None = None      # why the search was left out (another entry fits and is faster)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -93,38 +101,58 @@ def _flags(changes: dict[str, Any], micro: int | None, accum: int | None, field_
 
 
 def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable_bytes: int, target_batch: int,
-               field_name: str = "batch_size") -> PlanEntry:
+               field_name: str = "batch_size", *, on_search: Callable[[Decision], None] | None = None,
+               wait: Callable[[], None] | None = None) -> PlanEntry:
     """Estimate one candidate: its largest micro-batch under the budget and what it costs.
-    ``estimates`` counts the specs it asked for (entries run side by side share the estimator)."""
+    ``estimates`` counts the specs it asked for (entries run side by side share the estimator).
+
+    The search takes what the estimator already knows of the same setting as probes (the largest
+    micro-batch's own search, for "as given"); ``wait()`` runs first (to let that search finish).
+    ``on_search(decision)`` as soon as the micro-batch is known, before the accumulated run is
+    estimated (other entries decide on it)."""
     asked: set = set()
 
     def estimated(s: TrainingSpec):
         asked.add(s)
         return est(s)
 
+    def fail(error: str, n: int = 1) -> PlanEntry:
+        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
+                         None, None, gpus=n, error=error, estimates=len(asked))
+
     try:
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError as e:
-        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
-                         None, None, error=e.message)
+        return fail(e.message)
     n = s.world_size if s.world_size > 1 else 1
     if target_batch % n:
-        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
-                         None, None, gpus=n, error=f"the target batch {target_batch} does not split evenly over {n} GPUs")
+        return fail(f"the target batch {target_batch} does not split evenly over {n} GPUs", n)
     per_gpu = target_batch // n
     dp = field_name == "physical_batch_size"   # DP-SGD: the logical batch stays, physical batches of it (Opacus)
     if dp:
         s = s.replace(batch_size=per_gpu, physical_batch_size=None)
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
+    if wait is not None:
+        wait()
     try:
-        search = max_fitting_among(divisors, lambda b: need_bytes(estimated(s.replace(**{field_name: b}))), usable_bytes)
+        need = lambda b: need_bytes(estimated(s.replace(**{field_name: b})))  # noqa: E731
+        known = getattr(est, "known", None)
+        search = max_fitting_among(divisors, need, usable_bytes, known=(lambda: known(s, field_name)) if known else None,
+                                   slope=lambda: _reference_slope(est, spec, field_name))
+        if search.limit and need(search.limit) > usable_bytes:
+            # the peak is not monotone in the batch here (what the search takes for granted): search
+            # again on this setting's own estimates only, each divisor that decides probed itself
+            search = max_fitting_among(divisors, need, usable_bytes)
     except MemlensError as e:
-        return PlanEntry(cand.name, cand.kind, cand.tradeoff, cand.changes, False, None, None, None, None, None,
-                         None, None, error=e.message, estimates=len(asked))
+        return fail(e.message, n)
     m = search.limit
     micro = m or 1
     accum = per_gpu // micro
     run = s.replace(**{field_name: micro}) if dp else s.replace(**{field_name: micro}, grad_accum=max(1, accum))
+    if on_search is not None and m:
+        # the step time needs the parameter counts only: those of the micro-batch's own estimate
+        t0 = predict_step_time(run, estimated(s.replace(**{field_name: micro})), micro_batch=micro, grad_accum=accum)
+        on_search(Decision(True, t0.seconds * n))
     p = estimated(run)
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
     if dp:
@@ -140,16 +168,73 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     )
 
 
+def _reference_slope(est: CachedEstimator, spec: TrainingSpec, field_name: str) -> float | None:
+    """Bytes per sample of the spec as given, from what is estimated of it so far (a line through its
+    two farthest batch sizes >= 2): the first guess of a setting that has one probe of its own."""
+    known = getattr(est, "known", None)
+    pts = {b: v for b, v in (known(spec.replace(grad_accum=1), field_name) if known else {}).items() if b >= 2}
+    if len(pts) < 2:
+        return None
+    a, c = min(pts), max(pts)
+    return (pts[c] - pts[a]) / (c - a)
+
+
+# ---------------------------------------------------------------- entries that need no search
+# what these fields change leaves the model's parameters (and so the step-time model's counts) as they are
+SAME_PARAMETERS = frozenset({"precision", "optimizer", "grad_checkpointing", "world_size", "sharding", "offload_optimizer"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What an entry's search decided, as soon as it is known: whether it fits, its predicted GPU-seconds."""
+
+    fits: bool
+    gpu_seconds: float
+
+
+def best_gpu_seconds(spec: TrainingSpec, cand: Candidate, p, target_batch: int) -> float | None:
+    """The fewest predicted GPU-seconds ``cand`` can reach for ``target_batch``: the whole per-GPU
+    batch in one micro-batch (predict_step_time grows with accumulation: (b x L + k x 2048) for k
+    micro-batches of b, and its other parts do not depend on the micro-batch). ``p``: an estimate of
+    a setting with the same parameters. None if the candidate is not a valid spec."""
+    try:
+        s = spec.replace(grad_accum=1, **cand.changes)
+    except MemlensError:
+        return None
+    n = s.world_size if s.world_size > 1 else 1
+    if target_batch % n:
+        return None
+    per_gpu = target_batch // n
+    return predict_step_time(s.replace(batch_size=per_gpu), p, micro_batch=per_gpu, grad_accum=1).seconds * n
+
+
+def smaller_settings(cand: Candidate, cands: list[Candidate]) -> list[Candidate]:
+    """The candidates whose changes are a strict part of ``cand``'s (the spec as given, {}, is part of
+    every one), what ``cand`` adds touching only SAME_PARAMETERS."""
+    out = []
+    for o in cands:
+        if o is cand or not all(k in cand.changes and cand.changes[k] == v for k, v in o.changes.items()):
+            continue
+        extra = {k for k in cand.changes if k not in o.changes}
+        if extra and extra <= SAME_PARAMETERS:
+            out.append(o)
+    return out
+
+
 def rank_entries(entries: list[PlanEntry], baseline_seconds: float | None) -> list[PlanEntry]:
-    """Order: fits first; same model before LoRA/QLoRA; fewer predicted GPU-seconds per step first
-    (step seconds x GPUs: 8 GPUs finishing a step 5x sooner still cost more); smaller peak first."""
+    """Order: fits first, then not searched, then does not fit, then errors; same model before
+    LoRA/QLoRA; fewer predicted GPU-seconds per step first (step seconds x GPUs: 8 GPUs finishing a
+    step 5x sooner still cost more); smaller peak first."""
     for e in entries:
         if baseline_seconds and e.predicted_step_seconds is not None:
             e.step_time_factor = e.gpu_seconds / baseline_seconds
+        if baseline_seconds and e.not_searched:
+            e.extra["best_step_time_factor"] = e.extra["best_gpu_seconds"] / baseline_seconds   # a bound, not a value
 
     def key(e: PlanEntry):
-        return (not e.fits, e.error is not None, e.kind == MODEL,
-                e.gpu_seconds if e.predicted_step_seconds is not None else float("inf"),
+        group = 0 if e.fits else 1 if e.not_searched else 2 if e.error is None else 3
+        return (group, e.kind == MODEL,
+                e.gpu_seconds if e.predicted_step_seconds is not None else e.extra.get("best_gpu_seconds", float("inf")),
                 e.predicted_peak_bytes or 0)
 
     out = sorted(entries, key=key)
@@ -159,19 +244,28 @@ def rank_entries(entries: list[PlanEntry], baseline_seconds: float | None) -> li
 
 
 def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, target_batch: int, *, gpus: int = 8,
-              field_name: str = "batch_size", progress=None) -> list[PlanEntry]:
-    """Every candidate estimated and ranked (see the module docstring)."""
+              field_name: str = "batch_size", progress=None, prune: bool = True,
+              given_ready: Callable[[], None] | None = None, reference: TrainingSpec | None = None) -> list[PlanEntry]:
+    """Every candidate estimated (or, with ``prune``, left out where another entry fits and is faster:
+    see the module docstring) and ranked. ``given_ready()`` is waited for before the "as given" entry
+    searches (``fit`` passes the end of its own search of the same spec, whose estimates it reuses).
+    ``reference``: a spec as given whose estimate gives the parameter counts that bound the step
+    time of an entry (default: the target in one micro-batch; ``fit`` passes its own first probe)."""
     cands = candidates(spec, gpus=gpus)
+    run = _PlanRun(spec, cands, est, usable_bytes, target_batch, field_name, prune and field_name == "batch_size",
+                   given_ready, reference or spec.replace(grad_accum=1, batch_size=target_batch))
     workers = getattr(est, "workers", 1)
     if workers > 1 and len(cands) > 1:
-        entries = _entries_side_by_side(spec, cands, est, usable_bytes, target_batch, field_name, progress, workers)
+        entries = _entries_side_by_side(run, progress)
     else:
-        entries = []
-        for i, c in enumerate(cands):
+        # one at a time: a candidate after the smaller ones it may be left out for
+        done: dict[str, PlanEntry] = {}
+        for i, c in enumerate(sorted(cands, key=lambda c: len(c.changes))):
             if progress:
                 progress(c.name)
             core_progress.advance(i, len(cands), f"plan: {c.name}")
-            entries.append(plan_entry(spec, c, est, usable_bytes, target_batch, field_name))
+            done[c.name] = run.entry(c)
+        entries = [done[c.name] for c in cands]
     # the baseline: the target as given, at its full micro-batch (whether or not it fits)
     base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
     try:
@@ -181,25 +275,90 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     return rank_entries(entries, bt)
 
 
-def _entries_side_by_side(spec, cands, est, usable_bytes, target_batch, field_name, progress, workers) -> list[PlanEntry]:
-    """plan_entry of every candidate, each search in its own thread, so that the estimator's worker
-    processes simulate for several candidates at once (the entries do not depend on the order)."""
+class _PlanRun:
+    """The entries of one plan, each published as soon as decided (a Future per candidate), so that an
+    entry that may be left out waits for the smaller entries that decide it, whatever the order."""
+
+    def __init__(self, spec, cands, est, usable_bytes, target_batch, field_name, prune, given_ready, reference):
+        from concurrent.futures import Future
+
+        self.spec, self.cands, self.est = spec, cands, est
+        self.usable, self.target, self.field, self.prune, self.given_ready = usable_bytes, target_batch, field_name, prune, given_ready
+        self.reference = reference
+        self.decided: dict[str, Future] = {c.name: Future() for c in cands}
+
+    def _reference_point(self):
+        """An estimate of the spec as given: its parameter counts (those of every entry that keeps them)."""
+        return self.est(self.reference)
+
+    def _left_out(self, c: Candidate) -> tuple[str, float, str] | None:
+        """(why, best GPU-seconds, the entry that decided) if a smaller entry that fits is faster than ``c`` can be; waits for
+        those smaller entries that could be (None: search it). Only for a candidate that keeps the
+        parameters of the spec as given (its step-time bound needs their counts)."""
+        smaller = smaller_settings(c, self.cands) if self.prune and set(c.changes) <= SAME_PARAMETERS else []
+        if not smaller:
+            return None
+        try:
+            p = self._reference_point()
+        except MemlensError:
+            return None
+        mine = best_gpu_seconds(self.spec, c, p, self.target)
+        if mine is None:
+            return None
+        for o in smaller:
+            theirs = best_gpu_seconds(self.spec, o, p, self.target)
+            if theirs is not None and theirs >= mine:
+                continue            # even at its best, o is not faster than c at its best: no need to wait
+            d = self.decided[o.name].result()
+            if d is not None and d.fits and d.gpu_seconds < mine * (1 - 1e-9):   # strictly fewer (not a float tie)
+                added = _flags({k: v for k, v in c.changes.items() if k not in o.changes}, None, None)
+                return (f"not searched: {o.name} fits with {d.gpu_seconds:.3g} GPU-s per step (predicted); "
+                        f"adding {added} cannot go below {mine:.3g}"), mine, o.name
+        return None
+
+    def entry(self, c: Candidate) -> PlanEntry:
+        fut = self.decided[c.name]
+        try:
+            out = self._left_out(c)
+            if out is not None:
+                why, best, by = out
+                fut.set_result(Decision(False, best))
+                n = self.spec.replace(**c.changes).world_size if "world_size" in c.changes else 1
+                return PlanEntry(c.name, c.kind, c.tradeoff, c.changes, None, None, None, None, None, None, None, None,
+                                 gpus=n, not_searched=why, flags=_flags(c.changes, None, None, self.field),
+                                 extra={"best_gpu_seconds": best, "not_searched_for": by})
+            wait = self.given_ready if not c.changes else None
+            e = plan_entry(self.spec, c, self.est, self.usable, self.target, self.field,
+                           on_search=lambda d: fut.done() or fut.set_result(d), wait=wait)
+            if not fut.done():
+                fut.set_result(Decision(e.fits, e.gpu_seconds) if e.error is None else None)
+            return e
+        finally:
+            if not fut.done():
+                fut.set_result(None)
+
+
+def _entries_side_by_side(run: _PlanRun, progress) -> list[PlanEntry]:
+    """The entries of every candidate, each in its own thread, so that the estimator's worker
+    processes simulate for several candidates at once (the entries do not depend on the order; a
+    thread per candidate, as an entry may wait for others)."""
     import contextvars
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     lock = threading.Lock()
     done = [0]
+    cands = run.cands
 
     def one(c: Candidate) -> PlanEntry:
         if progress:
             progress(c.name)
-        e = plan_entry(spec, c, est, usable_bytes, target_batch, field_name)
+        e = run.entry(c)
         with lock:
             done[0] += 1
             core_progress.advance(done[0], len(cands), f"plan: {c.name}")
         return e
 
-    with ThreadPoolExecutor(max_workers=min(len(cands), 2 * workers)) as ex:
+    with ThreadPoolExecutor(max_workers=len(cands)) as ex:
         futures = [ex.submit(contextvars.copy_context().run, one, c) for c in cands]   # the caller's progress reporter
         return [f.result() for f in futures]

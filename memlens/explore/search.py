@@ -162,15 +162,26 @@ def doubling_bisection(try_batch: Callable[[int], bool], *, cap: int = MAX_BATCH
     return Search(_bisect(lo, hi, t), trials)
 
 
-def max_fitting_among(values: list[int], value: Callable[[int], float], budget: float) -> Search:
+def max_fitting_among(values: list[int], value: Callable[[int], float], budget: float,
+                      known: Callable[[], dict[int, float]] | None = None,
+                      slope: Callable[[], float | None] | None = None) -> Search:
     """Largest of the sorted ``values`` with ``value(v) <= budget`` (0 if none): the largest divisor
-    of a target batch that fits, say. Probes the largest, then the second smallest (if it fits, so
-    does the smallest, by monotony; batch 1 costs a simulation of its own, see
-    memlens.estimator.scaling.design), then the line's guess.
+    of a target batch that fits, say. ``fits`` is taken as monotone (if v fits, every smaller v fits).
+
+    Probes the largest value first (if it fits, that is the answer), then the value a line predicts
+    at the budget's crossing: through the two probes nearest the boundary; with one probe, through
+    it with ``slope()`` (bytes per unit of value, e.g. of another setting of the same model: a guess
+    only). Values ``known()`` returns (already estimated elsewhere, e.g. by another search of the same
+    spec) count as probes. The answer rests on probes only: v fits and the next value does not.
+    Without a line (no slope), the second smallest value (if it fits, so does the smallest: batch 1
+    costs a simulation of its own, see memlens.estimator.scaling.design), then bisection.
 
     >>> s = max_fitting_among([1, 2, 4, 8, 16, 32], lambda b: 1000 + 300 * b, 4000)
     >>> s.limit, [t["batch"] for t in s.trials]
     (8, [32, 2, 8, 16])
+    >>> s = max_fitting_among([1, 2, 4, 8, 16, 32], lambda b: 1000 + 300 * b, 4000, slope=lambda: 300)
+    >>> s.limit, [t["batch"] for t in s.trials]
+    (8, [32, 8, 16])
     >>> max_fitting_among([1, 2, 4], lambda b: 1000 * b, 1500).limit, max_fitting_among([1, 2, 4], lambda b: 1000 * b, 900).limit
     (1, 0)
     """
@@ -178,8 +189,14 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
     seen: dict[int, float] = {}
     trials: list[dict[str, Any]] = []
 
+    def merge_known() -> None:
+        for k, v in (known() if known else {}).items():
+            seen.setdefault(int(k), float(v))
+
     def run(i: int) -> bool:
         b = vals[i]
+        if b not in seen:
+            merge_known()
         if b not in seen:
             seen[b] = float(value(b))
             trials.append({"batch": b, "value": int(seen[b]), "fits": seen[b] <= budget})
@@ -187,42 +204,65 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
 
     if not vals:
         return Search(0, trials)
-    hi_i = len(vals) - 1
-    if run(hi_i):
-        return Search(vals[hi_i], trials)
-    if hi_i == 0:
-        return Search(0, trials)
-    if hi_i >= 2 and run(1):
-        lo_i = 1
-    elif run(0):
-        lo_i = 0
-    else:
-        return Search(0, trials)
+    lo_i, hi_i = -1, len(vals)              # vals[lo_i] fits (-1: none known), vals[hi_i] does not (len: none known)
+
+    def bracket() -> None:
+        """Narrow (lo_i, hi_i) by every point estimated (monotone: a point that fits makes every value
+        at or below it fit, one that does not every value at or above it)."""
+        nonlocal lo_i, hi_i
+        for x, v in sorted(seen.items()):
+            if v <= budget:
+                i = max((j for j in range(len(vals)) if vals[j] <= x), default=-1)
+                if lo_i < i < hi_i:
+                    lo_i = i
+        for x, v in sorted(seen.items(), reverse=True):
+            if v > budget:
+                i = min((j for j in range(len(vals)) if vals[j] >= x), default=len(vals))
+                if lo_i < i < hi_i:
+                    hi_i = i
+
+    merge_known()
+    bracket()
+    if hi_i == len(vals):
+        if run(len(vals) - 1):
+            return Search(vals[-1], trials)
+        hi_i = len(vals) - 1
     guesses = 0
-    while hi_i - lo_i > 1:
-        nxt = None
-        if guesses < 2:
-            a, c = vals[lo_i], vals[hi_i]
-            slope = (seen[c] - seen[a]) / (c - a)
-            if slope > 0:
-                g = a + (budget - seen[a]) / slope
-                cand = [i for i in range(lo_i + 1, hi_i) if vals[i] <= g]
-                nxt = cand[-1] if cand else lo_i + 1
-                if vals[nxt] in seen:
-                    nxt = None
-            guesses += 1
+    while True:
+        bracket()
+        if hi_i - lo_i <= 1:
+            break
+        nxt = _guess(vals, seen, budget, lo_i, hi_i, slope) if guesses < 3 else None
+        guesses += 1
         if nxt is None:
-            nxt = (lo_i + hi_i) // 2
+            nxt = 1 if (lo_i == -1 and hi_i > 1 and guesses == 1) else (lo_i + hi_i) // 2
+            nxt = min(max(nxt, lo_i + 1, 0), hi_i - 1)
         if run(nxt):
             lo_i = nxt
-            if guesses <= 2 and nxt + 1 < hi_i:   # the guess fits: its successor usually decides
-                if run(nxt + 1):
-                    lo_i = nxt + 1
-                else:
-                    hi_i = nxt + 1
         else:
             hi_i = nxt
-    return Search(vals[lo_i], trials)
+    return Search(vals[lo_i] if lo_i >= 0 else 0, trials)
+
+
+def _guess(vals: list[int], seen: dict[int, float], budget: float, lo_i: int, hi_i: int,
+           slope: Callable[[], float | None] | None) -> int | None:
+    """The index in (lo_i, hi_i) a line predicts at the budget (the largest value at or below the
+    crossing): the line through the largest point that fits and the smallest that does not (or the
+    two smallest that do not), else through the smallest that does not with ``slope()``."""
+    fit = [x for x in seen if seen[x] <= budget]
+    over = sorted(x for x in seen if seen[x] > budget)
+    if not over:
+        return None
+    c = over[0]
+    a = max(fit) if fit else (over[1] if len(over) > 1 else None)
+    k = (seen[c] - seen[a]) / (c - a) if a is not None and a != c else None
+    if k is None and slope is not None:
+        k = slope()
+    if not k or k <= 0:
+        return None
+    cross = c + (budget - seen[c]) / k
+    cand = [i for i in range(lo_i + 1, hi_i) if vals[i] <= cross]
+    return cand[-1] if cand else lo_i + 1
 
 
 def _bisect(lo: int, hi: int, fits) -> int:

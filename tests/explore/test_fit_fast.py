@@ -1,0 +1,245 @@
+"""fit's fast search: every answer is what full simulations say (brute force over a grid on a tiny
+GPT-2), the guided divisor search against brute force, the fallback when the peak is not monotone,
+entries left out of the plan (and that the full search agrees they rank lower), sharded specs in
+the worker processes (and the fallback when a worker dies)."""
+from __future__ import annotations
+
+import random
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import pytest
+from explore_support import GiB, fake_estimator
+
+from memlens.core.errors import MemlensError
+from memlens.core.spec import TrainingSpec
+from memlens.estimator import estimate
+from memlens.explore.core import CachedEstimator, Point, predict_step_time
+from memlens.explore.fit import fit
+from memlens.explore.fits import need_bytes
+from memlens.explore.plan import Candidate, candidates, make_plan, plan_entry
+from memlens.explore.search import max_fitting_among
+
+TINY_GPT2 = str(Path(__file__).parent.parent / "fixtures" / "models" / "tiny-gpt2" / "config.json")
+SPEC = TrainingSpec(model="fake", batch_size=8, seq_len=512)
+
+
+# ---------------------------------------------------------------- the search alone
+def test_guided_divisor_search_equals_brute_force():
+    """Any monotone peak, any budget, with or without a (possibly wrong) slope and points known
+    elsewhere: the largest value that fits, and the probes bracket it (it fits, the next does not)."""
+    rnd = random.Random(7)
+    for _ in range(2000):
+        vals = sorted(rnd.sample(range(1, 200), rnd.randint(1, 12)))
+        acc, table = rnd.randint(0, 100), {}
+        for v in vals:
+            acc += rnd.randint(0, 50)
+            table[v] = acc
+        budget = rnd.randint(0, acc + 20)
+        want = max((v for v in vals if table[v] <= budget), default=0)
+        known = {v: table[v] for v in rnd.sample(vals, rnd.randint(0, len(vals)))} if rnd.random() < 0.3 else {}
+        for slope in (None, lambda: rnd.choice([None, -1.0, 0.5, 5.0, 50.0])):
+            s = max_fitting_among(vals, table.__getitem__, budget, known=lambda: known, slope=slope)
+            assert s.limit == want
+            probed = {t["batch"] for t in s.trials} | set(known)
+            nxt = [v for v in vals if v > want]
+            assert (want == 0 or want in probed or any(k >= want and table[k] <= budget for k in probed))
+            assert not nxt or nxt[0] in probed or any(k <= nxt[0] and table[k] > budget for k in probed)
+
+
+def test_a_good_slope_saves_the_second_probe():
+    line = lambda b: 1000 + 300 * b  # noqa: E731
+    plain = max_fitting_among([1, 2, 4, 8, 16, 32], line, 4000)
+    guided = max_fitting_among([1, 2, 4, 8, 16, 32], line, 4000, slope=lambda: 300)
+    assert plain.limit == guided.limit == 8
+    assert [t["batch"] for t in plain.trials] == [32, 2, 8, 16]
+    assert [t["batch"] for t in guided.trials] == [32, 8, 16]
+    # points another search estimated decide without probes of its own
+    known = max_fitting_among([1, 2, 4, 8, 16, 32], line, 4000, known=lambda: {10: line(10), 11: line(11)})
+    assert known.limit == 8 and known.trials == []
+
+
+def test_a_peak_that_is_not_monotone_is_searched_again_on_its_own_probes():
+    """Points known from another search say 5 fits (so 4 would); the peak at 4 is higher than at 5:
+    the entry searches again on its own estimates and answers a micro-batch that fits."""
+    usable = 10 * GiB
+
+    def need(s: TrainingSpec) -> Point:
+        v = {1: 2, 2: 4, 4: 11, 5: 9, 6: 11, 8: 12}[s.batch_size] * GiB
+        return Point(v, v, param_count=1000, trainable_param_count=1000, seq_len=512)
+
+    est = CachedEstimator(fn=need)
+    for b in (5, 6):                     # what the largest-micro-batch search left in the cache
+        est(SPEC.replace(batch_size=b, grad_accum=1))
+    e = plan_entry(SPEC, Candidate("as given", {}, "same math", ""), est, usable, 8)
+    assert (e.micro_batch, e.grad_accum) == (2, 4) and e.fits
+    assert need_bytes(est(SPEC.replace(batch_size=2, grad_accum=1))) <= usable
+    assert SPEC.replace(batch_size=4, grad_accum=1) in est.cache      # probed itself, found not to fit
+
+
+# ---------------------------------------------------------------- entries left out
+def test_entries_that_add_settings_to_a_faster_fitting_entry_are_not_searched():
+    full = {e.name: e for e in make_plan(SPEC, fake_estimator(), 12 * GiB, 32, gpus=4, prune=False)}
+    est = fake_estimator()
+    pruned = make_plan(SPEC, est, 12 * GiB, 32, gpus=4)
+    left = {e.name: e for e in pruned if e.not_searched}
+    assert set(left) == {"AMP bf16 + checkpointing", "bf16 + checkpointing + 8-bit AdamW", "ZeRO-2 over 4 GPUs",
+                         "FSDP (ZeRO-3) over 4 GPUs", "CPU offload of the optimizer"}
+    # every searched entry is what the full plan says, in the same order
+    keys = ("fits", "micro_batch", "grad_accum", "predicted_peak_bytes", "predicted_step_seconds", "error", "rank")
+    searched = [e for e in pruned if not e.not_searched]
+    assert [(e.name, *(getattr(e, k) for k in keys[:-1])) for e in searched] == \
+        [(e.name, *(getattr(e, k) for k in keys[:-1])) for e in sorted(full.values(), key=lambda e: e.rank) if e.name not in left]
+    assert [e.rank for e in pruned] == list(range(1, len(pruned) + 1))
+    assert all(e.fits for e in pruned[: len([e for e in searched if e.fits])])       # fitting first, then not searched
+    for name, e in left.items():
+        dominator = next(o for o in pruned if e.not_searched.startswith(f"not searched: {o.name} fits"))
+        assert e.fits is None and e.micro_batch is None and e.predicted_peak_bytes is None
+        # the claim holds: searched in full, the entry needs more GPU-seconds than the one that decided it
+        assert full[name].gpu_seconds >= e.extra["best_gpu_seconds"] > dominator.gpu_seconds
+        assert e.extra["best_gpu_seconds"] == pytest.approx(float(e.not_searched.rsplit(" ", 1)[1]), rel=1e-2)
+    # fewer estimates than the full plan
+    assert est.calls < fake_estimator_calls_full()
+
+
+def fake_estimator_calls_full() -> int:
+    est = fake_estimator()
+    make_plan(SPEC, est, 12 * GiB, 32, gpus=4, prune=False)
+    return est.calls
+
+
+def test_lora_entries_are_always_searched():
+    """LoRA/QLoRA change the parameters: no bound from another entry's counts, so never left out."""
+    est = fake_estimator()
+    entries = make_plan(SPEC, est, 40 * GiB, 32, gpus=4)
+    assert [e.name for e in entries if e.kind == "changes the model" and e.not_searched] == []
+    assert {c.name for c in candidates(SPEC, gpus=4) if c.kind == "changes the model"} <= {e.name for e in entries if e.fits}
+
+
+# ---------------------------------------------------------------- the real thing: full simulations
+def _truth():
+    """need/peak of a spec by a full simulation here (memlens.estimate, no replay), each spec once."""
+    cache: dict[TrainingSpec, Point] = {}
+
+    def point(s: TrainingSpec) -> Point:
+        if s not in cache:
+            cache[s] = Point.from_result(estimate(s))
+        return cache[s]
+
+    return point
+
+
+def _brute_entry(spec, changes, usable, target, point):
+    s = spec.replace(grad_accum=1, **changes)
+    divisors = [d for d in range(1, target + 1) if target % d == 0]
+    m = max((d for d in divisors if need_bytes(point(s.replace(batch_size=d))) <= usable), default=0)
+    micro = m or 1
+    run = s.replace(batch_size=micro, grad_accum=target // micro)
+    p = point(run)
+    return m, p.peak_reserved_bytes, predict_step_time(run, p, micro_batch=micro, grad_accum=target // micro).seconds
+
+
+@pytest.mark.slow
+def test_fast_fit_equals_full_simulations_on_a_grid():
+    """fit (worker processes, replays, guided searches, entries left out) against brute force with
+    full simulations: the largest micro-batch (every batch up to the cap simulated), its peak, and
+    for every plan entry its micro-batch (every divisor simulated), accumulation and peak; an entry
+    left out is, searched in full, no faster than the one that decided it."""
+    point = _truth()
+    spec = TrainingSpec(model=TINY_GPT2, seq_len=256, batch_size=8)
+    cap = 12
+    given = [need_bytes(point(spec.replace(batch_size=b))) for b in range(1, cap + 1)]
+    for b in (3, 6):
+        usable = given[b - 1]                    # batch b fits exactly at this budget
+        est = CachedEstimator()
+        est.scaler.workers = 2
+        d = fit(spec, usable, context_bytes=0, margin=0, gpus=1, estimator=est, cap=cap).data
+        assert d["usable_bytes"] == usable
+        want = max(x for x in range(1, cap + 1) if given[x - 1] <= usable)
+        assert d["max_batch_size"] == want
+        assert d["predicted_peak_bytes"] == point(spec.replace(batch_size=want)).peak_reserved_bytes
+        assert est.stats()["replays"] > 0
+        by_name = {e["name"]: e for e in d["plan"]}
+        for e in d["plan"]:
+            if e["error"]:
+                continue
+            try:
+                m, peak, secs = _brute_entry(spec, e["changes"], usable, 8, point)
+            except MemlensError:
+                assert e["not_searched"], e["name"]      # refused (offload): searched, it is an error entry, ranked last
+                continue
+            if e["not_searched"]:
+                dom = next(o for o in d["plan"] if e["not_searched"].startswith(f"not searched: {o['name']} fits"))
+                assert m == 0 or secs * 1 > dom["predicted_gpu_seconds"], (b, e["name"])
+                continue
+            assert (e["micro_batch"] or 0) == m, (b, e["name"])
+            assert e["fits"] == (m > 0)
+            assert e["predicted_peak_bytes"] == peak, (b, e["name"])
+            assert e["predicted_step_seconds"] == pytest.approx(secs)
+        assert by_name["as given"]["micro_batch"] == max(x for x in (1, 2, 4, 8) if x <= want)
+
+
+# ---------------------------------------------------------------- sharded specs in the workers
+def test_a_sharded_spec_is_estimated_in_a_worker_and_equals_this_process():
+    spec = TrainingSpec(model="explore_models:tiny", seq_len=64, batch_size=4, world_size=2, sharding="zero2")
+    here = Point.from_result(estimate(spec))
+    est = CachedEstimator()
+    est.scaler.workers = 2
+    p = est(spec)
+    assert est.scaler._pool is not None                     # it went to the worker processes
+    assert (p.peak_allocated_bytes, p.peak_reserved_bytes, p.peak_rank, p.by_category) == \
+        (here.peak_allocated_bytes, here.peak_reserved_bytes, here.peak_rank, here.by_category)
+
+
+def test_a_sharded_spec_falls_back_to_this_process_when_a_worker_died(monkeypatch):
+    spec = TrainingSpec(model="explore_models:tiny", seq_len=64, batch_size=4, world_size=2, sharding="zero2")
+    est = CachedEstimator()
+    est.scaler.workers = 2
+
+    def broken(fn, s):
+        f: Future = Future()
+        f.set_exception(BrokenProcessPool("a worker died"))
+        return f
+
+    monkeypatch.setattr(est.scaler, "submit", broken)
+    p = est(spec)
+    assert p.peak_allocated_bytes == estimate(spec).peak_allocated_bytes
+
+
+def test_start_forks_every_worker_before_threads_ask():
+    est = CachedEstimator()
+    est.scaler.workers = 2
+    assert est.scaler._pool is None
+    est.start(TrainingSpec(model="explore_models:tiny", seq_len=64))
+    assert len(est.scaler._pool._processes) == 2         # forked now, from this thread
+
+
+# ---------------------------------------------------------------- the CLI
+TINY = ["fit", "--model", "explore_models:tiny", "--seq-len", "64", "--budget", "1GiB", "--context", "0", "--target-batch", "8", "--gpus", "2"]
+
+
+def test_cli_lists_entries_not_searched_and_full_plan_searches_them(capsys, monkeypatch):
+    import json
+
+    from memlens.cli.main import main
+
+    monkeypatch.setenv("MEMLENS_WORKERS", "1")
+    assert main([*TINY, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert main([*TINY, "--json", "--full-plan"]) == 0
+    full = {e["name"]: e for e in json.loads(capsys.readouterr().out)["plan"]}
+    left = [e for e in plan if e["not_searched"]]
+    assert left and not any(e["not_searched"] for e in full.values())
+    for e in plan:
+        if e["not_searched"]:
+            f = full[e["name"]]
+            assert e["fits"] is None
+            assert f["error"] or not f["fits"] or e["best_gpu_seconds"] <= f["predicted_gpu_seconds"] * (1 + 1e-12)
+            assert full[e["not_searched_for"]]["predicted_gpu_seconds"] < e["best_gpu_seconds"]
+        else:
+            assert {k: e[k] for k in ("fits", "micro_batch", "grad_accum", "predicted_peak_bytes")} == \
+                {k: full[e["name"]][k] for k in ("fits", "micro_batch", "grad_accum", "predicted_peak_bytes")}
+    assert main(TINY) == 0
+    out = capsys.readouterr().out
+    assert out.count("not searched:") == len(left) and f"not searched: {left[0]['not_searched_for']} fits and is faster" in out
