@@ -482,6 +482,13 @@ class ScalingEstimator:
                 self._ensure_pool(spec)
                 self._pool.submit(int).result()      # with "fork", the first submit launches every worker
 
+    def stop_workers(self) -> None:
+        """Simulate in this process from now on (a worker died, or autograd cannot run in a fork here)."""
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+            self.workers, self._pool = 1, None
+
     def _ensure_pool(self, spec: TrainingSpec) -> None:
         if self._pool is None:
             import multiprocessing
@@ -543,9 +550,7 @@ class ScalingEstimator:
             sim = _ForkUnusable()
         if isinstance(sim, _ForkUnusable):   # (or this process' autograd cannot run in a fork)
             with self._lock:
-                if self._pool is not None:
-                    self._pool.shutdown(wait=False, cancel_futures=True)
-                self.workers, self._pool = 1, None
+                self.stop_workers()
                 self._pending[(key, x)] = (self._start(spec), why)
                 fut = self._pending[(key, x)][0]
             sim = fut.result()

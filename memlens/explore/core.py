@@ -179,13 +179,17 @@ class CachedEstimator:
         from ..core.errors import MemlensError
 
         if self.scaler is not None and self.scaler.workers > 1 and self.method == "simulate":
+            from ..estimator.scaling import _ForkUnusable
+
             try:
                 r = self.scaler.submit(_simulated_point, spec).result()
-            except BrokenProcessPool:      # a worker died (killed for memory?): estimate it here
-                r = None
-            if isinstance(r, MemlensError):
+            except BrokenProcessPool:      # a worker died (killed for memory?)
+                r = _ForkUnusable()
+            if isinstance(r, _ForkUnusable):   # (or this process' autograd cannot run in a fork): here from now on
+                self.scaler.stop_workers()
+            elif isinstance(r, MemlensError):
                 raise r
-            if r is not None:
+            else:
                 return r
         from ..estimator import estimate
 
@@ -197,14 +201,20 @@ class CachedEstimator:
 
 
 def _simulated_point(spec: TrainingSpec):
-    """``estimate(spec)`` reduced to a Point, in a worker process (a MemlensError is returned, not raised)."""
+    """``estimate(spec)`` reduced to a Point, in a worker process (a MemlensError is returned, not raised;
+    where autograd cannot run in a fork, the marker that says so: memlens.estimator.scaling)."""
     from ..core.errors import MemlensError
     from ..estimator import estimate
+    from ..estimator.scaling import FORKED_AUTOGRAD, _ForkUnusable
 
     try:
         return Point.from_result(estimate(spec, method="simulate"))
-    except MemlensError as e:
-        return e
+    except (MemlensError, RuntimeError) as e:
+        if FORKED_AUTOGRAD in str(e):
+            return _ForkUnusable()
+        if isinstance(e, MemlensError):
+            return e
+        raise
 
 
 class _Fake:  # for the docstring above

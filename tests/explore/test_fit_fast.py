@@ -205,6 +205,35 @@ def test_a_sharded_spec_falls_back_to_this_process_when_a_worker_died(monkeypatc
     monkeypatch.setattr(est.scaler, "submit", broken)
     p = est(spec)
     assert p.peak_allocated_bytes == estimate(spec).peak_allocated_bytes
+    assert est.workers == 1                                   # and simulates here from now on
+
+
+def test_a_sharded_spec_falls_back_where_autograd_cannot_run_in_a_fork(monkeypatch):
+    """The worker answers that this process' autograd cannot run in a fork (a CUDA build of torch that
+    has run a backward): estimated here, and the workers are given up, as for simulations."""
+    import memlens.estimator as estimator_pkg
+    from memlens.estimator.scaling import FORKED_AUTOGRAD
+    from memlens.explore.core import _simulated_point
+
+    spec = TrainingSpec(model="explore_models:tiny", seq_len=64, batch_size=4, world_size=2, sharding="zero2")
+
+    def refused(s, method="simulate"):
+        raise RuntimeError(FORKED_AUTOGRAD + " (fake)")
+
+    with monkeypatch.context() as m:      # what the worker would answer
+        m.setattr(estimator_pkg, "estimate", refused)
+        answer = _simulated_point(spec)
+    est = CachedEstimator()
+    est.scaler.workers = 2
+
+    def in_worker(fn, s):
+        f: Future = Future()
+        f.set_result(answer)
+        return f
+
+    monkeypatch.setattr(est.scaler, "submit", in_worker)
+    assert est(spec).peak_allocated_bytes == estimate(spec).peak_allocated_bytes
+    assert est.workers == 1
 
 
 def test_start_forks_every_worker_before_threads_ask():
