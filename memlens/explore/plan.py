@@ -283,8 +283,8 @@ class _PlanRun:
         from concurrent.futures import Future
 
         self.spec, self.cands, self.est = spec, cands, est
-        self.usable, self.target, self.field, self.prune, self.given_ready = usable_bytes, target_batch, field_name, prune, given_ready
-        self.reference = reference
+        self.usable, self.target, self.field = usable_bytes, target_batch, field_name
+        self.prune, self.given_ready, self.reference = prune, given_ready, reference
         self.decided: dict[str, Future] = {c.name: Future() for c in cands}
 
     def _reference_point(self):
@@ -292,9 +292,9 @@ class _PlanRun:
         return self.est(self.reference)
 
     def _left_out(self, c: Candidate) -> tuple[str, float, str] | None:
-        """(why, best GPU-seconds, the entry that decided) if a smaller entry that fits is faster than ``c`` can be; waits for
-        those smaller entries that could be (None: search it). Only for a candidate that keeps the
-        parameters of the spec as given (its step-time bound needs their counts)."""
+        """(why, best GPU-seconds, the entry that decided) if a smaller entry that fits is faster than
+        ``c`` can be; waits for those smaller entries that could be (None: search it). Only for a
+        candidate that keeps the parameters of the spec as given (its bound needs their counts)."""
         smaller = smaller_settings(c, self.cands) if self.prune and set(c.changes) <= SAME_PARAMETERS else []
         if not smaller:
             return None

@@ -245,7 +245,8 @@ def test_start_forks_every_worker_before_threads_ask():
 
 
 # ---------------------------------------------------------------- the CLI
-TINY = ["fit", "--model", "explore_models:tiny", "--seq-len", "64", "--budget", "1GiB", "--context", "0", "--target-batch", "8", "--gpus", "2"]
+TINY = ["fit", "--model", "explore_models:tiny", "--seq-len", "64", "--budget", "1GiB", "--context", "0",
+        "--target-batch", "8", "--gpus", "2"]
 
 
 def test_cli_lists_entries_not_searched_and_full_plan_searches_them(capsys, monkeypatch):
