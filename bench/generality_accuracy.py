@@ -124,14 +124,16 @@ def main() -> None:
         dt = time.perf_counter() - t0
         meas, meas_r = t["max_allocated"], t["max_reserved"]
         steady = fp16_steady.get(json.dumps(spec.to_dict(), sort_keys=True))
+        steady_note = None
         if steady is not None:   # amp-fp16: GradScaler skipped every measured step (no optimizer state)
-            notes = (f"GradScaler skipped steps 1-{steady['first_optimizer_step'] - 1} of the 3 measured "
+            steady_note = (f"GradScaler skipped steps 1-{steady['first_optimizer_step'] - 1} of the 3 measured "
                      f"({meas / 2**30:.3f} GiB without optimizer state); measured again until the optimizer stepped "
                      f"(bench/gpu_fp16_steps.py): peak after step {steady['first_optimizer_step']}")
             meas = steady["peak_after_first_optimizer_step"]
         row = {"name": t["name"], "kind": t.get("kind", "spec"), "measured_peak_allocated": meas, "estimated_peak_allocated": est,
                "error_pct": 100.0 * (est - meas) / meas, "measured_peak_reserved": meas_r, "estimated_peak_reserved": est_r,
-               "reserved_error_pct": 100.0 * (est_r - meas_r) / meas_r, "estimate_seconds": dt, "estimated_on": where, "bound": notes}
+               "reserved_error_pct": 100.0 * (est_r - meas_r) / meas_r, "estimate_seconds": dt, "estimated_on": where, "bound": notes,
+               **({"note": steady_note} if steady_note else {})}
         if t.get("kind") == "trainer":
             row.update(trainer_estimates(t, results_dir, est))
         rows.append(row)
@@ -175,8 +177,8 @@ def main() -> None:
                 f.write(f"| {r['name']} | failed: {r['error'][:70]} | | | | |\n")
                 continue
             mark = ""
-            if r.get("bound") and "GradScaler" in str(r["bound"]):
-                footnotes.append(f"{r['name']}: {r['bound']}; the reserved error is against the 3 skipped steps.")
+            if r.get("note"):
+                footnotes.append(f"{r['name']}: {r['note']}; the reserved error is against the 3 skipped steps.")
                 mark = f" [{len(footnotes)}]"
             f.write(f"| {r['name']}{mark} | {r['measured_peak_allocated'] / 2**30:.3f} GiB | {r['estimated_peak_allocated'] / 2**30:.3f} GiB | "
                     f"{r['error_pct']:+.2f}% | {r['reserved_error_pct']:+.2f}% | {r['estimated_on']} |\n")

@@ -14,12 +14,12 @@ __all__ = ["estimate"]
 METHODS = ("simulate", "formula")
 
 
-
 # measured on an H100 (bench/gpu_fp16_steps.py): torchvision's ResNet-50 from random weights skipped
 # steps 1-3 (scale 65536, 32768, 16384) and first stepped at step 4
 FP16_SKIPPED_STEPS = ("amp-fp16: GradScaler skips optimizer.step() while the scaled gradients overflow (initial scale "
                       "65536, halved at each skip), and a skipped step creates no optimizer state; this is the peak "
                       "once the optimizer steps")
+
 
 def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, source=None) -> Result:
     """Predict the peak memory of ``spec``'s training step.

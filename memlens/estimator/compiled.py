@@ -73,7 +73,7 @@ def _attention_ops():
     kernel's scratch is not in the graph)."""
     if _OPS:
         return _OPS["fwd"], _OPS["bwd"]
-    from .cuda_rules import _bhld, _ceil_to, _matching_layout
+    from .cuda_rules import _ceil_to, _kernel_output
 
     @torch.library.custom_op("memlens::fused_sdpa_fwd", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +82,7 @@ def _attention_ops():
     @fwd.register_fake
     def _(q, k, v, backend):
         B, H, L, _ = q.shape
-        out = _matching_layout(q, (B, H, L, v.shape[-1])) if backend == "cudnn" else _bhld(q, B, H, L, v.shape[-1])
+        out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
         stats = torch.empty(B, H, _ceil_to(L, 32) if backend == "efficient" else L, dtype=torch.float32, device=q.device)
         n = 0 if backend == "efficient" else 1
         return out, stats, torch.empty(n, dtype=torch.int64, device=q.device), torch.empty(n, dtype=torch.int64, device=q.device)
@@ -95,8 +95,7 @@ def _attention_ops():
     @bwd.register_fake
     def _(grad, q, k, v, out, stats, mask, backend):
         B, H, L, D = q.shape
-        alloc = _matching_layout if backend == "cudnn" else (lambda t, shape: _bhld(t, *shape))
-        return alloc(q, (B, H, L, D)), alloc(k, tuple(k.shape)), alloc(v, tuple(v.shape))
+        return tuple(_kernel_output(backend, t, shape) for t, shape in ((q, (B, H, L, D)), (k, tuple(k.shape)), (v, tuple(v.shape))))
 
     _OPS.update(fwd=fwd, bwd=bwd)
     return fwd, bwd

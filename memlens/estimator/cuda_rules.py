@@ -117,6 +117,12 @@ def _matching_layout(like: torch.Tensor, shape: tuple) -> torch.Tensor:
     return t.permute([order.index(i) for i in range(like.dim())])
 
 
+def _kernel_output(backend: str, like: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """An output or gradient of a fused attention kernel: cuDNN's in ``like``'s layout, the
+    others' laid out as (B, L, H, D)."""
+    return _matching_layout(like, shape) if backend == "cudnn" else _bhld(like, *shape)
+
+
 class FusedAttention(torch.autograd.Function):
     """What CUDA's fused SDPA kernels allocate, on fake tensors (sizes measured on an H100).
 
@@ -136,7 +142,7 @@ class FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, backend):
         B, H, L, _ = q.shape
-        out = _matching_layout(q, (B, H, L, v.shape[-1])) if backend == "cudnn" else _bhld(q, B, H, L, v.shape[-1])
+        out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
         dev = q.device
         if backend == "efficient":
             stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
@@ -156,8 +162,7 @@ class FusedAttention(torch.autograd.Function):
         B, H, L, D = q.shape
         Hk, S = k.shape[1], k.shape[2]
         dev = q.device
-        cudnn = ctx.backend == "cudnn"
-        dq = _matching_layout(q, (B, H, L, D)) if cudnn else _bhld(q, B, H, L, D)
+        dq = _kernel_output(ctx.backend, q, (B, H, L, D))
         scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
         if ctx.backend == "cudnn":
             scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
@@ -173,10 +178,8 @@ class FusedAttention(torch.autograd.Function):
             dk = dk_full.reshape(B, Hk, H // Hk, S, k.shape[-1]).sum(2)
             dv = dv_full.reshape(B, Hk, H // Hk, S, v.shape[-1]).sum(2)
         else:
-            if cudnn:
-                dk, dv = _matching_layout(k, (B, H, S, k.shape[-1])), _matching_layout(v, (B, H, S, v.shape[-1]))
-            else:
-                dk, dv = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
+            dk = _kernel_output(ctx.backend, k, (B, H, S, k.shape[-1]))
+            dv = _kernel_output(ctx.backend, v, (B, H, S, v.shape[-1]))
             scratch.clear()
         dmask = None
         if ctx.needs_input_grad[3]:  # efficient kernel: grad_bias over the expanded (B, H, L, ceil16(S)) bias
@@ -196,7 +199,8 @@ def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     dtype. A bool mask has become an additive mask of the input dtype in the dispatcher."""
     origin = q.dtype
     if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(attn_mask.shape, dtype=origin, device=q.device).masked_fill_(attn_mask.logical_not(), float("-inf"))
+        additive = torch.zeros(attn_mask.shape, dtype=origin, device=q.device)
+        attn_mask = additive.masked_fill_(attn_mask.logical_not(), float("-inf"))
     if origin in (torch.float16, torch.bfloat16):
         q, k, v = q.float(), k.float(), v.float()
     L, S = q.shape[-2], k.shape[-2]

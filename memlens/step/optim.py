@@ -14,8 +14,9 @@ adam-fused         tensor on the GPU (512 B block each)        (``_fused_adam``:
 sgd                none                                        none (``_foreach_add_(params, grads)``)
 sgd-momentum       momentum_buffer (first step: grad clone)    none
 adafactor          row/col factors (torch.optim.Adafactor)     per tensor (single-tensor path, torch's
-                                                               default): the variance estimate and the
-                                                               update, two parameter-sized temporaries
+                                                               default): the variance estimate, turned
+                                                               in place into the update: one
+                                                               parameter-sized temporary
 adafactor-hf       transformers' Adafactor, per parameter      grad**2 and update (fp32, parameter-sized)
 adamw-8bit         2 x uint8 + fp32 absmax / 256 elements       none (bitsandbytes' in-place kernel)
 paged-adamw-8bit   as adamw-8bit; tensors of >= 1e5 elements   none
