@@ -115,7 +115,7 @@ def main() -> None:
         try:
             r = estimate(spec)
             est, est_r = r.peak_allocated_bytes, r.peak_reserved_bytes
-            notes = r.data.get("bound")
+            notes = r.data.get("compile_model")
         except Exception as e:  # noqa: BLE001 - a missing optional library: use the GPU machine's estimate
             if "estimate_here" not in t:
                 rows.append({"name": t["name"], "error": f"estimate failed: {e}"})
@@ -132,7 +132,7 @@ def main() -> None:
             meas = steady["peak_after_first_optimizer_step"]
         row = {"name": t["name"], "kind": t.get("kind", "spec"), "measured_peak_allocated": meas, "estimated_peak_allocated": est,
                "error_pct": 100.0 * (est - meas) / meas, "measured_peak_reserved": meas_r, "estimated_peak_reserved": est_r,
-               "reserved_error_pct": 100.0 * (est_r - meas_r) / meas_r, "estimate_seconds": dt, "estimated_on": where, "bound": notes,
+               "reserved_error_pct": 100.0 * (est_r - meas_r) / meas_r, "estimate_seconds": dt, "estimated_on": where, "compile_model": notes,
                **({"note": steady_note} if steady_note else {})}
         if t.get("kind") == "trainer":
             row.update(trainer_estimates(t, results_dir, est))
@@ -160,8 +160,8 @@ def main() -> None:
         f.write(f"# generality accuracy (issue 12) vs real steps on {env['device']} (torch {env['torch']}, "
                 f"transformers {env['transformers']}, timm {env.get('timm')}, torchvision {env.get('torchvision')})\n\n")
         f.write("None of these cases was used to tune the estimator. `--compile` estimates (memlens/estimator/compiled.py): "
-                "the saved activations come from inductor's own partitioner (exact), the generated kernels' buffers from "
-                "inductor's fusion rule (modelled).\n\n")
+                "the saved activations come from inductor's own partitioner, the generated kernels' buffers from inductor's "
+                "fusion rule, its pad_mm pass and the loss graph break (modelled; README, --compile).\n\n")
         v = summary["estimator_versions"]
         f.write(f"Estimated on the CPU with torch {v['torch']}, transformers {v['transformers']}: memlens runs the installed "
                 "library's model code, so the estimate uses the transformers the GPU ran (T5's attention path differs "

@@ -28,7 +28,7 @@ CASES = {
 }
 
 
-def _frames(frames: list[dict], n: int = 6) -> list[str]:
+def _frames(frames: list[dict], n: int = 8) -> list[str]:
     keep = [f for f in frames if f.get("filename", "").endswith(".py")]
     return [f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in keep[:n]]
 
@@ -50,6 +50,22 @@ def peak_blocks(trace: list[dict], start: int) -> dict:
     rows = sorted(at_peak.values(), key=lambda e: -e["size"])
     return {"peak_allocated": peak, "blocks": [{"size": e["size"], "frames": _frames(e.get("frames", []))} for e in rows],
             "n_blocks": len(rows)}
+
+
+def inductor_code(out_path: str) -> None:
+    """The generated wrapper code (files with ``def call(args)``) of a compiled case, beside OUT.json as a
+    tar: the frames of its blocks name these files and lines."""
+    import getpass
+    import glob
+    import tarfile
+    import tempfile
+
+    root = os.path.join(tempfile.gettempdir(), "torchinductor_" + getpass.getuser())
+    files = [f for f in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
+             if "def call(" in open(f, errors="replace").read()]
+    with tarfile.open(out_path.replace(".json", "") + "_code.tar.gz", "w:gz") as t:
+        for f in files:
+            t.add(f, arcname=os.path.basename(f))
 
 
 def main() -> None:
@@ -83,6 +99,8 @@ def main() -> None:
     with open(out_path, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "blocks"}))
+    if spec.compile:
+        inductor_code(out_path)
     for b in res["blocks"][:15]:
         print(f"{b['size'] / 2**20:10.2f} MiB  {' <- '.join(b['frames'][:4])}")
 

@@ -109,8 +109,8 @@ def simulation_result(sim, a) -> Result:
     if spec.precision == "amp-fp16":
         r.notes.append(FP16_SKIPPED_STEPS)
     if spec.compile:
-        from .compiled import BOUND
+        from .compiled import MODEL
 
-        r.data["bound"] = BOUND
-        r.notes.append(f"--compile: {BOUND}.")
+        r.data["compile_model"] = MODEL
+        r.notes.append(f"--compile: {MODEL}.")
     return r

@@ -2,28 +2,35 @@
 
 What decides a compiled step's memory is which activations the compiled backward keeps, and
 which intermediates the generated kernels write. ``torch.compile`` (inductor) traces the model's
-forward and backward into one joint graph (AOTAutograd), applies inductor's decompositions, and
-splits it with the min-cut rematerialization partitioner
+forward and backward into one joint graph (AOTAutograd), applies inductor's decompositions and
+joint-graph passes, and splits it with the min-cut rematerialization partitioner
 (``torch._functorch.partitioners.min_cut_rematerialization_partition``, ``compiler="inductor"``):
 the forward graph returns exactly the tensors the backward graph needs; what is cheap to
 recompute is recomputed in backward instead of kept.
 
 :func:`compile_for_simulation` runs that same machinery on the simulation's fake tensors: it
 traces the model's forward under the CUDA emulation (CUDA's autocast policy; fused attention as
-two opaque ops whose backward reads q, k, v, the output and the softmax statistics, as the real
-kernels do), partitions it with inductor's partitioner, and returns a module that runs the
+two opaque ops that read q, k, v and the mask, and whose backward reads the output and the
+softmax statistics too, as the real kernels do) with ``torch.compiler.is_compiling()`` True (the
+model takes its traced path: transformers materializes the attention mask and expands grouped
+key/value heads), pads half-precision matmuls as inductor's ``pad_mm`` pass does
+(:func:`pad_matmuls`), partitions with inductor's partitioner, and returns a module that runs the
 forward graph and, in backward, the backward graph under the storage tracker, with inductor's
-boxed calling convention (inputs freed at their last use). So the saved activations are the
-compiled step's own (exact).
+boxed calling convention: the argument list is cleared, and every value is freed after the
+kernel that reads it last. Tensors that an output object holds (a key/value cache) are graph
+outputs too, so the backward gets autograd's zeros for them, as the real one does. Where dynamo
+breaks the graph at transformers' loss function (:func:`loss_graph_break`) the loss is a graph
+of its own.
 
 The generated kernels' buffers are modelled by inductor's fusion rule (:func:`materialized`):
 a pointwise op whose consumers are all pointwise ops or reductions is fused into them and never
 stored; matmuls, attention, random ops, reductions and graph outputs are buffers. That is the
 scheduler's default behaviour; its exceptions (a pointwise node read by many kernels may be
-stored, some reductions fuse further) are not, and dynamo's graph breaks are not reproduced (one
-graph per forward). ``fuse=False`` runs every op as its own buffer, an upper bound.
-bench/gpu_generality_calibrate.py measures compiled steps at shapes outside the accuracy set;
-bench/results/generality_accuracy.md reports the gap.
+stored, some reductions fuse further), its reordering for peak memory, the row-stride padding of
+its own buffers (``comprehensive_padding``) and graph breaks other than the loss' are not
+reproduced. ``fuse=False`` runs every op as its own buffer, an upper bound.
+bench/gpu_peak_probe.py replays a real compiled step's allocator history at its peak (and keeps
+inductor's generated code); bench/results/generality_accuracy.md reports the accuracy.
 """
 from __future__ import annotations
 
@@ -32,9 +39,9 @@ from typing import Any, Callable
 
 import torch
 
-BOUND = ("saved activations from inductor's min-cut partitioner (exact); kernel buffers from inductor's fusion rule "
-         "(modelled; one graph, dynamo's graph breaks not reproduced): an upper bound, measured 8-15% above three real "
-         "compiled steps on an H100 (bench/results/generality_accuracy.md)")
+MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion rule, its "
+         "pad_mm pass and the loss graph break (modelled): measured within 1.4% of three real compiled steps on an "
+         "H100 (bench/results/generality_accuracy.md)")
 
 
 class CompiledForSimulation(torch.nn.Module):
@@ -52,10 +59,13 @@ class CompiledForSimulation(torch.nn.Module):
     def forward(self, **kwargs):
         from torch.utils._pytree import tree_unflatten
 
-        outs = self._fn(self._params, *[kwargs[k] for k in self._keys])
+        outs, loss = self._fn(self._params, [kwargs[k] for k in self._keys])
         it = iter(outs)
         leaves = [next(it) if c is _TENSOR else c for c in self._constants]
-        return tree_unflatten(leaves, self._out_spec)
+        out = tree_unflatten(leaves, self._out_spec)
+        if loss is not None:
+            out["loss"] = loss
+        return out
 
 
 _TENSOR = object()   # placeholder for a tensor leaf of the model's output
@@ -76,11 +86,12 @@ def _attention_ops():
     from .cuda_rules import _ceil_to, _kernel_output
 
     @torch.library.custom_op("memlens::fused_sdpa_fwd", mutates_args=())
-    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         raise NotImplementedError("memlens' attention stand-in runs on fake tensors only")
 
     @fwd.register_fake
-    def _(q, k, v, backend):
+    def _(q, k, v, mask, backend):
         B, H, L, _ = q.shape
         out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
         stats = torch.empty(B, H, _ceil_to(L, 32) if backend == "efficient" else L, dtype=torch.float32, device=q.device)
@@ -107,9 +118,11 @@ class OpaqueAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, backend):
         fwd, _ = _attention_ops()
-        out, stats, rng0, rng1 = fwd(q, k, v, backend)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.empty(attn_mask.shape, dtype=q.dtype, device=q.device)  # additive mask, as the kernel makes
+            # the additive mask SDPA makes of a boolean one (attention.cpp convert_boolean_attn_mask): traced
+            # ops, so the compiler's CSE makes one of them for all layers that share the mask, as it does
+            attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(attn_mask.logical_not(), float("-inf"))
+        out, stats, rng0, rng1 = fwd(q, k, v, attn_mask, backend)
         ctx.backend = backend
         ctx.save_for_backward(q, k, v, out, stats, attn_mask)
         return out
@@ -197,6 +210,25 @@ def _writes_in_place(node) -> bool:
             and len(base.users) == 1)
 
 
+def last_reads(graph, fused_away: set) -> dict:
+    """Each value's last reader, as the generated code reads it: a value read by a fused-away node is
+    read by the kernels that compute that node's materialized consumers (inductor frees a kernel's
+    inputs after the kernel has run, so its output buffer is allocated while they are alive)."""
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    reach: dict = {}     # a fused-away node: the position of the last kernel that computes through it
+    for n in reversed(nodes):
+        if n in fused_away:
+            reach[n] = max((reach[u] if u in fused_away else order[u] for u in n.users), default=order[n])
+    last: dict = {}
+    for n in nodes:
+        at = reach[n] if n in fused_away else order[n]
+        for a in n.all_input_nodes:
+            if a not in last or at > last[a]:
+                last[a] = at
+    return {a: nodes[i] for a, i in last.items()}
+
+
 def boxed_runner(gm, fuse: bool):
     """Run a partitioned graph the way inductor's generated ``call(args)`` runs: inputs as one list
     that is cleared once read, every value freed at its last use, and (``fuse``) the values
@@ -222,21 +254,20 @@ def boxed_runner(gm, fuse: bool):
     for n in graph.nodes:
         if n.op == "call_function" and (not keep.get(n, True) or (_is_view(n) and n.args and n.args[0] in fused_away)):
             fused_away.add(n)
-    last: dict = {}
-    for n in graph.nodes:
-        for a in n.all_input_nodes:
-            last[a] = n
+    last = last_reads(graph, fused_away)
     frees: dict = {}
     for a, n in last.items():
         frees.setdefault(n, []).append(a)
 
     def run(args):
         env = {}
-        it = iter(list(args))
+        inputs = list(args)
         args.clear()
+        k = 0
         for n in graph.nodes:
-            if n.op == "placeholder":
-                env[n] = next(it)
+            if n.op == "placeholder":   # taken out of the list: the graph's own reference is its only one
+                env[n], inputs[k] = inputs[k], None
+                k += 1
             elif n.op == "get_attr":
                 env[n] = getattr(gm, n.target)
             elif n.op == "call_function":
@@ -259,15 +290,182 @@ def boxed_runner(gm, fuse: bool):
     return run
 
 
+def held_tensors(obj, depth: int = 3) -> list:
+    """Tensors an output object that is no pytree holds in its attributes (a key/value cache's
+    layers): dynamo returns them from the graph as outputs too, so the compiled backward gets a
+    gradient for each, zeros that autograd materializes when nothing used them. They come after
+    the output's own tensors and are dropped at run time (the step drops the outputs)."""
+    found: list = []
+
+    def walk(x, d):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif d <= 0 or isinstance(x, (str, bytes, int, float, bool, type(None))):
+            return
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v, d - 1)
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, d - 1)
+        elif hasattr(x, "__dict__") and not isinstance(x, (torch.nn.Module, type)):
+            for v in vars(x).values():
+                walk(v, d - 1)
+
+    walk(obj, depth)
+    return list({id(t): t for t in found}.values())
+
+
+# data-sheet dense fp16/bf16 TFLOP/s and DRAM GB/s (torch/_inductor/analysis/device_info.py's figures)
+_DATASHEET = {"h100": (989.5, 3350), "h200": (989.5, 4800), "a100-80gb": (312.5, 2039), "a100-40gb": (312.5, 1555),
+              "l40s": (362.0, 864), "l4": (121.0, 300), "a10g": (125.0, 600)}
+
+
+def _compute_bound(M: int, K: int, N: int, gpu: str | None) -> bool:
+    """inductor's ``is_mm_compute_bound``: arithmetic intensity above half the machine balance."""
+    tflops, gbps = _DATASHEET.get(gpu or "h100", _DATASHEET["h100"])
+    intensity = M * N * K / max(1, M * K + N * K + M * N)
+    return intensity > 0.5 * 1000 * tflops / gbps
+
+
+def pad_matmuls(gm, gpu: str | None = None) -> int:
+    """inductor's ``pad_mm`` joint-graph pass (torch/_inductor/fx_passes/pad_mm.py), on the joint graph
+    before it is partitioned: a half-precision CUDA ``mm``/``addmm``/``bmm`` with a dimension that is not
+    a multiple of 8 runs on copies of its operands padded with zeros, and its result is a slice of the
+    padded product (so the storage is the padded one). Returns the matmuls padded.
+
+    Which to pad inductor decides by timing both on the GPU; modelled: it pads when the product is
+    compute-bound (its own rule) and K or N is unaligned (they are the row strides of row-major
+    operands and result, which cuBLAS' fast kernels need aligned), not when only M is (measured on an
+    H100: GPT-2's vocabulary matmuls: forward N and grad-input K padded, grad-weight M not)."""
+    from torch._guards import detect_fake_mode
+
+    a = torch.ops.aten
+    g = gm.graph
+    done = 0
+    pads: dict = {}
+
+    def val(n):
+        return n.meta.get("val") if hasattr(n, "meta") else None
+
+    def pad(node, amounts: tuple, mode):
+        """constant_pad_nd of ``node`` by (last dim, ..., first dim) amounts; one per (node, amounts)."""
+        key = (node, amounts)
+        hit = pads.get(key)
+        if hit is None:
+            spec = [x for p in amounts for x in (0, p)]
+            hit = pads[key] = g.call_function(a.constant_pad_nd.default, (node, spec, 0.0))
+            with mode:
+                hit.meta["val"] = a.constant_pad_nd.default(val(node), spec, 0.0)
+        return hit
+
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target not in (a.mm.default, a.addmm.default, a.bmm.default):
+            continue
+        m1, m2 = (n.args[1], n.args[2]) if n.target is a.addmm.default else (n.args[0], n.args[1])
+        v1, v2 = val(m1), val(m2)
+        if not isinstance(v1, torch.Tensor) or not isinstance(v2, torch.Tensor):
+            continue
+        if v1.dtype not in (torch.float16, torch.bfloat16) or v2.dtype != v1.dtype:   # (the simulated step is CUDA's)
+            continue
+        M, K, N = int(v1.shape[-2]), int(v1.shape[-1]), int(v2.shape[-1])
+        pm, pk, pn = ((-d) % 8 if d != 1 else 0 for d in (M, K, N))
+        if not (pk or pn) or not _compute_bound(M, K, N, gpu):
+            continue
+        mode = detect_fake_mode([v1, v2])
+        with g.inserting_before(n):
+            p1 = pad(m1, (pk, pm) + (0,) * (v1.dim() - 2), mode) if (pm or pk) else m1
+            p2 = pad(m2, (pn, pk) + (0,) * (v2.dim() - 2), mode) if (pk or pn) else m2
+            args = (p1, p2)
+            if n.target is a.addmm.default:
+                bias = n.args[0]
+                vb = val(bias)
+                if isinstance(vb, torch.Tensor) and pn and vb.shape[-1] != 1:
+                    bias = pad(bias, (pn,) + (0,) * (vb.dim() - 1), mode)
+                args = (bias, p1, p2)
+            mm = g.call_function(n.target, args, dict(n.kwargs))
+            with mode:
+                mm.meta["val"] = n.target(*[val(x) if hasattr(x, "meta") else x for x in args], **n.kwargs)
+            out = mm
+            for dim, (size, extra) in ((-2, (M, pm)), (-1, (N, pn))):
+                if extra:
+                    out = g.call_function(a.slice.Tensor, (out, mm.meta["val"].dim() + dim, 0, size))
+                    with mode:
+                        out.meta["val"] = a.slice.Tensor(val(out.args[0]), out.args[1], 0, size)
+        n.replace_all_uses_with(out)
+        g.erase_node(n)
+        done += 1
+    if done:
+        g.lint()
+        gm.recompile()
+    return done
+
+
+def loss_graph_break(model) -> Callable | None:
+    """The loss function dynamo runs as a graph of its own, or None (one graph).
+
+    transformers' ``PreTrainedModel.loss_function`` logs a warning (``logger.warning_once``) when the
+    model's ``loss_type`` is not one it knows (GPT-2's, whose class name names no loss); dynamo
+    cannot trace a logging call and breaks the graph there, so a compiled step runs the model up to
+    the loss as one graph and the loss as the next (``torch._dynamo.explain`` shows it:
+    tests/estimator/test_compiled.py). The loss graph's backward then hands the logits their real
+    gradient instead of autograd's zeros for an unused output."""
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
+        return None
+    import inspect
+
+    if inspect.getattr_static(type(model), "loss_function", None) is not PreTrainedModel.__dict__.get("loss_function"):
+        return None
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type is not None and loss_type in LOSS_MAPPING:
+        return None
+    return LOSS_MAPPING["ForCausalLM"]   # what the property returns after its warning
+
+
+def _live_tensors(frame) -> list:
+    """Tensors a frame's locals hold that its code reads after the current instruction (what dynamo
+    returns from a graph that ends there: the live values)."""
+    import dis
+
+    later = {i.argval for i in dis.get_instructions(frame.f_code)
+             if i.offset > frame.f_lasti and i.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"))}
+    out: list = []
+    for name, v in frame.f_locals.items():
+        if name in later and name != "self":
+            out += held_tensors(v) if not isinstance(v, torch.Tensor) else [v]
+    return out
+
+
+class _Graphs:
+    """The compiled step's graphs at run time: the model's, then (after a graph break) the loss's."""
+
+    def __init__(self, model_fn, loss_fn=None, loss_args=None):
+        self.model_fn = model_fn
+        self.loss_fn, self.loss_args = loss_fn, loss_args     # loss_args: ("out", i) or ("in", i) per tensor argument
+
+    def __call__(self, params, inputs: list):
+        outs = self.model_fn(params, *inputs)
+        if self.loss_fn is None:
+            return outs, None
+        pick = [outs[i] if where == "out" else inputs[i] for where, i in self.loss_args]
+        return outs, self.loss_fn(*pick)
+
+
 def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Callable[[], Any], rules=None,
                            fuse: bool = True) -> CompiledForSimulation:
     """Trace ``model(**batch)`` and its backward with AOTAutograd, partition the joint graph with
-    inductor's min-cut partitioner, and return the module that runs the two graphs.
+    inductor's min-cut partitioner, and return the module that runs the graphs (two where dynamo
+    breaks the graph at the loss: :func:`loss_graph_break`).
 
     ``trace_context``: the contexts the forward runs in during the simulated step (fake mode,
     CUDA emulation, autocast): the trace happens under them, outside the storage tracker.
     """
-    from functools import partial
+    import sys
 
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -282,30 +480,98 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     extra = {k: v for k, v in batch.items() if k not in keys and (forward_keys is None or k in forward_keys)}
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     structure: dict[str, Any] = {}
+    loss_fn = loss_graph_break(model)
+    call: dict[str, Any] = {}
+
+    def stand_in(*args, **kwargs):
+        """The loss function while the model's graph is traced: the graph ends here."""
+        call.update(args=args, kwargs=kwargs, live=_live_tensors(sys._getframe(1)))
+        return None
 
     def f(p, *inputs):
-        out = torch.func.functional_call(model, p, (), {**dict(zip(keys, inputs)), **extra}, tie_weights=True)
+        if loss_fn is not None:
+            model._loss_function = stand_in
+        try:
+            out = torch.func.functional_call(model, p, (), {**dict(zip(keys, inputs)), **extra}, tie_weights=True)
+        finally:
+            if loss_fn is not None:
+                del model._loss_function
         leaves, spec = tree_flatten(out)
         structure["spec"] = spec
         structure["constants"] = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
-        return tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        held = [t for x in leaves if not isinstance(x, torch.Tensor) for t in held_tensors(x)]
+        outs = list({id(t): t for t in tensors + held + call.get("live", [])}.values())
+        if call:   # the loss' tensor arguments: outputs of this graph or its inputs
+            where = []
+            for a in [*call["args"], *call["kwargs"].values()]:
+                if not isinstance(a, torch.Tensor):
+                    continue
+                j = next((i for i, x in enumerate(inputs) if x is a), None)
+                if j is not None:
+                    where.append(("in", j))
+                    continue
+                i = next((i for i, x in enumerate(outs) if x is a), None)
+                if i is None:
+                    outs.append(a)
+                    i = len(outs) - 1
+                where.append(("out", i))
+            structure["loss_args"] = where
+        return tuple(outs)
 
     def keep(gm, example_inputs):
         return boxed_runner(gm, fuse)
 
-    fn = aot_function(f, fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
-                      partition_fn=partial(min_cut_rematerialization_partition, compiler="inductor"))
+    def partition(joint, joint_inputs, **kw):   # inductor's joint-graph pass, then its partitioner
+        pad_matmuls(joint, getattr(getattr(rules, "gpu", None), "name", None))
+        return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kw)
+
+    def aot(fn):
+        return aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
+                            partition_fn=partition)
+
     previous = getattr(rules, "fused_attention", None)
     if rules is not None:
         rules.fused_attention = OpaqueAttention   # the kernels as opaque ops with the real data dependencies
     try:
-        with trace_context():
-            outs = fn(params, *[batch[k] for k in keys])   # traces and partitions (the outputs are dropped)
-        del outs
+        graphs = _Graphs(aot(f))
+        with trace_context(), compiling():
+            inputs = [batch[k] for k in keys]
+            outs = graphs.model_fn(params, *inputs)   # traces and partitions (the outputs are dropped)
+            if call:   # the loss graph: its tensor arguments in order, the rest as the model passed them
+                args = [_TENSOR if isinstance(a, torch.Tensor) else a for a in call["args"]]
+                kwargs = {k: _TENSOR if isinstance(v, torch.Tensor) else v for k, v in call["kwargs"].items()}
+                call.clear()     # (the traced tensors)
+
+                def loss(*ts):
+                    it = iter(ts)
+                    a = [next(it) if x is _TENSOR else x for x in args]
+                    kw = {k: next(it) if v is _TENSOR else v for k, v in kwargs.items()}
+                    return loss_fn(*a, **kw)
+
+                graphs = _Graphs(graphs.model_fn, aot(loss), structure["loss_args"])
+                graphs.loss_fn(*[outs[i] if w == "out" else inputs[i] for w, i in structure["loss_args"]])   # traces it
+            del outs
     finally:
         if rules is not None:
             rules.fused_attention = previous
-    return CompiledForSimulation(model, fn, params, structure["spec"], structure["constants"], keys)
+    return CompiledForSimulation(model, graphs, params, structure["spec"], structure["constants"], keys)
+
+
+@contextlib.contextmanager
+def compiling():
+    """``torch.compiler.is_compiling()`` answers True, as it does while dynamo traces the model: code
+    that branches on it takes its traced path (transformers then builds the attention mask as a tensor
+    instead of leaving it to SDPA's ``is_causal``, and expands grouped key/value heads)."""
+    old = getattr(torch.compiler, "_is_compiling_flag", None)
+    if old is None:
+        yield
+        return
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old
 
 
 @contextlib.contextmanager

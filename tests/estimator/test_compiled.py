@@ -8,7 +8,7 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 51
               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512, "architectures": ["LlamaForCausalLM"]}
 
 
-def test_compiled_step_keeps_fewer_activations_and_says_it_is_a_bound(tmp_path):
+def test_compiled_step_keeps_fewer_activations_and_says_what_is_modelled(tmp_path):
     p = tmp_path / "config.json"
     p.write_text(json.dumps(TINY_LLAMA))
     kw = dict(model=str(p), batch_size=4, seq_len=256, precision="bf16")
@@ -17,8 +17,8 @@ def test_compiled_step_keeps_fewer_activations_and_says_it_is_a_bound(tmp_path):
     assert compiled.by_phase["setup"] == eager.by_phase["setup"]
     assert compiled.by_phase["backward"]["peak_allocated_bytes"] < eager.by_phase["backward"]["peak_allocated_bytes"]
     assert compiled.by_phase["optimizer"]["peak_allocated_bytes"] == eager.by_phase["optimizer"]["peak_allocated_bytes"]
-    assert "min-cut partitioner" in compiled.data["bound"] and any("--compile" in n for n in compiled.notes)
-    assert "bound" not in eager.data
+    assert "min-cut partitioner" in compiled.data["compile_model"] and any("--compile" in n for n in compiled.notes)
+    assert "compile_model" not in eager.data
 
 
 def test_inductor_fusion_rule():
@@ -130,3 +130,107 @@ def test_an_index_put_into_fresh_zeros_writes_in_place():
         out = boxed_runner(gm, fuse=True)([idx, vals])
     assert analyze(log).peak_allocated_bytes == 512 * 64 * 4
     del out
+
+
+def test_a_kernel_reads_its_fused_inputs_and_frees_graph_inputs_at_their_last_reader():
+    """inductor frees a kernel's inputs after the kernel: a value read by a fused-away op stays alive
+    until the kernel that stores the fused chain's result is allocated. A graph input is freed after
+    its last reader, not when the graph returns (the boxed call clears its argument list)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memlens.core.events import ALLOC, FREE
+    from memlens.core.ledger import EventLog, analyze
+    from memlens.core.tracker import StorageTracker
+    from memlens.estimator.compiled import boxed_runner
+
+    def f(x):
+        return ((x * 2).sum(1) * 3,)   # mul fused into the sum's kernel; the sum a buffer; the output a buffer
+
+    gm = make_fx(f)(torch.randn(256, 256))
+    log = EventLog()
+    with FakeTensorMode(), StorageTracker(log):
+        args = [torch.empty(256, 256)]
+        out = boxed_runner(gm, fuse=True)(args)
+    assert args == []
+    assert analyze(log).peak_allocated_bytes == 256 * 256 * 4 + 1024   # x alive while the sum's (256,) is allocated
+    kinds = [(ev[0], ev[2] if ev[0] == ALLOC else None) for ev in log.events if ev[0] in (ALLOC, FREE)]
+    assert kinds[:4] == [(ALLOC, 256 * 256 * 4), (ALLOC, 1024), (FREE, None), (ALLOC, 1024)]   # x freed before the output
+    del out
+
+
+def test_pad_matmuls_pads_unaligned_k_and_n_of_half_matmuls():
+    """inductor's pad_mm: GPT-2's vocabulary (50257) is padded to 50264 where it is N (the logits)
+    or K (their gradient times the weight), not where it is only M (the weight's gradient)."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memlens.estimator.compiled import pad_matmuls
+
+    def f(h, w, g):
+        logits = h @ w                   # (4096, 768) @ (768, 50257): N unaligned
+        dh = g @ w.t()                   # (4096, 50257) @ (50257, 768): K unaligned
+        dw = g.t() @ h                   # (50257, 4096) @ (4096, 768): only M unaligned
+        aligned = h @ h.t()              # (4096, 768) @ (768, 4096)
+        return logits, dh, dw, aligned
+
+    bf = torch.bfloat16
+    gm = make_fx(f, tracing_mode="fake")(torch.empty(4096, 768, dtype=bf), torch.empty(768, 50257, dtype=bf),
+                                         torch.empty(4096, 50257, dtype=bf))
+    assert pad_matmuls(gm, "h100") == 2
+    pads = sorted(tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.target is torch.ops.aten.constant_pad_nd.default)
+    assert pads == [(768, 50264), (4096, 50264), (50264, 768)]
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert sorted(tuple(n.meta["val"].shape) for n in mms) == [(4096, 768), (4096, 4096), (4096, 50264), (50257, 768)]
+    outs = [n.meta["val"].shape for n in next(n for n in gm.graph.nodes if n.op == "output").args[0]]
+    assert [tuple(s) for s in outs] == [(4096, 50257), (4096, 768), (50257, 768), (4096, 4096)]
+    fp32 = make_fx(f, tracing_mode="fake")(torch.empty(4096, 768), torch.empty(768, 50257), torch.empty(4096, 50257))
+    assert pad_matmuls(fp32, "h100") == 0   # modelled for half precision only
+
+
+def test_held_tensors_and_the_compiling_flag():
+    """A key/value cache in the outputs is no pytree: its tensors are returned from the graph too;
+    while memlens traces, torch.compiler.is_compiling() is True as under dynamo."""
+    import torch
+
+    from memlens.estimator.compiled import compiling, held_tensors
+
+    class Layer:
+        def __init__(self):
+            self.keys, self.values = torch.zeros(2), torch.ones(3)
+
+    class Cache:
+        def __init__(self):
+            self.layers = [Layer(), Layer()]
+            self.name = "cache"
+
+    c = Cache()
+    assert [t.numel() for t in held_tensors(c)] == [2, 3, 2, 3]
+    assert held_tensors("text") == []
+    assert not torch.compiler.is_compiling()
+    with compiling():
+        assert torch.compiler.is_compiling()
+    assert not torch.compiler.is_compiling()
+
+
+def test_the_loss_graph_break_is_dynamos():
+    """Dynamo breaks GPT-2's graph at transformers' loss_function (its warning for an unknown
+    loss_type is a logging call) and not Llama's: loss_graph_break says the same (tiny models,
+    real dynamo on the CPU)."""
+    import torch
+    import transformers
+
+    from memlens.estimator.compiled import loss_graph_break
+
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, vocab_size=64))
+    ids = torch.randint(0, 64, (2, 16))
+    for model, breaks in ((gpt2, True), (llama, False)):
+        torch._dynamo.reset()
+        ex = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+        assert (ex.graph_count, ex.graph_break_count) == ((2, 1) if breaks else (1, 0))
+        assert (loss_graph_break(model) is not None) == breaks
+    torch._dynamo.reset()
