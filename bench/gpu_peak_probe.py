@@ -3,6 +3,7 @@
     python bench/gpu_peak_probe.py OUT.json adafactor        # torch.optim.Adafactor on one 1024 x 1024 weight
     python bench/gpu_peak_probe.py OUT.json compile-gpt2     # torch.compile'd GPT-2, amp-bf16, 8 x 1024
     python bench/gpu_peak_probe.py OUT.json compile-llama1b  # torch.compile'd Llama-3.2-1B shapes, bf16, 2 x 2048
+    python bench/gpu_peak_probe.py OUT.json compile-qwen0.5b | compile-bert | compile-vit   # held-out compiled steps
     python bench/gpu_peak_probe.py OUT.json torchvision-resnet50 | whisper-small | phi-1.5   # generality cases off by > 1%
 
 Records torch.cuda.memory._record_memory_history(stacks="python") from the model's build through 3
@@ -22,6 +23,10 @@ CASES = {
     "adafactor": dict(model="tests.tiny_models:linear_norm", optimizer="adafactor", max_grad_norm=1.0, hf_trainer=True),
     "compile-gpt2": dict(model="gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", compile=True),
     "compile-llama1b": dict(model="llama-3.2-1b", batch_size=2, seq_len=2048, precision="bf16", compile=True),
+    # compiled steps checked after the --compile mechanisms were modelled (none used to find them)
+    "compile-qwen0.5b": dict(model="qwen2.5-0.5b", batch_size=4, seq_len=1024, precision="bf16", compile=True),
+    "compile-bert": dict(model="bert-base-uncased", batch_size=16, seq_len=512, precision="amp-bf16", compile=True),
+    "compile-vit": dict(model="vit-base-patch16-224", batch_size=64, precision="amp-bf16", compile=True),
     "torchvision-resnet50": dict(model="torchvision:resnet50", batch_size=64, precision="amp-fp16"),
     "whisper-small": dict(model="whisper-small", batch_size=16, precision="amp-bf16"),
     "phi-1.5": dict(model="phi-1.5", batch_size=4, seq_len=1024, precision="bf16", optimizer="adamw-fused"),

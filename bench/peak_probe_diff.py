@@ -5,7 +5,8 @@
 For each probe: the simulated peak of the probe's spec (run with the transformers the GPU ran), the
 real one, and the block sizes whose counts differ at the two peaks, with the ops that made ours
 and the innermost frame of the real ones (for a compiled step, a line of inductor's generated code,
-kept beside the probe as *_code.tar.gz). Writes bench/results/peak_probe_diff.md. This is how the
+kept beside the probe as *_code.tar.gz). Writes bench/results/peak_probe_diff.md (and .json: the
+simulated peak against the step's max_memory_allocated). This is how the
 `--compile` mechanisms of issue 12 were found: a mechanism, never a constant.
 """
 from __future__ import annotations
@@ -45,7 +46,14 @@ def live_at_peak(spec) -> tuple[int, collections.Counter, dict]:
 def main() -> None:
     from memlens.core.spec import TrainingSpec
 
-    lines = ["# simulated vs real blocks at the peak (bench/peak_probe_diff.py)\n"]
+    import platform
+
+    import torch
+    import transformers
+
+    lines = ["# simulated vs real blocks at the peak (bench/peak_probe_diff.py)\n\n"
+             f"Simulated on {platform.machine()} (CPU) with torch {torch.__version__}, transformers {transformers.__version__}.\n"]
+    rows = []
     for path in sys.argv[1:]:
         probe = json.load(open(path))
         spec = TrainingSpec.from_dict(probe["spec"])
@@ -56,8 +64,12 @@ def main() -> None:
             real[b["size"]] += 1
             frames[b["size"]][(b["frames"][0] if b["frames"] else "(no Python frame)")[:48]] += 1
         err = 100.0 * (peak - probe["peak_allocated"]) / probe["peak_allocated"]
+        meas = probe["max_allocated_last_step"]
+        rows.append({"case": probe["case"], "spec": probe["spec"], "measured_max_allocated": meas, "estimated_peak_allocated": peak,
+                     "error_pct": 100.0 * (peak - meas) / meas, "device": probe["device"], "torch": probe["torch"]})
         lines.append(f"\n## {probe['case']} ({spec.describe()})\n\nreal peak {probe['peak_allocated'] / 2**30:.3f} GiB "
-                     f"({probe['device']}, torch {probe['torch']}), simulated {peak / 2**30:.3f} GiB ({err:+.2f}%)\n")
+                     f"({probe['device']}, torch {probe['torch']}), simulated {peak / 2**30:.3f} GiB ({err:+.2f}%); "
+                     f"max_memory_allocated {meas / 2**30:.3f} GiB ({rows[-1]['error_pct']:+.2f}%)\n")
         diff = [s for s in sorted(set(ours) | set(real), reverse=True) if ours[s] != real[s]]
         if diff:
             lines.append("\n| block size | simulated | real | bytes | simulated ops | real frames |\n|---|---|---|---|---|---|\n")
@@ -68,6 +80,8 @@ def main() -> None:
         print("".join(lines[-len(diff) - 2:]), flush=True)
     with open(os.path.join(HERE, "results", "peak_probe_diff.md"), "w") as f:
         f.write("".join(lines))
+    with open(os.path.join(HERE, "results", "peak_probe_diff.json"), "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,17 @@ outputs too, so the backward gets autograd's zeros for them, as the real one doe
 breaks the graph at transformers' loss function (:func:`loss_graph_break`) the loss is a graph
 of its own.
 
+The backward is traced under the forward's autocast, as AOTAutograd traces it
+(``backward_pass_autocast="same_as_forward"``; CPU autocast's dispatch-level policy stands in for
+CUDA's there, the two agree on matmuls).
+
 The generated kernels' buffers are modelled by inductor's fusion rule (:func:`materialized`):
-a pointwise op whose consumers are all pointwise ops or reductions is fused into them and never
-stored; matmuls, attention, random ops, reductions and graph outputs are buffers. That is the
-scheduler's default behaviour; its exceptions (a pointwise node read by many kernels may be
-stored, some reductions fuse further), its reordering for peak memory, the row-stride padding of
-its own buffers (``comprehensive_padding``) and graph breaks other than the loss' are not
-reproduced. ``fuse=False`` runs every op as its own buffer, an upper bound.
+a pointwise op whose consumers are all pointwise ops or reductions is inlined into them and never
+stored, unless a value read more than once has grown too big an expression (``mark_reuse``);
+matmuls, attention, random ops, reductions and graph outputs are buffers; a stored pointwise copy
+is written by its source's kernel (:func:`kernel_order`). Not reproduced: the scheduler's other
+fusion choices, its reordering for peak memory, the row-stride padding of its own buffers
+(``comprehensive_padding``) and graph breaks other than the loss'. ``fuse=False`` runs every op as its own buffer, an upper bound.
 bench/gpu_peak_probe.py replays a real compiled step's allocator history at its peak (and keeps
 inductor's generated code); bench/results/generality_accuracy.md reports the accuracy.
 """
@@ -39,9 +43,9 @@ from typing import Any, Callable
 
 import torch
 
-MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion rule, its "
-         "pad_mm pass and the loss graph break (modelled): measured within 1.4% of three real compiled steps on an "
-         "H100 (bench/results/generality_accuracy.md)")
+MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion and "
+         "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 1.5% of six real "
+         "compiled steps on an H100 (README, --compile)")
 
 
 class CompiledForSimulation(torch.nn.Module):
@@ -182,16 +186,40 @@ def _consumers(node):
             yield u
 
 
+REALIZE_READS = 4     # torch/_inductor/config.py realize_reads_threshold
+REALIZE_OPS = 30      # realize_opcount_threshold
+
+
 def materialized(graph) -> dict:
     """Which nodes inductor writes to memory: a pointwise node whose every consumer (through
-    views) is pointwise or a reduction is fused into that consumer's kernel and never stored
-    (inductor's scheduler fuses such chains); anything else (matmuls, convolutions, attention,
-    random ops, reductions, graph outputs) is a buffer."""
+    views) is pointwise or a reduction is inlined into its consumers' kernels and never stored;
+    anything else (matmuls, convolutions, attention, random ops, reductions, graph outputs) is a
+    buffer. Inlining stops where inductor realizes a reused value (``TensorBox.mark_reuse``): a
+    pointwise value read by more than one node whose inlined expression reads more than
+    ``REALIZE_READS`` buffers or runs more than ``REALIZE_OPS`` ops is stored (a residual stream
+    is stored every few layers, not recomputed from all of them)."""
     out = {}
+    reads: dict = {}     # an inlined node: the buffers its expression reads
+    ops: dict = {}       # and its op count
     for n in graph.nodes:
         if n.op != "call_function":
             continue
-        out[n] = not _pointwise(n) or any(u.op == "output" or not _fusible(u) for u in _consumers(n))
+        keep = not _pointwise(n) or any(u.op == "output" or not _fusible(u) for u in _consumers(n))
+        if not keep:
+            r: set = set()
+            c = 1
+            for a in n.all_input_nodes:
+                b = _view_base(a)
+                if b in reads:
+                    r |= reads[b]
+                    c += ops[b]
+                else:
+                    r.add(b)
+            if len(set(n.users)) > 1 and (len(r) > REALIZE_READS or c > REALIZE_OPS):
+                keep = True
+            else:
+                reads[n], ops[n] = r, c
+        out[n] = keep
     return out
 
 
@@ -210,11 +238,64 @@ def _writes_in_place(node) -> bool:
             and len(base.users) == 1)
 
 
-def last_reads(graph, fused_away: set) -> dict:
-    """Each value's last reader, as the generated code reads it: a value read by a fused-away node is
-    read by the kernels that compute that node's materialized consumers (inductor frees a kernel's
-    inputs after the kernel has run, so its output buffer is allocated while they are alive)."""
-    nodes = list(graph.nodes)
+def _view_base(n):
+    while n.op == "call_function" and _is_view(n) and n.args:
+        n = n.args[0]
+    return n
+
+
+def kernel_order(nodes: list, fused_away: set) -> list:
+    """The order the generated code computes ``nodes`` in: inductor's scheduler fuses a stored
+    pointwise node into the kernel of the pointwise producer it reads last (a second output of that
+    kernel, written where the kernel runs): the partitioner puts a forward value kept for backward
+    in its own precision (a bf16 copy of an fp32 operand, cast for the backward's autocast matmul)
+    at the end of the forward graph, the real kernel writes it beside its source, which then dies
+    after its own last reader. Views needed by a moved node move with it."""
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def hostable(q) -> bool:
+        return q.op == "call_function" and q not in fused_away and not _is_view(q) and _pointwise(q)
+
+    hosted: dict = {}
+    moving: set = set()
+    for n in nodes:
+        if n.op != "call_function" or n in fused_away or _is_view(n) or not _pointwise(n) or not n.all_input_nodes:
+            continue
+        host = max((_view_base(a) for a in n.all_input_nodes), key=lambda q: pos[q])
+        if not hostable(host) or pos[host] + 1 >= pos[n] or host in moving:
+            continue
+        chain: list = []
+        for a in n.all_input_nodes:
+            while a.op == "call_function" and _is_view(a) and pos[a] > pos[host]:
+                chain.append(a)
+                a = a.args[0]
+        if any(pos[_view_base(a)] > pos[host] for a in chain):
+            continue
+        hosted.setdefault(host, []).extend(sorted(set(chain), key=pos.__getitem__) + [n])
+        moving.update(chain)
+        moving.add(n)
+    out: list = []
+    done: set = set()
+
+    def emit(n):
+        if n not in done:
+            done.add(n)
+            out.append(n)
+            for m in hosted.get(n, ()):
+                emit(m)
+
+    for n in nodes:
+        if n in moving and n not in done:
+            continue
+        emit(n)
+    return out
+
+
+def last_reads(nodes: list, fused_away: set) -> dict:
+    """Each value's last reader in ``nodes`` (the order they run in), as the generated code reads
+    it: a value read by a fused-away node is read by the kernels that compute that node's
+    materialized consumers (inductor frees a kernel's inputs after the kernel has run, so its
+    output buffer is allocated while they are alive)."""
     order = {n: i for i, n in enumerate(nodes)}
     reach: dict = {}     # a fused-away node: the position of the last kernel that computes through it
     for n in reversed(nodes):
@@ -254,7 +335,8 @@ def boxed_runner(gm, fuse: bool):
     for n in graph.nodes:
         if n.op == "call_function" and (not keep.get(n, True) or (_is_view(n) and n.args and n.args[0] in fused_away)):
             fused_away.add(n)
-    last = last_reads(graph, fused_away)
+    seq = kernel_order(list(graph.nodes), fused_away) if fuse else list(graph.nodes)
+    last = last_reads(seq, fused_away)
     frees: dict = {}
     for a, n in last.items():
         frees.setdefault(n, []).append(a)
@@ -264,7 +346,7 @@ def boxed_runner(gm, fuse: bool):
         inputs = list(args)
         args.clear()
         k = 0
-        for n in graph.nodes:
+        for n in seq:
             if n.op == "placeholder":   # taken out of the list: the graph's own reference is its only one
                 env[n], inputs[k] = inputs[k], None
                 k += 1
@@ -522,7 +604,14 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     def keep(gm, example_inputs):
         return boxed_runner(gm, fuse)
 
-    def partition(joint, joint_inputs, **kw):   # inductor's joint-graph pass, then its partitioner
+    def partition(joint, joint_inputs, **kw):   # inductor's joint-graph passes, then its partitioner
+        import os
+        if os.environ.get("MEMLENS_JGP"):
+            from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+            from torch._inductor.virtualized import V
+            from torch._guards import detect_fake_mode
+            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
+                joint_graph_passes(joint)
         pad_matmuls(joint, getattr(getattr(rules, "gpu", None), "name", None))
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kw)
 
@@ -533,6 +622,7 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     previous = getattr(rules, "fused_attention", None)
     if rules is not None:
         rules.fused_attention = OpaqueAttention   # the kernels as opaque ops with the real data dependencies
+        rules.trace_backward_autocast = True
     try:
         graphs = _Graphs(aot(f))
         with trace_context(), compiling():
@@ -555,6 +645,7 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     finally:
         if rules is not None:
             rules.fused_attention = previous
+            rules.trace_backward_autocast = False
     return CompiledForSimulation(model, graphs, params, structure["spec"], structure["constants"], keys)
 
 

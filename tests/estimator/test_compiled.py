@@ -234,3 +234,73 @@ def test_the_loss_graph_break_is_dynamos():
         assert (ex.graph_count, ex.graph_break_count) == ((2, 1) if breaks else (1, 0))
         assert (loss_graph_break(model) is not None) == breaks
     torch._dynamo.reset()
+
+
+def test_a_reused_value_is_stored_once_its_inlined_expression_reads_too_many_buffers():
+    """inductor inlines a pointwise value into every kernel that reads it, until the inlined
+    expression of a value read more than once reads more than 4 buffers (mark_reuse): a residual
+    stream is stored every few layers."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memlens.estimator.compiled import materialized
+
+    def f(a, b, c, d, e, g):
+        s1 = a + b               # reads a, b
+        s2 = s1 + c              # a, b, c
+        s3 = s2 + d              # a, b, c, d
+        s4 = s3 + e              # a..e: 5 buffers, 2 readers -> stored
+        s5 = s4 + g              # s4, g
+        return s1.sum() + s2.sum() + s3.sum() + s4.sum() + s5.sum()
+
+    g = make_fx(f)(*[torch.randn(8) for _ in range(6)]).graph
+    adds = [m for n, m in materialized(g).items() if n.target is torch.ops.aten.add.Tensor and n.meta["val"].shape == (8,)]
+    assert adds == [False, False, False, True, False]
+
+
+def test_a_stored_copy_is_written_by_the_kernel_of_its_source():
+    """inductor fuses a stored pointwise node into the kernel of the pointwise producer it reads
+    (a second output): a half-precision copy kept for backward is written beside its source, not
+    where the partitioner put it, at the end of the graph."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memlens.estimator.compiled import kernel_order, materialized
+
+    def f(x, w):
+        c = x * 2                # a buffer (the mm reads it)
+        m = c @ w
+        z = m.relu()
+        return z, c.to(torch.bfloat16)   # the copy, traced last
+
+    g = make_fx(f)(torch.randn(4, 4), torch.randn(4, 4)).graph
+    fused = {n for n, kept in materialized(g).items() if not kept}
+    order = [n.name for n in kernel_order(list(g.nodes), fused) if n.op == "call_function"]
+    assert order.index("_to_copy") == order.index("mul") + 1
+
+
+def test_the_backward_is_traced_under_the_forwards_autocast():
+    """AOTAutograd traces the backward under the forward's autocast (backward_pass_autocast
+    "same_as_forward"): an fp32 region's backward matmul is cast to bf16 in the compile trace, and
+    stays fp32 in the eager simulation."""
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from memlens.estimator import cuda_rules
+
+    def f(a, b):
+        with torch._C._DisableAutocast():      # an fp32 region (SDPA's math path)
+            out = a @ b
+        return torch.autograd.grad(out.sum(), (a,))
+
+    def mm_dtypes(traced: bool):
+        rules = cuda_rules.CudaRules(autocast_dtype=torch.bfloat16)
+        rules.trace_backward_autocast = traced
+        emulation = cuda_rules.CudaEmulation(rules)
+        a, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+        with emulation, torch.autocast("cpu", dtype=torch.bfloat16):
+            g = make_fx(f)(a, b).graph
+        return [n.meta["val"].dtype for n in g.nodes if n.target is torch.ops.aten.mm.default]
+
+    assert mm_dtypes(True) == [torch.float32, torch.bfloat16]
+    assert mm_dtypes(False) == [torch.float32, torch.float32]
