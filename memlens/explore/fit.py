@@ -21,6 +21,7 @@ from ..core.errors import MemlensError
 from ..report.result import Result
 from ..core.spec import TrainingSpec
 
+from ..core.units import fmt_bytes
 from .core import CachedEstimator, largest_divisor_at_most
 from .fits import RULE, Budget, need_bytes
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
@@ -131,6 +132,19 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         if f == "batch_size":
             micro = largest_divisor_at_most(per_gpu, mbs)
             accum = per_gpu // micro
+            # later micro-batches run with every gradient held: the accumulated run must fit too
+            while accum > 1:
+                acc = est(base.replace(batch_size=micro, grad_accum=accum))
+                data["accumulated_peak_bytes"] = acc.peak_reserved_bytes
+                if need_bytes(acc) <= b.usable_bytes:
+                    break
+                notes.append(f"micro-batch {micro} x accumulation {accum} does not fit: the micro-batches after the first "
+                             f"run with every gradient held ({fmt_bytes(acc.peak_reserved_bytes)} reserved)")
+                if micro == 1:
+                    data["target_fits"] = False
+                    break
+                micro = largest_divisor_at_most(per_gpu, micro - 1)
+                accum = per_gpu // micro
         else:
             micro, accum = min(mbs, per_gpu), 1
         data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum * n,

@@ -273,3 +273,25 @@ def test_cli_lists_entries_not_searched_and_full_plan_searches_them(capsys, monk
     assert main(TINY) == 0
     out = capsys.readouterr().out
     assert out.count("not searched:") == len(left) and f"not searched: {left[0]['not_searched_for']} fits and is faster" in out
+
+
+def _accumulating_point(spec: TrainingSpec) -> Point:
+    """(10 + b) GiB, and 2 GiB more when micro-batches accumulate (their gradients stay)."""
+    alloc = (10 + spec.batch_size) * GiB + (2 * GiB if spec.grad_accum > 1 else 0)
+    return Point(alloc, alloc + 64 * 2**20, {"activations": spec.batch_size * GiB}, {}, "backward", 1000, 1000, spec.seq_len)
+
+
+def test_the_accumulated_run_must_fit_too():
+    """A micro-batch whose step fits can still not fit with accumulation (the later micro-batches
+    run with every gradient held): the plan entry and fit's target both step down to one whose
+    accumulated run fits."""
+    usable = 18 * GiB + 64 * 2**20 + GiB // 2          # plain 8 fits (18 GiB); 8 x 2 accumulated (20 GiB) does not
+    spec = TrainingSpec(model="fake", batch_size=16, seq_len=512)
+    e = plan_entry(spec, Candidate("as given", {}, "same math", ""), CachedEstimator(fn=_accumulating_point), usable, 16)
+    assert (e.fits, e.micro_batch, e.grad_accum) == (True, 4, 4)
+    assert e.predicted_peak_bytes == 16 * GiB + 64 * 2**20
+    r = fit(spec, usable + 740 * 2**20, target_batch=16, margin=0, context_bytes=740 * 2**20, plan=False,
+            estimator=CachedEstimator(fn=_accumulating_point))
+    d = r.data
+    assert (d["max_batch_size"], d["micro_batch_size"], d["grad_accum"]) == (8, 4, 4)
+    assert any("8 x accumulation 2 does not fit" in n for n in r.notes)
