@@ -115,7 +115,7 @@ def render(result) -> None:
     c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
             f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates"
             + (f" ({d['estimator']['simulations']} simulated, {d['estimator']['replays']} replayed)" if "simulations" in d.get("estimator", {}) else "")
-            + f", {d['estimate_seconds']} s")
+            + f", {d.get('seconds', d['estimate_seconds'])} s")
     if dp and d.get("micro_batch_size"):
         k = -(-d["target_batch"] // d["micro_batch_size"])
         c.print(f"logical batch {d['target_batch']}: --physical-batch-size {d['micro_batch_size']} ({k} physical batch(es) per optimizer step)")

@@ -13,6 +13,7 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -84,6 +85,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         context_bytes = gpu_facts(spec.gpu).cuda_context_bytes + (nccl or 0)
         notes_gpus.append(f"per GPU: budget - CUDA context - NCCL buffers ({'%.0f MiB' % (nccl / 2**20) if nccl else 'unknown'}: {src})")
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
+    t_start = time.perf_counter()
     est = estimator or CachedEstimator(method=method)
     f = search_field(spec)
     # the micro-batch is per GPU; the target is the effective batch of the whole job
@@ -165,7 +167,8 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     else:
         data["plan"] = []
     data["estimate_calls"] = est.calls
-    data["estimate_seconds"] = round(est.seconds, 2)
+    data["estimate_seconds"] = round(est.seconds, 2)     # summed over the threads that waited for estimates
+    data["seconds"] = round(time.perf_counter() - t_start, 2)   # wall time of the search and the plan
     data["estimator"] = est.stats()
     return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
                   notes=notes, data=data)
