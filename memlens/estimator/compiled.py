@@ -604,14 +604,7 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     def keep(gm, example_inputs):
         return boxed_runner(gm, fuse)
 
-    def partition(joint, joint_inputs, **kw):   # inductor's joint-graph passes, then its partitioner
-        import os
-        if os.environ.get("MEMLENS_JGP"):
-            from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-            from torch._inductor.virtualized import V
-            from torch._guards import detect_fake_mode
-            with V.set_fake_mode(detect_fake_mode(joint_inputs)):
-                joint_graph_passes(joint)
+    def partition(joint, joint_inputs, **kw):   # inductor's pad_mm joint-graph pass, then its partitioner
         pad_matmuls(joint, getattr(getattr(rules, "gpu", None), "name", None))
         return min_cut_rematerialization_partition(joint, joint_inputs, compiler="inductor", **kw)
 
