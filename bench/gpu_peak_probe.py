@@ -3,7 +3,7 @@
     python bench/gpu_peak_probe.py OUT.json adafactor        # torch.optim.Adafactor on one 1024 x 1024 weight
     python bench/gpu_peak_probe.py OUT.json compile-gpt2     # torch.compile'd GPT-2, amp-bf16, 8 x 1024
     python bench/gpu_peak_probe.py OUT.json compile-llama1b  # torch.compile'd Llama-3.2-1B shapes, bf16, 2 x 2048
-    python bench/gpu_peak_probe.py OUT.json compile-qwen0.5b | compile-bert | compile-vit   # held-out compiled steps
+    python bench/gpu_peak_probe.py OUT.json compile-qwen0.5b | compile-bert | compile-vit | compile-qwen0.5b-ckpt | compile-gpt2-lora   # held-out
     python bench/gpu_peak_probe.py OUT.json torchvision-resnet50 | whisper-small | phi-1.5   # generality cases off by > 1%
 
 Records torch.cuda.memory._record_memory_history(stacks="python") from the model's build through 3
@@ -27,6 +27,9 @@ CASES = {
     "compile-qwen0.5b": dict(model="qwen2.5-0.5b", batch_size=4, seq_len=1024, precision="bf16", compile=True),
     "compile-bert": dict(model="bert-base-uncased", batch_size=16, seq_len=512, precision="amp-bf16", compile=True),
     "compile-vit": dict(model="vit-base-patch16-224", batch_size=64, precision="amp-bf16", compile=True),
+    "compile-qwen0.5b-ckpt": dict(model="qwen2.5-0.5b", batch_size=4, seq_len=1024, precision="bf16", compile=True,
+                                  grad_checkpointing=True),
+    "compile-gpt2-lora": dict(model="gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", compile=True, lora_rank=16),
     "torchvision-resnet50": dict(model="torchvision:resnet50", batch_size=64, precision="amp-fp16"),
     "whisper-small": dict(model="whisper-small", batch_size=16, precision="amp-bf16"),
     "phi-1.5": dict(model="phi-1.5", batch_size=4, seq_len=1024, precision="bf16", optimizer="adamw-fused"),
