@@ -20,7 +20,7 @@ boxed calling convention: the argument list is cleared, and every value is freed
 kernel that reads it last. Tensors that an output object holds (a key/value cache) are graph
 outputs too, so the backward gets autograd's zeros for them, as the real one does. Where dynamo
 breaks the graph at transformers' loss function (:func:`loss_graph_break`) the loss is a graph
-of its own.
+of its own. A checkpointed layer is traced as dynamo hands it over (:func:`checkpoint_as_compiled`).
 
 The backward is traced under the forward's autocast, as AOTAutograd traces it
 (``backward_pass_autocast="same_as_forward"``; CPU autocast's dispatch-level policy stands in for
@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion and "
-         "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 1.5% of six real "
+         "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 1.5% of eight real "
          "compiled steps on an H100 (README, --compile)")
 
 
@@ -483,30 +483,33 @@ def pad_matmuls(gm, gpu: str | None = None) -> int:
     return done
 
 
-def loss_graph_break(model) -> Callable | None:
-    """The loss function dynamo runs as a graph of its own, or None (one graph).
+def loss_graph_break(model) -> tuple[Any, Callable] | None:
+    """(the model whose loss function dynamo runs as a graph of its own, that loss function), or None
+    (one graph).
 
     transformers' ``PreTrainedModel.loss_function`` logs a warning (``logger.warning_once``) when the
     model's ``loss_type`` is not one it knows (GPT-2's, whose class name names no loss); dynamo
     cannot trace a logging call and breaks the graph there, so a compiled step runs the model up to
     the loss as one graph and the loss as the next (``torch._dynamo.explain`` shows it:
     tests/estimator/test_compiled.py). The loss graph's backward then hands the logits their real
-    gradient instead of autograd's zeros for an unused output."""
+    gradient instead of autograd's zeros for an unused output. A wrapped model (PEFT's) breaks in
+    the transformers model it wraps."""
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING
         from transformers.modeling_utils import PreTrainedModel
     except ImportError:
         return None
-    if not isinstance(model, PreTrainedModel) or "_loss_function" in vars(model):
-        return None
     import inspect
 
-    if inspect.getattr_static(type(model), "loss_function", None) is not PreTrainedModel.__dict__.get("loss_function"):
+    owner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if owner is None or "_loss_function" in vars(owner):
         return None
-    loss_type = getattr(model, "loss_type", None)
+    if inspect.getattr_static(type(owner), "loss_function", None) is not PreTrainedModel.__dict__.get("loss_function"):
+        return None
+    loss_type = getattr(owner, "loss_type", None)
     if loss_type is not None and loss_type in LOSS_MAPPING:
         return None
-    return LOSS_MAPPING["ForCausalLM"]   # what the property returns after its warning
+    return owner, LOSS_MAPPING["ForCausalLM"]   # what the property returns after its warning
 
 
 def _live_tensors(frame) -> list:
@@ -562,7 +565,8 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     extra = {k: v for k, v in batch.items() if k not in keys and (forward_keys is None or k in forward_keys)}
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     structure: dict[str, Any] = {}
-    loss_fn = loss_graph_break(model)
+    brk = loss_graph_break(model)
+    owner, loss_fn = brk if brk is not None else (None, None)
     call: dict[str, Any] = {}
 
     def stand_in(*args, **kwargs):
@@ -571,13 +575,13 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
         return None
 
     def f(p, *inputs):
-        if loss_fn is not None:
-            model._loss_function = stand_in
+        if owner is not None:
+            owner._loss_function = stand_in
         try:
             out = torch.func.functional_call(model, p, (), {**dict(zip(keys, inputs)), **extra}, tie_weights=True)
         finally:
-            if loss_fn is not None:
-                del model._loss_function
+            if owner is not None:
+                del owner._loss_function
         leaves, spec = tree_flatten(out)
         structure["spec"] = spec
         structure["constants"] = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -618,6 +622,7 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
         rules.trace_backward_autocast = True
     try:
         graphs = _Graphs(aot(f))
+        _TRACING[0] = True
         with trace_context(), compiling():
             inputs = [batch[k] for k in keys]
             outs = graphs.model_fn(params, *inputs)   # traces and partitions (the outputs are dropped)
@@ -636,10 +641,40 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
                 graphs.loss_fn(*[outs[i] if w == "out" else inputs[i] for w, i in structure["loss_args"]])   # traces it
             del outs
     finally:
+        _TRACING[0] = False
         if rules is not None:
             rules.fused_attention = previous
             rules.trace_backward_autocast = False
     return CompiledForSimulation(model, graphs, params, structure["spec"], structure["constants"], keys)
+
+
+_TRACING = [False]
+_AC_IDS = iter(range(1, 1 << 62))
+
+
+def tracing_compiled() -> bool:
+    """Whether the --compile trace is running (checkpointed regions are then traced as dynamo traces them)."""
+    return _TRACING[0]
+
+
+def checkpoint_as_compiled(function, *args):
+    """A checkpointed region as a compiled step runs it: dynamo turns ``torch.utils.checkpoint`` into
+    its ``tag_activation_checkpoint`` op, which AOTAutograd traces as non-reentrant checkpointing
+    whose every op is tagged "prefer recompute" (selective checkpointing with an always-recompute
+    policy, one graph id per region); inductor's partitioner then recomputes the region in backward
+    and keeps only what it must (torch/_higher_order_ops/wrap.py)."""
+    import torch.fx.traceback as fx_traceback
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    gid = next(_AC_IDS)
+
+    def contexts():
+        fwd, recompute = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+        fwd.ac_graph_id = gid
+        return fwd, recompute
+
+    with fx_traceback.preserve_node_meta():
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
 
 
 @contextlib.contextmanager

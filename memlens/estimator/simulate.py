@@ -202,6 +202,10 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None
                 with emulation:
                     return function(*a, **k)
 
+            from .compiled import checkpoint_as_compiled, tracing_compiled
+
+            if tracing_compiled():    # --compile's trace: the region as dynamo hands it to AOTAutograd
+                return checkpoint_as_compiled(run, *args)
             return orig(run, *args, **kwargs)
 
         return checkpoint

@@ -233,6 +233,8 @@ def test_the_loss_graph_break_is_dynamos():
         ex = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
         assert (ex.graph_count, ex.graph_break_count) == ((2, 1) if breaks else (1, 0))
         assert (loss_graph_break(model) is not None) == breaks
+        if breaks:
+            assert loss_graph_break(model)[0] is model
     torch._dynamo.reset()
 
 
@@ -304,3 +306,28 @@ def test_the_backward_is_traced_under_the_forwards_autocast():
 
     assert mm_dtypes(True) == [torch.float32, torch.bfloat16]
     assert mm_dtypes(False) == [torch.float32, torch.float32]
+
+
+def test_checkpointed_regions_are_recomputed_in_the_compiled_backward(tmp_path):
+    """Under torch.compile a checkpointed layer is dynamo's tag_activation_checkpoint: its ops are
+    tagged "prefer recompute" and the partitioner keeps only the layer inputs (measured on an H100:
+    Qwen2.5-0.5B with checkpointing -0.03%; traced as a plain graph it was +59%)."""
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(TINY_LLAMA))
+    kw = dict(model=str(p), batch_size=4, seq_len=256, precision="bf16")
+    fwd = lambda **k: estimate(TrainingSpec(**kw, **k)).by_phase["forward"]["peak_allocated_bytes"]  # noqa: E731
+    saved_eager = fwd() - fwd(grad_checkpointing=True)
+    saved_compiled = fwd(compile=True) - fwd(compile=True, grad_checkpointing=True)
+    assert saved_eager > 0 and saved_compiled > 0.5 * saved_eager   # traced as a plain graph it saved nothing
+
+
+def test_a_wrapped_model_breaks_in_the_transformers_model_it_wraps():
+    import peft
+    import transformers
+
+    from memlens.estimator.compiled import loss_graph_break
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    wrapped = peft.get_peft_model(gpt2, peft.LoraConfig(r=4, target_modules=["c_attn"]))
+    owner, fn = loss_graph_break(wrapped)
+    assert owner is gpt2 and callable(fn)
