@@ -30,6 +30,8 @@ CASES = {
     "compile-qwen0.5b-ckpt": dict(model="qwen2.5-0.5b", batch_size=4, seq_len=1024, precision="bf16", compile=True,
                                   grad_checkpointing=True),
     "compile-gpt2-lora": dict(model="gpt2", batch_size=8, seq_len=1024, precision="amp-bf16", compile=True, lora_rank=16),
+    "compile-phi-1.5": dict(model="phi-1.5", batch_size=4, seq_len=1024, precision="bf16", compile=True),
+    "compile-resnet50": dict(model="torchvision:resnet50", batch_size=64, precision="amp-bf16", compile=True),
     "torchvision-resnet50": dict(model="torchvision:resnet50", batch_size=64, precision="amp-fp16"),
     "whisper-small": dict(model="whisper-small", batch_size=16, precision="amp-bf16"),
     "phi-1.5": dict(model="phi-1.5", batch_size=4, seq_len=1024, precision="bf16", optimizer="adamw-fused"),
