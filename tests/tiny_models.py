@@ -121,3 +121,22 @@ def layerdrop(spec=None):
 
 def no_layerdrop(spec=None):
     return _Classifier(), {"x": torch.randn(16, 1024)}, lambda out, b: out.sum()
+
+
+class _PooledCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.fc = torch.nn.Linear(16 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(self.pool(self.conv(x).relu()).flatten(1))
+
+
+def pooled_cnn(spec=None):
+    """A convolution, max-pooling and a classifier (inductor decomposes max-pool)."""
+    import torch.nn.functional as F
+
+    batch = {"x": torch.randn(8, 3, 32, 32), "y": torch.randint(0, 10, (8,))}
+    return _PooledCNN(), batch, lambda out, b: F.cross_entropy(out, b["y"])

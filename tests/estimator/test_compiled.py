@@ -331,3 +331,13 @@ def test_a_wrapped_model_breaks_in_the_transformers_model_it_wraps():
     wrapped = peft.get_peft_model(gpt2, peft.LoraConfig(r=4, target_modules=["c_attn"]))
     owner, fn = loss_graph_break(wrapped)
     assert owner is gpt2 and callable(fn)
+
+
+def test_a_cnn_with_max_pooling_compiles():
+    """inductor's max-pool decomposition consults its lowering module, which compile_fx always has
+    loaded: the trace loads it too (torchvision's ResNet-50 compiled: -0.07% on an H100)."""
+    r = estimate(TrainingSpec(model="tests.tiny_models:pooled_cnn", batch_size=8, precision="amp-bf16", compile=True))
+    # fp32 weights, each block rounded up to 512 bytes by the allocator: conv 1728 -> 2048, its bias 64 -> 512,
+    # the classifier 163840, its bias 40 -> 512
+    assert r.by_category["parameters"] == 2048 + 512 + 16 * 16 * 16 * 10 * 4 + 512
+    assert r.peak_allocated_bytes > 2 * r.by_category["parameters"] and "compile_model" in r.data
