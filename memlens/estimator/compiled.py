@@ -44,7 +44,7 @@ from typing import Any, Callable
 import torch
 
 MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion and "
-         "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 1.5% of ten real "
+         "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 2.2% of ten real "
          "compiled steps on an H100 (README, --compile)")
 
 
@@ -659,23 +659,20 @@ def tracing_compiled() -> bool:
 
 
 def checkpoint_as_compiled(function, *args):
-    """A checkpointed region as a compiled step runs it: dynamo turns ``torch.utils.checkpoint`` into
-    its ``tag_activation_checkpoint`` op, which AOTAutograd traces as non-reentrant checkpointing
-    whose every op is tagged "prefer recompute" (selective checkpointing with an always-recompute
-    policy, one graph id per region); inductor's partitioner then recomputes the region in backward
-    and keeps only what it must (torch/_higher_order_ops/wrap.py)."""
+    """A checkpointed region as a compiled step runs it: dynamo hands it over as a
+    ``tag_activation_checkpoint`` graph whose nodes are tagged "prefer recompute" with one graph id
+    per region; the tags travel to the traced ATen nodes (``preserve_node_meta``), and inductor's
+    partitioner recomputes them in backward, keeping what the region's inputs need
+    (torch/_higher_order_ops/wrap.py ``tag_nodes``; torch 2.13 reaches the same tags through
+    selective checkpointing)."""
     import torch.fx.traceback as fx_traceback
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy
 
     gid = next(_AC_IDS)
-
-    def contexts():
-        fwd, recompute = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
-        fwd.ac_graph_id = gid
-        return fwd, recompute
-
     with fx_traceback.preserve_node_meta():
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=False, context_fn=contexts)
+        fx_traceback.current_meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+        fx_traceback.current_meta["ac_graph_id"] = gid
+        return function(*args)
 
 
 @contextlib.contextmanager
