@@ -20,7 +20,6 @@ def main() -> None:
 
     from bench.gpu_peak_probe import CASES
     from memlens.core.spec import TrainingSpec
-    from memlens.step.loop import train_step
     from memlens.step.prepare import prepare
 
     out_path, case = sys.argv[1], sys.argv[2]
@@ -31,8 +30,7 @@ def main() -> None:
     for i in range(1, n + 1):
         torch.cuda.reset_peak_memory_stats()
         scale = step.scaler.get_scale() if step.scaler is not None else None
-        loss = train_step(step.model, step.optimizer, step.batch, autocast=step.autocast, scaler=step.scaler,
-                          loss_fn=step.loss_fn, forward_keys=step.forward_keys, step_fn=step.step_fn)
+        loss = step.run()
         torch.cuda.synchronize()
         stepped = bool(step.optimizer.state)          # Adam/SGD-momentum state exists once step() ran
         if stepped and first_step is None:

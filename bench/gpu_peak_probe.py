@@ -82,7 +82,6 @@ def main() -> None:
     import torch
 
     from memlens.core.spec import TrainingSpec
-    from memlens.step.loop import train_step
     from memlens.step.prepare import prepare
 
     out_path, case = sys.argv[1], sys.argv[2]
@@ -90,10 +89,7 @@ def main() -> None:
     torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     step = prepare(spec, device="cuda", seed=0)
 
-    def one():
-        train_step(step.model, step.optimizer, step.batch, autocast=step.autocast, scaler=step.scaler,
-                   loss_fn=step.loss_fn, forward_keys=step.forward_keys, step_fn=step.step_fn)
-
+    one = step.run
     one()   # compile, optimizer state
     one()
     torch.cuda.synchronize()

@@ -20,7 +20,6 @@ def main() -> None:
     import torch.nn.functional as F
 
     from memlens.core.spec import TrainingSpec
-    from memlens.step.loop import train_step
     from memlens.step.prepare import prepare
 
     out_path = sys.argv[1]
@@ -76,8 +75,7 @@ def main() -> None:
     F.scaled_dot_product_attention = probe
     torch.nn.functional.scaled_dot_product_attention = probe
     try:
-        train_step(step.model, step.optimizer, step.batch, autocast=step.autocast, scaler=step.scaler,
-                   loss_fn=step.loss_fn, forward_keys=step.forward_keys, step_fn=step.step_fn)
+        step.run()
     finally:
         F.scaled_dot_product_attention = real
     json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "model": model,

@@ -32,7 +32,8 @@ stored, unless a value read more than once has grown too big an expression (``ma
 matmuls, attention, random ops, reductions and graph outputs are buffers; a stored pointwise copy
 is written by its source's kernel (:func:`kernel_order`). Not reproduced: the scheduler's other
 fusion choices, its reordering for peak memory, the row-stride padding of its own buffers
-(``comprehensive_padding``) and graph breaks other than the loss'. ``fuse=False`` runs every op as its own buffer, an upper bound.
+(``comprehensive_padding``) and graph breaks other than the loss'. ``fuse=False`` runs every op
+as its own buffer, an upper bound.
 bench/gpu_peak_probe.py replays a real compiled step's allocator history at its peak (and keeps
 inductor's generated code); bench/results/generality_accuracy.md reports the accuracy.
 """
@@ -620,10 +621,9 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     previous = getattr(rules, "fused_attention", None)
     if rules is not None:
         rules.fused_attention = OpaqueAttention   # the kernels as opaque ops with the real data dependencies
-        rules.trace_backward_autocast = True
+        rules.compile_trace = True
     try:
         graphs = _Graphs(aot(f))
-        _TRACING[0] = True
         with trace_context(), compiling():
             inputs = [batch[k] for k in keys]
             outs = graphs.model_fn(params, *inputs)   # traces and partitions (the outputs are dropped)
@@ -642,20 +642,13 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
                 graphs.loss_fn(*[outs[i] if w == "out" else inputs[i] for w, i in structure["loss_args"]])   # traces it
             del outs
     finally:
-        _TRACING[0] = False
         if rules is not None:
             rules.fused_attention = previous
-            rules.trace_backward_autocast = False
+            rules.compile_trace = False
     return CompiledForSimulation(model, graphs, params, structure["spec"], structure["constants"], keys)
 
 
-_TRACING = [False]
 _AC_IDS = iter(range(1, 1 << 62))
-
-
-def tracing_compiled() -> bool:
-    """Whether the --compile trace is running (checkpointed regions are then traced as dynamo traces them)."""
-    return _TRACING[0]
 
 
 def checkpoint_as_compiled(function, *args):

@@ -60,7 +60,7 @@ class CudaRules:
     attention_calls: list[AttentionCall] = field(default_factory=list)
     gpu: object = None                 # memlens.core.gpus.GpuFacts (None: the default GPU)
     fused_attention: object = None     # the autograd.Function for fused SDPA (None: FusedAttention; --compile traces its own)
-    trace_backward_autocast: bool = False   # --compile's trace: the backward traced under autocast (compiled.py)
+    compile_trace: bool = False        # --compile's trace is running (compiled.py)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None, v=None) -> str:
@@ -296,7 +296,7 @@ class CudaEmulation(TorchFunctionMode):
             elif func is F.cross_entropy:
                 with torch._C._DisableAutocast():
                     return _cross_entropy_decomposed(*args, **kwargs)
-            elif func is torch.autograd.grad and self.rules.trace_backward_autocast:
+            elif func is torch.autograd.grad and self.rules.compile_trace:
                 # AOTAutograd traces the backward under the forward's autocast (functorch config
                 # backward_pass_autocast="same_as_forward"): its matmuls are cast as CUDA's would be
                 return self._call(func, name, args, kwargs)

@@ -202,9 +202,9 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None
                 with emulation:
                     return function(*a, **k)
 
-            from .compiled import checkpoint_as_compiled, tracing_compiled
+            if emulation.rules.compile_trace:    # --compile's trace: the region as dynamo hands it to AOTAutograd
+                from .compiled import checkpoint_as_compiled
 
-            if tracing_compiled():    # --compile's trace: the region as dynamo hands it to AOTAutograd
                 return checkpoint_as_compiled(run, *args)
             return orig(run, *args, **kwargs)
 

@@ -315,3 +315,27 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def fit_with_accumulation(estimate: Callable[[TrainingSpec], Point], spec: TrainingSpec, per_gpu: int, micro: int,
+                          usable_bytes: int) -> tuple[int, Point, list[tuple[int, Point]]]:
+    """The largest divisor of ``per_gpu`` <= ``micro`` whose run with accumulation fits: the
+    micro-batches after the first run with every gradient held, so a micro-batch whose own step fits
+    can still not fit accumulated. Returns (that micro-batch, 0 if not even 1 fits; the estimate of
+    the last run tried; the micro-batches that did not fit, with their estimates).
+
+    >>> pt = lambda s: _Fake(s.batch_size * 100 + (50 if s.grad_accum > 1 else 0))
+    >>> m, p, rejected = fit_with_accumulation(pt, TrainingSpec(model="m"), 16, 8, 660_000)
+    >>> m, [r for r, _ in rejected]
+    (4, [8])
+    """
+    rejected: list[tuple[int, Point]] = []
+    while True:
+        accum = per_gpu // micro
+        p = estimate(spec.replace(batch_size=micro, grad_accum=accum))
+        if accum == 1 or need_bytes(p) <= usable_bytes:
+            return micro, p, rejected
+        rejected.append((micro, p))
+        if micro == 1:
+            return 0, p, rejected
+        micro = largest_divisor_at_most(per_gpu, micro - 1)

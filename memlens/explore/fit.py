@@ -23,7 +23,7 @@ from ..report.result import Result
 from ..core.spec import TrainingSpec
 
 from ..core.units import fmt_bytes
-from .core import CachedEstimator, largest_divisor_at_most
+from .core import CachedEstimator, fit_with_accumulation, largest_divisor_at_most
 from .fits import RULE, Budget, need_bytes
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
 
@@ -133,20 +133,16 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         data["predicted_need_bytes"] = need_bytes(p)
         if f == "batch_size":
             micro = largest_divisor_at_most(per_gpu, mbs)
-            accum = per_gpu // micro
-            # later micro-batches run with every gradient held: the accumulated run must fit too
-            while accum > 1:
-                acc = est(base.replace(batch_size=micro, grad_accum=accum))
+            if per_gpu // micro > 1:   # the accumulated run must fit too (fit_with_accumulation)
+                fitting, acc, rejected = fit_with_accumulation(est, base, per_gpu, micro, b.usable_bytes)
+                for r, rp in rejected:
+                    notes.append(f"micro-batch {r} x accumulation {per_gpu // r} does not fit: the micro-batches after the "
+                                 f"first run with every gradient held ({fmt_bytes(rp.peak_reserved_bytes)} reserved)")
                 data["accumulated_peak_bytes"] = acc.peak_reserved_bytes
-                if need_bytes(acc) <= b.usable_bytes:
-                    break
-                notes.append(f"micro-batch {micro} x accumulation {accum} does not fit: the micro-batches after the first "
-                             f"run with every gradient held ({fmt_bytes(acc.peak_reserved_bytes)} reserved)")
-                if micro == 1:
+                if not fitting:
                     data["target_fits"] = False
-                    break
-                micro = largest_divisor_at_most(per_gpu, micro - 1)
-                accum = per_gpu // micro
+                micro = fitting or 1
+            accum = per_gpu // micro
         else:
             micro, accum = min(mbs, per_gpu), 1
         data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum * n,

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
-from .core import CachedEstimator, need_bytes, predict_step_time
+from .core import CachedEstimator, fit_with_accumulation, need_bytes, predict_step_time
 from . import techniques
 from .search import max_fitting_among
 from .techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
@@ -146,29 +146,20 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     except MemlensError as e:
         return fail(e.message, n)
     m = search.limit
-    micro = m or 1
-    accum = per_gpu // micro
-    run = s.replace(**{field_name: micro}) if dp else s.replace(**{field_name: micro}, grad_accum=max(1, accum))
-    if on_search is not None and m and (dp or accum == 1):
-        # the step time needs the parameter counts only: those of the micro-batch's own estimate
-        t0 = predict_step_time(run, estimated(s.replace(**{field_name: micro})), micro_batch=micro, grad_accum=accum)
-        on_search(Decision(True, t0.seconds * n))
     try:
-        p = estimated(run)
-        # the micro-batches after the first run with every gradient held (accumulated into): the
-        # accumulated run's peak is what has to fit; step down while it does not (near the edge)
-        while m and not dp and accum > 1 and need_bytes(p) > usable_bytes:
-            smaller = [d for d in divisors if d < micro]
-            m = smaller[-1] if smaller else 0
-            micro = m or 1
-            accum = per_gpu // micro
-            run = s.replace(**{field_name: micro}, grad_accum=max(1, accum))
+        if m and not dp:   # the accumulated run is what has to fit (fit_with_accumulation)
+            m, p, _ = fit_with_accumulation(estimated, s, per_gpu, m, usable_bytes)
+        micro = m or 1
+        accum = per_gpu // micro
+        run = s.replace(**{field_name: micro}) if dp else s.replace(**{field_name: micro}, grad_accum=max(1, accum))
+        if dp or not search.limit:
             p = estimated(run)
+        if on_search is not None and m:
+            # the step time needs the parameter counts only: those of the micro-batch's own estimate
+            t0 = predict_step_time(run, estimated(s.replace(**{field_name: micro})), micro_batch=micro, grad_accum=accum)
+            on_search(Decision(True, t0.seconds * n))
     except MemlensError as e:
         return fail(e.message, n)
-    if on_search is not None and m and not (dp or accum == 1):
-        t0 = predict_step_time(run, estimated(s.replace(**{field_name: micro})), micro_batch=micro, grad_accum=accum)
-        on_search(Decision(True, t0.seconds * n))
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
     if dp:
         accum = 1   # the physical batches are Opacus' BatchMemoryManager's, not --grad-accum

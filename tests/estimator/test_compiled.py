@@ -297,7 +297,7 @@ def test_the_backward_is_traced_under_the_forwards_autocast():
 
     def mm_dtypes(traced: bool):
         rules = cuda_rules.CudaRules(autocast_dtype=torch.bfloat16)
-        rules.trace_backward_autocast = traced
+        rules.compile_trace = traced
         emulation = cuda_rules.CudaEmulation(rules)
         a, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
         with emulation, torch.autocast("cpu", dtype=torch.bfloat16):
