@@ -140,3 +140,17 @@ def pooled_cnn(spec=None):
 
     batch = {"x": torch.randn(8, 3, 32, 32), "y": torch.randint(0, 10, (8,))}
     return _PooledCNN(), batch, lambda out, b: F.cross_entropy(out, b["y"])
+
+
+class _TwiceOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return {"a": y, "b": y, "c": y * 2}    # the same tensor under two keys
+
+
+def twice_out(spec=None):
+    return _TwiceOut(), {"x": torch.randn(8, 64)}, lambda out, b: out["a"].sum() + out["b"].sum() + out["c"].sum()

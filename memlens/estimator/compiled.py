@@ -589,7 +589,10 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
         structure["constants"] = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
         held = [t for x in leaves if not isinstance(x, torch.Tensor) for t in held_tensors(x)]
-        outs = list({id(t): t for t in tensors + held + call.get("live", [])}.values())
+        outs = list(tensors)      # one per tensor leaf (the run-time output is rebuilt from them in order)
+        for t in held + call.get("live", []):
+            if not any(t is x for x in outs):
+                outs.append(t)
         if call:   # the loss' tensor arguments: outputs of this graph or its inputs
             where = []
             for a in [*call["args"], *call["kwargs"].values()]:

@@ -341,3 +341,11 @@ def test_a_cnn_with_max_pooling_compiles():
     # the classifier 163840, its bias 40 -> 512
     assert r.by_category["parameters"] == 2048 + 512 + 16 * 16 * 16 * 10 * 4 + 512
     assert r.peak_allocated_bytes > 2 * r.by_category["parameters"] and "compile_model" in r.data
+
+
+def test_an_output_returned_twice_keeps_the_output_structure():
+    """The compiled module rebuilds the model's output from the graph's outputs in order: a tensor
+    the model returns under two keys is two outputs, not one (the third key keeps its own tensor)."""
+    r = estimate(TrainingSpec(model="tests.tiny_models:twice_out", batch_size=8, compile=True))
+    assert r.by_category["parameters"] == 64 * 64 * 4 + 512   # the weight, and the bias' 256 bytes in a 512-byte block
+    assert r.peak_allocated_bytes > r.by_category["parameters"]
