@@ -26,6 +26,8 @@ RUN, PARSE, SKIP = "run", "parse", "skip"
 COMMANDS = {
     "estimate --model llama-3.2-1b --batch-size 4 --seq-len 2048 --precision bf16":
         (RUN, f"estimate --model {TINY_LLAMA} --batch-size 4 --seq-len 256 --precision bf16"),
+    "estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16 --compile":
+        (RUN, f"estimate --model {TINY_GPT2} --batch-size 2 --seq-len 64 --precision amp-bf16 --compile"),
     "fit --model gpt2 --seq-len 512 --batch-size 32 --budget 16GiB":
         (RUN, f"fit --model {TINY_GPT2} --seq-len 512 --batch-size 32 --budget 600MiB --context 0"),
     "compare --model gpt2-medium --batch-size 1 --seq-len 128 --measure --out cmp/":
