@@ -154,3 +154,31 @@ class _TwiceOut(torch.nn.Module):
 
 def twice_out(spec=None):
     return _TwiceOut(), {"x": torch.randn(8, 64)}, lambda out, b: out["a"].sum() + out["b"].sum() + out["c"].sum()
+
+
+class _ColumnMajorGrad(torch.autograd.Function):
+    """Identity whose backward returns the gradient in column-major layout."""
+
+    @staticmethod
+    def forward(ctx, w):
+        return w * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.t().contiguous().t()
+
+
+class _CopiedGrad(torch.nn.Module):
+    """A weight whose gradient arrives in another layout (strides not the parameter's): its
+    gradient accumulator copies it instead of stealing it (torch's layout contract)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 64))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, _ColumnMajorGrad.apply(self.w))
+
+
+def copied_grad(spec=None):
+    return _CopiedGrad(), torch.randn(16, 64), lambda out, batch: out.sum()

@@ -191,19 +191,24 @@ def loss_of(tracker, last) -> tuple[Any, _Meta | None]:
 
 
 # ---------------------------------------------------------------- micro-batches 3..k of a step
-class SkipMicroBatches(Exception):
-    """Raised at the start of micro-batch 3 when micro-batches 3..k can be written from micro-batch 2
-    (:class:`MicroBatches`); :meth:`finish` writes them and runs the step's optimizer phase."""
+class _PreviousLoss:
+    """The key, in a template micro-batch, of the previous micro-batch's loss (its free)."""
 
-    def __init__(self, template: list[tuple], carried_in: Any, carried_out: Any, meta: _Meta, category: str, count: int):
-        super().__init__("micro-batches written from micro-batch 2")
+
+class SkipMicroBatches(Exception):
+    """Raised at the start of a micro-batch when it and the rest of the step can be written from an
+    earlier one (:class:`MicroBatches`); :meth:`finish` writes them and runs the step's optimizer phase."""
+
+    def __init__(self, template: list[tuple], carried_in: Any, carried_out: Any, meta: _Meta, category: str, count: int,
+                 label: str = ""):
+        super().__init__(label)
         self.template, self.carried_in, self.carried_out = template, carried_in, carried_out
-        self.meta, self.category, self.count = meta, category, count
+        self.meta, self.category, self.count, self.label = meta, category, count, label
 
     def finish(self, n: int, tracker, step, on_phase: Callable[[str], None]):
-        """Write micro-batches 3..k of step ``n``, then its optimizer phase; returns the step's loss (a stand-in)."""
+        """Write the last ``count`` micro-batches of step ``n``, then its optimizer phase; returns the step's loss (a stand-in)."""
         out = tracker.log.events
-        prev = self.carried_out                 # micro-batch 2's loss, freed in micro-batch 3
+        prev = self.carried_out                 # the loss of the micro-batch before them, freed in the first written
         for _ in range(self.count):
             remap = {}
             for ev in self.template:
@@ -232,29 +237,152 @@ class SkipMicroBatches(Exception):
 
 
 class MicroBatches:
-    """Watches a step's micro-batches (call :meth:`at_phase` before each phase mark is logged). With
-    accumulation over k >= 3 micro-batches, micro-batches 2..k start from the same storages (the
-    parameters, the gradients made by micro-batch 1 and accumulated in place since, the optimizer
-    state, the previous micro-batch's loss) and run the same ops on the same batch, so they
-    allocate and free alike. At the start of micro-batch 3 this is checked on micro-batch 2's
-    events: it frees exactly one storage from before it (micro-batch 1's loss), tags none that
-    would be tagged again, and leaves exactly one storage alive (its own loss) whose stand-in can
-    be made. Then :class:`SkipMicroBatches` is raised and micro-batches 3..k are written."""
+    """Watches a step's micro-batches (call :meth:`at_phase` before each phase mark is logged) and
+    writes the later ones from an earlier one where they provably allocate and free alike.
 
-    def __init__(self, tracker, micro_batches: int):
+    Micro-batches 2..k from micro-batch 1 (k >= 2). Micro-batch 2 runs the same ops on the same
+    batch as micro-batch 1; the one difference is at each parameter's gradient accumulator
+    (torch/csrc/autograd/functions/accumulate_grad.h). In micro-batch 1 ``.grad`` is None, and the
+    incoming gradient is stolen as ``.grad`` (no copy when nothing else holds it and its layout is
+    the parameter's). From micro-batch 2 on it is added in place into ``.grad`` and freed when the
+    accumulator returns. So micro-batch 2 is micro-batch 1 with, for each parameter, the
+    incoming gradient's free written where micro-batch 1's accumulator returned, without the tag
+    that made it a gradient, and with micro-batch 1's loss freed where micro-batch 2 replaces it.
+    Checked on micro-batch 1's events (hooks before and after each accumulator): every accumulator
+    ran once and only tagged the gradient it stole (no copy); micro-batch 1 freed and retagged no
+    older storage, and what it leaves alive is the gradients, its loss and the one-time
+    workspaces. Else micro-batch 2 is simulated.
+
+    Micro-batches 3..k from micro-batch 2 (k >= 3, when micro-batch 2 was simulated): micro-batches
+    2..k start from the same storages (the parameters, the gradients accumulated in place, the
+    optimizer state, the previous micro-batch's loss) and run the same ops on the same batch. At
+    the start of micro-batch 3 this is checked on micro-batch 2's events: it frees exactly one
+    storage from before it (micro-batch 1's loss), tags none that would be tagged again, and
+    leaves exactly one storage alive (its own loss) whose stand-in can be made.
+
+    Either way :class:`SkipMicroBatches` is raised and the rest is written."""
+
+    def __init__(self, tracker, micro_batches: int, params: list | None = None):
         self.tracker = tracker
         self.k = micro_batches
+        self.params = [p for p in (params or []) if p.requires_grad]
         self.marks: list[int] = []
+        self._pre: dict[int, list[int]] = {}       # id(parameter) -> positions where its accumulator started
+        self._post: list[tuple[Any, int]] = []     # (parameter, position) as each accumulator returned
+        self._hooks: list = []
 
     def at_phase(self, name: str) -> None:
-        if name != "forward" or self.k < 3:
+        if self.k < 2:
+            return
+        if name == "backward" and len(self.marks) == 1 and self.params:
+            self._watch_accumulators()
+        if name != "forward":
             return
         self.marks.append(len(self.tracker.log.events))
-        if len(self.marks) == 3:
+        skip = None
+        if len(self.marks) == 2:
+            self._unhook()
+            skip = self._from_first()
+        elif len(self.marks) == 3:
             skip = self._plan()
-            if skip is not None:
-                self.tracker.disown(skip.carried_out)   # its free is in micro-batch 3, written by hand
-                raise skip
+        if skip is not None:
+            self.tracker.disown(skip.carried_out)   # its free is in the next micro-batch, written by hand
+            raise skip
+
+    def close(self) -> None:
+        self._unhook()
+
+    def _watch_accumulators(self) -> None:
+        events = self.tracker.log.events
+        get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+        if get_edge is None:       # pragma: no cover - torch >= 2.2 has it
+            return
+        for p in self.params:
+            try:
+                node = get_edge(p).node
+            except RuntimeError:
+                continue
+            if node is None:
+                continue
+            self._hooks.append(node.register_prehook(
+                lambda grads, i=id(p): self._pre.setdefault(i, []).append(len(events))))
+            self._hooks.append(p.register_post_accumulate_grad_hook(lambda t: self._post.append((t, len(events)))))
+
+    def _unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _from_first(self) -> SkipMicroBatches | None:
+        """Micro-batch 2 as micro-batch 1 would make it (see the class docstring), or None."""
+        pre, post = self._pre, self._post
+        self._pre, self._post = {}, []
+        events = self.tracker.log.events
+        m1, m2 = self.marks
+        if not post:
+            return None
+        allocated: dict[Any, int] = {}
+        live: set = set()
+        category: dict[Any, str] = {}
+        for i in range(m1, m2):
+            ev = events[i]
+            kind = ev[0]
+            if kind == ALLOC:
+                allocated[ev[1]] = i
+                live.add(ev[1])
+                category[ev[1]] = ev[3]
+            elif kind == FREE:
+                if ev[1] not in allocated:
+                    return None              # frees a storage made before it
+                live.discard(ev[1])
+            elif kind == TAG:
+                if ev[1] not in allocated:
+                    return None              # tags a storage made before it
+                category[ev[1]] = ev[2]
+        grads: dict[Any, tuple[int, int]] = {}   # gradient key -> where its accumulator started and returned
+        seen = set()
+        for p, at in post:
+            if id(p) in seen or p.grad is None:
+                return None
+            seen.add(id(p))
+            starts = pre.get(id(p), [])
+            key = self.tracker.key_of(p.grad)
+            if len(starts) != 1 or key is None or key not in allocated or allocated[key] >= starts[0]:
+                return None                  # not run once, or the gradient is a copy it made
+            if any(ev[0] != TAG or ev[1] != key for ev in events[starts[0]:at]):
+                return None                  # the accumulator did more than tag the gradient it stole
+            grads[key] = (starts[0], at)
+        if any(p.grad is not None and id(p) not in seen for p in self.params):
+            return None
+        workspace = {k for k in live if category[k] == "workspace"}
+        rest = live - set(grads) - workspace
+        if len(rest) != 1 or any(k not in live for k in grads):
+            return None
+        loss = next(iter(rest))
+        ref = self.tracker._refs.get(loss)
+        st = ref() if ref is not None else None
+        if st is None:
+            return None
+        frees: dict[int, list] = {}
+        for key, (_, at) in grads.items():
+            frees.setdefault(at, []).append(Free(FREE, key, events[m1][3]))
+        previous = _PreviousLoss()
+        template: list[tuple] = []
+        for i in range(m1, m2 + 1):
+            for f in frees.get(i, ()):
+                template.append(f)
+            if i == m2:
+                break
+            ev = events[i]
+            if ev[0] != PHASE and ev[1] in workspace:
+                continue
+            if ev[0] == TAG and ev[1] in grads and grads[ev[1]][0] <= i < grads[ev[1]][1]:
+                continue                     # the accumulator's tag: micro-batch 2 adds into .grad instead
+            template.append(ev)
+        template.append(Free(FREE, previous, events[m1][3]))
+        meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
+        return SkipMicroBatches(template, previous, loss, meta, self.tracker._category.get(loss, category[loss]), self.k - 1,
+                                label=f"2..{self.k} written from micro-batch 1")
 
     def _plan(self) -> SkipMicroBatches | None:
         events = self.tracker.log.events
@@ -288,7 +416,7 @@ class MicroBatches:
             return None
         meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
         cat = self.tracker._category.get(out, allocated[out])
-        return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2)
+        return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2, label=f"3..{self.k} written from micro-batch 2")
 
 
 # ---------------------------------------------------------------- the steps of a simulation
@@ -303,10 +431,11 @@ class Steps:
         from ..core import progress as _progress
 
         self.tracker, self.step, self.label, self._progress = tracker, step, label, _progress
+        self.params = params
         self.k = step.spec.grad_accum
         self.first = FirstStep(tracker, params) if not why_not else None
         self.later: Repeat | str = why_not
-        self.micro = "simulated" if self.k >= 3 else ""
+        self.micro = "simulated" if self.k >= 2 else ""
         self._watch: MicroBatches | None = None
         self._n = 0
 
@@ -323,15 +452,18 @@ class Steps:
             if self.later.run(n, self.tracker, self.step, on_phase):
                 return
             self.later = "a stand-in for a gradient or the loss cannot be made"
-        self._watch = MicroBatches(self.tracker, self.k) if self.first is not None else None
+        self._watch = MicroBatches(self.tracker, self.k, self.params) if self.first is not None else None
         try:
             last = self.step.run(on_phase)
         except SkipMicroBatches as skip:
-            self._progress.stage(f"{self.label}: step {n} micro-batches 3..{self.k} written from micro-batch 2")
+            self._progress.stage(f"{self.label}: step {n} micro-batches {skip.label}")
+            self._watch.close()
             last = skip.finish(n, self.tracker, self.step, on_phase)
+            self.micro = skip.label
             del skip
-            self.micro = f"3..{self.k} written from micro-batch 2"
         finally:
+            if self._watch is not None:
+                self._watch.close()
             self._watch = None
         if n == 1 and self.first is not None:
             self.later = self.first.plan(*loss_of(self.tracker, last))

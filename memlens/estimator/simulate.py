@@ -153,9 +153,13 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
-                with ModuleScope(tracker, model):
+                with ModuleScope(tracker, model) as scope:
                     def on_phase(name: str, n=n) -> None:
                         runner.at_phase(name, n)
+                        if name == "forward":
+                            # a checkpointed module's recomputation stops early in backward, its
+                            # forward hook unreached: the next forward starts outside any module
+                            scope.stack.clear()
                         if name != "end":
                             progress.stage(f"{label}: step {n} {name}")
                         tracker.set_phase(name, n)
@@ -228,6 +232,51 @@ def _gemm_ops():
         _GEMMS = {a.mm.default, a.addmm.default, a.bmm.default, a.baddbmm.default, a.addbmm.default,
                   a.addmv.default, a.mv.default, a._addmm_activation.default}
     return _GEMMS
+
+
+_INPLACE_FOREACH: dict = {}
+
+
+def _inplace_foreach(func) -> bool:
+    """An in-place foreach op (``aten::_foreach_mul_.Scalar``...): it updates its first list in place
+    and returns nothing, so it allocates nothing and changes no tensor's metadata."""
+    hit = _INPLACE_FOREACH.get(func)
+    if hit is None:
+        schema = getattr(func, "_schema", None)
+        hit = _INPLACE_FOREACH[func] = bool(
+            schema is not None and schema.name.startswith("aten::_foreach_") and schema.name.endswith("_")
+            and not schema.returns and schema.arguments and schema.arguments[0].alias_info is not None
+            and schema.arguments[0].alias_info.is_write)
+    return hit
+
+
+def _same_shapes(args, kwargs) -> bool:
+    """Whether an in-place foreach op's operands are plain fake tensors that need no checking: every
+    list as long as the first, each of its tensors of the shape of the first list's at the same
+    position (no broadcasting), and any single tensor a scalar. Then the op is answered without
+    running it on fake tensors (an optimizer step runs a few of them over every parameter, a third
+    of a small model's simulation): it would allocate nothing and change no metadata. Anything else
+    (a DTensor, a broadcast, a kwarg) is run as usual."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if kwargs or not args or not isinstance(args[0], (list, tuple)):
+        return False
+    first = args[0]
+    shapes = []
+    for t in first:
+        if type(t) is not FakeTensor:
+            return False
+        shapes.append(t.shape)
+    for a in args[1:]:
+        if isinstance(a, (list, tuple)):
+            if len(a) != len(first):
+                return False
+            for t, shape in zip(a, shapes):
+                if isinstance(t, torch.Tensor) and (type(t) is not FakeTensor or t.shape != shape):
+                    return False
+        elif isinstance(a, torch.Tensor) and (type(a) is not FakeTensor or a.dim() != 0):
+            return False
+    return True
 
 
 # The most ops one module may run itself (its children's are theirs) in one forward pass. A
@@ -306,10 +355,13 @@ class SimulationTracker(StorageTracker):
         self._workspaces[name] = t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.phase == "optimizer" and func is torch.ops.aten.lift_fresh.default:
-            # `torch.tensor(x)` in an optimizer step: torch's non-fused optimizers keep their step
-            # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
-            return func(*args, **(kwargs or {}))
+        if self.phase == "optimizer":
+            if func is torch.ops.aten.lift_fresh.default:
+                # `torch.tensor(x)` in an optimizer step: torch's non-fused optimizers keep their step
+                # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
+                return func(*args, **(kwargs or {}))
+            if _inplace_foreach(func) and _same_shapes(args, kwargs):
+                return None
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.phase == "forward" and self.ops_limit is not None:
             n = self._forward_ops.get(self.module, 0) + 1

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
-from .core import CachedEstimator, fit_with_accumulation, need_bytes, predict_step_time
+from .core import CachedEstimator, need_bytes, predict_step_time
 from . import techniques
 from .search import max_fitting_among
 from .techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
@@ -106,10 +106,11 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     """Estimate one candidate: its largest micro-batch under the budget and what it costs.
     ``estimates`` counts the specs it asked for (entries run side by side share the estimator).
 
-    The search takes what the estimator already knows of the same setting as probes (the largest
-    micro-batch's own search, for "as given"); ``wait()`` runs first (to let that search finish).
-    ``on_search(decision)`` as soon as the micro-batch is known, before the accumulated run is
-    estimated (other entries decide on it)."""
+    The search probes the runs that have to fit: each micro-batch with the accumulation the target
+    needs (its later micro-batches hold every gradient), so its answer's estimate is the entry's.
+    Its first guess below the largest micro-batch takes the slope of the spec as given from what the
+    estimator knows of it; ``wait()`` runs first (to let the largest micro-batch's own search give
+    it). ``on_search(decision)`` as soon as the micro-batch is known (other entries decide on it)."""
     asked: set = set()
 
     def estimated(s: TrainingSpec):
@@ -134,30 +135,21 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
     if wait is not None:
         wait()
+    def run_of(b: int) -> TrainingSpec:
+        """The run that has to fit: micro-batch ``b`` with the accumulation the target needs (its
+        later micro-batches hold every gradient), so the search's answer is estimated already."""
+        return s.replace(**{field_name: b}) if dp else s.replace(**{field_name: b}, grad_accum=per_gpu // b)
+
     try:
-        need = lambda b: need_bytes(estimated(s.replace(**{field_name: b})))  # noqa: E731
-        known = getattr(est, "known", None)
-        search = max_fitting_among(divisors, need, usable_bytes, known=(lambda: known(s, field_name)) if known else None,
-                                   slope=lambda: _reference_slope(est, spec, field_name))
-        if search.limit and need(search.limit) > usable_bytes:
-            # the peak is not monotone in the batch here (what the search takes for granted): search
-            # again on this setting's own estimates only, each divisor that decides probed itself
-            search = max_fitting_among(divisors, need, usable_bytes)
-    except MemlensError as e:
-        return fail(e.message, n)
-    m = search.limit
-    try:
-        if m and not dp:   # the accumulated run is what has to fit (fit_with_accumulation)
-            m, p, _ = fit_with_accumulation(estimated, s, per_gpu, m, usable_bytes)
+        need = lambda b: need_bytes(estimated(run_of(b)))  # noqa: E731
+        m = max_fitting_among(divisors, need, usable_bytes, slope=lambda: _reference_slope(est, spec, field_name)).limit
         micro = m or 1
         accum = per_gpu // micro
-        run = s.replace(**{field_name: micro}) if dp else s.replace(**{field_name: micro}, grad_accum=max(1, accum))
-        if dp or not search.limit:
-            p = estimated(run)
+        run = run_of(micro)
+        p = estimated(run)          # probed by the search
         if on_search is not None and m:
-            # the step time needs the parameter counts only: those of the micro-batch's own estimate
-            t0 = predict_step_time(run, estimated(s.replace(**{field_name: micro})), micro_batch=micro, grad_accum=accum)
-            on_search(Decision(True, t0.seconds * n))
+            # the step time needs the parameter counts only (the run's own estimate has them)
+            on_search(Decision(True, predict_step_time(run, p, micro_batch=micro, grad_accum=accum).seconds * n))
     except MemlensError as e:
         return fail(e.message, n)
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)

@@ -136,8 +136,10 @@ def train_step(
             loss = loss / grad_accum
         on_phase("backward")
         (scaler.scale(loss) if scaler is not None else loss).backward()
-        last = loss.detach()
-        del loss
+        kept = loss.detach()
+        del loss                # what the graph still held goes first,
+        last = kept             # then the previous micro-batch's loss: the last thing a micro-batch frees
+        del kept
     optimizer_step(optimizer, model=model, max_grad_norm=max_grad_norm, scaler=scaler, on_phase=on_phase)
     return last
 

@@ -110,17 +110,37 @@ def test_estimate_reports_how_later_steps_were_made():
     assert r.data["later_steps"] == "written from step 1"
 
 
-@pytest.mark.parametrize("changes", [
-    {"grad_accum": 5},
-    {"grad_accum": 4, "precision": "amp-fp16"},
-    {"grad_accum": 3, "precision": "amp-bf16", "grad_checkpointing": True, "lora_rank": 4},
-], ids=["fp32-accum5", "amp-fp16-accum4", "ckpt-lora-accum3"])
-def test_micro_batches_three_to_k_written_from_the_second(changes):
-    spec = TrainingSpec(model=LLAMA if "lora_rank" in changes else GPT2, batch_size=2, seq_len=64, **changes)
-    fast = assert_same_log(spec)
-    assert fast.later_micro_batches == f"3..{changes['grad_accum']} written from micro-batch 2"
+@pytest.mark.parametrize("model, changes", [
+    (GPT2, {"grad_accum": 2}),
+    (GPT2, {"grad_accum": 5}),
+    (GPT2, {"grad_accum": 4, "precision": "amp-fp16", "max_grad_norm": 1.0}),   # scaled loss, unscale and clip
+    (GPT2, {"grad_accum": 2, "optimizer": "adafactor", "hf_trainer": True}),
+    (LLAMA, {"grad_accum": 3, "precision": "amp-bf16", "grad_checkpointing": True, "lora_rank": 4}),  # recompute stops early
+    (LLAMA, {"grad_accum": 2, "precision": "bf16", "qlora": True, "lora_rank": 4}),
+    (VIT, {"grad_accum": 2}),
+    ("tests.tiny_models:own_step", {"grad_accum": 2}),
+], ids=["gpt2-accum2", "gpt2-accum5", "gpt2-amp-fp16-clip-accum4", "gpt2-adafactor-trainer-accum2", "llama-ckpt-lora-accum3",
+        "llama-qlora-accum2", "vit-accum2", "own-step-accum2"])
+def test_micro_batches_two_to_k_written_from_the_first(model, changes):
+    """Micro-batch 2 is micro-batch 1 with each incoming gradient freed where its accumulator
+    returned (added into .grad instead of becoming it) and micro-batch 1's loss freed last."""
+    sizes = {} if model.startswith("tests.") else {"batch_size": 2} if model == VIT else {"batch_size": 2, "seq_len": 64}
+    fast = assert_same_log(TrainingSpec(model=model, **sizes, **changes))
+    assert fast.later_micro_batches == f"2..{changes['grad_accum']} written from micro-batch 1"
     forwards = [ev for ev in fast.log.events if ev[0] == PHASE and ev[1] == "forward"]
     assert len(forwards) == 2 * changes["grad_accum"]       # every micro-batch of both steps is in the log
+
+
+def test_a_copied_gradient_makes_micro_batch_two_simulated():
+    """A gradient that arrives in another layout is copied by its accumulator in micro-batch 1 (and
+    added in micro-batch 2): not micro-batch 1's events with a free, so micro-batch 2 is simulated,
+    and micro-batches 3..k are written from it."""
+    two = assert_same_log(TrainingSpec(model="tests.tiny_models:copied_grad", grad_accum=2))
+    assert two.later_micro_batches == "simulated"
+    ops = [str(ev[6]) for ev in two.log.events if ev[0] == 0 and ev[5] == "backward"]
+    assert "aten.clone.default" in ops                     # the accumulator's copy is in the log
+    three = assert_same_log(TrainingSpec(model="tests.tiny_models:copied_grad", grad_accum=3))
+    assert three.later_micro_batches == "3..3 written from micro-batch 2"
 
 
 def test_dp_sgd_steps_are_simulated():

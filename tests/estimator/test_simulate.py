@@ -137,3 +137,45 @@ def test_a_python_loop_of_ops_in_one_module_is_refused_in_one_line():
     # 200 ops is a long module, not a loop over tokens: simulated (its 200 outputs die one by one)
     r = estimate(TrainingSpec(model="tests.estimator.test_simulate:looping_200", optimizer="sgd"))
     assert r.peak_allocated_bytes > 0
+
+
+@pytest.mark.parametrize("changes", [{"optimizer": "adamw"}, {"optimizer": "sgd-momentum", "precision": "amp-fp16", "max_grad_norm": 1.0},
+                                     {"optimizer": "adamw", "lora_rank": 4, "grad_accum": 2}],
+                         ids=["adamw", "sgd-momentum-amp-fp16-clip", "adamw-lora-accum2"])
+def test_in_place_foreach_ops_answered_without_running_them(monkeypatch, changes):
+    """An optimizer's in-place foreach ops (exp_avg.lerp_, addcdiv_ into the parameters...) are
+    answered without running them on fake tensors: the log is the one running them gives."""
+    from pathlib import Path
+
+    import memlens.estimator.simulate as sim_mod
+    from tests.estimator.test_periodic import canonical
+
+    spec = TrainingSpec(model=str(Path(__file__).parent.parent / "fixtures" / "models" / "tiny-gpt2" / "config.json"),
+                        batch_size=2, seq_len=32, **changes)
+    answered = []
+    real = sim_mod._inplace_foreach
+    monkeypatch.setattr(sim_mod, "_inplace_foreach", lambda f: real(f) and not answered.append(f))
+    fast = sim_mod.simulate(spec)
+    assert answered                                # the path was taken
+    monkeypatch.setattr(sim_mod, "_inplace_foreach", lambda f: False)
+    assert canonical(fast.log) == canonical(sim_mod.simulate(spec).log)
+
+
+def test_in_place_foreach_ops_that_need_checking_are_run():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memlens.estimator.simulate import _inplace_foreach, _same_shapes
+
+    a = torch.ops.aten
+    assert _inplace_foreach(a._foreach_addcdiv_.Scalar) and _inplace_foreach(a._foreach_mul_.Tensor)
+    assert not _inplace_foreach(a._foreach_sqrt.default)     # allocates its outputs
+    assert not _inplace_foreach(a.add_.Tensor)
+    with FakeTensorMode():
+        x, y, s = [torch.empty(4, 3)], [torch.empty(4, 3)], torch.empty(())
+        assert _same_shapes((x, y, 0.5), {})
+        assert _same_shapes((x, s), {})                          # a scalar tensor
+        assert not _same_shapes((x, [torch.empty(3)]), {})       # a broadcast
+        assert not _same_shapes((x, torch.empty(3)), {})         # a non-scalar single tensor
+        assert not _same_shapes((x, y + y), {"alpha": 2})        # a keyword argument
+        assert not _same_shapes((x, [torch.empty(4, 3)] * 2), {})  # lists of different lengths
+    assert not _same_shapes(([torch.empty(4, 3)], [torch.empty(4, 3)]), {})   # not fake tensors

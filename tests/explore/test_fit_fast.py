@@ -60,22 +60,23 @@ def test_a_good_slope_saves_the_second_probe():
     assert known.limit == 8 and known.trials == []
 
 
-def test_a_peak_that_is_not_monotone_is_searched_again_on_its_own_probes():
-    """Points known from another search say 5 fits (so 4 would); the peak at 4 is higher than at 5:
-    the entry searches again on its own estimates and answers a micro-batch that fits."""
+def test_an_entry_searches_the_accumulated_runs_and_answers_with_one_of_them():
+    """The later micro-batches of an accumulated run hold every gradient (2 GiB more here): a
+    micro-batch whose own step fits (4: 9 GiB, estimated by another search) can still not fit
+    accumulated. The entry probes the accumulated runs themselves, and its peak is its answer's."""
     usable = 10 * GiB
+    plain = {1: 2, 2: 4, 4: 9, 8: 12}
 
     def need(s: TrainingSpec) -> Point:
-        v = {1: 2, 2: 4, 4: 11, 5: 9, 6: 11, 8: 12}[s.batch_size] * GiB
+        v = (plain[s.batch_size] + (2 if s.grad_accum > 1 else 0)) * GiB
         return Point(v, v, param_count=1000, trainable_param_count=1000, seq_len=512)
 
     est = CachedEstimator(fn=need)
-    for b in (5, 6):                     # what the largest-micro-batch search left in the cache
-        est(SPEC.replace(batch_size=b, grad_accum=1))
+    est(SPEC.replace(batch_size=4, grad_accum=1))       # what another search left in the cache
     e = plan_entry(SPEC, Candidate("as given", {}, "same math", ""), est, usable, 8)
-    assert (e.micro_batch, e.grad_accum) == (2, 4) and e.fits
-    assert need_bytes(est(SPEC.replace(batch_size=2, grad_accum=1))) <= usable
-    assert SPEC.replace(batch_size=4, grad_accum=1) in est.cache      # probed itself, found not to fit
+    assert (e.micro_batch, e.grad_accum, e.predicted_peak_bytes) == (2, 4, 6 * GiB) and e.fits
+    assert SPEC.replace(batch_size=4, grad_accum=2) in est.cache      # probed itself, found not to fit
+    assert SPEC.replace(batch_size=2, grad_accum=1) not in est.cache  # no run of a micro-batch alone
 
 
 # ---------------------------------------------------------------- entries left out
