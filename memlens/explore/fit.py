@@ -12,7 +12,6 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -96,7 +95,6 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
     planned = None
-    searched = threading.Event()       # the "as given" plan entry reuses this search's estimates
     if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
         import contextvars
         from concurrent.futures import ThreadPoolExecutor
@@ -108,13 +106,10 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         est.begin(firsts)     # this search's first probes first in the workers' queue
         pool = ThreadPoolExecutor(max_workers=1)
         planned = pool.submit(contextvars.copy_context().run, make_plan, spec, est, b.usable_bytes, target, gpus=gpus,
-                              field_name=f, progress=progress, prune=not full_plan, given_ready=searched.wait,
+                              field_name=f, progress=progress, prune=not full_plan,
                               reference=firsts[0] if firsts else None)
         pool.shutdown(wait=False)
-    try:
-        s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
-    finally:
-        searched.set()
+    s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
     mbs = s.limit
     data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
                             "estimates": s.trials, "method": est.method}

@@ -101,16 +101,15 @@ def _flags(changes: dict[str, Any], micro: int | None, accum: int | None, field_
 
 
 def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable_bytes: int, target_batch: int,
-               field_name: str = "batch_size", *, on_search: Callable[[Decision], None] | None = None,
-               wait: Callable[[], None] | None = None) -> PlanEntry:
+               field_name: str = "batch_size", *, on_search: Callable[[Decision], None] | None = None) -> PlanEntry:
     """Estimate one candidate: its largest micro-batch under the budget and what it costs.
     ``estimates`` counts the specs it asked for (entries run side by side share the estimator).
 
     The search probes the runs that have to fit: each micro-batch with the accumulation the target
     needs (its later micro-batches hold every gradient), so its answer's estimate is the entry's.
     Its first guess below the largest micro-batch takes the slope of the spec as given from what the
-    estimator knows of it; ``wait()`` runs first (to let the largest micro-batch's own search give
-    it). ``on_search(decision)`` as soon as the micro-batch is known (other entries decide on it)."""
+    estimator knows of it by then. ``on_search(decision)`` as soon as the micro-batch is known
+    (other entries decide on it)."""
     asked: set = set()
 
     def estimated(s: TrainingSpec):
@@ -133,8 +132,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     if dp:
         s = s.replace(batch_size=per_gpu, physical_batch_size=None)
     divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
-    if wait is not None:
-        wait()
+
     def run_of(b: int) -> TrainingSpec:
         """The run that has to fit: micro-batch ``b`` with the accumulation the target needs (its
         later micro-batches hold every gradient), so the search's answer is estimated already."""
@@ -142,7 +140,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
 
     try:
         need = lambda b: need_bytes(estimated(run_of(b)))  # noqa: E731
-        m = max_fitting_among(divisors, need, usable_bytes, slope=lambda: _reference_slope(est, spec, field_name)).limit
+        m = max_fitting_among(divisors, need, usable_bytes, slope=lambda: _reference_slope(est, spec, field_name, per_gpu)).limit
         micro = m or 1
         accum = per_gpu // micro
         run = run_of(micro)
@@ -166,9 +164,17 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     )
 
 
-def _reference_slope(est: CachedEstimator, spec: TrainingSpec, field_name: str) -> float | None:
-    """Bytes per sample of the spec as given, from what is estimated of it so far (a line through its
-    two farthest batch sizes >= 2): the first guess of a setting that has one probe of its own."""
+def _reference_slope(est: CachedEstimator, spec: TrainingSpec, field_name: str, per_gpu: int) -> float | None:
+    """Bytes per sample of the spec as given: the line through its batch 2 and its whole per-GPU
+    target (fit's own first probes, shared by every entry: waited for if still running), else
+    through the two farthest batch sizes >= 2 estimated of it so far. The first guess of a setting
+    that has one probe of its own."""
+    if field_name == "batch_size" and per_gpu > 2 and spec.world_size == 1:
+        try:
+            a, c = (need_bytes(est(spec.replace(grad_accum=1, batch_size=b))) for b in (2, per_gpu))
+        except MemlensError:
+            return None
+        return (c - a) / (per_gpu - 2)
     known = getattr(est, "known", None)
     pts = {b: v for b, v in (known(spec.replace(grad_accum=1), field_name) if known else {}).items() if b >= 2}
     if len(pts) < 2:
@@ -243,15 +249,14 @@ def rank_entries(entries: list[PlanEntry], baseline_seconds: float | None) -> li
 
 def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, target_batch: int, *, gpus: int = 8,
               field_name: str = "batch_size", progress=None, prune: bool = True,
-              given_ready: Callable[[], None] | None = None, reference: TrainingSpec | None = None) -> list[PlanEntry]:
+              reference: TrainingSpec | None = None) -> list[PlanEntry]:
     """Every candidate estimated (or, with ``prune``, left out where another entry fits and is faster:
-    see the module docstring) and ranked. ``given_ready()`` is waited for before the "as given" entry
-    searches (``fit`` passes the end of its own search of the same spec, whose estimates it reuses).
+    see the module docstring) and ranked.
     ``reference``: a spec as given whose estimate gives the parameter counts that bound the step
     time of an entry (default: the target in one micro-batch; ``fit`` passes its own first probe)."""
     cands = candidates(spec, gpus=gpus)
     run = _PlanRun(spec, cands, est, usable_bytes, target_batch, field_name, prune and field_name == "batch_size",
-                   given_ready, reference or spec.replace(grad_accum=1, batch_size=target_batch))
+                   reference or spec.replace(grad_accum=1, batch_size=target_batch))
     workers = getattr(est, "workers", 1)
     if workers > 1 and len(cands) > 1:
         entries = _entries_side_by_side(run, progress)
@@ -277,12 +282,12 @@ class _PlanRun:
     """The entries of one plan, each published as soon as decided (a Future per candidate), so that an
     entry that may be left out waits for the smaller entries that decide it, whatever the order."""
 
-    def __init__(self, spec, cands, est, usable_bytes, target_batch, field_name, prune, given_ready, reference):
+    def __init__(self, spec, cands, est, usable_bytes, target_batch, field_name, prune, reference):
         from concurrent.futures import Future
 
         self.spec, self.cands, self.est = spec, cands, est
         self.usable, self.target, self.field = usable_bytes, target_batch, field_name
-        self.prune, self.given_ready, self.reference = prune, given_ready, reference
+        self.prune, self.reference = prune, reference
         self.decided: dict[str, Future] = {c.name: Future() for c in cands}
 
     def _reference_point(self):
@@ -325,9 +330,8 @@ class _PlanRun:
                 return PlanEntry(c.name, c.kind, c.tradeoff, c.changes, None, None, None, None, None, None, None, None,
                                  gpus=n, not_searched=why, flags=_flags(c.changes, None, None, self.field),
                                  extra={"best_gpu_seconds": best, "not_searched_for": by})
-            wait = self.given_ready if not c.changes else None
             e = plan_entry(self.spec, c, self.est, self.usable, self.target, self.field,
-                           on_search=lambda d: fut.done() or fut.set_result(d), wait=wait)
+                           on_search=lambda d: fut.done() or fut.set_result(d))
             if not fut.done():
                 fut.set_result(Decision(e.fits, e.gpu_seconds) if e.error is None else None)
             return e
