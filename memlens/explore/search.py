@@ -169,9 +169,9 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
     of a target batch that fits, say. ``fits`` is taken as monotone (if v fits, every smaller v fits).
 
     Probes the largest value first (if it fits, that is the answer), then the value a line predicts
-    at the budget's crossing: through the two probes nearest the boundary; with one probe, through
-    it with ``slope()`` (bytes per unit of value, e.g. of another setting of the same model: a guess
-    only). Values ``known()`` returns (already estimated elsewhere, e.g. by another search of the same
+    at the budget's crossing: through the two probes nearest the boundary; with none that fits,
+    through the smallest that does not with ``slope()`` (bytes per unit of value, e.g. of another
+    setting of the same model: a guess only), else through the two smallest that do not. Values ``known()`` returns (already estimated elsewhere, e.g. by another search of the same
     spec) count as probes. The answer rests on probes only: v fits and the next value does not.
     Without a line (no slope), the second smallest value (if it fits, so does the smallest: batch 1
     costs a simulation of its own, see memlens.estimator.scaling.design), then bisection.
@@ -247,17 +247,20 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
 def _guess(vals: list[int], seen: dict[int, float], budget: float, lo_i: int, hi_i: int,
            slope: Callable[[], float | None] | None) -> int | None:
     """The index in (lo_i, hi_i) a line predicts at the budget (the largest value at or below the
-    crossing): the line through the largest point that fits and the smallest that does not (or the
-    two smallest that do not), else through the smallest that does not with ``slope()``."""
+    crossing): the line through the largest point that fits and the smallest that does not, else
+    through the smallest that does not with ``slope()``, else through the two smallest that do not."""
     fit = [x for x in seen if seen[x] <= budget]
     over = sorted(x for x in seen if seen[x] > budget)
     if not over:
         return None
     c = over[0]
-    a = max(fit) if fit else (over[1] if len(over) > 1 else None)
+    a = max(fit) if fit else None
     k = (seen[c] - seen[a]) / (c - a) if a is not None and a != c else None
     if k is None and slope is not None:
         k = slope()
+    if k is None and len(over) > 1:
+        a = over[1]      # two that do not fit, when nothing better is known (their line may bend: accumulation)
+        k = (seen[a] - seen[c]) / (a - c)
     if not k or k <= 0:
         return None
     cross = c + (budget - seen[c]) / k

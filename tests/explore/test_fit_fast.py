@@ -76,7 +76,9 @@ def test_an_entry_searches_the_accumulated_runs_and_answers_with_one_of_them():
     e = plan_entry(SPEC, Candidate("as given", {}, "same math", ""), est, usable, 8)
     assert (e.micro_batch, e.grad_accum, e.predicted_peak_bytes) == (2, 4, 6 * GiB) and e.fits
     assert SPEC.replace(batch_size=4, grad_accum=2) in est.cache      # probed itself, found not to fit
-    assert SPEC.replace(batch_size=2, grad_accum=1) not in est.cache  # no run of a micro-batch alone
+    # the first guess took the line of the spec as given through batch 2 and the whole target
+    # (fit's own first probes): 8 -> 4, then 2; no accumulated run of batch 1
+    assert SPEC.replace(batch_size=2, grad_accum=1) in est.cache and SPEC.replace(batch_size=1, grad_accum=8) not in est.cache
 
 
 # ---------------------------------------------------------------- entries left out
