@@ -190,7 +190,14 @@ def loss_of(tracker, last) -> tuple[Any, _Meta | None]:
     return None, None
 
 
-# ---------------------------------------------------------------- micro-batches 3..k of a step
+def _standin_meta(tracker, key) -> _Meta | None:
+    """A byte storage the size of the live storage ``key`` (a micro-batch's loss), or None if it is gone."""
+    ref = tracker._refs.get(key)
+    st = ref() if ref is not None else None
+    return None if st is None else _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
+
+
+# ---------------------------------------------------------------- the micro-batches of a step
 class _PreviousLoss:
     """The key, in a template micro-batch, of the previous micro-batch's loss (its free)."""
 
@@ -359,9 +366,8 @@ class MicroBatches:
         if len(rest) != 1 or any(k not in live for k in grads):
             return None
         loss = next(iter(rest))
-        ref = self.tracker._refs.get(loss)
-        st = ref() if ref is not None else None
-        if st is None:
+        meta = _standin_meta(self.tracker, loss)
+        if meta is None:
             return None
         frees: dict[int, list] = {}
         for key, (_, at) in grads.items():
@@ -380,7 +386,6 @@ class MicroBatches:
                 continue                     # the accumulator's tag: micro-batch 2 adds into .grad instead
             template.append(ev)
         template.append(Free(FREE, previous, events[m1][3]))
-        meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
         return SkipMicroBatches(template, previous, loss, meta, self.tracker._category.get(loss, category[loss]), self.k - 1,
                                 label=f"2..{self.k} written from micro-batch 1")
 
@@ -410,11 +415,9 @@ class MicroBatches:
         if len(older_frees) != 1 or older_frees[0] not in alive1 or len(live) != 1:
             return None
         out = next(iter(live))
-        ref = self.tracker._refs.get(out)
-        st = ref() if ref is not None else None
-        if st is None:
+        meta = _standin_meta(self.tracker, out)
+        if meta is None:
             return None
-        meta = _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
         cat = self.tracker._category.get(out, allocated[out])
         return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2, label=f"3..{self.k} written from micro-batch 2")
 
