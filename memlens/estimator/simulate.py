@@ -51,7 +51,7 @@ class Simulation:
     applied: list[str] = field(default_factory=list)
     wrapper: Any = None             # the multi-GPU wrapper of the simulated rank (memlens.distributed)
     later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
-    later_micro_batches: str = ""  # with accumulation over k >= 3: how micro-batches 3..k were made
+    later_micro_batches: str = ""  # with accumulation (k >= 2): how micro-batches 2..k were made
 
 
 class _FakeGradScaler:

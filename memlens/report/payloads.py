@@ -111,7 +111,7 @@ class EstimatePayload(Payload):
     facts: dict | None = UNSET
     ranks: list | None = UNSET                    # several GPUs: each rank's peaks and breakdown
     later_steps: str | None = UNSET               # steps 2..: "written from step 1" or "simulated (why)"
-    later_micro_batches: str | None = UNSET       # accumulation over k >= 3: micro-batches 3..k "written from micro-batch 2" or "simulated"
+    later_micro_batches: str | None = UNSET       # accumulation: "2..k written from micro-batch 1", "3..k written from micro-batch 2" or "simulated"
     scaling: dict | None = UNSET                  # answers over many sizes: "simulated" (why) or "replayed" (estimator.scaling)
 
 
