@@ -460,7 +460,6 @@ class Steps:
             last = self.step.run(on_phase)
         except SkipMicroBatches as skip:
             self._progress.stage(f"{self.label}: step {n} micro-batches {skip.label}")
-            self._watch.close()
             last = skip.finish(n, self.tracker, self.step, on_phase)
             self.micro = skip.label
             del skip

@@ -107,8 +107,8 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
 
     The search probes the runs that have to fit: each micro-batch with the accumulation the target
     needs (its later micro-batches hold every gradient), so its answer's estimate is the entry's.
-    Its first guess below the largest micro-batch takes the slope of the spec as given from what the
-    estimator knows of it by then. ``on_search(decision)`` as soon as the micro-batch is known
+    Its first guess below the largest micro-batch takes the slope of the spec as given
+    (:func:`_reference_slope`). ``on_search(decision)`` as soon as the micro-batch is known
     (other entries decide on it)."""
     asked: set = set()
 

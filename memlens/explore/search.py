@@ -171,8 +171,9 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
     Probes the largest value first (if it fits, that is the answer), then the value a line predicts
     at the budget's crossing: through the two probes nearest the boundary; with none that fits,
     through the smallest that does not with ``slope()`` (bytes per unit of value, e.g. of another
-    setting of the same model: a guess only), else through the two smallest that do not. Values ``known()`` returns (already estimated elsewhere, e.g. by another search of the same
-    spec) count as probes. The answer rests on probes only: v fits and the next value does not.
+    setting of the same model: a guess only), else through the two smallest that do not. Values
+    ``known()`` returns (already estimated elsewhere, e.g. by another search of the same spec)
+    count as probes. The answer rests on probes only: v fits and the next value does not.
     Without a line (no slope), the second smallest value (if it fits, so does the smallest: batch 1
     costs a simulation of its own, see memlens.estimator.scaling.design), then bisection.
 
