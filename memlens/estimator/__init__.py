@@ -103,6 +103,7 @@ def simulation_result(sim, a) -> Result:
             "simulate_seconds": round(sim.seconds, 3),
             "later_steps": sim.later_steps,
             **({"later_micro_batches": sim.later_micro_batches} if sim.later_micro_batches else {}),
+            **({"later_layers": sim.later_layers} if sim.later_layers else {}),
         },
     )
     r.notes.extend(sim.notes)

@@ -89,7 +89,8 @@ class Trace:
         L = point[1]
         seq_fact = "L" if L is not None and sim.seq_len == L else sim.seq_len
         facts = (sim.param_count, sim.trainable_count, sim.image_size, tuple(sim.attention), tuple(sim.applied),
-                 sim.later_steps, seq_fact, tuple(log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches)
+                 sim.later_steps, seq_fact, tuple(log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches,
+                 sim.later_layers)
         return cls(point, sim, skeleton, sizes, facts)
 
 

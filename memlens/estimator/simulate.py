@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from ..core import progress
 from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
-from ..core.events import EventLog
+from ..core.events import ALLOC, EventLog
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
 from ..core.spec import TrainingSpec
 from ..step.prepare import prepare
-from . import cuda_rules, periodic
+from . import cuda_rules, depth, periodic
 from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
                             register_inputs, register_model, tag_optimizer_state)
 from ..core.version import check_tested_versions
@@ -52,6 +53,7 @@ class Simulation:
     wrapper: Any = None             # the multi-GPU wrapper of the simulated rank (memlens.distributed)
     later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
     later_micro_batches: str = ""  # with accumulation (k >= 2): how micro-batches 2..k were made
+    later_layers: str = ""       # a stack of many layers: "written from 3 and 4 layers" or "simulated (why)"
 
 
 class _FakeGradScaler:
@@ -78,15 +80,53 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     """Run ``steps`` optimizer steps of ``spec`` on fake tensors and log every storage.
 
     ``repeat``: write the forward and backward of steps 2.. from step 1's events where that is
-    provably the same (:mod:`.periodic`; ``Simulation.later_steps`` says which happened).
+    provably the same (:mod:`.periodic`; ``Simulation.later_steps`` says which happened), and a
+    deep stack's layers from two shallow models where that is shown (:mod:`.depth`;
+    ``Simulation.later_layers``).
 
     >>> from memlens.core.spec import TrainingSpec
     >>> sim = simulate(TrainingSpec(model="gpt2", batch_size=1, seq_len=32))  # doctest: +SKIP
     """
+    source = source or resolve(spec.model)
+    reason = depth.why_not(spec, source) if repeat else "repeat=False"
+    if reason is None:
+        try:
+            return _from_shallow(spec, source, steps)
+        except depth.NotPeriodic as e:
+            reason = str(e)
+    sim = _simulate(spec, source, steps, repeat)
+    if depth.depth_of(source) is not None:
+        sim.later_layers = f"simulated ({reason})"
+    return sim
+
+
+def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simulation:
+    """The simulation of a model of N layers written from its 3- and 4-layer versions (:mod:`.depth`)."""
+    t0 = time.perf_counter()
+    n = depth.depth_of(source)
+    depth.check_layers_alike(source)
+    a, b = (_simulate(spec, depth.shallow_source(source, d), steps, True, layers=d) for d in (depth.SHALLOW, depth.SHALLOW + 1))
+    grow = n - b.stack.depth
+    per_layer = depth.growth(a.log, a.spanning, b.log, b.spanning)
+    sizes_a = {k: size + per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(a.log, a.spanning))}
+    sizes_b = {k: size + grow * per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(b.log, b.spanning))}
+    if depth.canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != depth.canonical(b.log):
+        raise depth.NotPeriodic(f"the {depth.SHALLOW + 1}-layer log written from {depth.SHALLOW} layers differs from its simulation")
+    log = depth.write_layers(b.log, b.stack, b.live_layers, grow, sizes=sizes_b)
+    return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * (b.param_count - a.param_count),
+                      b.trainable_count + grow * (b.trainable_count - a.trainable_count), b.attention,
+                      time.perf_counter() - t0, notes=b.notes, applied=b.applied, later_steps=b.later_steps,
+                      later_micro_batches=b.later_micro_batches,
+                      later_layers=f"written from {depth.SHALLOW} and {depth.SHALLOW + 1} layers")
+
+
+def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool, layers: int | None = None) -> Simulation:
+    """One simulation of ``spec`` on ``source``'s model (``layers``: the model has that many
+    layers and each allocation outside forward and backward is given the layer it was computed
+    from, for :mod:`.depth`)."""
     t0 = time.perf_counter()
     label = spec.describe()
     progress.stage(f"{label}: building the model")
-    source = source or resolve(spec.model)
     log = EventLog()
     gpu = gpu_facts(spec.gpu)
     tracker = SimulationTracker(log, gpu)
@@ -119,6 +159,10 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             raise
         except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
             raise _untraceable(e, spec) from None
+    stack = None
+    if layers is not None:
+        stack = depth.find_stack(model, layers, tracker.module_label)
+        tracker.label_layers(stack)
     register_model(tracker, model)
     tracker.model = model
     if step.dp is None:
@@ -188,9 +232,12 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     if paged:
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
                      "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
-    return Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper,
-                      later_steps=runner.later_steps, later_micro_batches=runner.micro)
+    sim = Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
+                     attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper,
+                     later_steps=runner.later_steps, later_micro_batches=runner.micro)
+    if stack is not None:
+        sim.stack, sim.live_layers, sim.spanning = stack, tracker.live_layers, tracker.spanning
+    return sim
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
@@ -306,6 +353,53 @@ class SimulationTracker(StorageTracker):
         self.stopped: MemlensError | None = None  # why the simulation must stop (see FORWARD_OPS_LIMIT)
         self.model = None                         # for naming a module that runs too many ops
         self.ops_limit: int | None = FORWARD_OPS_LIMIT  # None: a compiled graph (thousands of ops by design, no loop)
+        self.live_layers: dict | None = None      # key -> layer of allocations outside forward and backward (depth.py)
+
+    # ---------------------------------------------------------------- layers (memlens.estimator.depth)
+    def label_layers(self, stack) -> None:
+        """From now on, give each allocation outside forward and backward the layer of the tensor it
+        is computed from (a foreach op's i-th output: its first list's i-th tensor's)."""
+        self.stack = stack
+        self.live_layers = {}
+        self.spanning: set = set()     # keys of tensors made from a list with an entry per layer
+        self._key_layers: dict = {}
+        self._module_layers: list = []
+        self._scanned = 0
+
+    def _layer_of(self, t) -> int | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        key = self.key_of(t)
+        if key is None:
+            return None
+        mods, evs = self.log.modules, self.log.events
+        while len(self._module_layers) < len(mods):
+            self._module_layers.append(self.stack.layer_of(mods[len(self._module_layers)]))
+        for ev in evs[self._scanned:]:
+            if ev[0] == ALLOC:
+                lay = self._module_layers[ev[4]] if ev[4] >= 0 else None
+                self._key_layers[ev[1]] = lay if lay is not None else self.live_layers.get(ev[1])
+        self._scanned = len(evs)
+        return self._key_layers.get(key)
+
+    def _label_outputs(self, args, out, first_new: int) -> None:
+        outs = out if isinstance(out, (list, tuple)) else (out,)
+        first = args[0] if args else None
+        per_item = isinstance(first, (list, tuple)) and len(first) == len(outs)
+        common, spans = None, False
+        if not per_item:
+            found = {self._layer_of(a) for a in tree_flatten(args)[0]} - {None}
+            common = found.pop() if len(found) == 1 else None
+            spans = len(found) > 1 and isinstance(first, (list, tuple))
+        for i, o in enumerate(outs):
+            key = self.key_of(o) if isinstance(o, torch.Tensor) else None
+            if key is None or key < first_new:
+                continue
+            lay = self._layer_of(first[i]) if per_item else common
+            if lay is not None:
+                self.live_layers[key] = self._key_layers[key] = lay
+            elif spans:    # one tensor from a list over every layer (clip_grad_norm_'s stack of norms)
+                self.spanning.add(key)
 
     def set_phase(self, name: str, step: int) -> None:
         if name == "forward":
@@ -362,7 +456,10 @@ class SimulationTracker(StorageTracker):
                 return func(*args, **(kwargs or {}))
             if _inplace_foreach(func) and _same_shapes(args, kwargs):
                 return None
+        first_new = self._next
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.live_layers is not None and self._next > first_new and self.phase not in ("forward", "backward"):
+            self._label_outputs(args, out, first_new)
         if self.phase == "forward" and self.ops_limit is not None:
             n = self._forward_ops.get(self.module, 0) + 1
             self._forward_ops[self.module] = n

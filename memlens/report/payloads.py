@@ -112,6 +112,7 @@ class EstimatePayload(Payload):
     ranks: list | None = UNSET                    # several GPUs: each rank's peaks and breakdown
     later_steps: str | None = UNSET               # steps 2..: "written from step 1" or "simulated (why)"
     later_micro_batches: str | None = UNSET       # accumulation: "2..k written from micro-batch 1", "3..k written from micro-batch 2" or "simulated"
+    later_layers: str | None = UNSET              # a deep stack: "written from 3 and 4 layers" or "simulated (why)"
     scaling: dict | None = UNSET                  # answers over many sizes: "simulated" (why) or "replayed" (estimator.scaling)
 
 

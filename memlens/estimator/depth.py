@@ -1,0 +1,438 @@
+"""Layers written from a shallow model: a stack of N identical layers from two short ones.
+
+A decoder (or encoder) of N identical layers runs the same ops in every layer, on tensors of the
+same sizes: layer j's events are layer i's with other storages. So the step of a model of N layers
+is simulated on the same model cut to 3 and to 4 layers, and the log of N layers is written from
+the 4-layer one: layer 1's events are copied N - 4 times, each copy placed where the next layer
+runs (after layer 1 in the forward and the optimizer's per-parameter ops, before it in the
+backward). Storages are matched across layers by what allocated them (op, size, category, phase
+and the module inside the layer) and their order; a free or a tag of another layer's storage
+keeps its distance in layers (layer j frees the hidden state of layer j - 1, the gradient from
+layer j + 1).
+
+It is checked, not assumed:
+
+- the 4-layer log written from the 3-layer one must equal the simulated 4-layer log event for
+  event (module names included), else the full model is simulated;
+- every layer of the full model must be built alike (classes, parameter shapes, dtypes and
+  attributes other than its index), the config must have no per-layer list whose entries differ
+  (``layer_types``...), and no ``--freeze`` / ``--lora-targets`` pattern may name a layer by number.
+
+Each event's layer is its allocation's module's layer (the optimizer's allocations take the layer
+of the parameter they were computed from); a free or tag in the forward or backward belongs to
+where it happens (the layer of the last allocation before it), elsewhere to the storage's layer.
+``Simulation.later_layers`` says whether the layers were written or why the model was simulated
+whole.
+"""
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, Tag
+
+SHALLOW = 3                # the two shallow models: SHALLOW and SHALLOW + 1 layers
+TEMPLATE = 1               # the layer that is copied (its neighbours are layers on both sides)
+MIN_LAYERS = 10            # below this, two shallow simulations (7 layers) save little or nothing
+_POSITIONAL = ("forward", "backward")   # phases where a free belongs to where it happens
+
+
+class NotPeriodic(Exception):
+    """The layers cannot be written from a shallow model (the reason is the message)."""
+
+
+@dataclass
+class Stack:
+    """The layer stack of a model: its ModuleList's name (as the log names modules) and length."""
+
+    label: str
+    depth: int
+
+    def layer_of(self, name: str) -> int | None:
+        if not name.startswith(self.label + "."):
+            return None
+        head = name[len(self.label) + 1:].split(".", 1)[0]
+        return int(head) if head.isdigit() else None
+
+    def rename(self, name: str, layer: int) -> str:
+        head, _, rest = name[len(self.label) + 1:].partition(".")
+        return f"{self.label}.{layer}" + (f".{rest}" if rest else "")
+
+    def suffix(self, name: str) -> str:
+        return name[len(self.label) + 1:].partition(".")[2]
+
+
+# ---------------------------------------------------------------- which models
+def depth_of(source) -> int | None:
+    """The number of layers the config sets, or None (a factory, a model without that field)."""
+    cfg = getattr(source, "config", None)
+    n = getattr(cfg, "num_hidden_layers", None) if cfg is not None else None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def why_not(spec, source) -> str | None:
+    """Why this spec is simulated whole (None: its layers can be written from a shallow model)."""
+    n = depth_of(source)
+    if n is None:
+        return "no num_hidden_layers in the config"
+    if n < MIN_LAYERS:
+        return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
+    if spec.world_size > 1 or spec.dp or spec.compile:
+        return "several GPUs, DP-SGD or --compile"
+    if any(re.search(r"\d", p) for p in tuple(spec.freeze or ()) + tuple(spec.lora_targets or ())):
+        return "a --freeze or --lora-targets pattern names layers by number"
+    cfg = source.config
+    for key, value in vars(cfg).items():
+        if isinstance(value, (list, tuple)) and len(value) == n and len({repr(v) for v in value}) > 1:
+            return f"the config's {key} differs from layer to layer"
+    for sub in ("text_config", "vision_config", "encoder", "decoder"):
+        if getattr(cfg, sub, None) is not None:
+            return f"a config with a {sub}"
+    return None
+
+
+def shallow_source(source, layers: int):
+    """``source`` with its config cut to ``layers`` layers (per-layer lists cut alike)."""
+    from ..models.source import ModelSource
+
+    cfg = copy.deepcopy(source.config)
+    n = cfg.num_hidden_layers
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, (list, tuple)) and len(value) == n:
+            setattr(cfg, key, type(value)(value[:layers]))
+    cfg.num_hidden_layers = layers
+    return ModelSource(source.name, source.kind, source.task, config=cfg, factory=source.factory)
+
+
+def find_stack(model, depth: int, label) -> Stack:
+    """The model's one ModuleList of ``depth`` layers of one class (``label``: the tracker's
+    module naming, which drops peft's and Opacus' wrapper prefixes)."""
+    import torch
+
+    found = [(name, mod) for name, mod in model.named_modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == depth and len({type(m) for m in mod}) == 1]
+    if len(found) != 1:
+        raise NotPeriodic(f"{len(found)} module lists of {depth} layers")
+    return Stack(label(found[0][0]), depth)
+
+
+def layer_signature(layer) -> tuple:
+    """What makes two layers run the same ops: classes, parameters, buffers and plain attributes
+    of every submodule, its index aside."""
+    import torch
+
+    out = []
+    for name, mod in layer.named_modules():
+        attrs = tuple(sorted((k, repr(v)) for k, v in vars(mod).items()
+                             if not k.startswith("_") and "idx" not in k and "index" not in k
+                             and isinstance(v, (int, float, str, bool, tuple, type(None)))))
+        params = tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad) for k, p in mod.named_parameters(recurse=False))
+        buffers = tuple((k, tuple(b.shape), str(b.dtype)) for k, b in mod.named_buffers(recurse=False))
+        out.append((name, type(mod).__name__, attrs, params, buffers))
+    return tuple(out) + (isinstance(layer, torch.nn.Module),)
+
+
+def check_layers_alike(source) -> None:
+    """Build the full model on the meta device and check that every layer is built alike."""
+    import torch
+
+    from ..models.build import _auto_class, quiet
+
+    with quiet(), torch.device("meta"):
+        model = _auto_class(source.task).from_config(source.config)
+    n = source.config.num_hidden_layers
+    stack = [mod for mod in model.modules()
+             if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and len({type(m) for m in mod}) == 1]
+    if len(stack) != 1:
+        raise NotPeriodic(f"{len(stack)} module lists of {n} layers in the full model")
+    first = layer_signature(stack[0][0])
+    for j, layer in enumerate(stack[0]):
+        if layer_signature(layer) != first:
+            raise NotPeriodic(f"layer {j} is not built like layer 0")
+
+
+# ---------------------------------------------------------------- the layer of each event
+def layers_of(log: EventLog, stack: Stack, live: dict) -> tuple[list, dict]:
+    """Each event's layer (None: outside the stack) and each key's layer.
+
+    ``live``: key -> layer of allocations made outside the forward and backward (the optimizer's,
+    recorded as they happen from the parameter each was computed from). In the forward and
+    backward, a run of allocations charged to another module between two runs of one layer is
+    that layer's (after a checkpointed layer's recomputation stops early, the backward's next op
+    is charged to the module running before it: the layer above's)."""
+    module_layer = [stack.layer_of(name) for name in log.modules]
+    events = log.events
+    allocs: list = []            # (event index, layer, phase)
+    phase = "setup"
+    for i, ev in enumerate(events):
+        if ev[0] == PHASE:
+            phase = ev[1]
+        elif ev[0] == ALLOC:
+            lay = module_layer[ev[4]] if ev[4] >= 0 else None
+            allocs.append([i, lay if lay is not None else live.get(ev[1]), phase])
+    runs: list = []              # [first, last] positions in allocs of runs of one layer and phase
+    for r, a in enumerate(allocs):
+        if runs and allocs[runs[-1][0]][1:] == a[1:]:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    for q in range(1, len(runs) - 1):
+        prev, cur, nxt = (allocs[runs[x][0]] for x in (q - 1, q, q + 1))
+        if (prev[1] is not None and prev[1:] == nxt[1:] and cur[2] == prev[2] != "setup"
+                and (cur[1] is None or cur[2] in _POSITIONAL)):
+            for r in range(runs[q][0], runs[q][1] + 1):
+                allocs[r][1] = prev[1]
+    key_layer = {events[i][1]: lay for i, lay, _ in allocs}
+    alloc_layer = {i: lay for i, lay, _ in allocs}
+    owner: list = []
+    phase = "setup"
+    last = None
+    for i, ev in enumerate(events):
+        kind = ev[0]
+        if kind == ALLOC:
+            last = alloc_layer[i]
+            owner.append(last)
+        elif kind == PHASE:
+            phase = ev[1]
+            owner.append(None)
+        elif phase in _POSITIONAL and last is not None:
+            owner.append(last)
+        else:
+            owner.append(key_layer.get(ev[1]))
+    _absorb(owner, events, key_layer)
+    return owner, key_layer
+
+
+def _absorb(owner: list, events: list, key_layer: dict) -> None:
+    """A run of events outside the stack between two runs of one layer or of two neighbours, in one
+    phase, is the second one's: within a layer, an optimizer's per-parameter work (its step
+    counter); between neighbours, work that every layer does first (or last: the same events,
+    owned one layer on). Only a run before an allocation, and outside forward and backward only
+    one that allocates: frees alone there are owned by what they free (a list of every
+    parameter's tensors dies in one go)."""
+    phase = ["setup"] * len(events)
+    cur = "setup"
+    for i, ev in enumerate(events):
+        if ev[0] == PHASE:
+            cur = ev[1]
+        phase[i] = cur
+    i, n = 0, len(owner)
+    while i < n:
+        if owner[i] is not None or i == 0 or events[i][0] == PHASE:
+            i += 1
+            continue
+        j = i
+        while j < n and owner[j] is None and events[j][0] != PHASE:
+            j += 1
+        x, y = owner[i - 1], owner[j] if j < n else None
+        if (x is not None and y is not None and abs(x - y) <= 1 and phase[i - 1] == phase[j] != "setup"
+                and events[j][0] == ALLOC and (phase[j] in _POSITIONAL or any(events[q][0] == ALLOC for q in range(i, j)))):
+            for q in range(i, j):
+                owner[q] = owner[j]
+                if events[q][0] == ALLOC:
+                    key_layer[events[q][1]] = owner[j]
+        i = j
+    for q, ev in enumerate(events):     # frees and tags owned by what they free: its layer may have moved above
+        if ev[0] in (FREE, TAG) and phase[q] not in _POSITIONAL:
+            owner[q] = key_layer.get(ev[1])
+    # frees of another layer's storages between two allocations of one layer (a per-parameter loop
+    # freeing the previous parameter's scratch at the next one) happen where they happen
+    starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1] or events[i][0] == PHASE or events[i - 1][0] == PHASE]
+    bounds = list(zip(starts, starts[1:] + [n]))
+    for b in range(1, len(bounds) - 1):
+        (s0, _), (s1, e1), (s2, _) = bounds[b - 1], bounds[b], bounds[b + 1]
+        y = owner[s0]
+        if (y is not None and owner[s2] == y and owner[s1] is not None and owner[s1] != y and phase[s0] == phase[s1] == phase[s2]
+                and phase[s1] not in _POSITIONAL and all(events[q][0] in (FREE, TAG) for q in range(s1, e1))
+                and events[s1 - 1][0] == ALLOC and events[e1][0] == ALLOC):
+            for q in range(s1, e1):
+                owner[q] = y
+
+
+# ---------------------------------------------------------------- writing N layers
+def _tokens(log: EventLog, stack: Stack, key_layer: dict) -> tuple[dict, dict]:
+    """Each layer key's place in its layer, as (what allocated it, occurrence), and back."""
+    place: dict = {}
+    back: dict = {}
+    seen: dict = {}
+    phase = "setup"
+    for ev in log.events:
+        if ev[0] == PHASE:
+            phase = ev[1]
+            continue
+        if ev[0] != ALLOC:
+            continue
+        lay = key_layer.get(ev[1])
+        if lay is None:
+            continue
+        name = log.modules[ev[4]] if ev[4] >= 0 else ""
+        m = stack.layer_of(name)
+        token = (phase, ev[2], ev[3], name if m is None else (m - lay, stack.suffix(name)), ev[5], str(ev[6]), ev[8])
+        occ = seen.get((lay, token), 0)
+        seen[(lay, token)] = occ + 1
+        place[ev[1]] = (token, occ)
+        back[(lay, token, occ)] = ev[1]
+    return place, back
+
+
+def spanning_sizes(log: EventLog, spanning: set) -> list:
+    """(key, size) of the allocations made from a list with an entry per layer, in order."""
+    return [(ev[1], ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
+
+
+def growth(log_a: EventLog, spanning_a: set, log_b: EventLog, spanning_b: set) -> list[int]:
+    """How much each allocation made from a list over every layer grows per layer: its size with one
+    layer more less its size (the list gains one layer's entries, each adding the same bytes)."""
+    a, b = (_spanning_tokens(log, sp) for log, sp in ((log_a, spanning_a), (log_b, spanning_b)))
+    if [t for t, _ in a] != [t for t, _ in b]:
+        raise NotPeriodic("the allocations made from every layer's tensors differ between the shallow models")
+    per = [sb - sa for (_, sa), (_, sb) in zip(a, b)]
+    if any(g < 0 for g in per):
+        raise NotPeriodic("an allocation made from every layer's tensors shrinks with more layers")
+    return per
+
+
+def _spanning_tokens(log: EventLog, spanning: set) -> list:
+    return [((ev[3], ev[5], str(ev[6]), ev[8]), ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
+
+
+def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template: int = TEMPLATE,
+                 sizes: dict | None = None) -> EventLog:
+    """The log of the same step with ``copies`` more layers, copies of layer ``template``, up to
+    "done" (``sizes``: key -> size with the new layers, of allocations made from every layer's
+    tensors)."""
+    if copies < 1:
+        raise ValueError("copies must be >= 1")
+    d, t, k = stack.depth, template, copies
+    if not 0 < t < d - 1:
+        raise NotPeriodic(f"layer {t} of {d} has no layer on each side")
+    log = EventLog(events=until_done(log.events), modules=log.modules, rank=log.rank)
+    owner, key_layer = layers_of(log, stack, live)
+    place, back = _tokens(log, stack, key_layer)
+
+    def new(j):
+        return j if j is None or j <= t else j + k
+
+    # the modules: each run of the template's names followed by its copies' (named_modules order)
+    out = EventLog(rank=log.rank)
+    mod_new: dict = {}
+    names = log.modules
+    i = 0
+    while i < len(names):
+        lay = stack.layer_of(names[i])
+        if lay is None:
+            mod_new[(None, i)] = out.module_id(names[i])
+            i += 1
+            continue
+        run = []
+        while i < len(names) and stack.layer_of(names[i]) == lay:
+            run.append(i)
+            i += 1
+        for m in run:
+            mod_new[(None, m)] = out.module_id(stack.rename(names[m], new(lay)))
+        if lay == t:
+            for c in range(1, k + 1):
+                for m in run:
+                    mod_new[(c, m)] = out.module_id(stack.rename(names[m], t + c))
+
+    fresh: dict = {}
+    next_key = [max((ev[1] for ev in log.events if ev[0] == ALLOC and isinstance(ev[1], int)), default=-1) + 1]
+
+    def copy_key(c, key):
+        got = fresh.get((c, key))
+        if got is None:
+            got = fresh[(c, key)] = next_key[0]
+            next_key[0] += 1
+        return got
+
+    def resolve(key, src_layer, at_layer):
+        """The key an event of source layer ``src_layer`` written as layer ``at_layer`` refers to."""
+        j = key_layer.get(key)
+        if j is None:
+            return key
+        target = new(j) if src_layer is None else at_layer + (j - src_layer)
+        if t < target <= t + k:
+            c, orig = target - t, t
+        else:
+            c, orig = 0, target if target <= t else target - k
+        if orig == j and c == 0:
+            return key
+        token, occ = place[key]
+        found = back.get((orig, token, occ))
+        if found is None:
+            raise NotPeriodic(f"layer {j}'s storage has no counterpart in layer {orig}")
+        return copy_key(c, found) if c else found
+
+    def emit(ev, lay, c):
+        """Write ``ev`` (of source layer ``lay``) as copy ``c`` of it (0: itself, renumbered)."""
+        kind = ev[0]
+        at = new(lay) if c == 0 else t + c
+        if kind == ALLOC:
+            key = copy_key(c, ev[1]) if c else ev[1]
+            module = ev[4]
+            if module >= 0:
+                m = stack.layer_of(names[module])
+                if m is None:
+                    module = mod_new[(None, module)]
+                else:    # the module's layer, at the same distance from the event's layer
+                    module = out.module_id(stack.rename(names[module], new(m) if lay is None else at + (m - lay)))
+            nbytes = sizes.get(ev[1], ev[2]) if sizes and lay is None else ev[2]
+            out.events.append(Alloc(ALLOC, key, nbytes, ev[3], module, ev[5], ev[6], ev[7], ev[8]))
+        elif kind == FREE:
+            out.events.append(Free(FREE, resolve(ev[1], lay, at), ev[2]))
+        elif kind == TAG:
+            out.events.append(Tag(TAG, resolve(ev[1], lay, at), ev[2], ev[3]))
+        else:
+            out.events.append(ev)
+
+    events = log.events
+    n = len(events)
+    # blocks: runs of one layer (None included)
+    starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1]]
+    blocks = [(s, e, owner[s]) for s, e in zip(starts, starts[1:] + [n])]
+    layered = [b for b in range(len(blocks)) if blocks[b][2] is not None]
+    pos = {b: r for r, b in enumerate(layered)}
+    for b, (s, e, lay) in enumerate(blocks):
+        if lay != t:
+            for ev in events[s:e]:
+                emit(ev, lay, 0)
+            continue
+        r = pos[b]
+        after = r + 1 < len(layered) and blocks[layered[r + 1]][2] == t + 1
+        before = r > 0 and blocks[layered[r - 1]][2] == t + 1
+        if after == before:
+            raise NotPeriodic(f"layer {t}'s events at {s} have no layer {t + 1} on one side")
+        order = [0] + list(range(1, k + 1)) if after else list(range(k, 0, -1)) + [0]
+        for c in order:
+            for ev in events[s:e]:
+                emit(ev, lay, c)
+    return out
+
+
+def until_done(events: list) -> list:
+    """The events up to the "done" mark (storages dying later are teardown, freed at any time)."""
+    for i, ev in enumerate(events):
+        if ev[0] == PHASE and ev[1] == "done":
+            return events[:i + 1]
+    return events
+
+
+def canonical(log: EventLog) -> list:
+    """Events up to "done" with keys renamed in order of appearance and modules by name (keys
+    and module ids are arbitrary)."""
+    names: dict = {}
+    mods = log.modules
+    out = []
+    for ev in until_done(log.events):
+        kind = ev[0]
+        if kind == PHASE:
+            out.append(tuple(ev))
+            continue
+        key = names.setdefault(ev[1], len(names))
+        if kind == ALLOC:
+            out.append((kind, key, ev[2], ev[3], mods[ev[4]] if ev[4] >= 0 else None) + tuple(ev[5:]))
+        else:
+            out.append((kind, key) + tuple(ev[2:]))
+    return out

@@ -1,0 +1,165 @@
+"""A deep stack's layers written from 3- and 4-layer models (memlens.estimator.depth) give the log
+of the whole model simulated, event for event; where that cannot be shown the model is
+simulated whole and the result says why."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memlens.core.events import ALLOC, FREE, PHASE, EventLog
+from memlens.core.spec import TrainingSpec
+from memlens.estimator import depth, estimate
+from memlens.estimator.simulate import _simulate, simulate
+from memlens.models.source import resolve
+
+MODELS = Path(__file__).parent.parent / "fixtures" / "models"
+GPT2 = str(MODELS / "tiny-gpt2" / "config.json")
+LLAMA = str(MODELS / "tiny-llama" / "config.json")
+VIT = str(MODELS / "tiny-vit" / "config.json")
+
+
+def deep(tmp_path, config: str, layers: int = 12, **changes) -> str:
+    cfg = json.loads(open(config).read())
+    cfg["n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"] = layers
+    cfg.update(changes)
+    path = tmp_path / f"deep-{cfg['model_type']}-{layers}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def assert_written_equals_whole(spec: TrainingSpec):
+    src = resolve(spec.model)
+    fast = simulate(spec, src)
+    whole = _simulate(spec, src, 2, True)
+    assert fast.later_layers == "written from 3 and 4 layers", fast.later_layers
+    assert depth.canonical(fast.log) == depth.canonical(whole.log)
+    assert (fast.param_count, fast.trainable_count) == (whole.param_count, whole.trainable_count)
+    return fast
+
+
+@pytest.mark.parametrize("changes", [
+    {},                                                     # fp32, dropout
+    {"precision": "amp-fp16"},                              # autocast's cache cleared after forward
+    {"precision": "amp-bf16", "grad_checkpointing": True},  # recomputation that stops early in backward
+    {"precision": "bf16", "grad_accum": 3},                 # micro-batches written from the first
+    {"lora_rank": 4},                                       # only adapters in the optimizer
+    {"optimizer": "adafactor"},                             # a per-parameter loop with step counters
+    {"max_grad_norm": 1.0, "attn": "eager"},                # clip_grad_norm_ stacks one norm per parameter
+], ids=["fp32", "amp-fp16", "amp-bf16-ckpt", "bf16-accum3", "lora", "adafactor", "clip-eager"])
+def test_tiny_gpt2_of_12_layers(tmp_path, changes):
+    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32, **changes))
+
+
+def test_tiny_llama_and_vit_of_10_layers(tmp_path):
+    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, LLAMA, 10), batch_size=2, seq_len=32, precision="bf16",
+                                             optimizer="adamw-8bit"))
+    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, VIT, 10), batch_size=2, precision="amp-fp16"))
+
+
+def test_the_estimate_says_how_the_layers_were_made(tmp_path):
+    r = estimate(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32))
+    assert r.data["later_layers"] == "written from 3 and 4 layers"
+    # 12 blocks (ln_1, c_attn, attn c_proj, ln_2, c_fc, mlp c_proj), token and position embeddings, ln_f
+    assert r.data["param_count"] == 12 * (2 * 64 + 64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 + 64 * 256 + 256 + 256 * 64 + 64) \
+        + 1000 * 64 + 2048 * 64 + 2 * 64
+    r = estimate(TrainingSpec(model=GPT2, batch_size=2, seq_len=32))
+    assert r.data["later_layers"] == "simulated (2 layers (written from shallow models from 10 on))"
+
+
+@pytest.mark.parametrize("spec_changes, config_changes, reason", [
+    ({"freeze": ("h.0.",)}, {}, "a --freeze or --lora-targets pattern names layers by number"),
+    ({"dp": True}, {}, "several GPUs, DP-SGD or --compile"),
+    ({}, {"layer_types": ["full_attention"] * 6 + ["sliding_attention"] * 6},
+     "the config's layer_types differs from layer to layer"),
+])
+def test_specs_simulated_whole(tmp_path, spec_changes, config_changes, reason):
+    model = deep(tmp_path, LLAMA, 12, **config_changes)
+    assert depth.why_not(TrainingSpec(model=model, **spec_changes), resolve(model)) == reason
+
+
+def test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch):
+    """The 4-layer log written from 3 layers is compared with its simulation: any difference and the
+    whole model is simulated."""
+    real = depth.write_layers
+
+    def off_by_one(log, *a, **k):
+        out = real(log, *a, **k)
+        i = next(i for i, ev in enumerate(out.events) if ev[0] == ALLOC and ev[5] == "forward")
+        out.events[i] = out.events[i]._replace(nbytes=out.events[i].nbytes + 512)
+        return out
+
+    monkeypatch.setattr(depth, "write_layers", off_by_one)
+    spec = TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32)
+    sim = simulate(spec)
+    assert sim.later_layers == "simulated (the 4-layer log written from 3 layers differs from its simulation)"
+    assert depth.canonical(sim.log) == depth.canonical(_simulate(spec, resolve(spec.model), 2, True).log)
+
+
+def test_layers_built_differently_are_refused(monkeypatch):
+    from memlens.models import build
+
+    src = resolve(GPT2)
+    src.config.num_hidden_layers = 12
+    depth.check_layers_alike(src)                     # twelve blocks built alike: no error
+    real = build._auto_class
+
+    class OddSixth:
+        @staticmethod
+        def from_config(config):
+            model = real("causal-lm").from_config(config)
+            model.transformer.h[5].mlp.act = torch.nn.ReLU()
+            return model
+
+    monkeypatch.setattr(build, "_auto_class", lambda task: OddSixth)
+    with pytest.raises(depth.NotPeriodic, match="layer 5 is not built like layer 0"):
+        depth.check_layers_alike(src)
+
+
+# ---------------------------------------------------------------- a log written by hand
+def program(layers: int) -> EventLog:
+    """A step of ``layers`` layers of 100-byte outputs, as a tracker logs it: forward (layer j
+    frees layer j - 1's output after making its own), backward (each layer's gradient, the one from
+    above freed), an optimizer allocating a state per layer in one list, freed in reverse."""
+    log = EventLog()
+    stack = [log.module_id(f"layers.{j}.fc") for j in range(layers)]
+    head = log.module_id("head")
+    key = iter(range(10**6))
+    log.phase("forward", 1)
+    x = next(key)
+    log.alloc(x, 64, "inputs", head, "forward")
+    for j in range(layers):
+        y = next(key)
+        log.alloc(y, 100, "activations", stack[j], "forward")
+        if j:
+            log.free(x)
+        x = y
+    log.phase("backward", 1)
+    g = next(key)
+    log.alloc(g, 100, "temporaries", head, "backward")
+    for j in reversed(range(layers)):
+        h = next(key)
+        log.alloc(h, 100, "temporaries", stack[j], "backward")
+        log.free(g)
+        g = h
+    log.free(g)
+    log.phase("optimizer", 1)
+    states = []
+    for j in range(layers):
+        states.append(next(key))
+        log.alloc(states[-1], 8, "optimizer_state", head, "optimizer")
+    for s in reversed(states):
+        log.free(s)
+    log.phase("done", 1)
+    return log, {s: j for j, s in enumerate(states)}
+
+
+def test_write_layers_on_a_log_written_by_hand():
+    log, live = program(4)
+    out = depth.write_layers(log, depth.Stack("layers", 4), live, copies=3)
+    want, _ = program(7)
+    assert depth.canonical(out) == depth.canonical(want)
+    assert out.modules == want.modules
+    assert sum(ev[2] for ev in out.events if ev[0] == ALLOC) == 64 + 7 * 100 + 100 + 7 * 100 + 7 * 8
+    assert sum(ev[0] == FREE for ev in out.events) == 6 + 8 + 7
+    assert [ev[1] for ev in out.events if ev[0] == PHASE] == ["forward", "backward", "optimizer", "done"]
