@@ -7,7 +7,8 @@ For each case of bench/results/raw/gpu_truth.jsonl, `memlens estimate` of its sp
 peak allocated and reserved bytes, peak phase and attention kernels recorded in
 bench/results/estimate_accuracy.json. With ``--both-ways`` each case is also simulated with every
 step in full (``simulate(..., repeat=False)``), whose event log must equal the default one's
-(steps written from step 1, :mod:`memlens.estimator.periodic`) event for event.
+(steps written from step 1, :mod:`memlens.estimator.periodic`; a deep stack written from 3 and 4
+layers, :mod:`memlens.estimator.depth`) event for event.
 Exits 1 if anything differs. Writes nothing.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main() -> int:
         got = (r.peak_allocated_bytes, r.peak_reserved_bytes, r.data.get("peak_phase"), r.data.get("attention_backends"))
         want = (c["estimated_peak_allocated"], c["estimated_peak_reserved"], c.get("peak_phase"), c.get("attention"))
         same = got == want
-        line = f"{name:42s} {'same' if same else 'DIFFERENT'}  {dt:5.1f} s  steps 2..: {r.data.get('later_steps')}"
+        line = f"{name:42s} {'same' if same else 'DIFFERENT'}  {dt:5.1f} s  steps 2..: {r.data.get('later_steps')}  layers: {r.data.get('later_layers', '-')}"
         if a.both_ways:
             from memlens.estimator.simulate import simulate
 
