@@ -39,6 +39,20 @@ MIN_LAYERS = 10            # below this, two shallow simulations (7 layers) save
 _POSITIONAL = ("forward", "backward")   # phases where a free belongs to where it happens
 
 
+# family (see :func:`family`) -> (parameters, trainable parameters) per layer once its layers were
+# written and checked on 3 and 4 layers, or why they could not be
+CHECKED: dict = {}
+
+
+def family(spec, source, steps: int) -> tuple:
+    """What a spec's step is, its sizes (batch, sequence length, image size) aside: every layer's ops
+    and what frees what are the same at any size, and so is whether they repeat layer to layer."""
+    d = spec.to_dict()
+    for k in ("batch_size", "seq_len", "image_size", "target_len"):
+        d.pop(k, None)
+    return (source.name, source.kind, repr(sorted(vars(source.config).items())), steps, repr(sorted(d.items())))
+
+
 class NotPeriodic(Exception):
     """The layers cannot be written from a shallow model (the reason is the message)."""
 
@@ -409,6 +423,52 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
             for ev in events[s:e]:
                 emit(ev, lay, c)
     return out
+
+
+def check_middle(log: EventLog, stack: Stack, live: dict, template: int = TEMPLATE) -> None:
+    """Layer ``template + 1``, a middle layer too, must be layer ``template``'s events written one
+    layer on: block for block, each storage of layer j taken as its counterpart in layer j + 1."""
+    t, u = template, template + 1
+    if not (0 < t and u < stack.depth - 1):
+        raise NotPeriodic(f"layers {t} and {u} of {stack.depth} are not both between two layers")
+    log = EventLog(events=until_done(log.events), modules=log.modules, rank=log.rank)
+    owner, key_layer = layers_of(log, stack, live)
+    place, back = _tokens(log, stack, key_layer)
+    ids = {name: i for i, name in enumerate(log.modules)}
+
+    def moved(key):
+        j = key_layer.get(key)
+        if j is None:
+            return key
+        found = back.get((j + 1, *place[key]))
+        if found is None:
+            raise NotPeriodic(f"layer {j}'s storage has no counterpart in layer {j + 1}")
+        return found
+
+    def one_on(ev):
+        kind = ev[0]
+        if kind == ALLOC:
+            module = ev[4]
+            m = stack.layer_of(log.modules[module]) if module >= 0 else None
+            if m is not None:
+                module = ids.get(stack.rename(log.modules[module], m + 1), -2)
+            return Alloc(ALLOC, moved(ev[1]), ev[2], ev[3], module, *ev[5:])
+        if kind == FREE:
+            return Free(FREE, moved(ev[1]), ev[2])
+        if kind == TAG:
+            return Tag(TAG, moved(ev[1]), ev[2], ev[3])
+        return ev
+
+    events, n = log.events, len(log.events)
+    starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1]]
+    blocks = list(zip(starts, starts[1:] + [n]))
+    mine = [(s, e) for s, e in blocks if owner[s] == t]
+    theirs = [(s, e) for s, e in blocks if owner[s] == u]
+    if len(mine) != len(theirs):
+        raise NotPeriodic(f"layers {t} and {u} run in {len(mine)} and {len(theirs)} stretches")
+    for (s, e), (s2, e2) in zip(mine, theirs):
+        if [one_on(ev) for ev in events[s:e]] != events[s2:e2]:
+            raise NotPeriodic(f"layer {u}'s events at {s2} are not layer {t}'s written one layer on")
 
 
 def until_done(events: list) -> list:

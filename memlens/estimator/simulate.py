@@ -101,23 +101,47 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
 
 
 def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simulation:
-    """The simulation of a model of N layers written from its 3- and 4-layer versions (:mod:`.depth`)."""
+    """The simulation of a model of N layers written from its 3- and 4-layer versions (:mod:`.depth`).
+
+    The first spec of a family (the same spec at any batch size and sequence length) is checked
+    on both shallow models; a later one of the family is written from its 4-layer simulation with
+    the 3-vs-4 check taken from the first, and layers 1 and 2 of its own log checked alike
+    (:func:`.depth.check_middle`). A family whose check failed is simulated whole at once."""
     t0 = time.perf_counter()
     n = depth.depth_of(source)
-    depth.check_layers_alike(source)
-    a, b = (_simulate(spec, depth.shallow_source(source, d), steps, True, layers=d) for d in (depth.SHALLOW, depth.SHALLOW + 1))
-    grow = n - b.stack.depth
-    per_layer = depth.growth(a.log, a.spanning, b.log, b.spanning)
-    sizes_a = {k: size + per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(a.log, a.spanning))}
-    sizes_b = {k: size + grow * per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(b.log, b.spanning))}
-    if depth.canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != depth.canonical(b.log):
-        raise depth.NotPeriodic(f"the {depth.SHALLOW + 1}-layer log written from {depth.SHALLOW} layers differs from its simulation")
-    log = depth.write_layers(b.log, b.stack, b.live_layers, grow, sizes=sizes_b)
-    return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * (b.param_count - a.param_count),
-                      b.trainable_count + grow * (b.trainable_count - a.trainable_count), b.attention,
-                      time.perf_counter() - t0, notes=b.notes, applied=b.applied, later_steps=b.later_steps,
-                      later_micro_batches=b.later_micro_batches,
-                      later_layers=f"written from {depth.SHALLOW} and {depth.SHALLOW + 1} layers")
+    family = depth.family(spec, source, steps)
+    known = depth.CHECKED.get(family)
+    if isinstance(known, str):
+        raise depth.NotPeriodic(known)
+    if known is None:
+        depth.check_layers_alike(source)
+    shallow = depth.SHALLOW + 1
+    b = _simulate(spec, depth.shallow_source(source, shallow), steps, True, layers=shallow)
+    grow = n - shallow
+    if known is not None and not b.spanning:
+        depth.check_middle(b.log, b.stack, b.live_layers)
+        log = depth.write_layers(b.log, b.stack, b.live_layers, grow)
+        how = f"written from {shallow} layers (the rule checked on {depth.SHALLOW} and {shallow} layers at another size)"
+        params, trainable = known
+    else:
+        a = _simulate(spec, depth.shallow_source(source, depth.SHALLOW), steps, True, layers=depth.SHALLOW)
+        try:
+            per_layer = depth.growth(a.log, a.spanning, b.log, b.spanning)
+            sizes_a = {k: size + per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(a.log, a.spanning))}
+            sizes_b = {k: size + grow * per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(b.log, b.spanning))}
+            if depth.canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != depth.canonical(b.log):
+                raise depth.NotPeriodic(f"the {shallow}-layer log written from {depth.SHALLOW} layers differs from its simulation")
+            log = depth.write_layers(b.log, b.stack, b.live_layers, grow, sizes=sizes_b)
+        except depth.NotPeriodic as e:
+            depth.CHECKED[family] = str(e)
+            raise
+        params, trainable = b.param_count - a.param_count, b.trainable_count - a.trainable_count
+        depth.CHECKED[family] = (params, trainable)
+        how = f"written from {depth.SHALLOW} and {shallow} layers"
+    return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * params,
+                      b.trainable_count + grow * trainable, b.attention, time.perf_counter() - t0, notes=b.notes,
+                      applied=b.applied, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
+                      later_layers=how)
 
 
 def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool, layers: int | None = None) -> Simulation:

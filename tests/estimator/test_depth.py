@@ -10,6 +10,7 @@ import torch
 from memlens.core.events import ALLOC, FREE, PHASE, EventLog
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth, estimate
+from memlens.estimator import simulate as simulate_module
 from memlens.estimator.simulate import _simulate, simulate
 from memlens.models.source import resolve
 
@@ -163,3 +164,37 @@ def test_write_layers_on_a_log_written_by_hand():
     assert sum(ev[2] for ev in out.events if ev[0] == ALLOC) == 64 + 7 * 100 + 100 + 7 * 100 + 7 * 8
     assert sum(ev[0] == FREE for ev in out.events) == 6 + 8 + 7
     assert [ev[1] for ev in out.events if ev[0] == PHASE] == ["forward", "backward", "optimizer", "done"]
+
+
+def test_later_sizes_of_a_checked_family_are_written_from_4_layers(tmp_path):
+    """Once a step was checked on 3 and 4 layers, the same step at other sizes is written from its
+    4-layer simulation alone (layers 1 and 2 of it checked alike), and is still exact."""
+    model = deep(tmp_path, GPT2)
+    assert_written_equals_whole(TrainingSpec(model=model, batch_size=2, seq_len=32, precision="amp-bf16"))
+    for b, L in ((1, 32), (4, 64)):
+        spec = TrainingSpec(model=model, batch_size=b, seq_len=L, precision="amp-bf16")
+        fast, whole = simulate(spec), _simulate(spec, resolve(model), 2, True)
+        assert fast.later_layers == "written from 4 layers (the rule checked on 3 and 4 layers at another size)"
+        assert depth.canonical(fast.log) == depth.canonical(whole.log)
+        assert (fast.param_count, fast.trainable_count) == (whole.param_count, whole.trainable_count)
+
+
+def test_a_family_that_failed_is_simulated_whole_at_once(tmp_path, monkeypatch):
+    test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch)
+    depths = []
+    real = simulate_module._simulate
+    monkeypatch.setattr(simulate_module, "_simulate", lambda spec, source, *a, **k: depths.append(
+        source.config.num_hidden_layers) or real(spec, source, *a, **k))
+    sim = simulate(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=4, seq_len=32))
+    assert depths == [12]
+    assert sim.later_layers == "simulated (the 4-layer log written from 3 layers differs from its simulation)"
+
+
+def test_check_middle_on_a_log_written_by_hand():
+    log, live = program(4)
+    depth.check_middle(log, depth.Stack("layers", 4), live)     # layers 1 and 2 alike: no error
+    i = next(i for i, ev in enumerate(log.events) if ev[0] == ALLOC and log.modules[ev[4]] == "layers.2.fc")
+    assert log.events[i + 1][0] == FREE
+    del log.events[i + 1]      # layer 2 no longer frees layer 1's output in the forward
+    with pytest.raises(depth.NotPeriodic, match="layer 2's events at 5 are not layer 1's written one layer on"):
+        depth.check_middle(log, depth.Stack("layers", 4), live)
