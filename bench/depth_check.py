@@ -5,7 +5,8 @@
 
 For each case the step is simulated twice in one process: as `estimate` does it (a stack of 10 or
 more layers written from two shallow models where that is shown) and with the whole model
-simulated (steps 2.. still written from step 1, as before). The two event logs must be equal event
+simulated (steps 2.. still written from step 1, as before). Then the same for the case one sample
+larger: its family is checked by then, so it is written from its 4-layer simulation alone. The two event logs must be equal event
 for event, module names included, and so must the parameter counts and the peaks. Each path is
 timed after a warm-up simulation of the same model (CPU seconds of the simulation itself, no
 imports). Writes bench/results/depth_check.{json,md}; exits 1 if anything differs.
@@ -66,13 +67,7 @@ def main() -> int:
     from memlens.estimator.simulate import _simulate, simulate
     from memlens.models.source import resolve
 
-    rows, bad = [], 0
-    for name, kw in CASES:
-        if a.cases and not any(c in name for c in a.cases):
-            continue
-        spec = TrainingSpec(**kw)
-        src = resolve(spec.model)
-        _simulate(spec, depth.shallow_source(src, 2) if depth.depth_of(src) else src, 2, True)   # warm-up
+    def compare(spec, src):
         t0 = time.process_time()
         fast = simulate(spec, src)
         t_fast = time.process_time() - t0
@@ -83,17 +78,29 @@ def main() -> int:
         same = (depth.canonical(fast.log) == depth.canonical(full.log) and fast.param_count == full.param_count
                 and fast.trainable_count == full.trainable_count
                 and (pa.peak_allocated_bytes, pa.peak_reserved_bytes) == (pb.peak_allocated_bytes, pb.peak_reserved_bytes))
-        bad += not same
         if not same:
             ca, cb = depth.canonical(fast.log), depth.canonical(full.log)
             i = next((i for i, (x, y) in enumerate(zip(ca, cb)) if x != y), min(len(ca), len(cb)))
             print(f"    first difference at event {i} of {len(ca)} / {len(cb)}:\n    {ca[i] if i < len(ca) else None}\n"
                   f"    {cb[i] if i < len(cb) else None}", flush=True)
-        row = {"name": name, "spec": kw, "layers": depth.depth_of(src), "later_layers": fast.later_layers,
-               "equal": same, "events": len(full.log.events), "peak_allocated": pb.peak_allocated_bytes,
-               "peak_reserved": pb.peak_reserved_bytes, "cpu_s_written": round(t_fast, 2), "cpu_s_whole": round(t_full, 2)}
-        rows.append(row)
-        print(f"{name:40s} {'equal' if same else 'DIFFERENT'}  {t_fast:5.2f} s / {t_full:5.2f} s  {fast.later_layers}", flush=True)
+        return {"spec": spec.to_dict(), "later_layers": fast.later_layers, "equal": same, "events": len(full.log.events),
+                "peak_allocated": pb.peak_allocated_bytes, "peak_reserved": pb.peak_reserved_bytes,
+                "cpu_s_written": round(t_fast, 2), "cpu_s_whole": round(t_full, 2)}
+
+    rows, bad = [], 0
+    for name, kw in CASES:
+        if a.cases and not any(c in name for c in a.cases):
+            continue
+        spec = TrainingSpec(**kw)
+        src = resolve(spec.model)
+        _simulate(spec, depth.shallow_source(src, 2) if depth.depth_of(src) else src, 2, True)   # warm-up
+        # the spec, then the same step one sample larger (its family checked: written from 4 layers alone)
+        for i, s in enumerate((spec, TrainingSpec(**{**kw, "batch_size": kw.get("batch_size", 1) + 1}))):
+            row = {"name": name + ("" if i == 0 else " (batch + 1)"), "layers": depth.depth_of(src), **compare(s, src)}
+            bad += not row["equal"]
+            rows.append(row)
+            print(f"{row['name']:50s} {'equal' if row['equal'] else 'DIFFERENT'}  {row['cpu_s_written']:5.2f} s / "
+                  f"{row['cpu_s_whole']:5.2f} s  {row['later_layers']}", flush=True)
     if not a.no_write and not a.cases:
         meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__,

@@ -45,12 +45,16 @@ CHECKED: dict = {}
 
 
 def family(spec, source, steps: int) -> tuple:
-    """What a spec's step is, its sizes (batch, sequence length, image size) aside: every layer's ops
-    and what frees what are the same at any size, and so is whether they repeat layer to layer."""
+    """What a spec's step is, its sizes (batch, sequence length, image size) and accumulation aside:
+    every layer runs the same ops at any size, in every micro-batch, so whether the layers repeat
+    does not change with them (what the model does outside its layers is checked once per family)."""
     d = spec.to_dict()
-    for k in ("batch_size", "seq_len", "image_size", "target_len"):
+    for k in ("batch_size", "seq_len", "image_size", "target_len", "grad_accum"):
         d.pop(k, None)
-    return (source.name, source.kind, repr(sorted(vars(source.config).items())), steps, repr(sorted(d.items())))
+    config = getattr(source, "_memlens_config", None)
+    if config is None:   # the config as resolved: preparing a step sets some of its fields
+        config = source._memlens_config = repr(sorted(vars(source.config).items()))
+    return (source.name, source.kind, config, steps, repr(sorted(d.items())))
 
 
 class NotPeriodic(Exception):

@@ -89,8 +89,7 @@ class Trace:
         L = point[1]
         seq_fact = "L" if L is not None and sim.seq_len == L else sim.seq_len
         facts = (sim.param_count, sim.trainable_count, sim.image_size, tuple(sim.attention), tuple(sim.applied),
-                 sim.later_steps, seq_fact, tuple(log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches,
-                 sim.later_layers)
+                 sim.later_steps, seq_fact, tuple(log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches)
         return cls(point, sim, skeleton, sizes, facts)
 
 
@@ -388,11 +387,16 @@ class _ForkUnusable:
     """What a worker returns when this process' autograd cannot run in a fork."""
 
 
-def _simulate_in_worker(spec: TrainingSpec):
-    """simulate(spec) in a worker process; the log travels back as plain tuples (ops by name)."""
+def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
+    """simulate(spec) in a worker process; the log travels back as plain tuples (ops by name), with
+    what the worker learnt of which steps' layers repeat (``depth.CHECKED``, given by the parent
+    in ``checked``: a family checked in one worker is not checked again in another)."""
     from ..core.errors import MemlensError
+    from . import depth
     from .simulate import simulate
 
+    depth.CHECKED.update(checked or {})
+    before = set(depth.CHECKED)
     try:
         sim = simulate(spec)
     except MemlensError as e:
@@ -403,7 +407,16 @@ def _simulate_in_worker(spec: TrainingSpec):
         raise
     events = [ev if ev[0] != ALLOC or isinstance(ev[6], str) else Alloc(*ev[:6], str(ev[6]), *ev[7:])
               for ev in _until_done(sim.log.events)]
-    return replace(sim, log=EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank))
+    learnt = {k: v for k, v in depth.CHECKED.items() if k not in before}
+    return _FromWorker(replace(sim, log=EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank)), learnt)
+
+
+@dataclass
+class _FromWorker:
+    """A worker's simulation and the families whose layers it checked (see :mod:`.depth`)."""
+
+    sim: Any
+    checked: dict
 
 
 class ScalingEstimator:
@@ -524,8 +537,10 @@ class ScalingEstimator:
         from ..core.errors import MemlensError
 
         if self.workers > 1:
+            from . import depth
+
             self._ensure_pool(spec)
-            return self._pool.submit(_simulate_in_worker, spec)
+            return self._pool.submit(_simulate_in_worker, spec, dict(depth.CHECKED))
         fut: Future = Future()
         try:
             if self._simulate is None:
@@ -549,6 +564,11 @@ class ScalingEstimator:
             sim = fut.result()
         except BrokenProcessPool:      # a worker died (killed for memory?): simulate here from now on
             sim = _ForkUnusable()
+        if isinstance(sim, _FromWorker):
+            from . import depth
+
+            depth.CHECKED.update(sim.checked)
+            sim = sim.sim
         if isinstance(sim, _ForkUnusable):   # (or this process' autograd cannot run in a fork)
             with self._lock:
                 self.stop_workers()

@@ -167,12 +167,12 @@ def test_write_layers_on_a_log_written_by_hand():
 
 
 def test_later_sizes_of_a_checked_family_are_written_from_4_layers(tmp_path):
-    """Once a step was checked on 3 and 4 layers, the same step at other sizes is written from its
-    4-layer simulation alone (layers 1 and 2 of it checked alike), and is still exact."""
+    """Once a step was checked on 3 and 4 layers, the same step at other sizes or accumulation is
+    written from its 4-layer simulation alone (layers 1 and 2 of it checked alike), and is still exact."""
     model = deep(tmp_path, GPT2)
     assert_written_equals_whole(TrainingSpec(model=model, batch_size=2, seq_len=32, precision="amp-bf16"))
-    for b, L in ((1, 32), (4, 64)):
-        spec = TrainingSpec(model=model, batch_size=b, seq_len=L, precision="amp-bf16")
+    for b, L, k in ((1, 32, 1), (4, 64, 1), (2, 32, 3)):
+        spec = TrainingSpec(model=model, batch_size=b, seq_len=L, grad_accum=k, precision="amp-bf16")
         fast, whole = simulate(spec), _simulate(spec, resolve(model), 2, True)
         assert fast.later_layers == "written from 4 layers (the rule checked on 3 and 4 layers at another size)"
         assert depth.canonical(fast.log) == depth.canonical(whole.log)
@@ -198,3 +198,18 @@ def test_check_middle_on_a_log_written_by_hand():
     del log.events[i + 1]      # layer 2 no longer frees layer 1's output in the forward
     with pytest.raises(depth.NotPeriodic, match="layer 2's events at 5 are not layer 1's written one layer on"):
         depth.check_middle(log, depth.Stack("layers", 4), live)
+
+
+def test_workers_share_what_they_checked(tmp_path):
+    """A worker process returns the families it checked, and is given those the others checked."""
+    from memlens.estimator.scaling import _simulate_in_worker
+
+    model = deep(tmp_path, GPT2)
+    first = _simulate_in_worker(TrainingSpec(model=model, batch_size=2, seq_len=32))
+    assert first.sim.later_layers == "written from 3 and 4 layers"
+    (family, per_layer), = first.checked.items()
+    assert per_layer == (49984, 49984)                 # parameters of one tiny GPT-2 block, all trainable
+    depth.CHECKED.pop(family)                          # as in another worker that has not seen it
+    second = _simulate_in_worker(TrainingSpec(model=model, batch_size=4, seq_len=32), first.checked)
+    assert second.sim.later_layers == "written from 4 layers (the rule checked on 3 and 4 layers at another size)"
+    assert second.checked == {}
