@@ -158,8 +158,11 @@ def check_layers_alike(source) -> None:
 
     from ..models.build import _auto_class, quiet
 
-    with quiet(), torch.device("meta"):
-        model = _auto_class(source.task).from_config(source.config)
+    try:
+        with quiet(), torch.device("meta"):
+            model = _auto_class(source.task).from_config(source.config)
+    except Exception as e:  # noqa: BLE001 - the whole model's simulation builds it its own way, and says why it fails
+        raise NotPeriodic(f"the full model cannot be built on the meta device ({type(e).__name__})") from None
     n = source.config.num_hidden_layers
     stack = [mod for mod in model.modules()
              if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and len({type(m) for m in mod}) == 1]

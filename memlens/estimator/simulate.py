@@ -94,6 +94,8 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
             return _from_shallow(spec, source, steps)
         except depth.NotPeriodic as e:
             reason = str(e)
+        except MemlensError as e:   # the whole model's own simulation says whether it fails too
+            reason = f"the shallow models failed: {e.message}"
     sim = _simulate(spec, source, steps, repeat)
     if depth.depth_of(source) is not None:
         sim.later_layers = f"simulated ({reason})"

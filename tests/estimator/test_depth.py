@@ -213,3 +213,21 @@ def test_workers_share_what_they_checked(tmp_path):
     second = _simulate_in_worker(TrainingSpec(model=model, batch_size=4, seq_len=32), first.checked)
     assert second.sim.later_layers == "written from 4 layers (the rule checked on 3 and 4 layers at another size)"
     assert second.checked == {}
+
+
+def test_shallow_models_that_fail_leave_the_whole_model_to_say(tmp_path, monkeypatch):
+    """A failure only the cut models meet (or a full model the meta device cannot build) is no
+    answer: the whole model is simulated, and its own simulation says whether it fails."""
+    from memlens.core.errors import MemlensError
+
+    real = simulate_module._simulate
+
+    def shallow_fails(spec, source, *a, **k):
+        if source.config.num_hidden_layers < 12:
+            raise MemlensError("cut model failed")
+        return real(spec, source, *a, **k)
+
+    monkeypatch.setattr(simulate_module, "_simulate", shallow_fails)
+    sim = simulate(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32))
+    assert sim.later_layers == "simulated (the shallow models failed: cut model failed)"
+    assert sim.param_count == 795008
