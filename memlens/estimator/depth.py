@@ -21,15 +21,19 @@ It is checked, not assumed:
 Each event's layer is its allocation's module's layer (the optimizer's allocations take the layer
 of the parameter they were computed from); a free or tag in the forward or backward belongs to
 where it happens (the layer of the last allocation before it), elsewhere to the storage's layer.
-``Simulation.later_layers`` says whether the layers were written or why the model was simulated
-whole.
+A tensor made from a list with an entry per layer (``clip_grad_norm_``'s stack of norms) grows by
+the bytes per layer measured between the two shallow models.
+
+The check on 3 and 4 layers is made once per :func:`family` (the step at any size and
+accumulation); a later spec of the family is written from its 4-layer simulation alone, its
+layers 1 and 2 checked alike (:func:`check_middle`). ``Simulation.later_layers`` says whether the
+layers were written, how, or why the model was simulated whole.
 """
 from __future__ import annotations
 
 import copy
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, Tag
 
@@ -139,8 +143,6 @@ def find_stack(model, depth: int, label) -> Stack:
 def layer_signature(layer) -> tuple:
     """What makes two layers run the same ops: classes, parameters, buffers and plain attributes
     of every submodule, its index aside."""
-    import torch
-
     out = []
     for name, mod in layer.named_modules():
         attrs = tuple(sorted((k, repr(v)) for k, v in vars(mod).items()
@@ -149,7 +151,7 @@ def layer_signature(layer) -> tuple:
         params = tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad) for k, p in mod.named_parameters(recurse=False))
         buffers = tuple((k, tuple(b.shape), str(b.dtype)) for k, b in mod.named_buffers(recurse=False))
         out.append((name, type(mod).__name__, attrs, params, buffers))
-    return tuple(out) + (isinstance(layer, torch.nn.Module),)
+    return tuple(out)
 
 
 def check_layers_alike(source) -> None:
@@ -353,10 +355,10 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
             i += 1
         for m in run:
             mod_new[(None, m)] = out.module_id(stack.rename(names[m], new(lay)))
-        if lay == t:
+        if lay == t:        # the copies' names, in order (an allocation looks its module up by name)
             for c in range(1, k + 1):
                 for m in run:
-                    mod_new[(c, m)] = out.module_id(stack.rename(names[m], t + c))
+                    out.module_id(stack.rename(names[m], t + c))
 
     fresh: dict = {}
     next_key = [max((ev[1] for ev in log.events if ev[0] == ALLOC and isinstance(ev[1], int)), default=-1) + 1]
