@@ -29,21 +29,6 @@ SUBSET = ["gpt2-fp32-b4-L512", "gpt2-ampfp16-b8-L1024", "gpt2-ampbf16-eager-b8-L
           "llama8b-lora16-bf16-b4-L1024"]
 
 
-def canonical(log):
-    """Events up to "done", keys renamed in order of appearance."""
-    from memlens.core.events import PHASE
-
-    names, out = {}, []
-    for ev in log.events:
-        if ev[0] == PHASE:
-            out.append(tuple(ev))
-            if ev[1] == "done":
-                break
-            continue
-        out.append((ev[0], names.setdefault(ev[1], len(names))) + tuple(ev[2:]))
-    return out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--all", action="store_true", help="every case, not the subset")
@@ -74,6 +59,7 @@ def main() -> int:
         same = got == want
         line = f"{name:42s} {'same' if same else 'DIFFERENT'}  {dt:5.1f} s  steps 2..: {r.data.get('later_steps')}  layers: {r.data.get('later_layers', '-')}"
         if a.both_ways:
+            from memlens.core.events import canonical
             from memlens.estimator.simulate import simulate
 
             same_log = canonical(simulate(spec).log) == canonical(simulate(spec, repeat=False).log)

@@ -61,6 +61,7 @@ def main() -> int:
     import torch
     import transformers
 
+    from memlens.core.events import canonical
     from memlens.core.ledger import analyze
     from memlens.core.spec import TrainingSpec
     from memlens.estimator import depth
@@ -75,11 +76,11 @@ def main() -> int:
         full = _simulate(spec, src, 2, True)
         t_full = time.process_time() - t0
         pa, pb = analyze(fast.log), analyze(full.log)
-        same = (depth.canonical(fast.log) == depth.canonical(full.log) and fast.param_count == full.param_count
+        same = (canonical(fast.log) == canonical(full.log) and fast.param_count == full.param_count
                 and fast.trainable_count == full.trainable_count
                 and (pa.peak_allocated_bytes, pa.peak_reserved_bytes) == (pb.peak_allocated_bytes, pb.peak_reserved_bytes))
         if not same:
-            ca, cb = depth.canonical(fast.log), depth.canonical(full.log)
+            ca, cb = canonical(fast.log), canonical(full.log)
             i = next((i for i, (x, y) in enumerate(zip(ca, cb)) if x != y), min(len(ca), len(cb)))
             print(f"    first difference at event {i} of {len(ca)} / {len(cb)}:\n    {ca[i] if i < len(ca) else None}\n"
                   f"    {cb[i] if i < len(cb) else None}", flush=True)

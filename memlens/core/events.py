@@ -86,3 +86,30 @@ class EventLog:
 
     def phase(self, name: str, step: int) -> None:
         self.events.append(PhaseMark(PHASE, str(name), step, self.rank))
+
+
+def until_done(events: list) -> list:
+    """The events up to the "done" mark (storages dying later are teardown, freed at any time)."""
+    for i, ev in enumerate(events):
+        if ev[0] == PHASE and ev[1] == "done":
+            return events[:i + 1]
+    return events
+
+
+def canonical(log: EventLog) -> list:
+    """Events up to "done" with keys renamed in order of appearance and modules by name (keys and
+    module ids are arbitrary): two logs of one step compare equal when the steps are the same."""
+    names: dict = {}
+    mods = log.modules
+    out = []
+    for ev in until_done(log.events):
+        kind = ev[0]
+        if kind == PHASE:
+            out.append(tuple(ev))
+            continue
+        key = names.setdefault(ev[1], len(names))
+        if kind == ALLOC:
+            out.append((kind, key, ev[2], ev[3], mods[ev[4]] if ev[4] >= 0 else None) + tuple(ev[5:]))
+        else:
+            out.append((kind, key) + tuple(ev[2:]))
+    return out

@@ -35,7 +35,7 @@ import copy
 import re
 from dataclasses import dataclass
 
-from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, Tag
+from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, Tag, until_done
 
 SHALLOW = 3                # the two shallow models: SHALLOW and SHALLOW + 1 layers
 TEMPLATE = 1               # the layer that is copied (its neighbours are layers on both sides)
@@ -128,16 +128,21 @@ def shallow_source(source, layers: int):
     return ModelSource(source.name, source.kind, source.task, config=cfg, factory=source.factory)
 
 
-def find_stack(model, depth: int, label) -> Stack:
-    """The model's one ModuleList of ``depth`` layers of one class (``label``: the tracker's
-    module naming, which drops peft's and Opacus' wrapper prefixes)."""
+def _the_stack(model, depth: int, what: str = ""):
+    """(name, module) of the model's one ModuleList of ``depth`` layers of one class."""
     import torch
 
     found = [(name, mod) for name, mod in model.named_modules()
              if isinstance(mod, torch.nn.ModuleList) and len(mod) == depth and len({type(m) for m in mod}) == 1]
     if len(found) != 1:
-        raise NotPeriodic(f"{len(found)} module lists of {depth} layers")
-    return Stack(label(found[0][0]), depth)
+        raise NotPeriodic(f"{len(found)} module lists of {depth} layers{what}")
+    return found[0]
+
+
+def find_stack(model, depth: int, label) -> Stack:
+    """The model's layer stack (``label``: the tracker's module naming, which drops peft's and
+    Opacus' wrapper prefixes)."""
+    return Stack(label(_the_stack(model, depth)[0]), depth)
 
 
 def layer_signature(layer) -> tuple:
@@ -165,13 +170,9 @@ def check_layers_alike(source) -> None:
             model = _auto_class(source.task).from_config(source.config)
     except Exception as e:  # noqa: BLE001 - the whole model's simulation builds it its own way, and says why it fails
         raise NotPeriodic(f"the full model cannot be built on the meta device ({type(e).__name__})") from None
-    n = source.config.num_hidden_layers
-    stack = [mod for mod in model.modules()
-             if isinstance(mod, torch.nn.ModuleList) and len(mod) == n and len({type(m) for m in mod}) == 1]
-    if len(stack) != 1:
-        raise NotPeriodic(f"{len(stack)} module lists of {n} layers in the full model")
-    first = layer_signature(stack[0][0])
-    for j, layer in enumerate(stack[0]):
+    layers = _the_stack(model, source.config.num_hidden_layers, " in the full model")[1]
+    first = layer_signature(layers[0])
+    for j, layer in enumerate(layers):
         if layer_signature(layer) != first:
             raise NotPeriodic(f"layer {j} is not built like layer 0")
 
@@ -300,25 +301,23 @@ def _tokens(log: EventLog, stack: Stack, key_layer: dict) -> tuple[dict, dict]:
     return place, back
 
 
-def spanning_sizes(log: EventLog, spanning: set) -> list:
-    """(key, size) of the allocations made from a list with an entry per layer, in order."""
-    return [(ev[1], ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
-
-
-def growth(log_a: EventLog, spanning_a: set, log_b: EventLog, spanning_b: set) -> list[int]:
-    """How much each allocation made from a list over every layer grows per layer: its size with one
-    layer more less its size (the list gains one layer's entries, each adding the same bytes)."""
-    a, b = (_spanning_tokens(log, sp) for log, sp in ((log_a, spanning_a), (log_b, spanning_b)))
-    if [t for t, _ in a] != [t for t, _ in b]:
+def grown_sizes(log_a: EventLog, spanning_a: set, log_b: EventLog, spanning_b: set, copies: int) -> tuple[dict, dict]:
+    """Sizes, with one layer more (of ``log_a``'s keys) and with ``copies`` layers more (of
+    ``log_b``'s), of the allocations made from a list with an entry per layer. Each grows by its
+    size in ``log_b`` (one layer more) less its size in ``log_a``: the list gains one layer's
+    entries, each adding the same bytes."""
+    a, b = (_spanning(log, sp) for log, sp in ((log_a, spanning_a), (log_b, spanning_b)))
+    if [t for _, t, _ in a] != [t for _, t, _ in b]:
         raise NotPeriodic("the allocations made from every layer's tensors differ between the shallow models")
-    per = [sb - sa for (_, sa), (_, sb) in zip(a, b)]
+    per = [sb - sa for (_, _, sa), (_, _, sb) in zip(a, b)]
     if any(g < 0 for g in per):
         raise NotPeriodic("an allocation made from every layer's tensors shrinks with more layers")
-    return per
+    return ({k: size + g for (k, _, size), g in zip(a, per)}, {k: size + copies * g for (k, _, size), g in zip(b, per)})
 
 
-def _spanning_tokens(log: EventLog, spanning: set) -> list:
-    return [((ev[3], ev[5], str(ev[6]), ev[8]), ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
+def _spanning(log: EventLog, spanning: set) -> list:
+    """(key, what allocated it, size) of the allocations made from every layer's tensors, in order."""
+    return [(ev[1], (ev[3], ev[5], str(ev[6]), ev[8]), ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
 
 
 def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template: int = TEMPLATE,
@@ -478,30 +477,3 @@ def check_middle(log: EventLog, stack: Stack, live: dict, template: int = TEMPLA
     for (s, e), (s2, e2) in zip(mine, theirs):
         if [one_on(ev) for ev in events[s:e]] != events[s2:e2]:
             raise NotPeriodic(f"layer {u}'s events at {s2} are not layer {t}'s written one layer on")
-
-
-def until_done(events: list) -> list:
-    """The events up to the "done" mark (storages dying later are teardown, freed at any time)."""
-    for i, ev in enumerate(events):
-        if ev[0] == PHASE and ev[1] == "done":
-            return events[:i + 1]
-    return events
-
-
-def canonical(log: EventLog) -> list:
-    """Events up to "done" with keys renamed in order of appearance and modules by name (keys
-    and module ids are arbitrary)."""
-    names: dict = {}
-    mods = log.modules
-    out = []
-    for ev in until_done(log.events):
-        kind = ev[0]
-        if kind == PHASE:
-            out.append(tuple(ev))
-            continue
-        key = names.setdefault(ev[1], len(names))
-        if kind == ALLOC:
-            out.append((kind, key, ev[2], ev[3], mods[ev[4]] if ev[4] >= 0 else None) + tuple(ev[5:]))
-        else:
-            out.append((kind, key) + tuple(ev[2:]))
-    return out

@@ -51,7 +51,7 @@ from math import lcm
 from typing import Any, Callable
 
 from ..core import progress
-from ..core.events import ALLOC, PHASE, Alloc, EventLog
+from ..core.events import ALLOC, Alloc, EventLog, until_done
 from ..core.spec import TrainingSpec
 
 SEQ_PAD = 128        # sequence lengths answered from one regime share their residue modulo this
@@ -80,7 +80,7 @@ class Trace:
 
     @classmethod
     def of(cls, sim, point: Point) -> "Trace":
-        events = _until_done(sim.log.events)
+        events = until_done(sim.log.events)
         log = EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank)
         sim = replace(sim, log=log)
         # ops by name: a log simulated in a worker process comes back with names (ops do not pickle)
@@ -91,14 +91,6 @@ class Trace:
         facts = (sim.param_count, sim.trainable_count, sim.image_size, tuple(sim.attention), tuple(sim.applied),
                  sim.later_steps, seq_fact, tuple(log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches)
         return cls(point, sim, skeleton, sizes, facts)
-
-
-def _until_done(events: list) -> list:
-    """The events up to the "done" mark (storages dying later are teardown, and may be logged at any time)."""
-    for i, ev in enumerate(events):
-        if ev[0] == PHASE and ev[1] == "done":
-            return events[:i + 1]
-    return list(events)
 
 
 # ---------------------------------------------------------------- exact interpolation
@@ -406,7 +398,7 @@ def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
             return _ForkUnusable()
         raise
     events = [ev if ev[0] != ALLOC or isinstance(ev[6], str) else Alloc(*ev[:6], str(ev[6]), *ev[7:])
-              for ev in _until_done(sim.log.events)]
+              for ev in until_done(sim.log.events)]
     learnt = {k: v for k, v in depth.CHECKED.items() if k not in before}
     return _FromWorker(replace(sim, log=EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank)), learnt)
 

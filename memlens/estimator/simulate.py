@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 from ..core import progress
 from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
-from ..core.events import ALLOC, EventLog
+from ..core.events import ALLOC, EventLog, canonical
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
 from ..core.spec import TrainingSpec
@@ -105,7 +105,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
 def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simulation:
     """The simulation of a model of N layers written from its 3- and 4-layer versions (:mod:`.depth`).
 
-    The first spec of a family (the same spec at any batch size and sequence length) is checked
+    The first spec of a family (the same spec at any size and accumulation) is checked
     on both shallow models; a later one of the family is written from its 4-layer simulation with
     the 3-vs-4 check taken from the first, and layers 1 and 2 of its own log checked alike
     (:func:`.depth.check_middle`). A family whose check failed is simulated whole at once."""
@@ -128,10 +128,8 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     else:
         a = _simulate(spec, depth.shallow_source(source, depth.SHALLOW), steps, True, layers=depth.SHALLOW)
         try:
-            per_layer = depth.growth(a.log, a.spanning, b.log, b.spanning)
-            sizes_a = {k: size + per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(a.log, a.spanning))}
-            sizes_b = {k: size + grow * per_layer[i] for i, (k, size) in enumerate(depth.spanning_sizes(b.log, b.spanning))}
-            if depth.canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != depth.canonical(b.log):
+            sizes_a, sizes_b = depth.grown_sizes(a.log, a.spanning, b.log, b.spanning, grow)
+            if canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != canonical(b.log):
                 raise depth.NotPeriodic(f"the {shallow}-layer log written from {depth.SHALLOW} layers differs from its simulation")
             log = depth.write_layers(b.log, b.stack, b.live_layers, grow, sizes=sizes_b)
         except depth.NotPeriodic as e:

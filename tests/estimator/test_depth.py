@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memlens.core.events import ALLOC, FREE, PHASE, EventLog
+from memlens.core.events import ALLOC, FREE, PHASE, EventLog, canonical
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth, estimate
 from memlens.estimator import simulate as simulate_module
@@ -34,7 +34,7 @@ def assert_written_equals_whole(spec: TrainingSpec):
     fast = simulate(spec, src)
     whole = _simulate(spec, src, 2, True)
     assert fast.later_layers == "written from 3 and 4 layers", fast.later_layers
-    assert depth.canonical(fast.log) == depth.canonical(whole.log)
+    assert canonical(fast.log) == canonical(whole.log)
     assert (fast.param_count, fast.trainable_count) == (whole.param_count, whole.trainable_count)
     return fast
 
@@ -94,7 +94,7 @@ def test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch):
     spec = TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32)
     sim = simulate(spec)
     assert sim.later_layers == "simulated (the 4-layer log written from 3 layers differs from its simulation)"
-    assert depth.canonical(sim.log) == depth.canonical(_simulate(spec, resolve(spec.model), 2, True).log)
+    assert canonical(sim.log) == canonical(_simulate(spec, resolve(spec.model), 2, True).log)
 
 
 def test_layers_built_differently_are_refused(monkeypatch):
@@ -159,7 +159,7 @@ def test_write_layers_on_a_log_written_by_hand():
     log, live = program(4)
     out = depth.write_layers(log, depth.Stack("layers", 4), live, copies=3)
     want, _ = program(7)
-    assert depth.canonical(out) == depth.canonical(want)
+    assert canonical(out) == canonical(want)
     assert out.modules == want.modules
     assert sum(ev[2] for ev in out.events if ev[0] == ALLOC) == 64 + 7 * 100 + 100 + 7 * 100 + 7 * 8
     assert sum(ev[0] == FREE for ev in out.events) == 6 + 8 + 7
@@ -175,7 +175,7 @@ def test_later_sizes_of_a_checked_family_are_written_from_4_layers(tmp_path):
         spec = TrainingSpec(model=model, batch_size=b, seq_len=L, grad_accum=k, precision="amp-bf16")
         fast, whole = simulate(spec), _simulate(spec, resolve(model), 2, True)
         assert fast.later_layers == "written from 4 layers (the rule checked on 3 and 4 layers at another size)"
-        assert depth.canonical(fast.log) == depth.canonical(whole.log)
+        assert canonical(fast.log) == canonical(whole.log)
         assert (fast.param_count, fast.trainable_count) == (whole.param_count, whole.trainable_count)
 
 
