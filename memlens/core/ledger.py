@@ -26,6 +26,7 @@ Allocator facts modelled (c10/cuda/CUDACachingAllocator.cpp, default settings):
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -66,7 +67,7 @@ def segment_size(size: int) -> int:
     return K_ROUND_LARGE * ((size + K_ROUND_LARGE - 1) // K_ROUND_LARGE)
 
 
-@dataclass
+@dataclass(slots=True)
 class _Block:
     addr: int
     size: int
@@ -287,12 +288,16 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
     owner: dict[Any, tuple[int, str]] = {}
     peak_requested = 0
     seen = False
+    effects: list[tuple[int, int]] = []    # (event index, bytes allocated or freed) of events that took effect
+    is_live, malloc, free = a.is_live, a.malloc, a.free
+    ps = st = None          # this phase's and step's stats, once something takes effect in them
     for i, ev in enumerate(log.events):
         kind = ev[0]
         if kind == PHASE:
             if stop_at_done and ev[1] == "done":
                 break
             phase, step = ev[1], ev[2]
+            ps = st = None
             if phase == "end":
                 st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
                 st["end_allocated_bytes"] = a.allocated
@@ -300,14 +305,21 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
             continue
         if kind == TAG:
             continue
-        delta = _apply(a, ev)
         seen = True
-        if delta is None:
-            continue
-        if kind == ALLOC:
-            k = owner[ev[1]] = (ev[4], ev[5])
+        key = ev[1]
+        if kind == ALLOC:       # _apply, inline: the loop runs once per event of logs of millions
+            if is_live(key):
+                continue
+            delta = malloc(key, ev[2], ev[8]) if len(ev) > 8 and ev[8] else malloc(key, ev[2])
+            k = owner[key] = (ev[4], ev[5])
+        elif kind == FREE:
+            if not is_live(key):
+                continue
+            delta = -free(key)
+            k = owner.pop(key, None)
         else:
-            k = owner.pop(ev[1], None)
+            continue
+        effects.append((i, delta))
         if k is not None:
             v = mod_live[k] + delta
             mod_live[k] = v
@@ -317,16 +329,17 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
             peak_requested = a.requested
         if a.allocated > peak_alloc:
             peak_alloc, peak_i, peak_phase, peak_step = a.allocated, i, phase, step
-        ps = phase_stats.setdefault(phase, {"peak_allocated_bytes": 0, "peak_step": step})
+        if ps is None:
+            ps = phase_stats.setdefault(phase, {"peak_allocated_bytes": 0, "peak_step": step})
+            st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
         if a.allocated > ps["peak_allocated_bytes"]:
             ps["peak_allocated_bytes"], ps["peak_step"] = a.allocated, step
-        st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
         if a.allocated > st["peak_allocated_bytes"]:
             st["peak_allocated_bytes"], st["peak_phase"] = a.allocated, phase
         raw.append((i, phase, step, a.allocated, a.reserved))
     if not seen:
         raise ValueError("empty event log")
-    by_cat, live_rows, by_phase_alloc = breakdown_at(log, peak_i, module_depth, sizer=_fresh(a))
+    by_cat, live_rows, by_phase_alloc = _breakdown(log, itertools.takewhile(lambda e: e[0] <= peak_i, effects), module_depth)
     rows = _module_rows(log, live_rows, mod_peak, module_depth)
     return Analysis(
         peak_allocated_bytes=max(peak_alloc, 0),
@@ -346,10 +359,6 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
         inactive_split_bytes_at_end=a.inactive_split_bytes,
         num_segments=a.num_segments,
     )
-
-
-def _fresh(sizer):
-    return RawSizes(sizer.size_fn) if isinstance(sizer, RawSizes) else type(sizer)()
 
 
 def _module_rows(log: EventLog, live_rows: list[dict[str, Any]], mod_peak: dict[tuple[int, str], int],
@@ -392,16 +401,26 @@ def breakdown_at(log: EventLog, index: int, module_depth: int | None = None, siz
     A tag says what a storage *is* (a gradient, a saved activation, optimizer state), which is
     often known only a little after it appears, so each storage gets its last tag.
     """
-    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
     if sizer is None:
         sizer = RawSizes(size_fn) if size_fn is not None else CachingAllocatorModel()
-    live: dict[Any, list] = {}
+    effects = []
     for i, ev in enumerate(log.events):
         if i > index:
             break
         delta = _apply(sizer, ev)
-        if delta is None:
-            continue
+        if delta is not None:
+            effects.append((i, delta))
+    return _breakdown(log, effects, module_depth)
+
+
+def _breakdown(log: EventLog, effects: Iterable[tuple[int, int]], module_depth: int | None):
+    """:func:`breakdown_at` from the events that took effect up to there, (event index, bytes
+    allocated (+) or freed (-)), as a replay found them."""
+    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
+    events = log.events
+    live: dict[Any, list] = {}
+    for i, delta in effects:
+        ev = events[i]
         if ev[0] == ALLOC:
             live[ev[1]] = [delta, final.get(ev[1], ev[3]), ev[4], ev[5]]
         else:
