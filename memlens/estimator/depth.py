@@ -387,27 +387,43 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
             raise NotPeriodic(f"layer {j}'s storage has no counterpart in layer {orig}")
         return copy_key(c, found) if c else found
 
-    def emit(ev, lay, c):
-        """Write ``ev`` (of source layer ``lay``) as copy ``c`` of it (0: itself, renumbered)."""
-        kind = ev[0]
+    module_layer = [stack.layer_of(name) for name in names]
+    module_at: dict = {}     # (module, the event's layer, where it is written) -> module id written
+
+    append = out.events.append
+    make = tuple.__new__      # Alloc(...), Free(...), Tag(...) without their constructors' call
+
+    def emit(evs, lay, c):
+        """Write the events ``evs`` (of source layer ``lay``) as copy ``c`` of them (0: themselves, renumbered)."""
         at = new(lay) if c == 0 else t + c
-        if kind == ALLOC:
-            key = copy_key(c, ev[1]) if c else ev[1]
-            module = ev[4]
-            if module >= 0:
-                m = stack.layer_of(names[module])
-                if m is None:
-                    module = mod_new[(None, module)]
-                else:    # the module's layer, at the same distance from the event's layer
-                    module = out.module_id(stack.rename(names[module], new(m) if lay is None else at + (m - lay)))
-            nbytes = sizes.get(ev[1], ev[2]) if sizes and lay is None else ev[2]
-            out.events.append(Alloc(ALLOC, key, nbytes, ev[3], module, ev[5], ev[6], ev[7], ev[8]))
-        elif kind == FREE:
-            out.events.append(Free(FREE, resolve(ev[1], lay, at), ev[2]))
-        elif kind == TAG:
-            out.events.append(Tag(TAG, resolve(ev[1], lay, at), ev[2], ev[3]))
-        else:
-            out.events.append(ev)
+        grown = sizes if sizes and lay is None else None
+        for ev in evs:
+            kind = ev[0]
+            if kind == ALLOC:
+                key = ev[1]
+                if c:
+                    key = fresh.get((c, key))
+                    if key is None:
+                        key = copy_key(c, ev[1])
+                module = ev[4]
+                if module >= 0:
+                    got = module_at.get((module, lay, at))
+                    if got is None:
+                        m = module_layer[module]
+                        if m is None:
+                            got = mod_new[(None, module)]
+                        else:    # the module's layer, at the same distance from the event's layer
+                            got = out.module_id(stack.rename(names[module], new(m) if lay is None else at + (m - lay)))
+                        module_at[(module, lay, at)] = got
+                    module = got
+                nbytes = grown.get(ev[1], ev[2]) if grown else ev[2]
+                append(make(Alloc, (ALLOC, key, nbytes, ev[3], module, ev[5], ev[6], ev[7], ev[8])))
+            elif kind == FREE:
+                append(make(Free, (FREE, resolve(ev[1], lay, at), ev[2])))
+            elif kind == TAG:
+                append(make(Tag, (TAG, resolve(ev[1], lay, at), ev[2], ev[3])))
+            else:
+                append(ev)
 
     events = log.events
     n = len(events)
@@ -418,8 +434,7 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
     pos = {b: r for r, b in enumerate(layered)}
     for b, (s, e, lay) in enumerate(blocks):
         if lay != t:
-            for ev in events[s:e]:
-                emit(ev, lay, 0)
+            emit(events[s:e], lay, 0)
             continue
         r = pos[b]
         after = r + 1 < len(layered) and blocks[layered[r + 1]][2] == t + 1
@@ -428,8 +443,7 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
             raise NotPeriodic(f"layer {t}'s events at {s} have no layer {t + 1} on one side")
         order = [0] + list(range(1, k + 1)) if after else list(range(k, 0, -1)) + [0]
         for c in order:
-            for ev in events[s:e]:
-                emit(ev, lay, c)
+            emit(events[s:e], lay, c)
     return out
 
 
