@@ -46,6 +46,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from fractions import Fraction
 from math import lcm
 from typing import Any, Callable
@@ -70,27 +71,62 @@ def family_of(spec: TrainingSpec) -> tuple[tuple, Point]:
 
 
 # ---------------------------------------------------------------- one trace
+def _by_name(events: list) -> list:
+    """The events with each allocation's op by name (ops do not pickle; names compare as ops do)."""
+    names: dict = {}
+    out = []
+    for ev in events:
+        if ev[0] == ALLOC and not isinstance(ev[6], str):
+            op = ev[6]
+            name = names.get(op)
+            if name is None:
+                name = names[op] = str(op)
+            ev = Alloc(*ev[:6], name, *ev[7:])
+        out.append(ev)
+    return out
+
+
 @dataclass
 class Trace:
+    """A simulation at one point. Its log, skeleton and sizes are made when first asked for: a
+    simulation written from a shallow one (:mod:`.depth`) comes from a worker as that shallow log
+    and how to write it, and most traces are never compared or replayed."""
+
     point: Point
-    sim: Any                      # memlens.estimator.simulate.Simulation (log cut at "done")
-    skeleton: list                # the events with allocation sizes left out
-    sizes: list[int]              # allocation sizes, in order
-    facts: tuple
+    sim: Any                      # memlens.estimator.simulate.Simulation (log None: to write from sim.written)
 
     @classmethod
     def of(cls, sim, point: Point) -> "Trace":
-        events = until_done(sim.log.events)
-        log = EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank)
-        sim = replace(sim, log=log)
-        # ops by name: a log simulated in a worker process comes back with names (ops do not pickle)
-        skeleton = [ev[:2] + ev[3:6] + (str(ev[6]),) + ev[7:] if ev[0] == ALLOC else ev for ev in events]
-        sizes = [ev[2] for ev in events if ev[0] == ALLOC]
-        L = point[1]
+        return cls(point, sim)
+
+    @cached_property
+    def log(self) -> EventLog:
+        """The log up to "done", ops by name."""
+        sim = self.sim
+        if sim.log is None:
+            from .depth import write_layers
+
+            shallow, stack, live, copies, sizes = sim.written
+            return write_layers(shallow, stack, live, copies, sizes=sizes)
+        return EventLog(events=_by_name(until_done(sim.log.events)), modules=list(sim.log.modules), rank=sim.log.rank)
+
+    @cached_property
+    def skeleton(self) -> list:
+        """The events with allocation sizes left out."""
+        return [ev[:2] + ev[3:] if ev[0] == ALLOC else ev for ev in self.log.events]
+
+    @cached_property
+    def sizes(self) -> list[int]:
+        """Allocation sizes, in order."""
+        return [ev[2] for ev in self.log.events if ev[0] == ALLOC]
+
+    @cached_property
+    def facts(self) -> tuple:
+        sim = self.sim
+        L = self.point[1]
         seq_fact = "L" if L is not None and sim.seq_len == L else sim.seq_len
-        facts = (sim.param_count, sim.trainable_count, sim.image_size, tuple(sim.attention), tuple(sim.applied),
-                 sim.later_steps, seq_fact, tuple(log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches)
-        return cls(point, sim, skeleton, sizes, facts)
+        return (sim.param_count, sim.trainable_count, sim.image_size, tuple(sim.attention), tuple(sim.applied),
+                sim.later_steps, seq_fact, tuple(self.log.modules), sim.source.to_dict().get("name"), sim.later_micro_batches)
 
 
 # ---------------------------------------------------------------- exact interpolation
@@ -225,11 +261,11 @@ class Regime:
 
     def _describe(self, e: int) -> str:
         i = -1
-        for ev in self.template.sim.log.events:
+        for ev in self.template.log.events:
             if ev[0] == ALLOC:
                 i += 1
                 if i == e:
-                    mods = self.template.sim.log.modules
+                    mods = self.template.log.modules
                     return f"{ev[3]} in {mods[ev[4]] if 0 <= ev[4] < len(mods) else '?'} by {ev[6]} during {ev[5]}"
         return "?"
 
@@ -269,11 +305,12 @@ class Regime:
         """The template's simulation with every size re-evaluated at ``x`` (a Simulation of ``spec``)."""
         t0 = time.perf_counter()
         sizes = iter(self.sizes_at(x))
-        tpl = self.template.sim
-        events = [Alloc(ALLOC, ev[1], next(sizes), *ev[3:]) if ev[0] == ALLOC else ev for ev in tpl.log.events]
-        log = EventLog(events=events, modules=tpl.log.modules, rank=tpl.log.rank)
+        tpl, tlog = self.template.sim, self.template.log
+        events = [Alloc(ALLOC, ev[1], next(sizes), *ev[3:]) if ev[0] == ALLOC else ev for ev in tlog.events]
+        log = EventLog(events=events, modules=tlog.modules, rank=tlog.rank)
         seq_len = x[1] if self.template.facts[6] == "L" else tpl.seq_len
-        return replace(tpl, log=log, spec=spec, seq_len=seq_len, seconds=time.perf_counter() - t0, notes=list(tpl.notes))
+        return replace(tpl, log=log, spec=spec, seq_len=seq_len, seconds=time.perf_counter() - t0, notes=list(tpl.notes),
+                       written=None)
 
 
 def _fmt(x: Point) -> str:
@@ -380,11 +417,15 @@ class _ForkUnusable:
 
 
 def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
-    """simulate(spec) in a worker process; the log travels back as plain tuples (ops by name), with
-    what the worker learnt of which steps' layers repeat (``depth.CHECKED``, given by the parent
-    in ``checked``: a family checked in one worker is not checked again in another)."""
+    """simulate(spec) in a worker process, and its analysis (the estimate Result, made here beside
+    the other workers' rather than in the parent). The log travels back as plain tuples (ops by
+    name), or, where it was written from a shallow model's, as that log and how to write it (the
+    parent writes it only if a replay needs it). With it, what the worker learnt of which steps'
+    layers repeat (``depth.CHECKED``, given by the parent in ``checked``: a family checked in one
+    worker is not checked again in another)."""
     from ..core.errors import MemlensError
-    from . import depth
+    from ..core.ledger import analyze
+    from . import depth, simulation_result
     from .simulate import simulate
 
     depth.CHECKED.update(checked or {})
@@ -397,18 +438,25 @@ def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
         if FORKED_AUTOGRAD in str(e):
             return _ForkUnusable()
         raise
-    events = [ev if ev[0] != ALLOC or isinstance(ev[6], str) else Alloc(*ev[:6], str(ev[6]), *ev[7:])
-              for ev in until_done(sim.log.events)]
+    result = simulation_result(sim, analyze(EventLog(events=until_done(sim.log.events), modules=sim.log.modules, rank=sim.log.rank)))
+    if sim.written is not None:
+        shallow, stack, live, copies, sizes = sim.written
+        shallow = EventLog(events=_by_name(shallow.events), modules=list(shallow.modules), rank=shallow.rank)
+        sim = replace(sim, log=None, written=(shallow, stack, live, copies, sizes))
+    else:
+        sim = replace(sim, log=EventLog(events=_by_name(until_done(sim.log.events)), modules=list(sim.log.modules), rank=sim.log.rank))
     learnt = {k: v for k, v in depth.CHECKED.items() if k not in before}
-    return _FromWorker(replace(sim, log=EventLog(events=events, modules=list(sim.log.modules), rank=sim.log.rank)), learnt)
+    return _FromWorker(sim, learnt, result)
 
 
 @dataclass
 class _FromWorker:
-    """A worker's simulation and the families whose layers it checked (see :mod:`.depth`)."""
+    """A worker's simulation (see :func:`_simulate_in_worker`), the families whose layers it
+    checked (see :mod:`.depth`) and its estimate Result."""
 
     sim: Any
     checked: dict
+    result: Any = None
 
 
 class ScalingEstimator:
@@ -556,11 +604,12 @@ class ScalingEstimator:
             sim = fut.result()
         except BrokenProcessPool:      # a worker died (killed for memory?): simulate here from now on
             sim = _ForkUnusable()
+        result = None
         if isinstance(sim, _FromWorker):
             from . import depth
 
             depth.CHECKED.update(sim.checked)
-            sim = sim.sim
+            sim, result = sim.sim, sim.result
         if isinstance(sim, _ForkUnusable):   # (or this process' autograd cannot run in a fork)
             with self._lock:
                 self.stop_workers()
@@ -578,17 +627,21 @@ class ScalingEstimator:
             fam.add(Trace.of(sim, x))
             self.simulations += 1
             self.seconds_simulating += sim.seconds
-            r = self._result(sim, {"answer": "simulated", "reason": why, "traces": [_fmt(p) for p in fam.points()]})
+            r = self._result(sim, {"answer": "simulated", "reason": why, "traces": [_fmt(p) for p in fam.points()]}, result)
             fam.results[x] = r
             return r
 
     @staticmethod
-    def _result(sim, scaling: dict):
+    def _result(sim, scaling: dict, result=None):
+        """The Result of ``sim`` (``result``: made already, in the worker that simulated it)."""
         from ..core.ledger import analyze
         from . import simulation_result
 
-        progress.stage(f"{sim.spec.describe()}: replaying the allocator")
-        r = simulation_result(sim, analyze(sim.log))
+        if result is not None:
+            r = result
+        else:
+            progress.stage(f"{sim.spec.describe()}: replaying the allocator")
+            r = simulation_result(sim, analyze(sim.log))
         r.data["scaling"] = scaling
         return r
 

@@ -54,6 +54,8 @@ class Simulation:
     later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
     later_micro_batches: str = ""  # with accumulation (k >= 2): how micro-batches 2..k were made
     later_layers: str = ""       # a stack of many layers: "written from 3 and 4 layers" or "simulated (why)"
+    written: Any = None          # with later_layers written: (shallow log, its Stack, its live layers, copies,
+    #                              sizes), what ``log`` was written from (depth.write_layers): a worker sends this
 
 
 class _FakeGradScaler:
@@ -122,7 +124,8 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     grow = n - shallow
     if known is not None and not b.spanning:
         depth.check_middle(b.log, b.stack, b.live_layers)
-        log = depth.write_layers(b.log, b.stack, b.live_layers, grow)
+        written = (b.log, b.stack, b.live_layers, grow, None)
+        log = depth.write_layers(*written[:4])
         how = f"written from {shallow} layers (the rule checked on {depth.SHALLOW} and {shallow} layers at another size)"
         params, trainable = known
     else:
@@ -131,7 +134,8 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
             sizes_a, sizes_b = depth.grown_sizes(a.log, a.spanning, b.log, b.spanning, grow)
             if canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != canonical(b.log):
                 raise depth.NotPeriodic(f"the {shallow}-layer log written from {depth.SHALLOW} layers differs from its simulation")
-            log = depth.write_layers(b.log, b.stack, b.live_layers, grow, sizes=sizes_b)
+            written = (b.log, b.stack, b.live_layers, grow, sizes_b)
+            log = depth.write_layers(*written[:4], sizes=sizes_b)
         except depth.NotPeriodic as e:
             depth.CHECKED[family] = str(e)
             raise
@@ -141,7 +145,7 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * params,
                       b.trainable_count + grow * trainable, b.attention, time.perf_counter() - t0, notes=b.notes,
                       applied=b.applied, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
-                      later_layers=how)
+                      later_layers=how, written=written)
 
 
 def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool, layers: int | None = None) -> Simulation:

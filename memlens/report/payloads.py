@@ -28,6 +28,9 @@ class _Unset:
     def __bool__(self) -> bool:
         return False
 
+    def __reduce__(self) -> str:
+        return "UNSET"     # unpickled as this module's one UNSET (a Result made in a worker process)
+
 
 UNSET: Any = _Unset()
 

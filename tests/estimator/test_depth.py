@@ -231,3 +231,34 @@ def test_shallow_models_that_fail_leave_the_whole_model_to_say(tmp_path, monkeyp
     sim = simulate(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32))
     assert sim.later_layers == "simulated (the shallow models failed: cut model failed)"
     assert sim.param_count == 795008
+
+
+def test_a_worker_sends_the_shallow_log_and_its_result(tmp_path):
+    """A worker sends a log written from layers as the shallow log and how to write it, with the
+    estimate made there; the parent writes the log only when a replay needs it, and every answer,
+    replayed or simulated in a worker, is the estimate made here."""
+    from memlens.estimator.scaling import ScalingEstimator, Trace, _simulate_in_worker
+    from tests.estimator.test_scaling import comparable as answer
+
+    def comparable(r):      # but how the layers were made (here, the family is checked already)
+        d = answer(r)
+        assert d.pop("later_layers").startswith("written from")
+        return d
+
+    spec = TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=128, precision="bf16")
+    sent = _simulate_in_worker(spec)
+    shallow, stack, _, copies, _ = sent.sim.written
+    assert sent.sim.log is None and (stack.depth, copies) == (4, 8)
+    assert all(isinstance(ev[6], str) for ev in shallow.events if ev[0] == ALLOC)     # ops by name: they pickle
+    here = simulate(spec)
+    assert canonical(Trace.of(sent.sim, (2, 128)).log) == canonical(Trace.of(here, (2, 128)).log)
+    assert comparable(sent.result) == comparable(estimate(spec))
+
+    est = ScalingEstimator(workers=2)
+    grid = [spec.replace(batch_size=b, seq_len=L) for b in (2, 3, 5) for L in (128, 256, 384)]
+    est.prepare(grid)
+    answers = {s: est.estimate(s) for s in grid}
+    assert est.stats()["simulations"] == 5 and est.stats()["replays"] == 4
+    for s, r in answers.items():
+        if r.data["scaling"]["answer"] == "replayed" or s.batch_size == 5:
+            assert comparable(r) == comparable(estimate(s)), s.describe()
