@@ -7,7 +7,9 @@
 runs the command once from each, in turn, as a fresh ``python -m memlens.cli.main ... --json``
 process with that checkout first on the path, so that a machine whose speed drifts (a shared CPU)
 weighs on both alike. Per run: the wall time, the CPU time of the process and its workers, and what
-the Result says of its estimates (simulated, replayed). Writes bench/results/speed_ab_NAME.{json,md}.
+the Result says of its estimates (simulated, replayed), and whether every run gave the same answer
+(fit's plan and peak, a sweep's cells). ``--fresh DIR`` removes DIR before each run (a sweep's
+``--out``, which refuses to run over finished cells). Writes bench/results/speed_ab_NAME.{json,md}.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -30,7 +33,9 @@ def _commit(path: str) -> str:
     return r.stdout.strip() or "?"
 
 
-def run(path: str, argv: list[str]) -> dict:
+def run(path: str, argv: list[str], fresh: str | None = None) -> dict:
+    if fresh:
+        shutil.rmtree(fresh, ignore_errors=True)
     env = dict(os.environ, PYTHONPATH=os.path.abspath(path))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -45,7 +50,8 @@ def run(path: str, argv: list[str]) -> dict:
         est = data.get("estimator") or {}
         out.update(simulated=est.get("simulations"), replayed=est.get("replays"),
                    simulate_s=est.get("simulate_seconds"), peak_reserved_bytes=data.get("peak_reserved_bytes"),
-                   plan=[(e["name"], e.get("micro_batch"), e.get("grad_accum"), e.get("predicted_peak_bytes")) for e in data.get("plan", [])])
+                   plan=[(e["name"], e.get("micro_batch"), e.get("grad_accum"), e.get("predicted_peak_bytes")) for e in data.get("plan", [])]
+                   + [(c["key"], c.get("status"), c.get("estimated_peak_reserved_bytes")) for c in data.get("rows", [])])
     except (ValueError, KeyError):
         out["error"] = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
     return out
@@ -57,6 +63,7 @@ def main() -> None:
     ap.add_argument("--after", default=ROOT)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--name", required=True)
+    ap.add_argument("--fresh", metavar="DIR", help="a folder removed before each run (a sweep's --out)")
     ap.add_argument("argv", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     argv = a.argv[1:] if a.argv[:1] == ["--"] else a.argv
@@ -64,7 +71,7 @@ def main() -> None:
     rows: dict[str, list[dict]] = {k: [] for k in sides}
     for i in range(a.runs):
         for k, path in sides.items():
-            r = run(path, argv)
+            r = run(path, argv, a.fresh)
             rows[k].append(r)
             print(json.dumps({"round": i + 1, "side": k, **{x: y for x, y in r.items() if x != "plan"}}), flush=True)
     summary = {}
@@ -82,7 +89,7 @@ def main() -> None:
         json.dump(res, f, indent=1)
     lines = [f"# `{res['command']}`: before and after, alternately", "",
              f"{res['machine']}; {a.runs} rounds, each running both versions in turn (`bench/speed_ab.py`). "
-             f"Same answer (plan and peak) from every run: {'yes' if same else 'NO'}.", "",
+             f"Same answer (plan and peak, or sweep cells) from every run: {'yes' if same else 'NO'}.", "",
              "| version | commit | wall (median) | wall, each run | CPU incl. workers (median) | simulated + replayed |", "|---|---|---|---|---|---|"]
     for k, s in summary.items():
         lines.append(f"| {k} | {s['commit']} | {s['median_wall_s']} s | {', '.join(str(r['wall_s']) for r in rows[k])} s | "
