@@ -7,6 +7,7 @@ is printed as one line with a hint and exits 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -120,5 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     return run_verb(args.func, args)
 
 
+def cli() -> None:
+    """The ``memlens`` command: :func:`main`, then an exit that skips the interpreter's last garbage
+    collections. With torch and transformers imported they walk millions of objects: about 0.8 s
+    of a 6 s estimate on a 2-core machine, for memory the process gives back anyway. Everything is
+    still flushed, closed and joined as usual (``atexit`` handlers, finalizers, worker processes);
+    objects in reference cycles are just not collected first."""
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -280,3 +280,28 @@ def test_cpu_measured_sweep_records_the_cpu_ledger(tmp_path):
     assert row["status"] == "ok" and row["memory_measured"] is True
     # 1024 x 1024 fp32 weights, their gradients and AdamW's two states are all alive in the step: 16 MiB at least
     assert 16 * 2**20 <= row["peak_allocated_bytes"] < 32 * 2**20
+
+
+def test_the_command_exits_with_mains_code_and_skips_the_last_collections(monkeypatch):
+    """`memlens` (cli) exits with main's code; the objects left are frozen, so the interpreter's
+    final garbage collections do not walk them (about 0.8 s with torch and transformers imported)."""
+    import gc
+
+    from memlens.cli import main as cli_main
+
+    monkeypatch.setattr(cli_main, "main", lambda: 2)
+    try:
+        with pytest.raises(SystemExit) as e:
+            cli_main.cli()
+        assert e.value.code == 2 and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
+def test_the_command_writes_its_whole_answer_before_it_exits(tmp_path):
+    import subprocess
+
+    p = subprocess.run([sys.executable, "-m", "memlens.cli.main", "estimate", "--model", "gpt2", "--method", "formula",
+                        "--batch-size", "2", "--seq-len", "64", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["verb"] == "estimate"
