@@ -616,6 +616,13 @@ class ScalingEstimator:
                 self._pending[(key, x)] = (self._start(spec), why)
                 fut = self._pending[(key, x)][0]
             sim = fut.result()
+        trace = None if isinstance(sim, MemlensError) else Trace.of(sim, x)
+        regimes = list(self.families[key].regimes)
+        if trace is not None and regimes:
+            # it is compared with each regime's first trace when added: their logs are written here,
+            # before the lock, so that other threads ask for estimates meanwhile
+            for t in [trace] + [r.template for r in regimes]:
+                t.skeleton, t.facts
         with self._lock:
             self._pending.pop((key, x), None)
             fam = self.families[key]
@@ -624,7 +631,7 @@ class ScalingEstimator:
             if isinstance(sim, MemlensError):
                 fam.errors[x] = sim
                 raise sim
-            fam.add(Trace.of(sim, x))
+            fam.add(trace)
             self.simulations += 1
             self.seconds_simulating += sim.seconds
             r = self._result(sim, {"answer": "simulated", "reason": why, "traces": [_fmt(p) for p in fam.points()]}, result)
