@@ -1,6 +1,6 @@
 """How long memlens takes, measured as a user runs it: the whole command, imports included.
 
-    python bench/estimate_speed.py                 # everything, 3 runs each (about 25 minutes on 2 quiet cores)
+    python bench/estimate_speed.py                 # everything, 3 runs each (about 13 minutes on 2 quiet cores)
     python bench/estimate_speed.py --runs 1 --only llama   # a quick look at some cases
 
 Writes bench/results/estimate_speed.json and .md. For each case: the median wall time of
@@ -8,9 +8,10 @@ Writes bench/results/estimate_speed.json and .md. For each case: the median wall
 each, as the ``memlens`` script runs it), and the machine's load average around them (timings
 taken with a load above the core count are marked provisional: other processes shared the CPU).
 For estimates, one more fresh process measures the parts: imports, the first estimate, a repeated
-one, and the floor, two bare fake-tensor training steps of the same spec (the model's real step on
-FakeTensorMode with no tracking, no CUDA mapping, no allocator replay), so that "the estimate
-itself" can be compared with it. Targets (issue 13, quiet 2-core machine) are checked and printed.
+one (the same work again: the layer check of memlens.estimator.depth made again, not taken from
+the first), and the floor, two bare fake-tensor training steps of the same spec (the model's real
+step, whole, on FakeTensorMode with no tracking, no CUDA mapping, no allocator replay), so that
+"the estimate itself" can be compared with it. Targets (issue 13, quiet 2-core machine) are checked and printed.
 """
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ args = build_parser("estimate").parse_args(["estimate", *sys.argv[1:]])
 spec = spec_from_args(args)
 from memlens.estimator import estimate
 t = time.perf_counter(); r = estimate(spec); first = time.perf_counter() - t
+from memlens.estimator import depth
+depth.CHECKED.clear()      # the same work again: the layers checked again, not taken from the first
 t = time.perf_counter(); estimate(spec); again = time.perf_counter() - t
 # the floor: the same step, bare (no tracker, no CUDA mapping, no replay), two steps
 from memlens.estimator.simulate import _synthetic_batch_shortcuts
@@ -197,7 +200,8 @@ def write(rows: list[dict], summary: dict) -> None:
                     "rerun `python bench/estimate_speed.py` on a quiet machine.**\n\n")
         f.write(f"Whole command (`memlens ... --json`, imports included): median of {a.runs} fresh runs. For estimates, a separate "
                 "process splits it: imports (torch, transformers, memlens), the first estimate (with transformers' lazy import "
-                "of the model's code), a repeated estimate, and the floor: two bare fake-tensor steps of the same spec.\n\n")
+                "of the model's code), a repeated estimate (the same work again, its layer check included), and the floor: two bare "
+                "fake-tensor steps of the same spec, the whole model.\n\n")
         f.write("| case | whole command | its CPU time | target | imports | first estimate | estimate, repeated | two bare fake steps | estimate / floor | max RSS | load |\n"
                 "|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
