@@ -101,14 +101,17 @@ class Trace:
 
     @cached_property
     def log(self) -> EventLog:
-        """The log up to "done", ops by name."""
+        """The log up to "done", ops by name (the trace's simulation keeps this one only)."""
         sim = self.sim
         if sim.log is None:
             from .depth import write_layers
 
             shallow, stack, live, copies, sizes = sim.written
-            return write_layers(shallow, stack, live, copies, sizes=sizes)
-        return EventLog(events=_by_name(until_done(sim.log.events)), modules=list(sim.log.modules), rank=sim.log.rank)
+            log = write_layers(shallow, stack, live, copies, sizes=sizes)
+        else:
+            log = EventLog(events=_by_name(until_done(sim.log.events)), modules=list(sim.log.modules), rank=sim.log.rank)
+        self.sim = replace(sim, log=log, written=None)
+        return log
 
     @cached_property
     def skeleton(self) -> list:
@@ -438,7 +441,7 @@ def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
         if FORKED_AUTOGRAD in str(e):
             return _ForkUnusable()
         raise
-    result = simulation_result(sim, analyze(EventLog(events=until_done(sim.log.events), modules=sim.log.modules, rank=sim.log.rank)))
+    result = simulation_result(sim, analyze(sim.log))
     if sim.written is not None:
         shallow, stack, live, copies, sizes = sim.written
         shallow = EventLog(events=_by_name(shallow.events), modules=list(shallow.modules), rank=shallow.rank)
