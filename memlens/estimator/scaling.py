@@ -322,32 +322,54 @@ def _fmt(x: Point) -> str:
 
 # ---------------------------------------------------------------- families
 class Family:
-    """All traces of one family, split into regimes."""
+    """All traces of one family, split into regimes. A trace is added at once and filed into its
+    regime when the family is next asked for a replay (filing compares logs, which may have to be
+    written first: :meth:`write_logs` does that before the estimator's lock is taken)."""
 
     def __init__(self) -> None:
-        self.regimes: list[Regime] = []
+        self._regimes: list[Regime] = []
+        self.unfiled: list[Trace] = []
+        self.order: list[Point] = []            # every trace's point, in the order added
         self.results: dict[Point, Any] = {}     # exact answers (simulated or replayed), by point
         self.errors: dict[Point, Exception] = {}  # points whose simulation failed (raised again when asked)
 
     def add(self, t: Trace) -> None:
-        for r in self.regimes:
-            if r.matches(t):
-                r.add(t)
-                return
-        self.regimes.append(Regime(t))
+        self.unfiled.append(t)
+        self.order.append(t.point)
+
+    def write_logs(self) -> None:
+        """Write the logs that filing the unfiled traces compares (theirs, and each regime's first)."""
+        unfiled = list(self.unfiled)
+        if unfiled and (self._regimes or len(unfiled) > 1):
+            for t in unfiled + [r.template for r in list(self._regimes)]:
+                t.skeleton, t.facts
+
+    @property
+    def regimes(self) -> list[Regime]:
+        """The regimes, every trace filed."""
+        for t in self.unfiled:
+            for r in self._regimes:
+                if r.matches(t):
+                    r.add(t)
+                    break
+            else:
+                self._regimes.append(Regime(t))
+        self.unfiled = []
+        return self._regimes
 
     def points(self) -> list[Point]:
-        return [t.point for r in self.regimes for t in r.traces]
+        return list(self.order)
 
     def regime_for(self, x: Point) -> tuple[Regime | None, str]:
-        if not self.regimes:
+        regimes = self.regimes
+        if not regimes:
             return None, "first trace of this spec"
         reasons = []
-        for r in self.regimes:
+        for r in regimes:
             if not r.contains(x):
                 reasons.append(r.why_not(x))
                 continue
-            others = [t.point for o in self.regimes if o is not r for t in o.traces if r.contains(t.point)]
+            others = [t.point for o in regimes if o is not r for t in o.traces if r.contains(t.point)]
             if others:
                 reasons.append(f"the event sequence changes with size inside the traced range (at {_fmt(others[0])})")
                 continue
@@ -355,7 +377,7 @@ class Family:
             if why is None:
                 return r, ""
             reasons.append(why)
-        return None, reasons[0] if len(self.regimes) == 1 else "; ".join(dict.fromkeys(reasons))
+        return None, reasons[0] if len(regimes) == 1 else "; ".join(dict.fromkeys(reasons))
 
 
 # ---------------------------------------------------------------- the estimator
@@ -494,12 +516,20 @@ class ScalingEstimator:
     def estimate(self, spec: TrainingSpec):
         """The estimate Result of ``spec`` (identical to ``memlens.estimate(spec)`` but for timings and ``data["scaling"]``)."""
         key, x = family_of(spec)
+        self._write_logs(key)
         with self._lock:
             r = self._answer_now(key, spec, x)
             if r is not None:
                 return r
             fut, why = self._pending[(key, x)]
         return self._finish(key, spec, x, fut, why)
+
+    def _write_logs(self, key: tuple) -> None:
+        """Before the lock: the logs a replay in family ``key`` will compare (so that the other
+        threads ask for estimates while they are written)."""
+        fam = self.families.get(key)
+        if fam is not None:
+            fam.write_logs()
 
     def _answer_now(self, key: tuple, spec: TrainingSpec, x: Point):
         """Under the lock: the Result if known or replayable; else start (or join) its simulation and return None."""
@@ -619,13 +649,6 @@ class ScalingEstimator:
                 self._pending[(key, x)] = (self._start(spec), why)
                 fut = self._pending[(key, x)][0]
             sim = fut.result()
-        trace = None if isinstance(sim, MemlensError) else Trace.of(sim, x)
-        regimes = list(self.families[key].regimes)
-        if trace is not None and regimes:
-            # it is compared with each regime's first trace when added: their logs are written here,
-            # before the lock, so that other threads ask for estimates meanwhile
-            for t in [trace] + [r.template for r in regimes]:
-                t.skeleton, t.facts
         with self._lock:
             self._pending.pop((key, x), None)
             fam = self.families[key]
@@ -634,7 +657,7 @@ class ScalingEstimator:
             if isinstance(sim, MemlensError):
                 fam.errors[x] = sim
                 raise sim
-            fam.add(trace)
+            fam.add(Trace.of(sim, x))
             self.simulations += 1
             self.seconds_simulating += sim.seconds
             r = self._result(sim, {"answer": "simulated", "reason": why, "traces": [_fmt(p) for p in fam.points()]}, result)
@@ -678,6 +701,7 @@ class ScalingEstimator:
         if self.workers > 1:
             for s in dict.fromkeys(specs):
                 key, x = family_of(s)
+                self._write_logs(key)
                 with self._lock:
                     try:
                         self._answer_now(key, s, x)
