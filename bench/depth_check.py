@@ -14,7 +14,6 @@ imports). Writes bench/results/depth_check.{json,md}; exits 1 if anything differ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -22,6 +21,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+
+from bench.report import write_results  # noqa: E402
 
 CASES = [
     ("gpt2-fp32-b8-L512", dict(model="gpt2", batch_size=8, seq_len=512)),
@@ -106,17 +107,13 @@ def main() -> int:
         meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores", "python": platform.python_version(),
                 "torch": torch.__version__, "transformers": transformers.__version__,
                 "date": time.strftime("%Y-%m-%d")}
-        out = os.path.join(HERE, "results", "depth_check")
-        with open(out + ".json", "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        with open(out + ".md", "w") as f:
-            f.write("# Layers written from 3- and 4-layer models against the whole model simulated\n\n"
-                    f"`python bench/depth_check.py`, {meta['machine']}, torch {meta['torch']}, transformers "
-                    f"{meta['transformers']}, {meta['date']}. CPU seconds of one simulation after a warm-up, in one process.\n\n"
-                    "| case | layers | logs equal | CPU s written / whole | how |\n|---|---|---|---|---|\n")
-            for r in rows:
-                f.write(f"| {r['name']} | {r['layers']} | {'yes' if r['equal'] else 'NO'} | "
-                        f"{r['cpu_s_written']} / {r['cpu_s_whole']} | {r['later_layers']} |\n")
+        write_results("depth_check", {"meta": meta, "rows": rows},
+                      "Layers written from 3- and 4-layer models against the whole model simulated",
+                      f"`python bench/depth_check.py`, {meta['machine']}, torch {meta['torch']}, transformers "
+                      f"{meta['transformers']}, {meta['date']}. CPU seconds of one simulation after a warm-up, in one process.",
+                      ["case", "layers", "logs equal", "CPU s written / whole", "how"],
+                      [[r["name"], r["layers"], "yes" if r["equal"] else "NO", f"{r['cpu_s_written']} / {r['cpu_s_whole']}",
+                        r["later_layers"]] for r in rows])
     print("all equal" if not bad else f"{bad} case(s) differ")
     return 1 if bad else 0
 

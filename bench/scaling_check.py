@@ -20,6 +20,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.report import write_results  # noqa: E402
+
 CASES = [
     ("gpt2 fp32", {"model": "gpt2"}, (1, 2, 3, 4, 6, 8), (256, 512, 768, 1024)),
     ("llama-3.2-1b bf16", {"model": "llama-3.2-1b", "precision": "bf16"}, (2, 3, 4, 6, 8), (512, 1024, 1536, 2048)),
@@ -68,18 +70,13 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     bad = sum(len(r["mismatches"]) for r in rows)
     if not only:
-        out = os.path.join(HERE, "results")
         machine = f"{platform.machine()}, {os.cpu_count()} cores"
-        with open(os.path.join(out, "scaling_check.json"), "w") as f:
-            json.dump({"machine": machine, "rows": rows}, f, indent=1)
-        with open(os.path.join(out, "scaling_check.md"), "w") as f:
-            f.write(f"# replayed answers vs full simulations ({machine})\n\n"
-                    "Every replayed cell's Result (timings aside) compared with `memlens estimate` of that cell.\n\n"
-                    "| model | cells | simulated | replayed | mismatches | all cells, replaying | the replayed cells, simulated | one replay |\n"
-                    "|---|---|---|---|---|---|---|---|\n")
-            for r in rows:
-                f.write(f"| {r['case']} | {r['cells']} | {r['simulated']} | {r['replayed']} | {len(r['mismatches'])} | "
-                        f"{r['seconds_all_cells_fast']} s | {r['seconds_replayed_cells_simulated']} s | {r['replay_seconds_each']} s |\n")
+        write_results("scaling_check", {"machine": machine, "rows": rows}, f"replayed answers vs full simulations ({machine})",
+                      "Every replayed cell's Result (timings aside) compared with `memlens estimate` of that cell.",
+                      ["model", "cells", "simulated", "replayed", "mismatches", "all cells, replaying",
+                       "the replayed cells, simulated", "one replay"],
+                      [[r["case"], r["cells"], r["simulated"], r["replayed"], len(r["mismatches"]), f"{r['seconds_all_cells_fast']} s",
+                        f"{r['seconds_replayed_cells_simulated']} s", f"{r['replay_seconds_each']} s"] for r in rows])
     print("no mismatch" if not bad else f"{bad} mismatch(es)")
     return 1 if bad else 0
 
