@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 # Each name is imported on first use (PEP 562), so `import memlens` imports neither torch nor the
 # verbs a program does not call (`memlens doctor` never imports torch; `memlens estimate` no doctor).
 _EXPORTS = {
-    "TrainingSpec": ".core.spec", "Result": ".report.result", "MemlensError": ".core.errors",
+    "TrainingSpec": ".core.spec", "Result": ".core.result", "MemlensError": ".core.errors",
     "estimate": ".estimator", "compare": ".explore.compare", "sweep": ".explore.sweep", "fit": ".explore.fit",
     "fit_batch_size": ".explore.fit", "profile": ".measure.profiler", "Profiler": ".measure.profiler",
     "profile_spec": ".measure.runner", "Monitor": ".measure.monitor", "diagnose_oom": ".doctor",
     "parse_oom": ".doctor", "doctor_log": ".doctor", "doctor_snapshot": ".doctor", "doctor_stats": ".doctor",
-    "estimate_trainer": ".integrations.trainer_estimate", "adaptive_batch": ".measure.adaptive", "guard": ".measure.guard",
+    "estimate_trainer": ".integrations.trainer_estimate", "adaptive_batch": ".explore.adaptive", "guard": ".measure.guard",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -30,12 +30,12 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .explore.fit import fit, fit_batch_size
     from .explore.sweep import sweep
     from .integrations.trainer_estimate import estimate_trainer
-    from .measure.adaptive import adaptive_batch
+    from .explore.adaptive import adaptive_batch
     from .measure.guard import guard
     from .measure.monitor import Monitor
     from .measure.profiler import Profiler, profile
     from .measure.runner import profile_spec
-    from .report.result import Result
+    from .core.result import Result
 
 
 def __getattr__(name: str):

@@ -62,7 +62,7 @@ def test_units():
 def test_version_and_environment(capsys):
     import memlens
     from memlens.cli.main import main
-    from memlens.report.result import Result
+    from memlens.core.result import Result
 
     assert memlens.__version__.count(".") >= 2
     try:

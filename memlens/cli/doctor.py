@@ -110,7 +110,7 @@ def _oom(args):
 
 def _log(args):
     from ..doctor.log import doctor_log, read_text
-    from ..doctor.plots import plot_log
+    from ..report.doctor_plots import plot_log
 
     text = _read_text_arg(None, "training log") if args.logfile == "-" else read_text(args.logfile, "log")
     cap = parse_bytes(args.capacity) if args.capacity else None
@@ -120,7 +120,7 @@ def _log(args):
 
 
 def _snapshot(args):
-    from ..doctor.plots import plot_snapshot
+    from ..report.doctor_plots import plot_snapshot
     from ..doctor.snapshot import doctor_snapshot
 
     return doctor_snapshot(args.snapshot, diff_with=args.diff, top=args.top), plot_snapshot

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     mode = args.mode or ("full" if device == "cpu" else "phases")
     trace = str(d / "trace.json") if (d is not None and args.torch_profiler) else None
     if spec.world_size > 1:
-        from ..distributed.launch import profile_distributed
+        from ..measure.launch import profile_distributed
 
         if args.load_on_cpu:
             raise MemlensError("--load-on-cpu is a one-GPU experiment", hint="drop --load-on-cpu with --world-size")

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.units import fmt_bytes
 from .common import positive, whole
 

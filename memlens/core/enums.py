@@ -54,6 +54,8 @@ class Phase(str, Enum):
 
 CATEGORIES: tuple[str, ...] = tuple(c.value for c in Category)
 STEP_PHASES: tuple[str, ...] = (Phase.FORWARD.value, Phase.BACKWARD.value, Phase.OPTIMIZER.value)
+# the phases a profile measures (clip: DP-SGD, Opacus' DPOptimizer before the update)
+MEASURED_PHASES: tuple[str, ...] = (Phase.FORWARD.value, Phase.BACKWARD.value, Phase.CLIP.value, Phase.OPTIMIZER.value)
 
 # Module labels for code that runs outside any nn.Module (the same in estimate and profile)
 ROOT_LABEL = "(model: loss and glue)"   # the root module: the loss and code between blocks

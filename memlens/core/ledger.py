@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 from .enums import CATEGORIES

@@ -51,7 +51,7 @@ class TrainingSpec:
     sharding: str = "none"
     offload_optimizer: bool = False     # optimizer states and step on the CPU (ZeRO-Offload style)
     gpu: str = "h100"                   # the GPU the estimate is for (memlens.core.gpus; `--gpu`)
-    # several GPUs (memlens.distributed): FSDP2's reshard_after_forward (None: by --sharding);
+    # several GPUs (memlens.step.parallel): FSDP2's reshard_after_forward (None: by --sharding);
     # DDP's gradient_as_bucket_view and bucket_cap_mb (None: DDP's default, 25)
     reshard_after_forward: bool | int | None = None
     gradient_as_bucket_view: bool = False
@@ -118,7 +118,7 @@ class TrainingSpec:
             pass  # allowed: bnb 8-bit optimizers work with fp16 params
 
     def _check_distributed(self) -> None:
-        # (--world-size without --sharding is refused where a step is built: memlens.distributed.strategies.check)
+        # (--world-size without --sharding is refused where a step is built: memlens.step.parallel.base.check)
         fsdp = self.sharding in ("zero2", "zero3", "fsdp")
         ddp = self.sharding in ("ddp", "zero1")
         raf = self.reshard_after_forward

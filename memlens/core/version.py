@@ -14,7 +14,7 @@ from typing import Any
 
 def _read_version() -> str:
     try:
-        from importlib.metadata import PackageNotFoundError, version
+        from importlib.metadata import version
 
         return version("memlens")
     except Exception:  # noqa: BLE001 - not installed (a checkout on PYTHONPATH): read pyproject.toml

@@ -17,7 +17,7 @@ line. It is recognized by its numbers: a process whose use is PyTorch's reserved
 (at least reserved, at most :data:`SELF_MAX_NON_PYTORCH_BYTES` more) is this one. When several
 qualify, or none, the message alone cannot tell: the account says so and names the candidates.
 
->>> from memlens.doctor.oom import parse_oom
+>>> from memlens.doctor.message import parse_oom
 >>> m = parse_oom("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.65 GiB of "
 ...               "which 1.19 GiB is free. Process 48213 has 22.33 GiB memory in use. Of the allocated memory "
 ...               "17.10 GiB is allocated by PyTorch, and 4.71 GiB is reserved by PyTorch but unallocated.")
@@ -28,12 +28,10 @@ qualify, or none, the message alone cannot tell: the account says so and names t
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.units import fmt_bytes
-
-if TYPE_CHECKING:
-    from .oom import OomMessage
+from .message import OomMessage
 
 GiB = 2**30
 MiB = 2**20
@@ -179,7 +177,7 @@ def self_candidates(msg: "OomMessage") -> list[int]:
     """PIDs of listed processes that could be this one, best first: their use is PyTorch's reserved
     plus at most :data:`SELF_MAX_NON_PYTORCH_BYTES` (within print rounding).
 
-    >>> from memlens.doctor.oom import OomMessage, ProcessUse
+    >>> from memlens.doctor.message import OomMessage, ProcessUse
     >>> m = OomMessage(form="torch>=2.1", message="", allocated_by_pytorch_bytes=10 * GiB, reserved_unallocated_bytes=0,
     ...                other_processes=[ProcessUse(1, 30 * GiB), ProcessUse(2, 10 * GiB + 500 * MiB), ProcessUse(3, 3 * GiB)])
     >>> self_candidates(m)

@@ -3,7 +3,7 @@
 The orders follow the seeds' emergency list (checkpointing, batch halving with accumulation, AMP,
 optimizer state, offload) after the cause-specific step that fixes the actual cause first.
 
->>> from memlens.doctor.oom import OomMessage
+>>> from memlens.doctor.message import OomMessage
 >>> m = OomMessage(form="torch>=2.1", message="", requested_bytes=2 * 1024**3, free_bytes=0,
 ...                total_capacity_bytes=80 * 1024**3, allocated_by_pytorch_bytes=60 * 1024**3,
 ...                reserved_unallocated_bytes=10 * 1024**3)
@@ -12,13 +12,9 @@ True
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..core.units import fmt_bytes as f
-
-if TYPE_CHECKING:
-    from .account import Account
-    from .oom import OomMessage
+from .account import Account, account
+from .message import OomMessage
 
 _REDUCE = [
     "Halve the micro-batch and double gradient accumulation: the same effective batch, about half the activations.",
@@ -36,7 +32,7 @@ _REDUCE = [
 def oom_advice(msg: "OomMessage", diagnosis: str, acc: "Account | None" = None) -> list[str]:
     """Ordered advice for one OOM message and its diagnosis (see ``oom.diagnose``); ``acc`` is the
     account the diagnosis rests on (default: the message's own)."""
-    from .account import account
+
 
     acc = acc or account(msg)
     req = msg.requested_bytes or 0
@@ -104,7 +100,7 @@ def oom_advice(msg: "OomMessage", diagnosis: str, acc: "Account | None" = None) 
     return out
 
 
-# What each of the technique table's DOCTOR levers shrinks (memlens/explore/techniques.py): halving the
+# What each of the technique table's DOCTOR levers shrinks (memlens/core/techniques.py): halving the
 # micro-batch halves what grows with the batch (activations, temporaries, the batch); checkpointing keeps
 # only block inputs of the activations; autocast stores activations in 2 bytes; 8-bit AdamW keeps 2 bytes
 # of state per parameter instead of 8; LoRA trains adapters only (no full gradients, no full states).
@@ -125,7 +121,7 @@ def measured_levers(by_category: dict[str, int]) -> list[dict]:
     >>> [(l["name"], l["shrinks_bytes"]) for l in measured_levers({"activations": 10, "optimizer_state": 4})][:2]
     [('halve-batch', 10), ('checkpointing', 10)]
     """
-    from ..explore import techniques as tech
+    from ..core import techniques as tech
 
     out = []
     for name in tech.DOCTOR:

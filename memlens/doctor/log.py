@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.units import fmt_bytes
 from .advice import log_causes
 from .sizes import size_to_bytes, unit_factor

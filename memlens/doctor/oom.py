@@ -1,134 +1,26 @@
-"""Read a PyTorch out-of-memory message, say why it happened and what to do.
-
-Every form PyTorch has printed is understood, found anywhere in a traceback or a log:
-
-- torch >= 2.1 (c10/cuda/CUDACachingAllocator.cpp; 2.1.0 spelled "capacty"; XPU, HIP and the
-  device-generic "Out of memory." use the same words)::
-
-    CUDA out of memory. Tried to allocate X. GPU n has a total capacity of T of which F is free.
-    [Process p has U memory in use. ]* [Including non-PyTorch memory, this process has U memory in use. ]
-    [L allowed; ]Of the allocated memory A is allocated by PyTorch, [with P allocated in private pools
-    (e.g., CUDA Graphs), ]and R is reserved by PyTorch but unallocated. ...
-
-- torch <= 2.0::
-
-    CUDA out of memory. Tried to allocate X (GPU n; T total capacity; A already allocated; F free;
-    [L allowed; ]V reserved in total by PyTorch) ...
-
-- MPS: ``MPS backend out of memory (MPS allocated: A, other allocations: O, max allowed: L).
-  Tried to allocate X on private pool.`` (its "GB" is 2**30 bytes);
-- ``CUDA error: out of memory`` raised by CUDA itself (no numbers).
-
-PyTorch prints sizes with two decimals (format_size), so every byte count here is the printed
-number times its unit, rounded to the nearest byte.
+"""Why an out-of-memory error happened and what to do: :func:`diagnose` of a parsed message
+(:mod:`.message`), and :func:`diagnose_oom` with an estimate of the training flags when given.
 
 >>> m = parse_oom("RuntimeError: CUDA out of memory. Tried to allocate 2.50 GiB (GPU 0; 23.69 GiB total "
 ...               "capacity; 21.45 GiB already allocated; 1.89 GiB free; 21.50 GiB reserved in total by PyTorch)")
->>> m.form, m.requested_bytes, m.reserved_unallocated_bytes
-('torch<=2.0', 2684354560, 53687091)
 >>> diagnose(m).diagnosis
 'capacity'
 """
+
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.units import fmt_bytes
-from .sizes import SIZE, parse_size
+from .account import NOT_LISTED, account, context_allowance, hypotheses, is_significant
+from .advice import oom_advice
+from .message import OomMessage, ProcessUse, _not_oom, find_oom_messages, parse_oom  # noqa: F401 - re-exported
 
 DIAGNOSES = ("memory_fraction_limit", "other_processes", "non_pytorch_memory", "held_elsewhere", "fragmentation",
              "capacity", "unknown")
-
-_ANCHOR = re.compile(r"(?:\b(?P<backend>CUDA|HIP|XPU|MPS|NPU|MLU|MUSA)(?: backend)? )?[Oo]ut of memory")
-_CUDA_ERROR = re.compile(r"\b(?:CUDA|HIP) error: out of memory|cudaErrorMemoryAllocation", re.IGNORECASE)
-_S = rf"({SIZE})"
-_FIELDS = {
-    "requested": re.compile(rf"Tried to allocate {_S}"),
-    # torch >= 2.1
-    "device_new": re.compile(r"\. (?:GPU|Device|MLU) (\d+) has a total capac"),
-    "total_new": re.compile(rf"has a total capac(?:i)?ty of {_S}"),
-    "free_new": re.compile(rf"of which {_S} ?is free"),
-    "allocated_new": re.compile(rf"Of the allocated memory {_S} is allocated by PyTorch"),
-    "private": re.compile(rf"with {_S} allocated in private pools"),
-    "unallocated_new": re.compile(rf"and {_S} is reserved by PyTorch but unallocated"),
-    "process": re.compile(rf"Process (\d+) has {_S} memory in use"),
-    "this_process": re.compile(rf"this process has {_S} memory in use"),
-    # torch <= 2.0
-    "device_old": re.compile(r"\((?:GPU|NPU|XPU) (\d+);"),
-    "total_old": re.compile(rf"{_S} total capacity;"),
-    "allocated_old": re.compile(rf"{_S} already allocated;"),
-    "free_old": re.compile(rf"{_S} free;"),
-    "reserved_old": re.compile(rf"{_S} (?:reserved in total by PyTorch|cached)\)"),
-    # both
-    "allowed": re.compile(rf"{_S} allowed;"),
-    # MPS
-    "mps": re.compile(rf"MPS allocated: {_S}, other allocations: {_S}, max allowed: {_S}\)"),
-}
-_MAX_MESSAGE_CHARS = 3000
-
-
-@dataclass
-class ProcessUse:
-    """Another process on the same GPU, as the message lists it (NVML's used memory)."""
-
-    pid: int
-    used_bytes: int
-
-
-@dataclass
-class OomMessage:
-    """The numbers of one OOM message. None: the message does not carry that number.
-
-    ``allocated_by_pytorch_bytes`` is PyTorch's *allocated* memory (tensors), including CUDA-graph
-    private pools in the 2.1 form; ``reserved_unallocated_bytes`` is *reserved* (cached by the
-    allocator) minus allocated; ``free_bytes`` is what CUDA reported free on the whole device.
-    """
-
-    form: str
-    message: str
-    device_type: str | None = None
-    device_index: int | None = None
-    requested_bytes: int | None = None
-    total_capacity_bytes: int | None = None
-    free_bytes: int | None = None
-    allowed_bytes: int | None = None
-    allocated_by_pytorch_bytes: int | None = None
-    private_pools_bytes: int | None = None
-    reserved_unallocated_bytes: int | None = None
-    this_process_bytes: int | None = None
-    mps_other_allocations_bytes: int | None = None
-    other_processes: list[ProcessUse] = field(default_factory=list)
-
-    @property
-    def reserved_by_pytorch_bytes(self) -> int | None:
-        """Reserved = allocated + reserved-but-unallocated (both forms add up to it)."""
-        if self.allocated_by_pytorch_bytes is None or self.reserved_unallocated_bytes is None:
-            return None
-        return self.allocated_by_pytorch_bytes + self.reserved_unallocated_bytes
-
-    @property
-    def other_processes_bytes(self) -> int:
-        return sum(p.used_bytes for p in self.other_processes)
-
-    @property
-    def non_pytorch_bytes(self) -> int | None:
-        """This process' memory outside PyTorch's allocator (CUDA context, cuBLAS/NCCL workspaces)."""
-        reserved = self.reserved_by_pytorch_bytes
-        if self.this_process_bytes is None or reserved is None:
-            return None
-        return max(0, self.this_process_bytes - reserved)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["reserved_by_pytorch_bytes"] = self.reserved_by_pytorch_bytes
-        d["other_processes_bytes"] = self.other_processes_bytes
-        d["non_pytorch_bytes"] = self.non_pytorch_bytes
-        return d
-
 
 @dataclass
 class Diagnosis:
@@ -144,117 +36,6 @@ class Diagnosis:
     certain: bool = True
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     account: Any = None
-
-
-def find_oom_messages(text: str) -> list[OomMessage]:
-    """Every OOM message in ``text`` (a message, a traceback or a whole log), in order.
-
-    Messages with numbers come from PyTorch's allocator; a bare "CUDA error: out of memory" is
-    returned only when the text holds no allocator message.
-
-    >>> [m.form for m in find_oom_messages("no memory problem here")]
-    []
-    """
-    flat = " ".join(str(text).split())
-    anchors = list(_ANCHOR.finditer(flat))
-    found: list[OomMessage] = []
-    for i, a in enumerate(anchors):
-        end = anchors[i + 1].start() if i + 1 < len(anchors) else len(flat)
-        chunk = flat[a.start(): min(end, a.start() + _MAX_MESSAGE_CHARS)]
-        msg = _parse_chunk(chunk, a.group("backend"))
-        if msg is not None:
-            found.append(msg)
-    if not found:
-        m = _CUDA_ERROR.search(flat)
-        if m:
-            found.append(OomMessage(form="cuda_error", message=m.group(0), device_type="cuda"))
-    return found
-
-
-def parse_oom(text: str) -> OomMessage:
-    """The last OOM message in ``text``; MemlensError if there is none.
-
-    >>> parse_oom("hello")
-    Traceback (most recent call last):
-    ...
-    memlens.core.errors.MemlensError: not an OOM message: no 'out of memory' with 'Tried to allocate ...' found in the text
-    """
-    found = find_oom_messages(text)
-    if not found:
-        raise _not_oom()
-    return found[-1]
-
-
-def _not_oom() -> MemlensError:
-    return MemlensError(
-        "not an OOM message: no 'out of memory' with 'Tried to allocate ...' found in the text",
-        hint="paste the whole 'CUDA out of memory. Tried to allocate ...' message, or pass the log file that holds it",
-    )
-
-
-def _size(regex: re.Pattern, chunk: str, group: int = 1, binary_decimal: bool = False) -> int | None:
-    m = regex.search(chunk)
-    if not m:
-        return None
-    try:
-        return parse_size(m.group(group), binary_decimal)
-    except ValueError:
-        return None
-
-
-def _parse_chunk(chunk: str, backend: str | None) -> OomMessage | None:
-    f = _FIELDS
-    device_type = backend.lower() if backend else None
-    mps = f["mps"].search(chunk)
-    if mps:
-        sizes = [parse_size(mps.group(k), binary_decimal=True) for k in (1, 2, 3)]
-        return OomMessage(
-            form="mps", message=_cut(chunk), device_type="mps", device_index=0,
-            requested_bytes=_size(f["requested"], chunk, binary_decimal=True),
-            allocated_by_pytorch_bytes=sizes[0], mps_other_allocations_bytes=sizes[1], allowed_bytes=sizes[2],
-        )
-    requested = _size(f["requested"], chunk)
-    if requested is None:
-        return None
-    if f["total_new"].search(chunk):
-        dev = f["device_new"].search(chunk)
-        procs = [ProcessUse(int(m.group(1)), parse_size(m.group(2))) for m in f["process"].finditer(chunk)]
-        return OomMessage(
-            form="torch>=2.1", message=_cut(chunk), device_type=device_type,
-            device_index=int(dev.group(1)) if dev else None,
-            requested_bytes=requested,
-            total_capacity_bytes=_size(f["total_new"], chunk),
-            free_bytes=_size(f["free_new"], chunk),
-            allowed_bytes=_size(f["allowed"], chunk),
-            allocated_by_pytorch_bytes=_size(f["allocated_new"], chunk),
-            private_pools_bytes=_size(f["private"], chunk),
-            reserved_unallocated_bytes=_size(f["unallocated_new"], chunk),
-            this_process_bytes=_size(f["this_process"], chunk),
-            other_processes=procs,
-        )
-    dev = f["device_old"].search(chunk)
-    allocated = _size(f["allocated_old"], chunk)
-    reserved = _size(f["reserved_old"], chunk)
-    unallocated = reserved - allocated if reserved is not None and allocated is not None else None
-    return OomMessage(
-        form="torch<=2.0", message=_cut(chunk), device_type=device_type,
-        device_index=int(dev.group(1)) if dev else None,
-        requested_bytes=requested,
-        total_capacity_bytes=_size(f["total_old"], chunk),
-        free_bytes=_size(f["free_old"], chunk),
-        allowed_bytes=_size(f["allowed"], chunk),
-        allocated_by_pytorch_bytes=allocated,
-        reserved_unallocated_bytes=max(0, unallocated) if unallocated is not None else None,
-    )
-
-
-def _cut(chunk: str) -> str:
-    """The message itself: up to PyTorch's closing advice sentence when it is there."""
-    for stop in (" If reserved", " Please use `empty_cache`", " Use PYTORCH_MPS_HIGH_WATERMARK_RATIO"):
-        i = chunk.find(stop)
-        if i > 0:
-            return chunk[:i]
-    return chunk[:600]
 
 
 def diagnose(msg: OomMessage) -> Diagnosis:
@@ -280,8 +61,6 @@ def diagnose(msg: OomMessage) -> Diagnosis:
     When the message does not say which listed process is this one, every possibility is tried:
     if they agree the verdict stands, else it is marked uncertain with what would tell.
     """
-    from .account import NOT_LISTED, account, hypotheses
-    from .advice import oom_advice
 
     hyps = hypotheses(msg)
     alternatives: list[dict[str, Any]] = []
@@ -337,7 +116,6 @@ def _missing(req: int, free: int) -> str:
 
 def _verdict(msg: OomMessage, acc) -> tuple[str, list[str], dict[str, int]]:
     """(diagnosis, reasons, evidence in bytes) of the rules in :func:`diagnose` on one account."""
-    from .account import context_allowance, is_significant
 
     f = fmt_bytes
     req = msg.requested_bytes or 0
@@ -436,7 +214,6 @@ def budget_bytes(msg: OomMessage) -> int | None:
     said was free, capped by the allowed limit (the account's ``pytorch_reachable_bytes``). Without
     those figures: the allowed limit, or the capacity less the other processes and this process'
     non-PyTorch memory."""
-    from .account import account
 
     acc = account(msg)
     if acc.pytorch_reachable_bytes is not None:
@@ -453,7 +230,7 @@ def budget_bytes(msg: OomMessage) -> int | None:
 def _levers(spec) -> list[tuple[str, dict[str, Any]]]:
     """The usual ways to save memory that apply to ``spec``, in the order people try them
     (the technique table's ``DOCTOR`` list)."""
-    from ..explore import techniques as tech
+    from ..core import techniques as tech
 
     out = []
     for name in tech.DOCTOR:
@@ -465,11 +242,11 @@ def _levers(spec) -> list[tuple[str, dict[str, Any]]]:
 def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], margin: float | None = None) -> list[FitOption]:
     """Try each lever alone, then the levers one after another until the peak fits.
 
-    "Fits" is the one rule (:mod:`memlens.explore.fits`) against ``budget``: the memory PyTorch
+    "Fits" is the one rule (:mod:`memlens.core.fits`) against ``budget``: the memory PyTorch
     could use on that GPU (the CUDA context is already taken off), less the default margin.
     """
     from ..core.errors import SpecError
-    from ..explore.fits import Budget, fits
+    from ..core.fits import Budget, fits
 
     try:
         b = Budget.make(budget, context_bytes=0, margin=margin)
@@ -551,7 +328,7 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
 
 
 def _fits_rule(est: Result, budget: int) -> bool:
-    from ..explore.fits import Budget, fits
+    from ..core.fits import Budget, fits
 
     try:
         return fits(est, Budget.make(budget, context_bytes=0)).fits

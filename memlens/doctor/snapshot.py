@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 
 _LIBRARY_MARKERS = ("/torch/", "/site-packages/", "/dist-packages/", "/lib/python", "<frozen", "<string>")
 _LIVE = "active_allocated"

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.units import fmt_bytes
 
 _HINT = "dump it with json.dump(torch.cuda.memory_stats(), open('stats.json', 'w'))"

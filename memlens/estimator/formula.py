@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.spec import TrainingSpec
 
 MiB = 1024 * 1024
@@ -51,7 +51,7 @@ def _counts(spec: TrainingSpec):
     from ..models.source import resolve
     from ..models.build import quiet
 
-    if spec.world_size > 1 and spec.sharding == "none":   # as the simulation says (memlens.distributed.strategies.check)
+    if spec.world_size > 1 and spec.sharding == "none":   # as the simulation says (memlens.step.parallel.base.check)
         raise MemlensError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
     if spec.reshard_after_forward is not None and not isinstance(spec.reshard_after_forward, bool):
         raise MemlensError(f"--method formula does not model FSDP2 resharding over {spec.reshard_after_forward} GPUs "
@@ -88,8 +88,8 @@ def _counts(spec: TrainingSpec):
     for b in model.buffers():
         buf += b.numel() * b.element_size()
     block = 0
-    if spec.sharding in ("zero3", "fsdp"):   # FSDP2 gathers one block's parameters whole (memlens.distributed.fsdp)
-        from ..distributed.fsdp import find_blocks
+    if spec.sharding in ("zero3", "fsdp"):   # FSDP2 gathers one block's parameters whole (memlens.step.parallel.fsdp)
+        from ..step.parallel.fsdp import find_blocks
 
         block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in find_blocks(model)), default=p_bytes)
     return source, p_bytes, t_numel, t_bytes, buf, block

@@ -450,7 +450,8 @@ def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
     worker is not checked again in another)."""
     from ..core.errors import MemlensError
     from ..core.ledger import analyze
-    from . import depth, simulation_result
+    from . import depth
+    from .result import simulation_result
     from .simulate import simulate
 
     depth.CHECKED.update(checked or {})
@@ -668,7 +669,7 @@ class ScalingEstimator:
     def _result(sim, scaling: dict, result=None):
         """The Result of ``sim`` (``result``: made already, in the worker that simulated it)."""
         from ..core.ledger import analyze
-        from . import simulation_result
+        from .result import simulation_result
 
         if result is not None:
             r = result

@@ -50,7 +50,7 @@ class Simulation:
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
     applied: list[str] = field(default_factory=list)
-    wrapper: Any = None             # the multi-GPU wrapper of the simulated rank (memlens.distributed)
+    wrapper: Any = None             # the multi-GPU wrapper of the simulated rank (memlens.step.parallel)
     later_steps: str = ""        # how steps 2.. were made: "written from step 1" or "simulated (why)"
     later_micro_batches: str = ""  # with accumulation (k >= 2): how micro-batches 2..k were made
     later_layers: str = ""       # a stack of many layers: "written from 3 and 4 layers" or "simulated (why)"

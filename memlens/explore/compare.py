@@ -2,7 +2,7 @@
 
 The seeds' "technique comparison" (baseline, AMP, checkpointing, accumulation x4, AMP +
 checkpointing, all three) plus bf16, LoRA and the 8-bit / Adafactor optimizers. A technique is a
-name from the one technique table (:mod:`memlens.explore.techniques`); ``a+b`` combines techniques. Estimated (CPU, seconds each) by default;
+name from the one technique table (:mod:`memlens.core.techniques`); ``a+b`` combines techniques. Estimated (CPU, seconds each) by default;
 ``measure=True`` runs each configuration in a fresh subprocess on the device (``trial.run_trial``)
 and keeps the estimate beside the measurement.
 
@@ -18,11 +18,11 @@ from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.spec import TrainingSpec
-from . import techniques as tech
+from ..core import techniques as tech
 from .core import CachedEstimator, predict_step_time
-from .fits import Budget, fits
+from ..core.fits import Budget, fits
 
 
 DEFAULT_TECHNIQUES = tech.COMPARE_DEFAULT
@@ -92,7 +92,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
             row.update(estimated_peak_allocated_bytes=None, estimated_peak_reserved_bytes=None, estimate_error_message=e.message)
             first_error = first_error or e
         if measure:
-            from .trial import run_trial
+            from ..measure.trial import run_trial
 
             rec = (runner or run_trial)(s, device=device, steps=steps, timeout=timeout)
             row["status"] = rec["status"]

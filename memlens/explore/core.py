@@ -1,7 +1,7 @@
 """Shared pieces of compare / sweep / fit: a cached estimator and the step-time model.
 
 Everything here returns numbers; nothing prints. A spec for several GPUs is estimated like any
-other: ``memlens.estimator.estimate`` simulates each rank that can differ (memlens.distributed),
+other: ``memlens.estimator.estimate`` simulates each rank that can differ (memlens.step.parallel),
 so one spec gives one peak (the rank that peaks) through estimate, compare, sweep and fit.
 
 >>> p = Point(peak_allocated_bytes=10_000, peak_reserved_bytes=11_000, peak_phase="optimizer")
@@ -51,7 +51,7 @@ class Point:
                    timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"))
 
 
-from .fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
+from ..core.fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
 
 
 EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
@@ -68,7 +68,7 @@ class CachedEstimator:
     :class:`~memlens.estimator.scaling.ScalingEstimator`, which answers other batch sizes and
     sequence lengths of a spec already simulated by replaying its traces (the same bytes, a
     fraction of the time; ``prepare`` picks the traces for a known set of specs). A sharded spec
-    is estimated per rank (:mod:`memlens.distributed`), without the replay.
+    is estimated per rank (:mod:`memlens.estimator.ranks`), without the replay.
 
     >>> est = CachedEstimator(fn=lambda s: _Fake(s.batch_size))
     >>> est(TrainingSpec(model="m", batch_size=3)).peak_allocated_bytes, est.calls

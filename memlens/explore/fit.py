@@ -1,7 +1,7 @@
 """`fit`: the largest micro-batch whose step fits a memory budget, the accumulation that keeps the
 effective batch, and a ranked plan of settings that make a target fit.
 
-"Fits" is the one rule of :mod:`memlens.explore.fits` (budget - CUDA context - margin, against
+"Fits" is the one rule of :mod:`memlens.core.fits` (budget - CUDA context - margin, against
 min(peak reserved, peak allocated x 1.10)). The margin covers estimator error (median 0.01%
 allocated, reserved ~3%) and run-to-run allocator variation.
 
@@ -13,17 +13,16 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.spec import TrainingSpec
 
 from ..core.units import fmt_bytes
 from .core import CachedEstimator, fit_with_accumulation, largest_divisor_at_most
-from .fits import RULE, Budget, need_bytes
+from ..core.fits import RULE, Budget, need_bytes
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
 
 def search_field(spec: TrainingSpec) -> str:
@@ -78,7 +77,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     if n > 1 and context_bytes is None:
         # per GPU, the budget loses the CUDA context and NCCL's own buffers (outside the caching allocator)
         from ..core.gpus import gpu_facts
-        from ..distributed.nccl import nccl_bytes
+        from ..core.nccl import nccl_bytes
 
         nccl, src = nccl_bytes(gpu_facts(spec.gpu).name, n)
         context_bytes = gpu_facts(spec.gpu).cuda_context_bytes + (nccl or 0)
@@ -173,7 +172,7 @@ def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fracti
     Seeded by the estimate: seed+1 then seed (or seed+2): 2 trials when the estimate is exact or
     one below. ``memory_fraction`` caps the process (torch.cuda.set_per_process_memory_fraction).
     """
-    from .trial import run_trial
+    from ..measure.trial import run_trial
 
     if spec.world_size > 1:
         raise MemlensError(f"--verify runs one process; a {spec.world_size}-GPU job runs under torchrun",

@@ -28,9 +28,9 @@ from ..core import progress as core_progress
 from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
 from .core import CachedEstimator, need_bytes, predict_step_time
-from . import techniques
+from ..core import techniques
 from .search import max_fitting_among
-from .techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
+from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
 
 @dataclass(frozen=True)
 class Candidate:

@@ -29,11 +29,11 @@ from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from ..core.spec import TrainingSpec
 from .compare import technique_spec
 from .core import CachedEstimator, predict_step_time
-from .fits import Budget, fits
+from ..core.fits import Budget, fits
 
 RESULTS = "results.jsonl"
 
@@ -217,7 +217,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         raise errors[0]
     run = runner
     if run is None:
-        from .trial import run_trial as run
+        from ..measure.trial import run_trial as run
 
     def measure_cell(c: Cell, rec: dict[str, Any], cell_gpus: list[int] | None) -> None:
         kw: dict[str, Any] = {"gpus": cell_gpus} if cell_gpus is not None else {}

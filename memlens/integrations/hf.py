@@ -8,7 +8,7 @@
 Before the first step, ``MemlensCallback(fit_budget="24GiB")`` (or ``"auto"``: this GPU's free
 memory plus what this process already reserved) estimates the Trainer's step
 (:func:`memlens.integrations.trainer_estimate.estimate_parts`, on a meta skeleton of the model)
-and checks it with the one fit rule (:mod:`memlens.explore.fits`): ``.fit_verdict`` holds the
+and checks it with the one fit rule (:mod:`memlens.core.fits`): ``.fit_verdict`` holds the
 verdict, and a step that does not fit stops ``train()`` with one line before any OOM.
 
 Phases: forward and backward come from hooks on the model; the optimizer phase starts at
@@ -60,7 +60,7 @@ class MemlensCallback(TrainerCallback):
         """Estimate the step and apply the fit rule; raise MemlensError when it does not fit."""
         from ..core.errors import MemlensError
         from ..core.units import fmt_bytes
-        from ..explore.fits import Budget, fits
+        from ..core.fits import Budget, fits
         from .trainer_estimate import estimate_parts
 
         if train_dataloader is None:

@@ -31,7 +31,7 @@ import inspect
 from typing import Any
 
 from ..core.errors import MemlensError
-from ..measure.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
+from ..explore.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
 from ..measure.guard import Guard, guard_from_option, is_oom
 
 
@@ -130,7 +130,7 @@ class TrainerOom:
         """The changes of the micro-batch and the recoveries (a Result, verb "adaptive")."""
         from dataclasses import asdict
 
-        from ..report.result import Result
+        from ..core.result import Result
 
         rows = self.policy.last_rows
         data = {"micro_batch": self.policy.micro_batch or rows, "per_device_batch": rows,
@@ -240,7 +240,7 @@ class TrainerOom:
         """A part's weight in a batch-averaged loss: its label tokens as the Trainer counts them, else rows."""
         import torch
 
-        from ..measure.adaptive import batch_rows
+        from ..explore.adaptive import batch_rows
 
         labels = part.get("shift_labels") if isinstance(part, dict) else None
         if labels is None and isinstance(part, dict) and isinstance(part.get("labels"), torch.Tensor):
@@ -265,7 +265,7 @@ def start_oom_handling(options: dict, model, optimizer) -> TrainerOom:
     spec = options.get("spec")
     if oom.adaptive and spec is not None and options.get("micro_batch") is None:
         # start from the estimate: memlens.fit's largest micro-batch for one per-device batch
-        from ..measure.adaptive import start_from_fit
+        from ..explore.adaptive import start_from_fit
 
         rows = trainer.args.per_device_train_batch_size
         oom.start_fit = start_from_fit(oom.policy, spec.replace(batch_size=rows, grad_accum=1), None, rows)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..core.errors import MemlensError
-from ..measure.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
+from ..explore.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
 from ..measure.guard import Guard, is_oom
 
 
@@ -124,7 +124,7 @@ class LightningOom:
     def result(self):
         from dataclasses import asdict
 
-        from ..report.result import Result
+        from ..core.result import Result
 
         rows = self.policy.last_rows
         data = {"micro_batch": self.policy.micro_batch or rows, "batch_size": rows,

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 from ..core.enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL
 from ..core.errors import MemlensError
-from ..report.result import Result
+from ..core.result import Result
 from .history import parse_moment
 
 REPORT_JSON, REPORT_HTML, SNAPSHOT_PICKLE = "oom_report.json", "oom_report.html", "oom_snapshot.pickle"

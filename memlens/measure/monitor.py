@@ -227,7 +227,7 @@ class Monitor:
 
     def plot(self, path: str | Path) -> Path:
         """PNG of allocated and reserved over time, with the threshold and the alerts."""
-        from ..doctor.plots import _pyplot, _save
+        from ..report.doctor_plots import _pyplot, _save
 
         plt = _pyplot()
         hist = list(self.history)

@@ -48,10 +48,10 @@ from typing import Any
 from ..core.enums import OPTIMIZER_LABEL, OUTSIDE_LABEL
 from ..core.errors import MemlensError, NoDeviceError
 from ..core.tracker import register_inputs, register_model, tag_optimizer_state
-from ..report.result import Result
+from ..core.result import Result
+from .result import build_result
 
 MODES = ("phases", "full", "ledger")
-PHASE_NAMES = ("forward", "backward", "clip", "optimizer")   # clip: DP-SGD (Opacus' DPOptimizer before the update)
 META_PREFIX = "memlens:"   # allocator user metadata of our moments: "memlens:<moment index>"
 
 
@@ -294,7 +294,7 @@ class Profiler:
         self._close_steps()
         self._running = False
         self._result = self._build_result()
-        from ..distributed.gather import gather_profiles, rank_info
+        from .gather import gather_profiles, rank_info
 
         info = rank_info()
         if info is not None:   # one rank of a job: say which; rank 0 gathers every rank's result (a collective)
@@ -499,8 +499,6 @@ class Profiler:
 
     # result --------------------------------------------------------------
     def _build_result(self) -> Result:
-        from .result import build_result
-
         return build_result(self)
 
 

@@ -3,19 +3,17 @@ NVML and torch.profiler tables (verb "profile")."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..core.errors import MemlensError
-from ..report.result import Result
-from .profiler import PHASE_NAMES
+from ..core.result import Result
+from ..core.enums import MEASURED_PHASES
 
-if TYPE_CHECKING:
-    from .profiler import Profiler
 
 UNATTRIBUTED = "unattributed"
 
 
-def build_result(prof: "Profiler") -> Result:
+def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.profiler.Profiler
     """Everything the profiler saw, as one Result (verb "profile")."""
     import torch
 
@@ -92,7 +90,7 @@ def build_result(prof: "Profiler") -> Result:
         data["categories_sum_bytes"] = attributed
         data["categories_error"] = round((attributed - steps_peak) / steps_peak, 6) if steps_peak else 0.0
         data["lora_bytes_at_peak"] = sum(r["bytes"] for r in lora)
-        data["by_operation"] = {ph: view.by_phase_allocated.get(ph, 0) for ph in ("start", *PHASE_NAMES)
+        data["by_operation"] = {ph: view.by_phase_allocated.get(ph, 0) for ph in ("start", *MEASURED_PHASES)
                                 if ph != "clip" or ph in view.by_phase_allocated}   # clip: DP-SGD only
         from ..core.components import by_component
 

@@ -14,8 +14,9 @@ from typing import Any, Callable
 
 from ..core.enums import CATEGORIES
 from ..core.errors import MemlensError, NoDeviceError
-from ..report.result import Result
-from .profiler import PHASE_NAMES, Profiler, _resolve_device
+from ..core.result import Result
+from ..core.enums import MEASURED_PHASES
+from .profiler import Profiler, _resolve_device
 
 
 def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, mode: str = "phases",
@@ -219,7 +220,7 @@ class _Regions:
         if self.cur is not None:
             self.cur.__exit__(None, None, None)
             self.cur = None
-        if name in PHASE_NAMES:
+        if name in MEASURED_PHASES:
             self.cur = self.torch.autograd.profiler.record_function(f"memlens/{name}")
             self.cur.__enter__()
 
@@ -245,7 +246,7 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
         rows.append(row("peak reserved", est.peak_reserved_bytes, measured.peak_reserved_bytes))
     phases = [row(f"{ph} peak", (est.by_phase.get(ph) or {}).get("peak_allocated_bytes", 0),
                   (measured.by_phase.get(ph) or {}).get("peak_allocated_bytes", 0))
-              for ph in PHASE_NAMES if ph in measured.by_phase]
+              for ph in MEASURED_PHASES if ph in measured.by_phase]
     cats = []
     if measured.by_category:
         for c in CATEGORIES:

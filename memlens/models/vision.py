@@ -70,7 +70,7 @@ def build_vision_module(spec: TrainingSpec, source: ModelSource, device: Any):
     """Model (dtype, freezing, checkpointing, LoRA applied) and its ``{"x", "labels"}`` batch."""
     import torch
 
-    from .build import Built, apply_freeze, apply_lora, torch_dtype
+    from .adapt import Built, apply_freeze, apply_lora, torch_dtype
 
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     dtype = torch_dtype(spec.param_dtype)

@@ -2,7 +2,7 @@
 the account of the GPU, what held the memory (by category, module, allocating phase, largest
 blocks) and the levers, all from the guard's Result (one self-contained file, no matplotlib).
 
->>> from memlens.report.result import Result
+>>> from memlens.core.result import Result
 >>> r = Result(verb="guard", by_category={"activations": 3 * 2**30}, data={"diagnosis": "capacity", "requested_bytes": 2**30,
 ...            "allocated_bytes": 3 * 2**30, "account": {}, "levers": [], "reasons": ["too big"], "advice": ["halve"]})
 >>> "capacity" in guard_html(r) and "3.00 GiB" in guard_html(r)
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from ..core.units import fmt_bytes
 from .profile_report import _CSS, _e, _table
-from .result import Result
+from ..core.result import Result
 
 
 def guard_html(result: Result) -> str:

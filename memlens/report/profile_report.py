@@ -3,7 +3,7 @@
 Every figure is read from the Result (never recomputed). matplotlib is imported only here, with
 the Agg backend. The HTML inlines its CSS and its PNGs (base64): no CDN, opens offline.
 
->>> from memlens.report.result import Result
+>>> from memlens.core.result import Result
 >>> r = Result(verb="profile", peak_allocated_bytes=1024, timeline=[{"label": "start", "step": 1, "phase": "start",
 ...            "t_s": 0.0, "allocated_bytes": 512, "reserved_bytes": 2048, "peak_allocated_bytes": 512}])
 >>> timeline_csv(r).splitlines()[0]
@@ -18,7 +18,7 @@ import io
 from pathlib import Path
 
 from ..core.units import fmt_bytes
-from .result import Result
+from ..core.result import Result
 from .plots import pyplot as _pyplot
 
 _GIB = 1024**3

@@ -114,7 +114,6 @@ def train_step(
     forward and loss (a factory's own step). Returns the loss of the last micro-batch, detached
     (None on fake tensors' callers that ignore it).
     """
-    from .optim import clip_gradients
 
     last = None
     for _ in range(grad_accum):

@@ -17,8 +17,8 @@ What is applied, in order:
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
 6. DP-SGD: Opacus' ``make_private`` and ``BatchMemoryManager`` over the logical batch
-   (:mod:`memlens.integrations.opacus`); for ``world_size > 1`` the multi-GPU wrapper of this rank
-   (:mod:`memlens.distributed`: DDP, ZeRO-1, FSDP2), applied before the optimizer is built.
+   (:mod:`memlens.step.kinds.opacus`); for ``world_size > 1`` the multi-GPU wrapper of this rank
+   (:mod:`memlens.step.parallel`: DDP, ZeRO-1, FSDP2), applied before the optimizer is built.
 
 ``on_stage(label)`` is called after each setup stage ("model load", "data preparation",
 "optimizer setup", "privacy engine setup"), so a profiler can read the device there.
@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from ..core.errors import SpecError
 from ..core.spec import TrainingSpec
+from .fake import fake_batch, materialize_on_fake, tensors, to_device
 from .loop import PhaseHook, optimizer_step, train_step
 
 
@@ -56,14 +57,14 @@ class PreparedStep:
     image_size: int | None = None
     micro_batch: int = 1              # samples materialized at once (the physical batch under DP-SGD)
     fake_mode: Any = None
-    dp: Any = None                    # memlens.integrations.opacus.DPStep under --dp (runs the step)
+    dp: Any = None                    # memlens.step.kinds.opacus.DPStep under --dp (runs the step)
     applied: list[str] = field(default_factory=list)   # what was applied, in order (for reports)
     notes: list[str] = field(default_factory=list)
     load: dict[str, Any] = field(default_factory=dict)  # model-load figures (real devices)
     forward_keys: frozenset[str] | None = None   # a factory's dict batch: the entries forward takes
     step_fn: Callable | None = None              # a factory's own step(model, batch) -> loss
     target_len: int | None = None                # seq2seq: decoder tokens
-    wrapper: Any = None                          # memlens.distributed wrapper of this rank (world_size > 1)
+    wrapper: Any = None                          # memlens.step.parallel wrapper of this rank (world_size > 1)
 
     @property
     def param_count(self) -> int:
@@ -94,7 +95,7 @@ def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
     if source is not None:
         _refuse_for_source(spec, source)
     if spec.world_size > 1:
-        from ..distributed.strategies import check
+        from .parallel.base import check
 
         check(spec, fake=fake)       # what one rank of a multi-GPU job cannot apply
     elif spec.offload_optimizer:
@@ -179,12 +180,12 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     refuse_unsupported(spec, fake=fake, source=source)
     stage = on_stage or (lambda label: None)
     if spec.dp:
-        from ..integrations.opacus import check_spec
+        from .kinds.opacus import check_spec
 
         check_spec(spec, source.task)
     wrapper = None
     if spec.world_size > 1:
-        from ..distributed.strategies import wrapper_for
+        from .parallel.base import wrapper_for
 
         wrapper = wrapper_for(spec, fake=fake)
     micro = spec.batch_size   # under DP-SGD the logical batch: Opacus' data loader splits it
@@ -294,7 +295,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         micro = int(first.shape[0])   # a factory's batch has the samples it built
     dp = None
     if spec.dp:
-        from ..integrations.opacus import describe, make_private
+        from .kinds.opacus import describe, make_private
 
         dp = make_private(spec, model, optimizer, batch, device=dev, fake=fake, task=source.task, loss_fn=built.loss_fn,
                           autocast=autocast, name=source.name)
@@ -367,70 +368,6 @@ def _load_figures(p: PreparedStep) -> None:
     load["label"] = ("loaded_bytes: memory_allocated() after building the model with random weights on the device and "
                      "making the batch and optimizer, minus before; overhead: that minus the parameters' own bytes "
                      "(buffers, the batch, 512-byte rounding)")
-
-
-# ---------------------------------------------------------------- fake tensors
-def materialize_on_fake(model, fake_mode):
-    """Swap every meta tensor of a model for a fake CPU tensor of the same shape (ties kept)."""
-    import torch
-
-    memo: dict[int, Any] = {}
-    cpu = torch.device("cpu")
-    wrap = fake_mode.fake_tensor_converter.from_meta_and_device
-
-    def fake_of(t):
-        hit = memo.get(id(t))
-        if hit is None:
-            # a fresh contiguous meta tensor wrapped as a fake CPU tensor: what torch.empty under the
-            # fake mode returns, without dispatching an op for each of a 70B model's parameters
-            new = wrap(fake_mode, torch.empty(t.shape, dtype=t.dtype, device="meta"), cpu)
-            hit = torch.nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else new
-            memo[id(t)] = hit
-        return hit
-
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None and p.device.type == "meta":
-                mod._parameters[name] = fake_of(p)
-        for name, b in list(mod._buffers.items()):
-            if b is not None and b.device.type == "meta":
-                mod._buffers[name] = fake_of(b)
-        for name, v in list(vars(mod).items()):
-            if isinstance(v, torch.Tensor) and v.device.type == "meta":
-                setattr(mod, name, fake_of(v))
-    return model
-
-
-def fake_batch(batch: Any, fake_mode) -> Any:
-    """The batch's meta tensors as fake CPU tensors (one tensor used twice stays one)."""
-    import torch
-    from torch.utils._pytree import tree_map
-
-    memo: dict[int, Any] = {}
-
-    def conv(t):
-        if isinstance(t, torch.Tensor) and t.device.type == "meta":
-            if id(t) not in memo:
-                with fake_mode:
-                    memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            return memo[id(t)]
-        return t
-
-    return tree_map(conv, batch)
-
-
-def tensors(obj) -> list:
-    import torch
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
-
-
-def to_device(batch, dev):
-    import torch
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) and t.device != dev else t, batch)
 
 
 __all__ = ["PreparedStep", "prepare", "amp_setup", "refuse_unsupported", "materialize_on_fake", "fake_batch"]

@@ -5,8 +5,8 @@ import pytest
 
 from memlens.core.ledger import analyze
 from memlens.core.spec import TrainingSpec
-from memlens.distributed.ddp import bucket_bytes, bucket_caps
-from memlens.distributed.estimate import simulate_rank
+from memlens.step.parallel.ddp import bucket_bytes, bucket_caps
+from memlens.estimator.ranks import simulate_rank
 
 MiB = 2**20
 W0, W1, B1 = 1024 * 1024 * 4, 256 * 1024 * 4, 256 * 4      # fp32 bytes of tests.distributed.dist_models:three

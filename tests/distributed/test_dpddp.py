@@ -9,7 +9,7 @@ pytest.importorskip("opacus")
 from memlens.core.errors import SpecError  # noqa: E402
 from memlens.core.ledger import analyze  # noqa: E402
 from memlens.core.spec import TrainingSpec  # noqa: E402
-from memlens.distributed.estimate import estimate_ranks, simulate_rank  # noqa: E402
+from memlens.estimator.ranks import estimate_ranks, simulate_rank  # noqa: E402
 
 W = 32 * 64 * 4          # tests.tiny_models:seq_linear's one weight, fp32
 

@@ -47,7 +47,7 @@ def test_fit_answers_the_per_gpu_micro_batch():
 
 
 def test_fit_budget_loses_nccl_when_measured(monkeypatch):
-    from memlens.distributed import nccl
+    from memlens.core import nccl
     from memlens.explore.core import CachedEstimator, Point
     from memlens.explore.fit import fit
 

@@ -5,7 +5,7 @@ import pytest
 
 from memlens.core.ledger import analyze
 from memlens.core.spec import TrainingSpec
-from memlens.distributed.estimate import estimate_ranks, simulate_rank
+from memlens.estimator.ranks import estimate_ranks, simulate_rank
 
 MODEL = "tests.distributed.dist_models:blocks"
 
@@ -59,8 +59,8 @@ def test_reshard_after_forward_false_keeps_blocks_gathered_through_forward():
 
 def test_local_shard_optimizer_allocates_what_the_dtensor_one_does(monkeypatch):
     """The simulation steps the optimizer over the local shards; stepping the DTensors gives the same log."""
-    from memlens.distributed import fsdp
-    from memlens.distributed.strategies import Wrapper
+    from memlens.step.parallel import fsdp
+    from memlens.step.parallel.base import Wrapper
 
     spec = TrainingSpec(model=MODEL, world_size=4, sharding="fsdp")
     local = simulate_rank(spec, 3)
@@ -105,7 +105,7 @@ def test_a_rank_built_for_fsdp_on_a_device_keeps_tied_embeddings_tied(tmp_path):
     models; a rank must hold one embedding as the simulation does (2 x H200: +5 embedding shards)."""
     import json
 
-    from memlens.distributed.fsdp import FSDPWrapper
+    from memlens.step.parallel.fsdp import FSDPWrapper
     from memlens.models.source import resolve
     from memlens.step.prepare import build_for_sharding
 

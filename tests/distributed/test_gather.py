@@ -7,8 +7,8 @@ import subprocess
 import sys
 import textwrap
 
-from memlens.distributed.gather import merge_profiles
-from memlens.report.result import Result
+from memlens.measure.gather import merge_profiles
+from memlens.core.result import Result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -20,7 +20,7 @@ from memlens.doctor import oom as oom_mod
 from memlens.doctor.advice import oom_advice
 from memlens.doctor.oom import diagnose, diagnose_oom, find_oom_messages, parse_oom, what_fits
 from memlens.core.errors import MemlensError
-from memlens.report.result import Result
+from memlens.core.result import Result
 from memlens.core.spec import TrainingSpec
 
 from doctor_support import FIXTURES, format_size

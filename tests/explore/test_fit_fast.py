@@ -17,7 +17,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 from memlens.explore.core import CachedEstimator, Point, predict_step_time
 from memlens.explore.fit import fit
-from memlens.explore.fits import need_bytes
+from memlens.core.fits import need_bytes
 from memlens.explore.plan import Candidate, candidates, make_plan, plan_entry
 from memlens.explore.search import max_fitting_among
 

@@ -131,8 +131,8 @@ def test_a_batch_averaged_loss_keeps_the_configured_objective(tmp_path):
 def test_start_from_the_estimate_avoids_the_oom(tmp_path, monkeypatch):
     """With a spec, the callback starts from memlens.fit's largest micro-batch: no OOM at all."""
     from memlens.core.spec import TrainingSpec
-    from memlens.measure import adaptive
-    from memlens.report.result import Result
+    from memlens.explore import adaptive
+    from memlens.core.result import Result
 
     asked = []
 

@@ -273,7 +273,7 @@ def test_seed_names_that_disagree_are_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("mode", ["hooks", "ghost"])
 def test_repeated_physical_batches_are_simulated_once(monkeypatch, mode):
     """On fake tensors physical batches 3..k-1 of the same size are not re-run: the result equals running them all."""
-    import memlens.integrations.opacus as mo
+    import memlens.step.kinds.opacus as mo
 
     spec = dp(batch_size=11, physical_batch_size=2, seq_len=32, grad_sample_mode=mode)   # 2, 2, (2, 2, 2), 1
     short = estimate(spec)

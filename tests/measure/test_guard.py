@@ -75,7 +75,7 @@ def test_report_under_a_memory_fraction():
 
 def test_levers_estimated_with_a_spec():
     from memlens.core.spec import TrainingSpec
-    from memlens.report.result import Result
+    from memlens.core.result import Result
 
     def fake_estimate(spec):      # activations grow with the batch, the rest is fixed
         return Result(verb="estimate", peak_allocated_bytes=40 * MiB + spec.batch_size * 4 * MiB,

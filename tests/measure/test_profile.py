@@ -12,7 +12,7 @@ import memlens.measure.profiler as mp
 from memlens.core.ledger import replay
 from memlens.core.errors import MemlensError
 from memlens.report.profile_report import report_html, timeline_csv, write_report
-from memlens.report.result import Result
+from memlens.core.result import Result
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "profile"
 

@@ -1,13 +1,13 @@
 """One rank of ``memlens profile --world-size N``: run by torchrun, one process per GPU.
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m memlens.distributed.worker REQUEST.json
+    python -m torch.distributed.run --standalone --nproc-per-node N -m memlens.measure.worker REQUEST.json
 
 Each rank joins the process group torchrun describes (NCCL on CUDA, gloo on the CPU), builds its
 step with :func:`memlens.step.prepare` on its own device (the spec's wrapper: DDP, ZeRO-1 or FSDP2),
 profiles its own steps with :class:`memlens.measure.profiler.Profiler` (via
 :func:`memlens.measure.runner.profile_spec`), writes its own record ``rank<R>.json`` (so a rank that
 runs out of memory still says so), and rank 0 gathers every rank's Result with
-``gather_object`` into one (:func:`memlens.distributed.gather.merge_profiles`), ``result.json``.
+``gather_object`` into one (:func:`memlens.measure.gather.merge_profiles`), ``result.json``.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = TrainingSpec.from_dict(req["spec"])
     status = "ok"
     try:
-        from ..measure.runner import profile_spec
+        from .runner import profile_spec
 
         dev = f"cuda:{local}" if cuda else "cpu"
         result, artifacts = profile_spec(spec, steps=int(req.get("steps", 3)), warmup=int(req.get("warmup", 1)), device=dev,
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 def _nvml_used() -> int | None:
     """NVML used memory of this process (None where the driver does not say)."""
     try:
-        from ..measure.nvml import open_backend, process_used_bytes
+        from .nvml import open_backend, process_used_bytes
 
         be = open_backend()
     except Exception:  # noqa: BLE001 - no NVML: no figure

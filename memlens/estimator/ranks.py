@@ -3,7 +3,7 @@
 Each simulated rank is the real training step of :mod:`memlens.estimator.simulate`, with the
 rank's wrapper (DDP + the Reducer model, ZeRO-1, FSDP2) applied by :func:`memlens.step.prepare`
 under a fake process group of ``world_size`` ranks. Which ranks differ is the wrapper's answer
-(:meth:`~memlens.distributed.strategies.Wrapper.rank_groups`): every DDP rank holds the same
+(:meth:`~memlens.step.parallel.base.Wrapper.rank_groups`): every DDP rank holds the same
 tensors; FSDP2's first ranks hold the largest shards and the last the smallest; ZeRO-1's ranks
 differ by the parameter bytes their optimizer updates. Rank 0 is simulated first, then the other
 representatives; ranks between two simulated ones are reported as bounded by them.
@@ -19,15 +19,15 @@ import time
 from typing import Any
 
 from ..core.spec import TrainingSpec
-from ..report.result import Result
+from ..core.result import Result
 
 TOP_MODULES = 40
 
 
 def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2):
     """One rank of ``spec``'s job simulated in this process (a fake process group around it)."""
-    from ..estimator.simulate import simulate
-    from .fakepg import fake_process_group
+    from .simulate import simulate
+    from ..step.parallel.fakepg import fake_process_group
 
     with fake_process_group(rank, spec.world_size):
         return simulate(spec, source=source, steps=steps)
@@ -38,9 +38,9 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
     from ..core.gpus import gpu_facts
     from ..core.ledger import analyze, group_modules
-    from ..estimator import simulation_facts
+    from .result import simulation_facts
     from ..models.source import resolve
-    from .nccl import nccl_bytes
+    from ..core.nccl import nccl_bytes
 
     t0 = time.perf_counter()
     source = source or resolve(spec.model)

@@ -1,8 +1,8 @@
 """``memlens profile --world-size N``: launch torchrun, one process per GPU, and read back the job.
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m memlens.distributed.worker REQUEST.json
+    python -m torch.distributed.run --standalone --nproc-per-node N -m memlens.measure.worker REQUEST.json
 
-Each rank (:mod:`memlens.distributed.worker`) profiles its own step on its own GPU and leaves its
+Each rank (:mod:`memlens.measure.worker`) profiles its own step on its own GPU and leaves its
 record in an exchange directory; rank 0 gathers the Results into one. A rank that runs out of
 memory or fails says so in its record and leaves at once (torchrun then stops the others), so the
 launcher can say which rank failed and why in one line.
@@ -21,7 +21,7 @@ from typing import Any
 
 from ..core.errors import MemlensError, NoDeviceError
 from ..core.spec import TrainingSpec
-from ..report.result import Result
+from ..core.result import Result
 
 
 def check_gpus(world_size: int, device: str = "cuda", gpus: list[int] | None = None) -> None:
@@ -58,7 +58,7 @@ def child_env(gpus: list[int] | None = None) -> dict[str, str]:
 
 def torchrun_command(world_size: int, request_path: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-            "-m", "memlens.distributed.worker", request_path]
+            "-m", "memlens.measure.worker", request_path]
 
 
 def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = "phases", device: str = "cuda",
@@ -122,7 +122,7 @@ def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, 
         raise MemlensError(f"--device cpu runs gloo, which FSDP2's collectives on CPU tensors are not measured with",
                            hint="use --sharding ddp on the CPU, or a GPU machine")
     from ..models.source import resolve
-    from .strategies import check
+    from ..step.parallel.base import check
 
     resolve(spec.model)            # a bad --model is the first thing to say
     check(spec, fake=False)
@@ -136,7 +136,7 @@ def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, 
                                hint=job.get("hint") or "rerun one rank's step with `memlens profile` (no --world-size) to see it alone")
         result = job["result"]
         result.data["launcher"] = {"command": "python -m torch.distributed.run --standalone "
-                                              f"--nproc-per-node={spec.world_size} -m memlens.distributed.worker",
+                                              f"--nproc-per-node={spec.world_size} -m memlens.measure.worker",
                                    "wall_seconds": job["wall_seconds"]}
         if out_dir is not None:
             d = Path(out_dir)
@@ -172,7 +172,7 @@ def compare_ranks(spec: TrainingSpec, measured: Result) -> dict[str, Any]:
         rows.append({"name": f"rank {m['rank']} peak reserved", "estimated_bytes": er, "measured_bytes": mr,
                      "error": round((er - mr) / mr, 6) if er and mr else None})
     return {"available": True, "rows": rows, "by_phase": [], "by_category": [],
-            "note": "estimate: each rank simulated under a fake process group (memlens.distributed); ranks between two "
+            "note": "estimate: each rank simulated under a fake process group (memlens.step.parallel); ranks between two "
                     "simulated ranks take the simulated rank of their group.", "estimate_peak_rank": est.data.get("peak_rank")}
 
 

@@ -37,7 +37,7 @@ nn/parallel/distributed.py, torch 2.x):
   ``broadcast_coalesced`` flats.
 
 The all-reduce itself runs in place on the bucket; NCCL's own buffers are outside the caching
-allocator (see :mod:`memlens.distributed.nccl`).
+allocator (see :mod:`memlens.core.nccl`).
 
 >>> import torch
 >>> params = [torch.empty(300_000), torch.empty(100), torch.empty(300_000)]   # fp32: 1.2 MB, 400 B, 1.2 MB
@@ -52,8 +52,8 @@ import contextlib
 import sys
 from typing import Any
 
-from ..core.spec import TrainingSpec
-from .strategies import RankGroup, Wrapper
+from ...core.spec import TrainingSpec
+from .base import RankGroup, Wrapper
 
 MiB = 1 << 20
 BROADCAST_BUCKET_BYTES = 250 * MiB          # DistributedDataParallel.broadcast_bucket_size
@@ -236,7 +236,7 @@ class DDPWrapper(Wrapper):
 
     def wrap(self, model, *, device, fake_mode=None):
         if self.fake:
-            from ..step.prepare import materialize_on_fake
+            from ..fake import materialize_on_fake
 
             model = materialize_on_fake(model, fake_mode)
             self.reducer = SimulatedReducer(model, self.spec)
@@ -279,7 +279,7 @@ class Zero1Wrapper(DDPWrapper):
 
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from ..step.optim import make_optimizer
+        from ..optim import make_optimizer
 
         plain = make_optimizer(spec, model, simulate=simulate)
         cls = type(plain)

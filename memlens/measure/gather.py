@@ -7,7 +7,7 @@ makes one: the top-level peak is the rank that peaks (its categories, phases and
 ``ranks`` holds each rank's peaks, phases, categories, NVML figure and timeline, with the
 imbalance between ranks.
 
->>> from memlens.report.result import Result
+>>> from memlens.core.result import Result
 >>> a = Result(verb="profile", peak_allocated_bytes=100, peak_reserved_bytes=200, data={"rank": 0, "peak_phase": "backward"})
 >>> b = Result(verb="profile", peak_allocated_bytes=150, peak_reserved_bytes=210, data={"rank": 1, "peak_phase": "optimizer"})
 >>> m = merge_profiles([a, b])
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..report.result import Result
+from ..core.result import Result
 
 RANK_FIELDS = ("peak_phase", "peak_step", "device", "mode", "steps", "nvml", "max_memory_allocated_bytes",
                "max_memory_reserved_bytes", "allocator", "model_load")

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import MemlensError
-from ..core.version import __version__, environment
+from .errors import MemlensError
+from .version import __version__, environment
 from .payloads import Payload, payload_for
 
 SCHEMA_VERSION = "1"
 
-from ..core.enums import CATEGORIES, STEP_PHASES  # noqa: F401 - re-exported for renderers
+from .enums import CATEGORIES, STEP_PHASES  # noqa: F401 - re-exported for renderers
 
 _CORE = (
     "verb", "spec", "peak_allocated_bytes", "peak_reserved_bytes", "by_category", "by_phase",

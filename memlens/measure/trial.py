@@ -116,7 +116,7 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
 
 def _cpu_ledger(step, spec: TrainingSpec):
     """The profiler in its CPU ledger mode over a prepared step (as `memlens profile --device cpu` runs it)."""
-    from ..measure.profiler import Profiler
+    from .profiler import Profiler
 
     dp = step.dp
     if dp is not None and dp.functorch_layers:   # functorch cannot run under the ledger's saved-tensor hooks
@@ -132,7 +132,7 @@ def _measure_detailed(spec: TrainingSpec, dev, steps: int, rec: dict[str, Any]) 
     """The steps under memlens' profiler (full mode): the peak and its breakdown per category, phase and component."""
     import torch
 
-    from ..measure.runner import profile_spec
+    from .runner import profile_spec
 
     cuda = dev.type == "cuda"
     try:
@@ -175,13 +175,13 @@ def _child_env() -> dict[str, str]:
 def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeout: float = 600,
               memory_fraction: float | None = None, seed: int = 0, detailed: bool = False,
               gpus: list[int] | None = None) -> dict[str, Any]:
-    """``measure`` in a fresh ``python -m memlens.explore.trial`` process; never raises for the trial's fate.
+    """``measure`` in a fresh ``python -m memlens.measure.trial`` process; never raises for the trial's fate.
     The child inherits the environment (HF_TOKEN for gated configs: never on its command line).
 
     ``gpus``: the GPUs the trial may see (CUDA_VISIBLE_DEVICES). A spec for several GPUs runs under
-    torchrun, one process per GPU (:func:`memlens.distributed.launch.job_trial`; every rank's peaks)."""
+    torchrun, one process per GPU (:func:`memlens.measure.launch.job_trial`; every rank's peaks)."""
     if spec.world_size > 1:
-        from ..distributed.launch import job_trial
+        from .launch import job_trial
 
         return job_trial(spec, steps=steps, timeout=timeout, memory_fraction=memory_fraction, gpus=gpus)
     req = {"spec": spec.to_dict(), "device": device, "steps": steps, "memory_fraction": memory_fraction, "seed": seed,
@@ -192,7 +192,7 @@ def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeo
         env = _child_env()
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-        p = subprocess.run([sys.executable, "-m", "memlens.explore.trial"], input=json.dumps(req), capture_output=True,
+        p = subprocess.run([sys.executable, "-m", "memlens.measure.trial"], input=json.dumps(req), capture_output=True,
                            text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {**base, "status": "timeout", "error": f"no result after {timeout:g} s", "wall_seconds": time.perf_counter() - t}

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from ..core.spec import TrainingSpec
-from .strategies import RankGroup, Streams, Wrapper
+from ...core.spec import TrainingSpec
+from .base import RankGroup, Streams, Wrapper
 
 _FSDP = "torch.distributed.fsdp._fully_shard"
 
@@ -122,7 +122,7 @@ class FSDPWrapper(Wrapper):
         try:
             from accelerate import init_empty_weights
         except ImportError:
-            from ..core.errors import SpecError
+            from ...core.errors import SpecError
 
             raise SpecError("running FSDP2 on a device builds each rank's model with accelerate's init_empty_weights, "
                             "and accelerate (which peft installs) is missing", hint="pip install accelerate") from None
@@ -145,14 +145,14 @@ class FSDPWrapper(Wrapper):
                 fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=self.raf)
             fully_shard(model, mesh=mesh, mp_policy=mp)
         except (ValueError, NotImplementedError, AssertionError, RuntimeError) as e:
-            from ..core.errors import SpecError
+            from ...core.errors import SpecError
 
             msg = (str(e).splitlines() or [type(e).__name__])[0][:200]
             raise SpecError(f"FSDP2 fully_shard refuses this model: {msg}", hint="use --sharding ddp or zero1") from None
         self.facts.update(blocks=len(blocks), block_class=type(blocks[0]).__name__ if blocks else None,
                           reshard_after_forward=self.raf, mixed_precision=self.spec.precision == "amp-bf16")
         if self.fake:
-            from ..step.prepare import materialize_on_fake
+            from ..fake import materialize_on_fake
 
             allow = fake_mode.allow_non_fake_inputs
             fake_mode.allow_non_fake_inputs = True      # to_empty reads the meta shards' shapes
@@ -181,7 +181,7 @@ class FSDPWrapper(Wrapper):
         runs the same foreach kernels on the local shards (states of the local shape, temporaries
         alike), so the memory is the same, and the simulation skips DTensor's per-op sharding
         propagation (a third of the simulated step for an 8B model)."""
-        from ..step.optim import make_optimizer
+        from ..optim import make_optimizer
 
         if not simulate:
             return make_optimizer(spec, model, simulate=False)

@@ -40,7 +40,7 @@ size each step; memory follows the physical batch). The privacy accountant is Op
 
 Distributed DP-SGD: :func:`make_private` takes the rank's already-wrapped module, and Opacus picks
 its distributed optimizer from the module type. ``--dp --sharding ddp`` wraps in Opacus' DPDDP
-(:mod:`memlens.distributed.dpddp`); FSDP2 with ghost clipping (Opacus' ``ghost_fsdp``) is refused
+(:mod:`memlens.step.parallel.dpddp`); FSDP2 with ghost clipping (Opacus' ``ghost_fsdp``) is refused
 in one line: not simulated per rank yet.
 """
 from __future__ import annotations
@@ -49,8 +49,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..core.enums import Category
-from ..core.errors import MemlensError, SpecError
+from ...core.enums import Category
+from ...core.errors import MemlensError, SpecError
 
 PER_SAMPLE = Category.PER_SAMPLE_GRADIENTS.value
 GRAM = Category.GRAM_MATRICES.value
@@ -273,7 +273,7 @@ class DPStep:
 
     # -- pieces
     def _loss(self, batch):
-        from ..step.loop import forward_loss
+        from ..loop import forward_loss
 
         if self.criterion is None:                     # hooks: the model's own loss (or the factory's)
             return forward_loss(self.model, batch, self.loss_fn)

@@ -23,8 +23,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.errors import MemlensError
-from ..core.spec import TrainingSpec
+from .errors import MemlensError
+from .spec import TrainingSpec
 
 EXACT, NUMERICS, MODEL, PRIVACY = "same math", "numerics", "changes the model", "changes the privacy"
 
@@ -97,7 +97,7 @@ def _full_ft_8bit(spec: TrainingSpec, ctx: Context) -> dict[str, Any]:
 
 
 _fp32 = lambda s: s.precision == "fp32"   # noqa: E731
-_no_dp = lambda s: not s.dp               # noqa: E731 - Opacus refuses it (memlens.integrations.opacus.check_spec)
+_no_dp = lambda s: not s.dp               # noqa: E731 - Opacus refuses it (memlens.step.kinds.opacus.check_spec)
 ADAM = ("adamw", "adam", "adamw-fused", "adam-fused")   # full-precision Adam states a switch of optimizer saves
 _full = lambda s: not s.uses_lora          # noqa: E731
 _one_gpu = lambda s: s.world_size == 1 and not s.dp   # noqa: E731 - DP over GPUs: not run yet (issue 10)
@@ -141,7 +141,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               "optimizer states and gradients sharded; batch split over GPUs", _one_gpu),
     Technique("fsdp", "FSDP (ZeRO-3) over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "fsdp"}, EXACT,
               "parameters sharded too; all-gathers each layer (1.5x the communication of DDP)", _one_gpu),
-    # DP-SGD (Opacus): memlens.integrations.opacus runs them
+    # DP-SGD (Opacus): memlens.step.kinds.opacus runs them
     Technique("dp-hooks", "DP-SGD (Opacus hooks)", {"dp": True, "grad_sample_mode": "hooks"}, PRIVACY,
               "per-sample gradients: trainable parameters x physical batch, kept into the optimizer step",
               lambda s: s.dp and s.grad_sample_mode != "hooks"),

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.errors import MemlensError, NoDeviceError
-from ..core.units import fmt_bytes, parse_bytes
+from .errors import MemlensError, NoDeviceError
+from .units import fmt_bytes, parse_bytes
 
 PRESSED_ALLOCATOR_OVERHEAD = 0.10
 MARGIN_FRACTION = 0.05
@@ -83,7 +83,7 @@ class Budget:
              gpu: str | None = None) -> "Budget":
         """``budget`` None: this GPU's free memory now. ``margin``: bytes, a size string, or a fraction < 1.
         ``context_bytes`` None: the CUDA context of ``gpu`` (default: the GPU facts' default)."""
-        from ..core.gpus import gpu_facts
+        from .gpus import gpu_facts
 
         source = "given"
         if budget is None:

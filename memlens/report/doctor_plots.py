@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..report.result import Result
-from ..report.plots import pyplot as _pyplot
+from ..core.result import Result
+from .plots import pyplot as _pyplot
 
 _GIB = 1024**3
 

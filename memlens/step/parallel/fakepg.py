@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ..core.errors import MemlensError
+from ...core.errors import MemlensError
 
 
 @contextlib.contextmanager

@@ -28,8 +28,8 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..core.errors import SpecError
-from ..core.spec import TrainingSpec
+from ...core.errors import SpecError
+from ...core.spec import TrainingSpec
 
 FSDP_KINDS = ("zero2", "zero3", "fsdp")
 DDP_KINDS = ("ddp", "zero1")
@@ -87,7 +87,7 @@ class Wrapper:
         return model
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
-        from ..step.optim import make_optimizer
+        from ..optim import make_optimizer
 
         return make_optimizer(spec, model, simulate=simulate)
 
@@ -150,14 +150,14 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
 
 def wrapper_for(spec: TrainingSpec, *, fake: bool) -> Wrapper | None:
     """The wrapper for ``spec`` on this rank (None on one GPU). The process group must be up: the
-    fake one of :func:`memlens.distributed.fakepg.fake_process_group`, or torchrun's."""
+    fake one of :func:`memlens.step.parallel.fakepg.fake_process_group`, or torchrun's."""
     if spec.world_size == 1:
         return None
     check(spec, fake=fake)
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        how = ("`memlens estimate --world-size N` simulates each rank" if not fake else "run it inside memlens.distributed.fake_process_group")
+        how = ("`memlens estimate --world-size N` simulates each rank" if not fake else "run it inside memlens.step.parallel.fakepg.fake_process_group")
         raise SpecError(f"--world-size {spec.world_size}: this process is not one rank of a {spec.world_size}-GPU job",
                         hint=f"`memlens profile --world-size {spec.world_size}` launches torchrun itself; {how}")
     world = dist.get_world_size()

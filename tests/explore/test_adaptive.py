@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from memlens.core.errors import MemlensError
-from memlens.measure.adaptive import (AdaptiveBatch, MicroBatchPolicy, SplitRunner, TrendGuard, adaptive_batch,
+from memlens.explore.adaptive import (AdaptiveBatch, MicroBatchPolicy, SplitRunner, TrendGuard, adaptive_batch,
                                       batch_rows, slice_batch)
-from memlens.report.result import Result
+from memlens.core.result import Result
 
 
 def _model(dropout: float = 0.0):

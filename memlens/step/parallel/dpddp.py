@@ -13,15 +13,15 @@ What Opacus does (opacus/distributed.py, opacus/optimizers/ddpoptimizer*.py, 1.5
   ``p.grad = summed_grad.view_as(p)`` (no allocation). So rank 0 peaks higher by what the noise
   step allocates, the others hold one gradient copy less;
 - ``reduce_gradients``: ``all_reduce(p.grad)`` in place per parameter, then ``p.grad /= N``
-  (in place): NCCL's own buffers only (:mod:`memlens.distributed.nccl`).
+  (in place): NCCL's own buffers only (:mod:`memlens.core.nccl`).
 
 ``--batch-size`` is each rank's logical batch (without Poisson sampling Opacus leaves each
 rank's data loader as given; its expected batch size divides by N only for the noise scale).
 """
 from __future__ import annotations
 
-from ..core.spec import TrainingSpec
-from .strategies import RankGroup, Wrapper
+from ...core.spec import TrainingSpec
+from .base import RankGroup, Wrapper
 
 
 class DPDDPWrapper(Wrapper):
@@ -39,7 +39,7 @@ class DPDDPWrapper(Wrapper):
         from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 
         if self.fake:
-            from ..step.prepare import materialize_on_fake
+            from ..fake import materialize_on_fake
 
             model = materialize_on_fake(model, fake_mode)
             with fake_mode:

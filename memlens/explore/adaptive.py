@@ -23,7 +23,7 @@ Before redoing, what the failed attempt held is freed (the exception and its fra
 ``min_micro_batch``: an OOM there goes on as it was, so nothing loops forever. Between steps, the
 trend of memory per step (:class:`memlens.measure.monitor.StepTrend`) is extrapolated
 ``lookahead`` steps; when the predicted peak no longer fits what PyTorch can hold (the fit rule of
-:mod:`memlens.explore.fits`), the micro-batch is halved before the OOM. Every change is logged
+:mod:`memlens.core.fits`), the micro-batch is halved before the OOM. Every change is logged
 (``logging`` at WARNING, and ``on_change``) and kept in ``result``.
 
 The same mechanism drives the Hugging Face and Lightning callbacks (``adaptive=True``), which split
@@ -38,9 +38,9 @@ from typing import Any, Callable
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
-from ..report.result import Result
-from .guard import free_cuda_cache, is_oom
-from .monitor import StepTrend
+from ..core.result import Result
+from ..measure.guard import free_cuda_cache, is_oom
+from ..measure.monitor import StepTrend
 
 log = logging.getLogger("memlens.adaptive")
 
@@ -264,7 +264,7 @@ class TrendGuard:
     PyTorch could hold). The prediction goes through the one fit rule: need = min(reserved, allocated
     x 1.10) extrapolated ``lookahead`` steps by the slope of memory left at the end of a step, against
     what PyTorch could hold less the rule's minimum margin (a measurement has no estimate error to
-    cover; :mod:`memlens.explore.fits`)."""
+    cover; :mod:`memlens.core.fits`)."""
 
     def __init__(self, lookahead: int = 20, window: int = 10, probe: Callable[[], tuple[int, int, int, int]] | None = None):
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
@@ -276,7 +276,7 @@ class TrendGuard:
 
     def after_step(self, step: int) -> str | None:
         """A reason to halve now (the prediction, in words), or None."""
-        from ..explore.fits import MARGIN_MIN_BYTES, Budget, Need, fits
+        from ..core.fits import MARGIN_MIN_BYTES, Budget, Need, fits
 
         end, peak, reserved, reachable = self.probe()
         self.trend.record(step, end, peak)
@@ -410,7 +410,7 @@ def adaptive_batch(optimizer, **kwargs) -> AdaptiveBatch:
 def _fit(spec, budget, target: int | None = None):
     """memlens.fit's answer for ``spec``. Without a budget: what PyTorch could hold on this GPU now
     (reserved + free, so a model already on the GPU is not counted twice; no context to take off)."""
-    from ..explore.fit import fit
+    from .fit import fit
 
     ctx = None
     if budget is None:

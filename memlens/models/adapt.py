@@ -1,0 +1,92 @@
+"""What every model builder shares: the built model with its batch (:class:`Built`), the weight dtype,
+``--freeze`` and LoRA (peft) applied to a built model."""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..core.errors import SpecError
+from ..core.spec import TrainingSpec
+
+
+@dataclass
+class Built:
+    """A model ready to train, its batch, and how to get a loss from its output.
+
+    ``forward_keys``: for a dict batch, the entries the model's ``forward`` takes (None: all);
+    the others reach only ``loss_fn``. ``step``: a factory's own ``step(model, batch) -> loss``.
+    """
+
+    model: Any
+    batch: Any
+    loss_fn: Callable | None = None
+    seq_len: int | None = None
+    image_size: int | None = None
+    forward_keys: frozenset[str] | None = None
+    step: Callable | None = None
+    target_len: int | None = None
+    notes: tuple[str, ...] = ()
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def apply_freeze(model, patterns) -> None:
+    """Freeze parameters whose name contains a pattern (or matches it as a glob)."""
+    for pat in patterns or ():
+        hit = False
+        for name, p in model.named_parameters():
+            if pat in name or fnmatch.fnmatch(name, pat):
+                p.requires_grad_(False)
+                hit = True
+        if not hit:
+            tops = sorted({n.split(".")[0] for n, _ in model.named_parameters()})[:8]
+            raise SpecError(f"--freeze {pat!r} matches no parameter", hint=f"top-level modules: {', '.join(tops)}")
+
+
+def apply_lora(model, spec: TrainingSpec):
+    from peft import LoraConfig, get_peft_model
+
+    targets: Any = list(spec.lora_targets) if spec.lora_targets else None
+    mcfg = getattr(model, "config", None)      # None for a plain nn.Module from a factory
+    if targets is None and hasattr(mcfg, "text_config") and hasattr(mcfg, "vision_config"):
+        # VLMs: peft has no default; adapt the language model's attention like text LLMs (q, v)
+        targets = r".*language_model.*\.(q_proj|v_proj)$"
+    cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=0.0,
+                     target_modules=targets, bias="none")
+    if targets is None and mcfg is None:   # a plain nn.Module: peft has no default targets for it
+        names = adaptable_modules(model)
+        raise SpecError("--lora-rank on a model without a transformers config needs --lora-targets "
+                        + (f"(its Linear/Conv modules: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''})" if names
+                           else "(it has no Linear/Conv module LoRA can adapt)"),
+                        hint=f"e.g. --lora-targets {','.join(names[:2])}" if names else "drop --lora-rank")
+    try:
+        model = get_peft_model(model, cfg)
+    except (ValueError, TypeError, AttributeError) as e:
+        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        names = adaptable_modules(model)
+        raise SpecError(f"LoRA cannot be applied: {msg}",
+                        hint=(f"name the modules with --lora-targets (Linear/Conv modules: {', '.join(names[:6])})" if names
+                              else "name the modules with --lora-targets q_proj,v_proj")) from None
+    if spec.grad_checkpointing:
+        model.enable_input_require_grads()
+    return model
+
+
+def adaptable_modules(model) -> list[str]:
+    """Names of the modules peft's LoRA can adapt (Linear, Embedding, Conv1d/2d/3d, transformers' Conv1D),
+    as --lora-targets takes them (the last part of the name), most frequent first."""
+    import collections
+
+    import torch
+
+    kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
+    count: collections.Counter = collections.Counter()
+    for name, m in model.named_modules():
+        if name and (isinstance(m, kinds) or type(m).__name__ == "Conv1D"):
+            count[name.rsplit(".", 1)[-1]] += 1
+    return [n for n, _ in count.most_common()]

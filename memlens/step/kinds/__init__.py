@@ -1,0 +1,1 @@
+"""Step kinds other than the plain step: DP-SGD with Opacus (:mod:`.opacus`)."""
