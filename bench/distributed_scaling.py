@@ -5,7 +5,7 @@ python bench/distributed_scaling.py
 Each estimate runs as the whole command in a fresh process (`memlens estimate ... --json`), timed
 end to end on this machine. Writes bench/results/distributed_scaling.json and .md: per model and
 world size, the seconds, the peak of the rank that peaks, and the terms live at that peak
-(memlens.distributed.estimate.peak_terms); for each term, the ratio of its bytes at 64 GPUs to 8
+(memlens.estimator.ranks.peak_terms); for each term, the ratio of its bytes at 64 GPUs to 8
 GPUs (1/8 = 0.125 for a term that scales as 1/N).
 """
 from __future__ import annotations

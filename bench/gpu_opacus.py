@@ -10,7 +10,7 @@ over the optimizer steps (the peak counters are reset once the step is prepared)
 and time, and allocated / peak-since-step-start at every phase boundary (forward, backward, clip,
 optimizer, end) with the physical batch it belongs to. The model is built with random weights by
 memlens' builder and wrapped by Opacus' own PrivacyEngine.make_private and BatchMemoryManager
-(memlens.step.prepare -> memlens.integrations.opacus), the code `estimate --dp` runs on fake tensors.
+(memlens.step.prepare -> memlens.step.kinds.opacus), the code `estimate --dp` runs on fake tensors.
 Cases already in the jsonl are skipped, so a run cut by a time limit continues where it stopped.
 It prints a table at the end. Then, on the CPU: python bench/opacus_accuracy.py OUT_DIR/gpu_opacus.jsonl
 
