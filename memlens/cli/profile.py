@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..core.parallel import is_distributed
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
 from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
     mode = args.mode or ("full" if device == "cpu" else "phases")
     trace = str(d / "trace.json") if (d is not None and args.torch_profiler) else None
-    if spec.world_size > 1:
+    if is_distributed(spec):
         from ..measure.launch import profile_distributed
 
         if args.load_on_cpu:

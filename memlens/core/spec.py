@@ -14,11 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from .errors import SpecError
-from .optimizers import OPTIMIZERS, canonical_optimizer  # names and the Trainer's optim aliases
+from .optimizers import HF_OPTIM_ALIASES, OPTIMIZERS, canonical_optimizer, optimizer_names  # noqa: F401 - OPTIMIZERS re-exported
+from .parallel import SHARDING_NAMES, check_fields, is_distributed
+from .precision import PRECISION_NAMES, PRECISIONS as _PRECISION_FACTS
 
-PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16", "bf16-amp")  # bf16-amp: bf16 weights under bf16 autocast
+PRECISIONS = PRECISION_NAMES
 ATTENTION = ("sdpa", "eager")
-SHARDING = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
+SHARDING = SHARDING_NAMES
 GRAD_SAMPLE_MODES = ("hooks", "ghost")   # Opacus' own names (make_private's grad_sample_mode)
 
 
@@ -59,6 +61,7 @@ class TrainingSpec:
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
+    step_kind: str | None = None        # a registered step kind by name (memlens.step.kinds); None: from dp/hf_trainer/compile
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -72,11 +75,9 @@ class TrainingSpec:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
         object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
-        if self.optimizer not in OPTIMIZERS:
-            from .optimizers import HF_OPTIM_ALIASES
-
-            close = difflib.get_close_matches(str(self.optimizer), OPTIMIZERS + tuple(HF_OPTIM_ALIASES), n=1)
-            raise SpecError(f"optimizer {self.optimizer!r} is not one memlens models ({', '.join(OPTIMIZERS)}; "
+        if self.optimizer not in optimizer_names():
+            close = difflib.get_close_matches(str(self.optimizer), optimizer_names() + tuple(HF_OPTIM_ALIASES), n=1)
+            raise SpecError(f"optimizer {self.optimizer!r} is not one memlens models ({', '.join(optimizer_names())}; "
                             f"Trainer names: {', '.join(HF_OPTIM_ALIASES)})",
                             hint=(f"did you mean {close[0]!r}? " if close else "") + "use --optimizer adamw-fused")
         if self.max_grad_norm is not None:
@@ -111,33 +112,10 @@ class TrainingSpec:
                 f"max_physical_batch_size {self.physical_batch_size} > batch_size {self.batch_size}",
                 hint="the physical batch is a part of the logical --batch-size (Opacus' BatchMemoryManager): keep it <= the batch",
             )
-        if self.sharding != "none" and self.world_size == 1:
-            raise SpecError(f"sharding {self.sharding!r} needs --world-size > 1", hint="add --world-size 8")
-        self._check_distributed()
-        if self.precision in ("fp16",) and self.optimizer == "adamw-8bit":
-            pass  # allowed: bnb 8-bit optimizers work with fp16 params
+        check_fields(self)
+        if self.step_kind is not None and (not isinstance(self.step_kind, str) or not self.step_kind.strip()):
+            raise SpecError(f"step-kind must be a name, got {self.step_kind!r}", hint="omit it: the step kind follows --dp, --hf-trainer, --compile")
 
-    def _check_distributed(self) -> None:
-        # (--world-size without --sharding is refused where a step is built: memlens.step.parallel.base.check)
-        fsdp = self.sharding in ("zero2", "zero3", "fsdp")
-        ddp = self.sharding in ("ddp", "zero1")
-        raf = self.reshard_after_forward
-        if raf is not None:
-            if not fsdp:
-                raise SpecError("--reshard-after-forward is an FSDP2 setting", hint="use it with --sharding fsdp (or zero2, zero3)")
-            if self.sharding == "zero2" and raf is not False:
-                raise SpecError("zero2 is FSDP2 with reshard_after_forward=False", hint="drop --reshard-after-forward, or use --sharding fsdp")
-            if not isinstance(raf, bool):
-                if not isinstance(raf, int) or raf < 2 or raf >= self.world_size or self.world_size % raf:
-                    raise SpecError(f"--reshard-after-forward {raf!r} must be true, false or a divisor of the world size between 2 and "
-                                    f"{self.world_size - 1}", hint="e.g. --reshard-after-forward true")
-        if self.gradient_as_bucket_view and not ddp:
-            raise SpecError("--gradient-as-bucket-view is a DDP setting", hint="use it with --sharding ddp or zero1")
-        if self.bucket_cap_mb is not None:
-            if not ddp:
-                raise SpecError("--bucket-cap-mb is a DDP setting", hint="use it with --sharding ddp or zero1")
-            if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) or not self.bucket_cap_mb > 0:
-                raise SpecError(f"--bucket-cap-mb must be a positive number, got {self.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
     def _check_dp(self) -> None:
         """DP-SGD settings need --dp; under --dp they get Opacus' defaults (hooks, max_grad_norm 1, noise 1)."""
         dp_only = {"grad_sample_mode": self.grad_sample_mode, "noise_multiplier": self.noise_multiplier}
@@ -167,11 +145,11 @@ class TrainingSpec:
 
     @property
     def autocast_dtype(self) -> str | None:
-        return {"amp-fp16": "float16", "amp-bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision)
+        return _PRECISION_FACTS[self.precision].autocast
 
     @property
     def param_dtype(self) -> str:
-        return {"fp16": "float16", "bf16": "bfloat16", "bf16-amp": "bfloat16"}.get(self.precision, "float32")
+        return _PRECISION_FACTS[self.precision].weights
 
     @property
     def uses_lora(self) -> bool:
@@ -180,6 +158,8 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if d["step_kind"] is None:     # absent unless a registered step kind is named
+            del d["step_kind"]
         for k in ("lora_targets", "freeze"):
             if d[k] is not None:
                 d[k] = list(d[k])
@@ -260,9 +240,11 @@ class TrainingSpec:
             parts.append("compile")
         if self.hf_trainer:
             parts.append("trainer")
+        if self.step_kind:
+            parts.append(f"kind={self.step_kind}")
         if self.dp:
             parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
-        if self.world_size > 1:
+        if is_distributed(self):
             parts.append(f"{self.sharding}x{self.world_size}")
         if self.reshard_after_forward is not None:
             parts.append(f"reshard={str(self.reshard_after_forward).lower()}")

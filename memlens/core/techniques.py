@@ -20,6 +20,7 @@ hooks or ghost clipping, or without it).
 from __future__ import annotations
 
 import difflib
+from .parallel import is_distributed
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -100,7 +101,7 @@ _fp32 = lambda s: s.precision == "fp32"   # noqa: E731
 _no_dp = lambda s: not s.dp               # noqa: E731 - Opacus refuses it (memlens.step.kinds.opacus.check_spec)
 ADAM = ("adamw", "adam", "adamw-fused", "adam-fused")   # full-precision Adam states a switch of optimizer saves
 _full = lambda s: not s.uses_lora          # noqa: E731
-_one_gpu = lambda s: s.world_size == 1 and not s.dp   # noqa: E731 - DP over GPUs: not run yet (issue 10)
+_one_gpu = lambda s: not is_distributed(s) and not s.dp   # noqa: E731 - DP over GPUs: not run yet (issue 10)
 
 TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("fp32", "fp32", {"precision": "fp32"}, NUMERICS, "fp32 everything: the baseline of mixed precision"),

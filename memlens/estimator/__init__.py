@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+from ..core.parallel import is_distributed
 from ..core.result import Result
 from .result import simulation_result
 from ..core.spec import TrainingSpec
@@ -21,7 +22,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
     method "simulate" runs the step on fake tensors (exact, seconds); "formula" uses the closed
     form (instant, any size, each term explained). ``source``: a resolved model source (default:
     ``spec.model`` resolved; :func:`memlens.estimate_trainer` passes a Trainer's model). With
-    ``world_size > 1`` "simulate" runs each rank that can differ under a fake process group
+    several GPUs "simulate" runs each rank that can differ under a fake process group
     (:mod:`memlens.estimator.ranks`).
     """
     from ..core.errors import MemlensError
@@ -32,7 +33,7 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
         from .formula import formula_estimate
 
         return formula_estimate(spec)
-    if spec.world_size > 1:
+    if is_distributed(spec):
         from .ranks import estimate_ranks
 
         return estimate_ranks(spec, steps=steps, source=source)     # one simulation per rank that can differ

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import copy
 import re
+from ..core.parallel import is_distributed
+from ..step.kinds import kind_for
 from dataclasses import dataclass
 
 from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, Tag, until_done
@@ -101,7 +103,7 @@ def why_not(spec, source) -> str | None:
         return "no num_hidden_layers in the config"
     if n < MIN_LAYERS:
         return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
-    if spec.world_size > 1 or spec.dp or spec.compile:
+    if is_distributed(spec) or not kind_for(spec).layers_written:
         return "several GPUs, DP-SGD or --compile"
     if any(re.search(r"\d", p) for p in tuple(spec.freeze or ()) + tuple(spec.lora_targets or ())):
         return "a --freeze or --lora-targets pattern names layers by number"

@@ -14,6 +14,8 @@ Peak = max(forward/backward peak, optimizer-step peak):
 """
 from __future__ import annotations
 
+from ..core.optimizers import optimizer_facts
+from ..core.parallel import is_distributed, sharding_of
 from dataclasses import dataclass
 
 from ..core.errors import MemlensError
@@ -51,7 +53,7 @@ def _counts(spec: TrainingSpec):
     from ..models.source import resolve
     from ..models.build import quiet
 
-    if spec.world_size > 1 and spec.sharding == "none":   # as the simulation says (memlens.step.parallel.base.check)
+    if is_distributed(spec) and sharding_of(spec).name == "none":   # as the simulation says (memlens.step.parallel.base.check)
         raise MemlensError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
     if spec.reshard_after_forward is not None and not isinstance(spec.reshard_after_forward, bool):
         raise MemlensError(f"--method formula does not model FSDP2 resharding over {spec.reshard_after_forward} GPUs "
@@ -88,7 +90,7 @@ def _counts(spec: TrainingSpec):
     for b in model.buffers():
         buf += b.numel() * b.element_size()
     block = 0
-    if spec.sharding in ("zero3", "fsdp"):   # FSDP2 gathers one block's parameters whole (memlens.step.parallel.fsdp)
+    if sharding_of(spec).shards_parameters:   # FSDP2 gathers one block's parameters whole (memlens.step.parallel.fsdp)
         from ..step.parallel.fsdp import find_blocks
 
         block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in find_blocks(model)), default=p_bytes)
@@ -138,36 +140,33 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
         logits = tokens * V * (e + 4 + 4)
         logits_why = f"B*L*V logits ({e} B) + fp32 log-softmax ({4} B) + its gradient ({4} B)"
     bpe = 2 if spec.param_dtype != "float32" else 4
-    opt_bytes = {"adamw": 2 * t_bytes, "adam": 2 * t_bytes, "adamw-fused": 2 * t_bytes, "adam-fused": 2 * t_bytes, "sgd": 0,
-                 "sgd-momentum": t_bytes, "adafactor": int(0.02 * t_bytes) + 4 * 1024, "adafactor-hf": int(0.02 * t_bytes) + 4 * 1024,
-                 "adamw-8bit": 2 * t_numel, "paged-adamw-8bit": 0}[spec.optimizer]
-    # foreach: one parameter-sized list; fused and bitsandbytes: none; Adafactor (torch's single-tensor path,
-    # transformers'): two parameter-sized temporaries of the largest tensor (fp32 for transformers')
-    opt_tmp = {"adamw": t_bytes, "adam": t_bytes, "adamw-fused": 0, "adam-fused": 0, "sgd": 0, "sgd-momentum": 0,
-               "adafactor": 0, "adafactor-hf": 0, "adamw-8bit": 0, "paged-adamw-8bit": 0}[spec.optimizer]
+    optimizer = optimizer_facts(spec.optimizer)   # state and step-temporary bytes (memlens.core.optimizers)
+    opt_bytes = optimizer.state_bytes(t_numel, t_bytes)
+    opt_tmp = optimizer.temporary_bytes(t_numel, t_bytes)
     if spec.offload_optimizer:
         opt_bytes, opt_tmp = 0, 0
-    shard = spec.world_size if spec.sharding in ("zero1", "zero2", "zero3", "fsdp") else 1
+    sh = sharding_of(spec)
+    shard = spec.world_size if sh.shards_optimizer_state else 1
     grads = t_bytes
     params = p_bytes + buf
     if shard > 1:
         opt_bytes //= shard
         opt_tmp //= shard
-        if spec.sharding in ("zero2", "zero3", "fsdp"):
+        if sh.shards_gradients:
             grads //= shard
-        if spec.sharding in ("zero3", "fsdp"):
+        if sh.shards_parameters:
             params //= shard
     gathered = 0
     shard_why = ""
     if shard > 1:
-        split = ["optimizer states"] + (["gradients"] if spec.sharding in ("zero2", "zero3", "fsdp") else []) + \
-            (["parameters"] if spec.sharding in ("zero3", "fsdp") else [])
+        split = ["optimizer states"] + (["gradients"] if sh.shards_gradients else []) + \
+            (["parameters"] if sh.shards_parameters else [])
         shard_why = f"{spec.sharding} over {shard} ranks: {', '.join(split)} / {shard} per rank"
-    if spec.sharding in ("zero3", "fsdp") and spec.reshard_after_forward is not False:
+    if sh.shards_parameters and spec.reshard_after_forward is not False:
         # FSDP2 all-gathers a block's parameters whole before it runs and prefetches the next one: two blocks at a time
         gathered = 2 * block
     bucket = 0
-    if spec.sharding in ("ddp", "zero1") and not spec.gradient_as_bucket_view:
+    if sh.family == "ddp" and not spec.gradient_as_bucket_view:
         bucket = grads   # DDP's Reducer copies every gradient into its flat all-reduce buckets (no views)
     fb = [
         Term("parameters", params + gathered, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"
@@ -192,12 +191,13 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
 
 
 def _sharding_note(spec: TrainingSpec) -> str:
-    if spec.sharding in ("ddp", "none"):
+    sh = sharding_of(spec)
+    if not sh.shards_optimizer_state:
         return "every rank holds the whole model states" + ("" if spec.gradient_as_bucket_view else " plus DDP's gradient buckets")
-    split = {"zero1": "optimizer states", "zero2": "gradients and optimizer states",
-             "zero3": "parameters, gradients and optimizer states", "fsdp": "parameters, gradients and optimizer states"}
-    return f"{split[spec.sharding]} divided by {spec.world_size}" + (
-        "; two blocks' parameters gathered whole" if spec.sharding in ("zero3", "fsdp") and spec.reshard_after_forward is not False else "")
+    split = ", ".join(n for n, on in (("parameters", sh.shards_parameters), ("gradients", sh.shards_gradients)) if on)
+    split = f"{split} and optimizer states" if split else "optimizer states"
+    return f"{split} divided by {spec.world_size}" + (
+        "; two blocks' parameters gathered whole" if sh.shards_parameters and spec.reshard_after_forward is not False else "")
 
 
 def formula_estimate(spec: TrainingSpec) -> Result:
@@ -223,7 +223,7 @@ def formula_estimate(spec: TrainingSpec) -> Result:
         notes=["closed form: model states exact, activations from per-family constants (approximate);",
                "peak_reserved_bytes assumes 5% allocator overhead; use --method simulate for exact figures."]
         + ([f"per rank of {spec.world_size} GPUs ({spec.sharding}): {_sharding_note(spec)}; NCCL's buffers and "
-            "communication temporaries are not counted (--method simulate runs the wrapper)"] if spec.world_size > 1 else [])
+            "communication temporaries are not counted (--method simulate runs the wrapper)"] if is_distributed(spec) else [])
         + (["--offload-optimizer: optimizer states and step on the CPU (no GPU bytes counted for them)"]
            if spec.offload_optimizer else []),
         data={"method": "formula", "peak_phase": "backward" if fb_total >= opt_total else "optimizer",

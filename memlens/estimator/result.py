@@ -4,6 +4,7 @@ from __future__ import annotations
 from ..core.components import by_component
 from ..core.gpus import gpu_facts
 from ..core.ledger import group_modules
+from ..core.precision import precision_of
 from ..core.result import Result
 
 # measured on an H100 (bench/gpu_fp16_steps.py): torchvision's ResNet-50 from random weights skipped
@@ -64,7 +65,7 @@ def simulation_result(sim, a) -> Result:
         },
     )
     r.notes.extend(sim.notes)
-    if spec.precision == "amp-fp16":
+    if precision_of(spec).grad_scaler:
         r.notes.append(FP16_SKIPPED_STEPS)
     if spec.compile:
         from .compiled import MODEL

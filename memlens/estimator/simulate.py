@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from ..core.precision import precision_of
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,13 +163,13 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     emulation = cuda_rules.CudaEmulation(rules)
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     step = prepare(spec, fake=True, source=source, autocast=autocast,
-                   scaler=_FakeGradScaler() if spec.precision == "amp-fp16" else None)
+                   scaler=_FakeGradScaler() if precision_of(spec).grad_scaler else None)
     model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
     if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
         from .compiled import compile_for_simulation
 
-        if step.step_fn is not None or spec.dp:
+        if step.step_fn is not None or step.plan.dp:
             raise MemlensError("--compile is simulated for a model's forward only, not with " +
                                ("a factory's own step function" if step.step_fn is not None else "--dp"),
                                hint="drop --compile (the eager estimate is an upper bound of the compiled step)")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -92,7 +93,7 @@ class CachedEstimator:
     @staticmethod
     def _scalable(spec: TrainingSpec) -> bool:
         """Specs the replay serves (one rank); a sharded spec is simulated per rank."""
-        return spec.world_size == 1
+        return not is_distributed(spec)
 
     def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
         """Simulate first the specs that let the others be replayed (see ScalingEstimator.prepare)."""
@@ -272,7 +273,7 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
         acc = ceil_div(spec.batch_size, mb)
     L = tokens_per_sample or p.seq_len or spec.seq_len or 512
     n, nt = max(p.param_count, 1), p.trainable_param_count
-    n_ranks = spec.world_size if spec.sharding not in ("none",) or spec.world_size > 1 else 1
+    n_ranks = data_parallel_ranks(spec)
     tokens_micro = mb * L
     flops_per_token = 2 * n + 2 * n + 2 * nt
     if spec.dp:
@@ -293,7 +294,7 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
         param_bytes = nt * (2 if spec.param_dtype != "float32" else 4)
         parts["offload"] = (grad_bytes + param_bytes) / PCIE_BYTES_PER_S + nt / CPU_ADAM_PARAMS_PER_S
     if n_ranks > 1:
-        factor = 3.0 if spec.sharding in ("zero3", "fsdp") else 2.0
+        factor = 3.0 if sharding_of(spec).shards_parameters else 2.0   # FSDP2 gathers parameters again in backward
         parts["communication"] = factor * (n_ranks - 1) / n_ranks * grad_bytes / LINK_BYTES_PER_S
     # the batch per rank: the spec's micro-batch is per GPU, so each rank does all its micro-steps
     return StepTime(sum(parts.values()), {k: v for k, v in parts.items()})

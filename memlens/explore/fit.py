@@ -13,6 +13,7 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 from __future__ import annotations
 
 import time
+from ..core.parallel import is_distributed
 from typing import Any, Callable
 
 from ..core import progress as core_progress
@@ -174,7 +175,7 @@ def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fracti
     """
     from ..measure.trial import run_trial
 
-    if spec.world_size > 1:
+    if is_distributed(spec):
         raise MemlensError(f"--verify runs one process; a {spec.world_size}-GPU job runs under torchrun",
                            hint=f"measure it with `memlens profile --world-size {spec.world_size}` (launches torchrun)")
     runner = runner or run_trial

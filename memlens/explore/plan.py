@@ -21,6 +21,7 @@ checkpointing to a setting that fits, or 8 GPUs to a step one GPU runs, is then 
 """
 from __future__ import annotations
 
+from ..core.parallel import data_parallel_ranks, is_distributed
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -124,7 +125,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError as e:
         return fail(e.message)
-    n = s.world_size if s.world_size > 1 else 1
+    n = data_parallel_ranks(s)
     if target_batch % n:
         return fail(f"the target batch {target_batch} does not split evenly over {n} GPUs", n)
     per_gpu = target_batch // n
@@ -169,7 +170,7 @@ def _reference_slope(est: CachedEstimator, spec: TrainingSpec, field_name: str, 
     target (fit's own first probes, shared by every entry: waited for if still running), else
     through the two farthest batch sizes >= 2 estimated of it so far. The first guess of a setting
     that has one probe of its own."""
-    if field_name == "batch_size" and per_gpu > 2 and spec.world_size == 1:
+    if field_name == "batch_size" and per_gpu > 2 and not is_distributed(spec):
         try:
             a, c = (need_bytes(est(spec.replace(grad_accum=1, batch_size=b))) for b in (2, per_gpu))
         except MemlensError:
@@ -205,7 +206,7 @@ def best_gpu_seconds(spec: TrainingSpec, cand: Candidate, p, target_batch: int) 
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError:
         return None
-    n = s.world_size if s.world_size > 1 else 1
+    n = data_parallel_ranks(s)
     if target_batch % n:
         return None
     per_gpu = target_batch // n

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from ..core.parallel import sharding_of
 from pathlib import Path
 from typing import Any
 
@@ -118,11 +119,11 @@ def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, 
     if device not in (None, "cpu", "cuda"):
         raise MemlensError(f"--device {device} names one GPU; --world-size {spec.world_size} uses the first {spec.world_size}",
                            hint="drop --device (or use CUDA_VISIBLE_DEVICES to choose the GPUs)")
-    if dev == "cpu" and spec.sharding not in ("ddp", "zero1"):
-        raise MemlensError(f"--device cpu runs gloo, which FSDP2's collectives on CPU tensors are not measured with",
+    if dev == "cpu" and sharding_of(spec).family != "ddp":
+        raise MemlensError("--device cpu runs gloo, which FSDP2's collectives on CPU tensors are not measured with",
                            hint="use --sharding ddp on the CPU, or a GPU machine")
     from ..models.source import resolve
-    from ..step.parallel.base import check
+    from ..step.parallel import check
 
     resolve(spec.model)            # a bad --model is the first thing to say
     check(spec, fake=False)

@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import time
+from ..core.parallel import is_distributed
 from typing import Any
 
 from ..core.spec import TrainingSpec
@@ -180,7 +181,7 @@ def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeo
 
     ``gpus``: the GPUs the trial may see (CUDA_VISIBLE_DEVICES). A spec for several GPUs runs under
     torchrun, one process per GPU (:func:`memlens.measure.launch.job_trial`; every rank's peaks)."""
-    if spec.world_size > 1:
+    if is_distributed(spec):
         from .launch import job_trial
 
         return job_trial(spec, steps=steps, timeout=timeout, memory_fraction=memory_fraction, gpus=gpus)

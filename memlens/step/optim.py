@@ -39,6 +39,7 @@ then keep 32-bit states for ``nn.Embedding`` weights (the Trainer's GlobalOptimM
 from __future__ import annotations
 
 from ..core.errors import SpecError
+from ..core.optimizers import optimizer_facts
 from ..core.spec import TrainingSpec
 
 LR = 1e-4
@@ -93,6 +94,9 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
 
     groups = param_groups(spec, model)
     name = spec.optimizer
+    entry = optimizer_facts(name)
+    if entry.build is not None:          # a registered optimizer builds itself
+        return entry.build(groups, spec, model, simulate)
     fe = {"foreach": True} if simulate else {}   # on CUDA torch picks foreach by itself
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=LR, **fe)
@@ -122,7 +126,7 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
         fp32 = embedding_weights(model) if spec.hf_trainer else set()
         if not simulate:
             return _bnb_adamw8bit(groups, paged, fp32, model)
-        from ..models.quant import AdamW8bitSim  # memory-faithful stand-in (bitsandbytes needs a GPU)
+        from ..models.quant import AdamW8bitSim  # heavy: imports torch; memory-faithful stand-in (bitsandbytes needs a GPU)
 
         return AdamW8bitSim(groups, lr=LR, paged=paged, fp32_params=fp32)
     raise AssertionError(name)

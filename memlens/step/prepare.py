@@ -17,7 +17,7 @@ What is applied, in order:
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
 6. DP-SGD: Opacus' ``make_private`` and ``BatchMemoryManager`` over the logical batch
-   (:mod:`memlens.step.kinds.opacus`); for ``world_size > 1`` the multi-GPU wrapper of this rank
+   (:mod:`memlens.step.kinds.opacus`); for several GPUs the multi-GPU wrapper of this rank
    (:mod:`memlens.step.parallel`: DDP, ZeRO-1, FSDP2), applied before the optimizer is built.
 
 ``on_stage(label)`` is called after each setup stage ("model load", "data preparation",
@@ -34,8 +34,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..core.errors import SpecError
+from ..core.precision import precision_of
 from ..core.spec import TrainingSpec
+from ..models.build import build, quiet
+from ..models.source import resolve as resolve_source
+from .optim import make_optimizer
+from .parallel import wrapper_for
+from .plan import StepPlan, resolve
 from .fake import fake_batch, materialize_on_fake, tensors, to_device
+from .kinds.opacus import describe, make_private
 from .loop import PhaseHook, optimizer_step, train_step
 
 
@@ -64,7 +71,8 @@ class PreparedStep:
     forward_keys: frozenset[str] | None = None   # a factory's dict batch: the entries forward takes
     step_fn: Callable | None = None              # a factory's own step(model, batch) -> loss
     target_len: int | None = None                # seq2seq: decoder tokens
-    wrapper: Any = None                          # memlens.step.parallel wrapper of this rank (world_size > 1)
+    wrapper: Any = None                          # memlens.step.parallel wrapper of this rank (several GPUs)
+    plan: StepPlan | None = None                 # what step this is (memlens.step.plan.resolve)
 
     @property
     def param_count(self) -> int:
@@ -77,8 +85,8 @@ class PreparedStep:
     def run(self, on_phase: PhaseHook = lambda name: None):
         """One optimizer step (all ``grad_accum`` micro-batches, or under DP-SGD all physical batches of
         the logical batch); returns the last micro-batch's loss."""
-        if self.dp is not None:
-            return self.dp.run(on_phase)
+        if self.plan is not None and self.plan.kind.run is not None:
+            return self.plan.kind.run(self, on_phase)
         return train_step(self.model, self.optimizer, self.batch, grad_accum=self.spec.grad_accum,
                           autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase,
                           max_grad_norm=self.spec.max_grad_norm, hf_trainer=self.spec.hf_trainer,
@@ -90,55 +98,6 @@ class PreparedStep:
                        on_phase=on_phase)
 
 
-def refuse_unsupported(spec: TrainingSpec, *, fake: bool, source=None) -> None:
-    """One clear line for every spec field this step kind cannot apply (never ignore one)."""
-    if source is not None:
-        _refuse_for_source(spec, source)
-    if spec.world_size > 1:
-        from .parallel.base import check
-
-        check(spec, fake=fake)       # what one rank of a multi-GPU job cannot apply
-    elif spec.offload_optimizer:
-        raise SpecError("--offload-optimizer is not simulated or run by this step yet",
-                        hint="use --method formula, or drop --offload-optimizer")
-    if spec.qlora and not fake:
-        raise SpecError("--qlora on a real device needs bitsandbytes' 4-bit layers, which this step does not build",
-                        hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
-
-
-_TEXT = ("causal-lm", "masked-lm")
-
-
-def _refuse_for_source(spec: TrainingSpec, source) -> None:
-    """Fields the model's task has no use for, and what a factory without a spec cannot see."""
-    task = source.task
-    if task == "factory":
-        if source.kind != "factory":   # a model built elsewhere (a Trainer's): memlens makes its batch
-            return
-        import inspect
-
-        try:
-            takes_spec = len(inspect.signature(source.factory).parameters) >= 1
-        except (TypeError, ValueError):
-            takes_spec = False
-        if not takes_spec:
-            given = [f"--{n.replace('_', '-')}" for n, default in (("batch_size", 1), ("seq_len", None), ("image_size", None),
-                                                                    ("images_per_sample", 1), ("grad_checkpointing", False),
-                                                                    ("attn", "sdpa")) if getattr(spec, n) != default]
-            if given:
-                raise SpecError(f"factory {source.name} takes no spec, so {', '.join(given)} cannot reach it",
-                                hint=f"define it as `def {source.name.split(':')[-1]}(spec)` and build the batch from spec")
-        return
-    if spec.image_size is not None and task in _TEXT:
-        raise SpecError(f"--image-size does not apply to {source.name} (a {task} model)", hint="drop --image-size")
-    if spec.images_per_sample != 1 and task != "vlm":
-        raise SpecError(f"--images-per-sample applies to vision-language models, not {source.name} ({task})",
-                        hint="drop --images-per-sample")
-    if spec.seq_len is not None and task == "image-classification":
-        raise SpecError(f"--seq-len does not apply to {source.name}: its sequence is the image patches",
-                        hint="use --image-size to change the number of patches")
-
-
 def build_for_sharding(spec: TrainingSpec, source, wrapper):
     """Build the model under the wrapper's device context (FSDP2: meta parameters, real buffers).
 
@@ -147,9 +106,7 @@ def build_for_sharding(spec: TrainingSpec, source, wrapper):
     tied again, as ``from_pretrained`` does, so the rank holds one copy as the simulation does
     (measured on 2 x H200 before this: +5 x the embedding shard per rank on Llama-3.2-1B).
     """
-    import torch
-
-    from ..models.build import build, quiet
+    import torch   # heavy: loaded when a step is built
 
     with wrapper.build_context(), quiet():
         built = build(spec, source)
@@ -170,24 +127,12 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     random weights on ``device``. ``autocast`` / ``scaler`` override the precision's own (the
     estimator passes its CUDA emulation). ``load_on_cpu`` builds on the CPU and moves the model,
     recording the load figures in ``.load``."""
-    import torch
+    import torch   # heavy: loaded when a step is built
 
-    from ..models.build import build, quiet
-    from ..models.source import resolve
-    from .optim import make_optimizer
-
-    source = source or resolve(spec.model)
-    refuse_unsupported(spec, fake=fake, source=source)
+    source = source or resolve_source(spec.model)
+    plan = resolve(spec, fake=fake, source=source)
     stage = on_stage or (lambda label: None)
-    if spec.dp:
-        from .kinds.opacus import check_spec
-
-        check_spec(spec, source.task)
-    wrapper = None
-    if spec.world_size > 1:
-        from .parallel.base import wrapper_for
-
-        wrapper = wrapper_for(spec, fake=fake)
+    wrapper = wrapper_for(spec, fake=fake) if plan.distributed else None
     micro = spec.batch_size   # under DP-SGD the logical batch: Opacus' data loader splits it
     applied: list[str] = []
     load: dict[str, Any] = {}
@@ -251,7 +196,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     stage("model load")
     if not fake:
         # DP-SGD: the logical batch is the data loader's dataset, on the host; each physical batch is copied over
-        batch = to_device(batch, torch.device("cpu") if spec.dp else dev)
+        batch = to_device(batch, torch.device("cpu") if plan.dp else dev)
     stage("data preparation")
     applied.append(f"model from {source.kind} source {source.name!r}")
     if spec.param_dtype != "float32":
@@ -283,10 +228,10 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if wrapper is not None and not wrapper.autocast:
         autocast = contextlib.nullcontext      # FSDP2's MixedPrecisionPolicy casts the parameters instead
     if spec.autocast_dtype and (wrapper is None or wrapper.autocast):
-        applied.append(f"autocast {spec.autocast_dtype}" + (" + GradScaler" if spec.precision == "amp-fp16" else ""))
+        applied.append(f"autocast {spec.autocast_dtype}" + (" + GradScaler" if plan.grad_scaler else ""))
     if spec.grad_accum > 1:
         applied.append(f"accumulation x{spec.grad_accum}")
-    if spec.max_grad_norm and not spec.dp:
+    if spec.max_grad_norm and not plan.dp:
         applied.append(f"clip_grad_norm_ {spec.max_grad_norm:g}")
     if spec.hf_trainer:
         applied.append("the Trainer's step (decay/no-decay groups" + (", fp32 outputs)" if spec.autocast_dtype else ")"))
@@ -294,9 +239,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if first is not None:
         micro = int(first.shape[0])   # a factory's batch has the samples it built
     dp = None
-    if spec.dp:
-        from .kinds.opacus import describe, make_private
-
+    if plan.dp:
         dp = make_private(spec, model, optimizer, batch, device=dev, fake=fake, task=source.task, loss_fn=built.loss_fn,
                           autocast=autocast, name=source.name)
         model, optimizer, micro = dp.model, dp.optimizer, dp.physical_batch
@@ -304,7 +247,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         stage("privacy engine setup")
     p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, built.loss_fn, autocast, scaler,
                      built.seq_len, built.image_size, micro, fake_mode, dp, applied, list(built.notes), load=load,
-                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper)
+                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper,
+                     plan=plan)
     if not fake:
         _load_figures(p)
     return p
@@ -334,7 +278,7 @@ def amp_setup(spec: TrainingSpec, device) -> tuple[Callable[[], Any], Any]:
             return torch.autocast(dev.type, dtype=dt)
     else:
         autocast = contextlib.nullcontext
-    scaler = torch.amp.GradScaler(dev.type) if spec.precision == "amp-fp16" and dev.type == "cuda" else None
+    scaler = torch.amp.GradScaler(dev.type) if precision_of(spec).grad_scaler and dev.type == "cuda" else None
     return autocast, scaler
 
 
@@ -370,4 +314,4 @@ def _load_figures(p: PreparedStep) -> None:
                      "(buffers, the batch, 512-byte rounding)")
 
 
-__all__ = ["PreparedStep", "prepare", "amp_setup", "refuse_unsupported", "materialize_on_fake", "fake_batch"]
+__all__ = ["PreparedStep", "prepare", "amp_setup", "materialize_on_fake", "fake_batch"]

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from memlens.cli.main import main
 from memlens.doctor import oom as oom_mod
 from memlens.doctor.advice import oom_advice
+from memlens.doctor.sizes import parse_size
 from memlens.doctor.oom import diagnose, diagnose_oom, find_oom_messages, parse_oom, what_fits
 from memlens.core.errors import MemlensError
 from memlens.core.result import Result
@@ -370,7 +371,7 @@ def test_container_form_gets_the_verdict_of_the_plain_form(total_gib, alloc, una
     m_plain, m_box = parse_oom(plain), parse_oom(container)
     from memlens.doctor.account import SELF_MAX_NON_PYTORCH_BYTES
     reserved = m_box.reserved_by_pytorch_bytes
-    lookalike = any(-64 * 2**20 <= oom_mod.parse_size(fs(u)) - reserved <= SELF_MAX_NON_PYTORCH_BYTES + 64 * 2**20
+    lookalike = any(-64 * 2**20 <= parse_size(fs(u)) - reserved <= SELF_MAX_NON_PYTORCH_BYTES + 64 * 2**20
                     for _, u in procs)
     d_box = diagnose(m_box)
     assert d_box.diagnosis in oom_mod.DIAGNOSES
@@ -391,8 +392,8 @@ def test_generated_old_form_round_trips(req, total, alloc, free, reserved, allow
             + f"{fs(reserved)} reserved in total by PyTorch)")
     m = parse_oom(text)
     assert m.form == "torch<=2.0"
-    assert m.requested_bytes == oom_mod.parse_size(fs(req)) and m.total_capacity_bytes == oom_mod.parse_size(fs(total))
-    assert m.reserved_unallocated_bytes == max(0, oom_mod.parse_size(fs(reserved)) - oom_mod.parse_size(fs(alloc)))
+    assert m.requested_bytes == parse_size(fs(req)) and m.total_capacity_bytes == oom_mod.parse_size(fs(total))
+    assert m.reserved_unallocated_bytes == max(0, parse_size(fs(reserved)) - oom_mod.parse_size(fs(alloc)))
     assert diagnose(m).diagnosis in oom_mod.DIAGNOSES
 
 

@@ -1,1 +1,81 @@
-"""Step kinds other than the plain step: DP-SGD with Opacus (:mod:`.opacus`)."""
+"""The kinds of training step, as one registry: which one a spec runs, what it refuses, how it runs, and
+which fast paths of the estimator may serve it.
+
+Built in, in the order they are asked: DP-SGD with Opacus (:mod:`.opacus`, ``--dp``), the compiled step
+(``--compile``), the Hugging Face Trainer's step (``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
+A new kind is one :func:`register_step_kind` call (a spec names it with ``step_kind``).
+
+>>> from memlens.core.spec import TrainingSpec
+>>> kind_for(TrainingSpec(model="gpt2")).name, kind_for(TrainingSpec(model="gpt2", hf_trainer=True)).name
+('plain', 'hf-trainer')
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...core.errors import SpecError
+from ...core.spec import TrainingSpec
+from .opacus import check_spec as _check_dp
+
+
+def _nothing(spec: TrainingSpec, task: str | None) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class StepKind:
+    """One kind of step.
+
+    ``applies(spec)``: chosen for a spec that names no kind. ``refuse(spec, task)``: one line for what this
+    kind cannot run (task: the model's, None before the model is resolved). ``run(step, on_phase)``: one
+    optimizer step of a :class:`memlens.step.prepare.PreparedStep` (None: the plain loop). ``layers_written``:
+    the estimator may write a deep stack's layers from a shallow model's (:mod:`memlens.estimator.depth`).
+    """
+
+    name: str
+    applies: Callable[[TrainingSpec], bool]
+    refuse: Callable[[TrainingSpec, str | None], None] = _nothing
+    run: Callable[[Any, Callable[[str], None]], Any] | None = None
+    layers_written: bool = True
+    title: str = ""
+
+
+def _run_dp(step, on_phase):
+    return step.dp.run(on_phase)
+
+
+_KINDS: list[StepKind] = [
+    StepKind("dp", lambda s: s.dp, _check_dp, _run_dp, layers_written=False,
+             title="DP-SGD (Opacus make_private + BatchMemoryManager)"),
+    StepKind("compiled", lambda s: s.compile, layers_written=False, title="torch.compile'd model"),
+    StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),
+    StepKind("plain", lambda s: True, title="plain PyTorch step"),
+]
+
+
+def register_step_kind(kind: StepKind) -> StepKind:
+    """Add a step kind (a spec selects it with ``step_kind=<name>``); a kind of the same name is replaced."""
+    _KINDS[:] = [k for k in _KINDS if k.name != kind.name]
+    _KINDS.insert(0, kind)
+    return kind
+
+
+def kind_names() -> tuple[str, ...]:
+    return tuple(k.name for k in _KINDS)
+
+
+def kind_for(spec: TrainingSpec) -> StepKind:
+    """The spec's step kind: the one it names, else the first that applies."""
+    if spec.step_kind is not None:
+        for k in _KINDS:
+            if k.name == spec.step_kind:
+                return k
+        close = difflib.get_close_matches(spec.step_kind, kind_names(), n=1)
+        raise SpecError(f"step kind {spec.step_kind!r} is not registered ({', '.join(kind_names())})",
+                        hint=(f"did you mean {close[0]!r}? " if close else "") + "register it with memlens.step.kinds.register_step_kind")
+    return next(k for k in _KINDS if k.applies(spec))
+
+
+__all__ = ["StepKind", "register_step_kind", "kind_for", "kind_names"]

@@ -26,21 +26,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ...core.errors import SpecError
+from ...core.optimizers import optimizer_facts
+from ...core.parallel import is_distributed, sharding_of
+from ...core.precision import precision_of
 from ...core.spec import TrainingSpec
-
-FSDP_KINDS = ("zero2", "zero3", "fsdp")
-DDP_KINDS = ("ddp", "zero1")
-
-SETTINGS = {
-    "ddp": "DistributedDataParallel",
-    "zero1": "DistributedDataParallel + ZeroRedundancyOptimizer",
-    "zero2": "FSDP2 fully_shard(reshard_after_forward=False) per block + root",
-    "zero3": "FSDP2 fully_shard (reshard_after_forward=True) per block + root",
-    "fsdp": "FSDP2 fully_shard (reshard_after_forward=True) per block + root",
-}
+from ..optim import make_optimizer
 
 
 @dataclass(frozen=True)
@@ -77,7 +70,7 @@ class Wrapper:
     @property
     def strategy(self) -> str:
         """What the wrapping is, in words (reports)."""
-        return SETTINGS[self.spec.sharding]
+        return sharding_of(self.spec).setting
 
     def build_context(self):
         """Context for building the model on a real device (meta parameters for FSDP)."""
@@ -87,8 +80,6 @@ class Wrapper:
         return model
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
-        from ..optim import make_optimizer
-
         return make_optimizer(spec, model, simulate=simulate)
 
     def simulation(self, tracker, step):
@@ -103,23 +94,12 @@ class Wrapper:
         return model
 
 
-_REGISTRY: list[tuple[Callable[[TrainingSpec], bool], type]] = []
-
-
-def register_wrapper(applies: Callable[[TrainingSpec], bool], cls: type, *, first: bool = True) -> None:
-    """Add a wrapper kind: ``cls`` wraps the specs ``applies`` accepts (checked before the built-in
-    ones when ``first``)."""
-    if first:
-        _REGISTRY.insert(0, (applies, cls))
-    else:
-        _REGISTRY.append((applies, cls))
-
-
 def check(spec: TrainingSpec, *, fake: bool) -> None:
     """One line for every multi-GPU combination that cannot be simulated or run (never ignored)."""
-    if spec.world_size == 1:
+    if not is_distributed(spec):
         return
-    if spec.sharding == "none":
+    sh = sharding_of(spec)
+    if sh.name == "none":
         raise SpecError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
     if spec.offload_optimizer:
         raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
@@ -136,51 +116,16 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
     if getattr(spec, "hf_trainer", False):
         raise SpecError(f"the Trainer's step (--hf-trainer) with --sharding {spec.sharding} is not simulated per rank",
                         hint="drop --hf-trainer: the plain step of each rank is simulated")
-    if spec.sharding in FSDP_KINDS:
-        if spec.precision == "amp-fp16":
+    if sh.family == "fsdp":
+        if precision_of(spec).grad_scaler:
             raise SpecError(f"amp-fp16 with --sharding {spec.sharding} needs FSDP2 loss scaling, which memlens does not model",
                             hint="use --precision amp-bf16 (MixedPrecisionPolicy bf16) or bf16")
-        if spec.optimizer == "adamw-8bit":
-            raise SpecError(f"--optimizer adamw-8bit with --sharding {spec.sharding} (bitsandbytes on DTensor shards) is not modelled",
+        if optimizer_facts(spec.optimizer).bitsandbytes:
+            raise SpecError(f"--optimizer {spec.optimizer} with --sharding {spec.sharding} (bitsandbytes on DTensor shards) is not modelled",
                             hint="use --optimizer adamw, or --sharding ddp")
-    if spec.sharding == "zero1" and spec.optimizer == "adamw-8bit":
-        raise SpecError("--optimizer adamw-8bit with --sharding zero1 is not modelled",
+    if sh.name == "zero1" and optimizer_facts(spec.optimizer).bitsandbytes:
+        raise SpecError(f"--optimizer {spec.optimizer} with --sharding zero1 is not modelled",
                         hint="use --optimizer adamw, or --sharding ddp")
-
-
-def wrapper_for(spec: TrainingSpec, *, fake: bool) -> Wrapper | None:
-    """The wrapper for ``spec`` on this rank (None on one GPU). The process group must be up: the
-    fake one of :func:`memlens.step.parallel.fakepg.fake_process_group`, or torchrun's."""
-    if spec.world_size == 1:
-        return None
-    check(spec, fake=fake)
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        how = ("`memlens estimate --world-size N` simulates each rank" if not fake else "run it inside memlens.step.parallel.fakepg.fake_process_group")
-        raise SpecError(f"--world-size {spec.world_size}: this process is not one rank of a {spec.world_size}-GPU job",
-                        hint=f"`memlens profile --world-size {spec.world_size}` launches torchrun itself; {how}")
-    world = dist.get_world_size()
-    if world != spec.world_size:
-        raise SpecError(f"--world-size {spec.world_size} but the process group has {world} ranks",
-                        hint=f"launch with torchrun --nproc-per-node {spec.world_size}, or use --world-size {world}")
-    if not _REGISTRY:
-        _register_builtins()
-    for applies, cls in _REGISTRY:
-        if applies(spec):
-            return cls(spec, fake=fake, rank=dist.get_rank(), world_size=world)
-    raise SpecError(f"--sharding {spec.sharding} has no wrapper", hint="use ddp, zero1, zero2, zero3 or fsdp")
-
-
-def _register_builtins() -> None:
-    from .ddp import DDPWrapper, Zero1Wrapper
-    from .dpddp import DPDDPWrapper
-    from .fsdp import FSDPWrapper
-
-    register_wrapper(lambda s: s.sharding == "ddp" and s.dp, DPDDPWrapper, first=False)
-    register_wrapper(lambda s: s.sharding == "ddp", DDPWrapper, first=False)
-    register_wrapper(lambda s: s.sharding == "zero1", Zero1Wrapper, first=False)
-    register_wrapper(lambda s: s.sharding in FSDP_KINDS, FSDPWrapper, first=False)
 
 
 @dataclass

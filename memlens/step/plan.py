@@ -1,0 +1,121 @@
+"""One resolution of a TrainingSpec into the plan of its step: :func:`resolve`.
+
+The plan holds one registry entry per decision, each owning its facts and its one-line refusals:
+
+- ``sharding`` (:mod:`memlens.core.parallel`): one GPU, DDP, ZeRO-1, FSDP2 and what each shards;
+  ``wrapper`` the class that wraps a rank (:mod:`memlens.step.parallel`);
+- ``kind`` (:mod:`memlens.step.kinds`): plain, the Trainer's, compiled, DP-SGD; how it runs and which fast
+  paths of the estimator may serve it;
+- ``optimizer`` (:mod:`memlens.core.optimizers`): state and temporary bytes, how it is built;
+- ``precision`` (:mod:`memlens.core.precision`): weights dtype, autocast dtype, GradScaler.
+
+:func:`memlens.step.prepare` builds the step the plan says; the estimator, the closed form, compare /
+sweep / fit and the profiler ask the plan rather than the spec's fields.
+
+>>> from memlens.core.spec import TrainingSpec
+>>> p = resolve(TrainingSpec(model="gpt2", precision="amp-fp16", world_size=2, sharding="ddp"))
+>>> p.distributed, p.sharding.family, p.kind.name, p.precision.grad_scaler, p.optimizer.adam_like
+(True, 'ddp', 'plain', True, True)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..core.errors import SpecError
+from ..core.optimizers import Optimizer, optimizer_facts
+from ..core.parallel import Sharding, is_distributed, sharding_of
+from ..core.precision import Precision, precision_of
+from ..core.spec import TrainingSpec
+from .kinds import StepKind, kind_for
+from .parallel import check as check_parallel
+from .parallel import wrapper_class
+
+_TEXT = ("causal-lm", "masked-lm")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What step a spec runs: its registry entries (see the module docstring)."""
+
+    spec: TrainingSpec
+    sharding: Sharding
+    wrapper: type | None          # the rank wrapper's class (None on one GPU)
+    kind: StepKind
+    optimizer: Optimizer
+    precision: Precision
+
+    @property
+    def distributed(self) -> bool:
+        return is_distributed(self.spec)
+
+    @property
+    def dp(self) -> bool:
+        return self.kind.name == "dp"
+
+    @property
+    def grad_scaler(self) -> bool:
+        return self.precision.grad_scaler
+
+    def whole_stack_why(self) -> str | None:
+        """Why the estimator must simulate every layer of this step (None: layers may be written from a shallow model)."""
+        if self.distributed:
+            return "several GPUs"
+        if not self.kind.layers_written:
+            return {"dp": "DP-SGD", "compiled": "--compile"}.get(self.kind.name, f"the {self.kind.name} step kind")
+        return None
+
+
+def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None) -> StepPlan:
+    """The plan of ``spec``'s step; every field it cannot apply is refused here in one line.
+
+    ``fake``: the step runs on fake tensors (estimate) rather than a real device. ``source``: the resolved
+    model source, when known (its task decides some refusals).
+    """
+    task = getattr(source, "task", None)
+    if source is not None:
+        _refuse_for_source(spec, source)
+    check_parallel(spec, fake=fake)             # what one rank of a multi-GPU job cannot apply
+    if not is_distributed(spec) and spec.offload_optimizer:
+        raise SpecError("--offload-optimizer is not simulated or run by this step yet",
+                        hint="use --method formula, or drop --offload-optimizer")
+    if spec.qlora and not fake:
+        raise SpecError("--qlora on a real device needs bitsandbytes' 4-bit layers, which this step does not build",
+                        hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
+    kind = kind_for(spec)
+    kind.refuse(spec, task)
+    return StepPlan(spec=spec, sharding=sharding_of(spec), wrapper=wrapper_class(spec), kind=kind,
+                    optimizer=optimizer_facts(spec.optimizer), precision=precision_of(spec))
+
+
+def _refuse_for_source(spec: TrainingSpec, source) -> None:
+    """Fields the model's task has no use for, and what a factory without a spec cannot see."""
+    task = source.task
+    if task == "factory":
+        if source.kind != "factory":   # a model built elsewhere (a Trainer's): memlens makes its batch
+            return
+        import inspect
+
+        try:
+            takes_spec = len(inspect.signature(source.factory).parameters) >= 1
+        except (TypeError, ValueError):
+            takes_spec = False
+        if not takes_spec:
+            given = [f"--{n.replace('_', '-')}" for n, default in (("batch_size", 1), ("seq_len", None), ("image_size", None),
+                                                                    ("images_per_sample", 1), ("grad_checkpointing", False),
+                                                                    ("attn", "sdpa")) if getattr(spec, n) != default]
+            if given:
+                raise SpecError(f"factory {source.name} takes no spec, so {', '.join(given)} cannot reach it",
+                                hint=f"define it as `def {source.name.split(':')[-1]}(spec)` and build the batch from spec")
+        return
+    if spec.image_size is not None and task in _TEXT:
+        raise SpecError(f"--image-size does not apply to {source.name} (a {task} model)", hint="drop --image-size")
+    if spec.images_per_sample != 1 and task != "vlm":
+        raise SpecError(f"--images-per-sample applies to vision-language models, not {source.name} ({task})",
+                        hint="drop --images-per-sample")
+    if spec.seq_len is not None and task == "image-classification":
+        raise SpecError(f"--seq-len does not apply to {source.name}: its sequence is the image patches",
+                        hint="use --image-size to change the number of patches")
+
+
+__all__ = ["StepPlan", "resolve"]
