@@ -15,6 +15,7 @@ import re
 import sys
 
 from ..core.errors import MemlensError
+from ..core.payloads import DoctorLogPayload, DoctorOomPayload, DoctorSnapshotPayload, DoctorStatsPayload
 from ..core.units import fmt_bytes, parse_bytes
 from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
 
@@ -154,30 +155,28 @@ def _kv_table(rows, title=None):
 
 def _render_oom(result) -> None:
     c = _console()
-    d = result.data
-    dev = f"{d.get('device_type') or 'device'}:{d['device_index']}" if d.get("device_index") is not None else (d.get("device_type") or "device")
-    c.print(f"[bold]Out of memory on {dev}[/bold] ({d['form']} message): {fmt_bytes(d.get('requested_bytes'))} requested")
-    rows = [(label, fmt_bytes(n), what) for label, n, what in _account_lines(d.get("account") or {}) if n is not None]
-    if d.get("allowed_bytes") is not None:
-        rows.append(("allowed", fmt_bytes(d["allowed_bytes"]), "per-process limit"))
-    if d.get("form") == "mps":
-        rows = [("MPS allocated", fmt_bytes(d.get("allocated_by_pytorch_bytes")), "PyTorch's MPS tensors"),
-                ("other allocations", fmt_bytes(d.get("mps_other_allocations_bytes")), "the rest of the process on the GPU"),
-                ("max allowed", fmt_bytes(d.get("allowed_bytes")), "the high watermark")]
+    d: DoctorOomPayload = result.data
+    dev = f"{d.device_type or 'device'}:{d.device_index}" if d.device_index is not None else (d.device_type or "device")
+    c.print(f"[bold]Out of memory on {dev}[/bold] ({d.form} message): {fmt_bytes(d.requested_bytes)} requested")
+    rows = [(label, fmt_bytes(n), what) for label, n, what in _account_lines(d.account or {}) if n is not None]
+    if d.allowed_bytes is not None:
+        rows.append(("allowed", fmt_bytes(d.allowed_bytes), "per-process limit"))
+    if d.form == "mps":
+        rows = [("MPS allocated", fmt_bytes(d.allocated_by_pytorch_bytes), "PyTorch's MPS tensors"),
+                ("other allocations", fmt_bytes(d.mps_other_allocations_bytes), "the rest of the process on the GPU"),
+                ("max allowed", fmt_bytes(d.allowed_bytes), "the high watermark")]
     if rows:
         c.print(_kv_table(rows))
-    sure = "" if d.get("certain", True) else " [yellow](uncertain: see below)[/yellow]"
-    c.print(f"\n[bold]Diagnosis: {d['diagnosis']}[/bold]{sure}")
-    for r in d.get("reasons", []):
+    sure = "" if d.certain is not False else " [yellow](uncertain: see below)[/yellow]"
+    c.print(f"\n[bold]Diagnosis: {d.diagnosis}[/bold]{sure}")
+    for r in d.reasons or []:
         c.print(f"  {r}")
-    ev = d.get("evidence") or {}
-    if ev:
-        c.print("  evidence: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in ev.items()))
-    est = d.get("estimate")
-    if est:
-        _render_estimate(c, est)
+    if d.evidence:
+        c.print("  evidence: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in d.evidence.items()))
+    if d.estimate:
+        _render_estimate(c, d.estimate)
     c.print("\n[bold]What to do[/bold]")
-    for i, a in enumerate(d.get("advice", []), 1):
+    for i, a in enumerate(d.advice or [], 1):
         c.print(f"  {i}. {a}")
     for n in result.notes:
         c.print(f"[dim]note: {n}[/dim]")
@@ -219,27 +218,27 @@ def _render_estimate(c, est) -> None:
 
 def _render_log(result) -> None:
     c = _console()
-    d = result.data
-    per = "second" if d["x_axis"] == "time_s" else "step"
-    colour = "red" if d["verdict"] == "leak" else "green"
-    c.print(f"[bold {colour}]{d['verdict'].upper()}[/bold {colour}] ({d['pattern']}) over {d['readings']} readings of "
-            f"{d['memory_key']!r} ({d['source_format']})")
+    d: DoctorLogPayload = result.data
+    per = "second" if d.x_axis == "time_s" else "step"
+    colour = "red" if d.verdict == "leak" else "green"
+    c.print(f"[bold {colour}]{d.verdict.upper()}[/bold {colour}] ({d.pattern}) over {d.readings} readings of "
+            f"{d.memory_key!r} ({d.source_format})")
     rows = [
-        ("first / last", f"{fmt_bytes(d['first_bytes'])} / {fmt_bytes(d['last_bytes'])}", ""),
-        ("growth", f"{fmt_bytes(d['growth_bytes_per_step'])}/{per}", "straight-line average"),
-        ("growth now", f"{fmt_bytes(d['current_growth_bytes_per_step'])}/{per}", f"slope of the {d['trend_model']} trend at the end"),
-        ("accelerating", "yes" if d["accelerating"] else "no", ""),
+        ("first / last", f"{fmt_bytes(d.first_bytes)} / {fmt_bytes(d.last_bytes)}", ""),
+        ("growth", f"{fmt_bytes(d.growth_bytes_per_step)}/{per}", "straight-line average"),
+        ("growth now", f"{fmt_bytes(d.current_growth_bytes_per_step)}/{per}", f"slope of the {d.trend_model} trend at the end"),
+        ("accelerating", "yes" if d.accelerating else "no", ""),
     ]
-    if d.get("capacity_bytes"):
-        proj = d.get("projected_oom_step")
-        rows.append(("capacity", fmt_bytes(d["capacity_bytes"]), ""))
+    if d.capacity_bytes:
+        proj = d.projected_oom_step
+        rows.append(("capacity", fmt_bytes(d.capacity_bytes), ""))
         rows.append((f"projected OOM {per}", "-" if proj is None else str(proj),
-                     "" if proj is None else f"{d['steps_to_oom']} {per}s after the last reading"))
-    if d.get("oom_observed_at") is not None:
-        rows.append(("OOM in the log at", f"{d['oom_observed_at']:g}", ""))
+                     "" if proj is None else f"{d.steps_to_oom} {per}s after the last reading"))
+    if d.oom_observed_at is not None:
+        rows.append(("OOM in the log at", f"{d.oom_observed_at:g}", ""))
     c.print(_kv_table(rows))
     c.print("\n[bold]Likely causes[/bold]")
-    for i, cause in enumerate(d["causes"], 1):
+    for i, cause in enumerate(d.causes, 1):
         c.print(f"  {i}. {cause}")
     for n in result.notes:
         c.print(f"[dim]note: {n}[/dim]")
@@ -249,59 +248,59 @@ def _render_snapshot(result) -> None:
     from rich.table import Table
 
     c = _console()
-    d = result.data
-    c.print(f"[bold]{d['snapshot']}[/bold]: allocated {fmt_bytes(d['allocated_bytes'])} in {d['live_blocks']} blocks, "
-            f"reserved {fmt_bytes(d['reserved_bytes'])} in {d['segments_count']} segments; free inside partly used "
-            f"segments (inactive split) {fmt_bytes(d['inactive_split_bytes'])}")
+    d: DoctorSnapshotPayload = result.data
+    c.print(f"[bold]{d.snapshot}[/bold]: allocated {fmt_bytes(d.allocated_bytes)} in {d.live_blocks} blocks, "
+            f"reserved {fmt_bytes(d.reserved_bytes)} in {d.segments_count} segments; free inside partly used "
+            f"segments (inactive split) {fmt_bytes(d.inactive_split_bytes)}")
     t = Table(title="top live allocations (allocated)", box=None)
     t.add_column("size", justify="right")
     t.add_column("requested", justify="right")
     t.add_column("allocated at")
-    for a in d["top_allocations"]:
+    for a in d.top_allocations:
         t.add_row(fmt_bytes(a["size"]), fmt_bytes(a["requested_size"]), a["site"])
     c.print(t)
     t = Table(title="by allocation site", box=None)
     t.add_column("bytes", justify="right")
     t.add_column("blocks", justify="right")
     t.add_column("site")
-    for s in d["allocation_sites"][:10]:
+    for s in d.allocation_sites[:10]:
         t.add_row(fmt_bytes(s["bytes"]), str(s["blocks"]), s["site"])
     c.print(t)
-    if d["segments"]:
+    if d.segments:
         t = Table(title="most fragmented segments", box=None)
         for col in ("segment", "reserved", "allocated", "free", "largest free piece", "fragmentation"):
             t.add_column(col, justify="left" if col == "segment" else "right")
-        for s in d["segments"][:8]:
+        for s in d.segments[:8]:
             t.add_row(f"{s['segment_type']} {s['address']:#x}", fmt_bytes(s["total_size"]), fmt_bytes(s["allocated_size"]),
                       fmt_bytes(s["inactive_size"]), fmt_bytes(s["largest_inactive"]), f"{100 * s['fragmentation']:.0f}%")
         c.print(t)
-    if "grown_sites" in d:
-        c.print(f"\n[bold]diff[/bold] -> {d['snapshot_after']}: allocated {fmt_bytes(d['allocated_bytes'])} -> "
-                f"{fmt_bytes(d['after_allocated_bytes'])} ({fmt_bytes(d['allocated_growth_bytes'])})")
+    if d.snapshot_after:
+        c.print(f"\n[bold]diff[/bold] -> {d.snapshot_after}: allocated {fmt_bytes(d.allocated_bytes)} -> "
+                f"{fmt_bytes(d.after_allocated_bytes)} ({fmt_bytes(d.allocated_growth_bytes)})")
         t = Table(title="what grew (leak candidates)", box=None)
         t.add_column("growth", justify="right")
         t.add_column("blocks", justify="right")
         t.add_column("site")
-        for g in d["grown_sites"]:
+        for g in d.grown_sites:
             t.add_row(fmt_bytes(g["growth_bytes"]), f"{g['before_blocks']} -> {g['after_blocks']}", g["site"])
-        c.print(t if d["grown_sites"] else "  nothing grew")
+        c.print(t if d.grown_sites else "  nothing grew")
     for n in result.notes:
         c.print(f"[dim]note: {n}[/dim]")
 
 
 def _render_stats(result) -> None:
     c = _console()
-    d = result.data
+    d: DoctorStatsPayload = result.data
     c.print(_kv_table([
-        ("allocated", fmt_bytes(d["allocated_bytes"]), f"peak {fmt_bytes(d['allocated_peak_bytes'])}"),
-        ("reserved", fmt_bytes(d["reserved_bytes"]), f"peak {fmt_bytes(d['reserved_peak_bytes'])}"),
-        ("reserved but unallocated", fmt_bytes(d["reserved_unallocated_bytes"]), f"{100 * d['cache_unused_fraction']:.0f}% of reserved"),
-        ("inactive split", fmt_bytes(d["inactive_split_bytes"]), f"fragmentation {100 * d['fragmentation']:.0f}%"),
-        ("alloc retries", str(d["num_alloc_retries"]), "cudaMalloc failed, cache freed, retried"),
-        ("OOMs", str(d["num_ooms"]), ""),
-        ("cudaMalloc / cudaFree", f"{d['num_device_alloc']} / {d['num_device_free']}", ""),
+        ("allocated", fmt_bytes(d.allocated_bytes), f"peak {fmt_bytes(d.allocated_peak_bytes)}"),
+        ("reserved", fmt_bytes(d.reserved_bytes), f"peak {fmt_bytes(d.reserved_peak_bytes)}"),
+        ("reserved but unallocated", fmt_bytes(d.reserved_unallocated_bytes), f"{100 * d.cache_unused_fraction:.0f}% of reserved"),
+        ("inactive split", fmt_bytes(d.inactive_split_bytes), f"fragmentation {100 * d.fragmentation:.0f}%"),
+        ("alloc retries", str(d.num_alloc_retries), "cudaMalloc failed, cache freed, retried"),
+        ("OOMs", str(d.num_ooms), ""),
+        ("cudaMalloc / cudaFree", f"{d.num_device_alloc} / {d.num_device_free}", ""),
     ], title="memory_stats"))
-    for f in d["findings"]:
+    for f in d.findings:
         c.print(f"[bold]{f['kind']}[/bold]: {f['text']}" + (f"\n  -> {f['advice']}" if f["advice"] else ""))
 
 

@@ -193,12 +193,115 @@ class FitPayload(Payload):
 
 
 @dataclass
-class DoctorPayload(Payload):
-    """doctor oom / log / snapshot / stats: the diagnosis and its evidence (fields vary by input)."""
+class DoctorOomPayload(Payload):
+    """doctor oom: the diagnosis, the message's numbers (doctor.message.OomMessage), the account and,
+    with a training configuration, its estimate. The diagnosis comes first in the JSON."""
 
-    diagnosis: str | None = UNSET
-    reasons: list | None = UNSET
-    advice: list | None = UNSET
+    diagnosis: str | None = UNSET                 # one of doctor.oom.DIAGNOSES
+    reasons: list[str] | None = UNSET
+    advice: list[str] | None = UNSET              # ordered: the first to try first
+    form: str | None = UNSET                      # torch>=2.1 | torch<=2.0 | mps | cuda_error
+    message: str | None = UNSET
+    device_type: str | None = UNSET
+    device_index: int | None = UNSET
+    requested_bytes: int | None = UNSET
+    total_capacity_bytes: int | None = UNSET
+    free_bytes: int | None = UNSET
+    allowed_bytes: int | None = UNSET             # a per-process limit (set_per_process_memory_fraction)
+    allocated_by_pytorch_bytes: int | None = UNSET
+    private_pools_bytes: int | None = UNSET
+    reserved_unallocated_bytes: int | None = UNSET
+    this_process_bytes: int | None = UNSET
+    mps_other_allocations_bytes: int | None = UNSET
+    other_processes: list[dict] | None = UNSET    # {pid, used_bytes} per other process listed
+    reserved_by_pytorch_bytes: int | None = UNSET
+    other_processes_bytes: int | None = UNSET
+    non_pytorch_bytes: int | None = UNSET
+    certain: bool | None = UNSET                  # False: what the message leaves open could change the verdict
+    evidence: dict[str, int] | None = UNSET       # the figures the verdict rests on, in bytes
+    alternatives: list[dict] | None = UNSET       # the verdict for each process that could be this one
+    account: dict | None = UNSET                  # doctor.account.Account, as a dict
+    messages_found: int | None = UNSET
+    estimate: dict | None = UNSET                 # with a configuration: its estimate, budget and fit options
+
+
+@dataclass
+class DoctorLogPayload(Payload):
+    """doctor log: the memory series of a training log, its trend and the projected OOM."""
+
+    source: str | None = UNSET                    # the file read (None: text given directly)
+    source_format: str | None = UNSET             # lines | jsonl | json | trainer_state | csv
+    memory_key: str | None = UNSET
+    x_axis: str | None = UNSET                    # step | time_s
+    readings: int | None = UNSET
+    first_bytes: int | None = UNSET
+    last_bytes: int | None = UNSET
+    verdict: str | None = UNSET                   # leak | steady
+    pattern: str | None = UNSET                   # accelerating | linear | stepwise | decelerating | steady
+    growth_bytes_per_step: int | None = UNSET
+    current_growth_bytes_per_step: int | None = UNSET
+    accelerating: bool | None = UNSET
+    acceleration_bytes_per_step2: float | None = UNSET
+    trend_model: str | None = UNSET               # linear | quadratic
+    trend_coefficients: list[float] | None = UNSET  # bytes = c0 + c1*x (+ c2*x^2)
+    capacity_bytes: int | None = UNSET
+    projected_oom_step: int | None = UNSET
+    steps_to_oom: int | None = UNSET
+    oom_observed_at: float | None = UNSET
+    warmup_readings_skipped: int | None = UNSET
+    interval_growth: list[dict] | None = UNSET    # {from, to, bytes_per_step} between readings
+    causes: list[str] | None = UNSET
+    notes_on_axis: str | None = UNSET             # only when x is seconds
+
+
+@dataclass
+class DoctorSnapshotPayload(Payload):
+    """doctor snapshot: totals, top allocations, sites and fragmented segments of a memory snapshot;
+    with a later snapshot, what grew."""
+
+    snapshot: str | None = UNSET
+    allocated_bytes: int | None = UNSET
+    active_bytes: int | None = UNSET
+    requested_bytes: int | None = UNSET
+    reserved_bytes: int | None = UNSET
+    reserved_unallocated_bytes: int | None = UNSET
+    inactive_split_bytes: int | None = UNSET      # free pieces of segments still in use
+    live_blocks: int | None = UNSET
+    segments_count: int | None = UNSET
+    top_allocations: list[dict] | None = UNSET    # doctor.snapshot.Allocation, largest first
+    allocation_sites: list[dict] | None = UNSET   # {site, bytes, blocks}, largest first
+    segments: list[dict] | None = UNSET           # the most fragmented segments (SegmentUse + fragmentation)
+    trace_entries: int | None = UNSET
+    timeline_axis: str | None = UNSET             # time_us | trace event
+    oom_events: int | None = UNSET
+    snapshot_after: str | None = UNSET            # the diff's fields, only with a later snapshot
+    after_allocated_bytes: int | None = UNSET
+    after_reserved_bytes: int | None = UNSET
+    allocated_growth_bytes: int | None = UNSET
+    grown_sites: list[dict] | None = UNSET        # doctor.snapshot.SiteGrowth + growth_bytes, largest first
+
+
+@dataclass
+class DoctorStatsPayload(Payload):
+    """doctor stats: the figures of a torch.cuda.memory_stats() dump and what they say."""
+
+    stats_file: str | None = UNSET
+    allocated_bytes: int | None = UNSET
+    allocated_peak_bytes: int | None = UNSET
+    reserved_bytes: int | None = UNSET
+    reserved_peak_bytes: int | None = UNSET
+    active_bytes: int | None = UNSET
+    requested_bytes: int | None = UNSET
+    reserved_unallocated_bytes: int | None = UNSET
+    inactive_split_bytes: int | None = UNSET
+    segments: int | None = UNSET
+    num_alloc_retries: int | None = UNSET
+    num_ooms: int | None = UNSET
+    num_device_alloc: int | None = UNSET
+    num_device_free: int | None = UNSET
+    fragmentation: float | None = UNSET           # inactive_split / reserved
+    cache_unused_fraction: float | None = UNSET   # 1 - allocated / reserved
+    findings: list[dict] | None = UNSET           # {kind, text, advice}
 
 
 @dataclass
@@ -212,7 +315,51 @@ class GuardPayload(Payload):
     categories_sum_bytes: int | None = UNSET      # the classified live blocks (= allocated)
     diagnosis: str | None = UNSET
     account: dict | None = UNSET
-    levers: list | None = UNSET
+    levers: list[dict] | None = UNSET
+    free_bytes: int | None = UNSET
+    total_bytes: int | None = UNSET
+    allowed_bytes: int | None = UNSET
+    categories_error: float | None = UNSET        # (categories_sum - allocated) / allocated
+    live_blocks: int | None = UNSET
+    by_allocation_phase: dict[str, int] | None = UNSET
+    earlier_steps_bytes: int | None = UNSET       # live blocks allocated by an earlier step
+    top_blocks: list[dict] | None = UNSET
+    step: int | None = UNSET
+    history: bool | None = UNSET                  # allocator history was recorded
+    module_depth: int | None = UNSET
+    stats: dict[str, int] | None = UNSET          # memory_stats() at the failure (the kept counters)
+    processes: list | None = UNSET                # (pid, used bytes) on the GPU, from NVML
+    pid: int | None = UNSET
+    certain: bool | None = UNSET
+    reasons: list[str] | None = UNSET
+    evidence: dict[str, int] | None = UNSET
+    alternatives: list[dict] | None = UNSET
+    advice: list[str] | None = UNSET
+    levers_estimated: bool | None = UNSET         # levers are estimated configurations (else measured levers)
+    message: str | None = UNSET
+
+
+@dataclass
+class AdaptivePayload(Payload):
+    """Adaptive micro-batching (memlens.adaptive_batch, and the Hugging Face / Lightning callbacks):
+    the micro-batch now, the recoveries and every change. Each runner writes its own batch fields."""
+
+    micro_batch: int | None = UNSET
+    effective_batch: int | None = UNSET           # adaptive_batch: rows of one optimizer step's batch
+    per_device_batch: int | None = UNSET          # transformers.Trainer: rows of one dataloader batch
+    batch_size: int | None = UNSET                # lightning.Trainer: rows of one dataloader batch
+    accumulation: int | None = UNSET              # adaptive_batch: micro-batches per optimizer step
+    accumulation_per_batch: int | None = UNSET    # transformers.Trainer: micro-batches per dataloader batch
+    gradient_accumulation_steps: int | None = UNSET
+    accumulate_grad_batches: int | None = UNSET
+    steps: int | None = UNSET                     # adaptive_batch: optimizer steps run
+    ooms_recovered: int | None = UNSET
+    windows_redone: int | None = UNSET            # accumulation windows redone after an OOM in a backward
+    changes: list[dict] | None = UNSET            # explore.adaptive.BatchChange, in order
+    start_fit: dict | None = UNSET                # what memlens.fit said when it set the start
+    trend: dict | None = UNSET                    # adaptive_batch: the last memory reading of the trend guard
+    integration: str | None = UNSET
+    guard_report: list[str] | None = UNSET        # the guard's files, when one ran
 
 
 @dataclass
@@ -223,8 +370,9 @@ class WatchPayload(Payload):
 
 PAYLOADS: dict[str, type[Payload]] = {
     "estimate": EstimatePayload, "profile": ProfilePayload, "compare": ComparePayload, "sweep": SweepPayload,
-    "fit": FitPayload, "watch": WatchPayload, "doctor.oom": DoctorPayload, "doctor.log": DoctorPayload,
-    "doctor.snapshot": DoctorPayload, "doctor.stats": DoctorPayload, "guard": GuardPayload,
+    "fit": FitPayload, "watch": WatchPayload, "doctor.oom": DoctorOomPayload, "doctor.log": DoctorLogPayload,
+    "doctor.snapshot": DoctorSnapshotPayload, "doctor.stats": DoctorStatsPayload, "guard": GuardPayload,
+    "adaptive": AdaptivePayload,
 }
 
 

@@ -2,7 +2,7 @@
 
 >>> from memlens.doctor import diagnose_oom
 >>> diagnose_oom("CUDA out of memory. Tried to allocate 2.50 GiB (GPU 0; 23.69 GiB total capacity; "
-...              "21.45 GiB already allocated; 1.89 GiB free; 21.50 GiB reserved in total by PyTorch)").data["diagnosis"]
+...              "21.45 GiB already allocated; 1.89 GiB free; 21.50 GiB reserved in total by PyTorch)").data.diagnosis
 'capacity'
 """
 from .account import Account, account

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.payloads import DoctorLogPayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from .advice import log_causes
@@ -438,32 +439,32 @@ def doctor_log(text: str, capacity_bytes: int | None = None, unit: str | None = 
     """The ``doctor log`` verb as a function: read the series, analyse it, return a Result."""
     series = read_memory_log(text, unit=unit, gpu=gpu)
     a = analyze_memory(series, capacity_bytes)
-    data: dict[str, Any] = {
-        "source": source,
-        "source_format": series.source_format,
-        "memory_key": series.key,
-        "x_axis": series.x_name,
-        "readings": len(series.x),
-        "first_bytes": series.bytes[0],
-        "last_bytes": series.bytes[-1],
-        "verdict": a.verdict,
-        "pattern": a.pattern,
-        "growth_bytes_per_step": round(a.growth_bytes_per_step),
-        "current_growth_bytes_per_step": round(a.current_growth_bytes_per_step),
-        "accelerating": a.accelerating,
-        "acceleration_bytes_per_step2": a.acceleration_bytes_per_step2,
-        "trend_model": a.model,
-        "trend_coefficients": a.coefficients,
-        "capacity_bytes": capacity_bytes,
-        "projected_oom_step": a.projected_oom_step,
-        "steps_to_oom": a.steps_to_oom,
-        "oom_observed_at": series.oom_observed_at,
-        "warmup_readings_skipped": a.warmup_readings_skipped,
-        "interval_growth": a.interval_growth,
-        "causes": a.causes,
-    }
+    data = DoctorLogPayload(
+        source=source,
+        source_format=series.source_format,
+        memory_key=series.key,
+        x_axis=series.x_name,
+        readings=len(series.x),
+        first_bytes=series.bytes[0],
+        last_bytes=series.bytes[-1],
+        verdict=a.verdict,
+        pattern=a.pattern,
+        growth_bytes_per_step=round(a.growth_bytes_per_step),
+        current_growth_bytes_per_step=round(a.current_growth_bytes_per_step),
+        accelerating=a.accelerating,
+        acceleration_bytes_per_step2=a.acceleration_bytes_per_step2,
+        trend_model=a.model,
+        trend_coefficients=a.coefficients,
+        capacity_bytes=capacity_bytes,
+        projected_oom_step=a.projected_oom_step,
+        steps_to_oom=a.steps_to_oom,
+        oom_observed_at=series.oom_observed_at,
+        warmup_readings_skipped=a.warmup_readings_skipped,
+        interval_growth=a.interval_growth,
+        causes=a.causes,
+    )
     if series.x_name == "time_s":
-        data["notes_on_axis"] = "x is seconds: growth is per second and projected_oom_step is a time in seconds"
+        data.notes_on_axis = "x is seconds: growth is per second and projected_oom_step is a time in seconds"
     timeline = [{series.x_name: x, "allocated_bytes": b} for x, b in zip(series.x, series.bytes)]
     return Result(verb="doctor.log", data=data, timeline=timeline, notes=a.notes)
 

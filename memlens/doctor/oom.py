@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from ..core.errors import MemlensError
+from ..core.payloads import DoctorOomPayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from .account import NOT_LISTED, account, context_allowance, hypotheses, is_significant
@@ -306,7 +307,7 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
 
     >>> r = diagnose_oom("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 7.93 GiB total capacity; "
     ...                  "3.00 GiB already allocated; 1.00 GiB free; 5.90 GiB reserved in total by PyTorch)")
-    >>> r.data["diagnosis"], r.data["requested_bytes"]
+    >>> r.data.diagnosis, r.data.requested_bytes
     ('fragmentation', 2147483648)
     """
     found = find_oom_messages(text)
@@ -314,16 +315,14 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
         raise _not_oom()
     msg = found[-1]
     diag = diagnose(msg)
-    data = msg.to_dict()
-    data["other_processes"] = [asdict(p) for p in msg.other_processes]
-    data.update(diagnosis=diag.diagnosis, certain=diag.certain, reasons=diag.reasons, evidence=diag.evidence,
-                alternatives=diag.alternatives, account=diag.account.to_dict(), advice=diag.advice,
-                messages_found=len(found))
+    data = DoctorOomPayload(**msg.to_dict(), diagnosis=diag.diagnosis, reasons=diag.reasons, advice=diag.advice,
+                            certain=diag.certain, evidence=diag.evidence, alternatives=diag.alternatives,
+                            account=diag.account.to_dict(), messages_found=len(found))
     notes = []
     if len(found) > 1:
         notes.append(f"{len(found)} OOM messages found; the last one is diagnosed")
     if spec is not None:
-        data["estimate"] = check_spec(msg, spec, estimate_fn)
+        data.estimate = check_spec(msg, spec, estimate_fn)
     return Result(verb="doctor.oom", spec=spec.to_dict() if spec is not None else None, data=data, notes=notes)
 
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.payloads import DoctorSnapshotPayload
 from ..core.result import Result
 
 _LIBRARY_MARKERS = ("/torch/", "/site-packages/", "/dist-packages/", "/lib/python", "<frozen", "<string>")
@@ -305,31 +306,32 @@ def diff_snapshots(before: dict[str, Any], after: dict[str, Any]) -> list[SiteGr
 
 # ---------------------------------------------------------------- verbs
 
-def _summary_data(s: SnapshotSummary) -> dict[str, Any]:
+def _summary_payload(path: str | Path, s: SnapshotSummary) -> DoctorSnapshotPayload:
     worst = sorted((x for x in s.segments if x.inactive_size), key=lambda x: -x.inactive_size)
-    return {
-        "allocated_bytes": s.allocated_bytes,
-        "active_bytes": s.active_bytes,
-        "requested_bytes": s.requested_bytes,
-        "reserved_bytes": s.reserved_bytes,
-        "reserved_unallocated_bytes": s.reserved_bytes - s.allocated_bytes,
-        "inactive_split_bytes": s.inactive_split_bytes,
-        "live_blocks": s.live_blocks,
-        "segments_count": len(s.segments),
-        "top_allocations": [asdict(a) for a in s.top],
-        "allocation_sites": s.sites[:20],
-        "segments": [dict(asdict(x), fragmentation=round(x.fragmentation, 4)) for x in worst[:20]],
-        "trace_entries": s.trace_entries,
-        "timeline_axis": "time_us" if s.timeline and s.timed else "trace event",
-        "oom_events": s.oom_events,
-    }
+    return DoctorSnapshotPayload(
+        snapshot=str(path),
+        allocated_bytes=s.allocated_bytes,
+        active_bytes=s.active_bytes,
+        requested_bytes=s.requested_bytes,
+        reserved_bytes=s.reserved_bytes,
+        reserved_unallocated_bytes=s.reserved_bytes - s.allocated_bytes,
+        inactive_split_bytes=s.inactive_split_bytes,
+        live_blocks=s.live_blocks,
+        segments_count=len(s.segments),
+        top_allocations=[asdict(a) for a in s.top],
+        allocation_sites=s.sites[:20],
+        segments=[dict(asdict(x), fragmentation=round(x.fragmentation, 4)) for x in worst[:20]],
+        trace_entries=s.trace_entries,
+        timeline_axis="time_us" if s.timeline and s.timed else "trace event",
+        oom_events=s.oom_events,
+    )
 
 
 def doctor_snapshot(path: str | Path, diff_with: str | Path | None = None, top: int = 10) -> Result:
     """The ``doctor snapshot`` verb: summary of ``path``; with ``diff_with`` (the later snapshot) what grew."""
     snap = load_snapshot(path)
     s = summarize_snapshot(snap, top)
-    data = {"snapshot": str(path), **_summary_data(s)}
+    data = _summary_payload(path, s)
     notes = []
     if not s.trace_entries:
         notes.append("no trace in the snapshot: call torch.cuda.memory._record_memory_history() before the run for a timeline")
@@ -338,13 +340,11 @@ def doctor_snapshot(path: str | Path, diff_with: str | Path | None = None, top: 
         later = load_snapshot(diff_with)
         s2 = summarize_snapshot(later, top)
         growth = diff_snapshots(snap, later)
-        data.update(
-            snapshot_after=str(diff_with),
-            after_allocated_bytes=s2.allocated_bytes,
-            after_reserved_bytes=s2.reserved_bytes,
-            allocated_growth_bytes=s2.allocated_bytes - s.allocated_bytes,
-            grown_sites=[dict(asdict(g), growth_bytes=g.growth_bytes) for g in growth[:top]],
-        )
+        data.snapshot_after = str(diff_with)
+        data.after_allocated_bytes = s2.allocated_bytes
+        data.after_reserved_bytes = s2.reserved_bytes
+        data.allocated_growth_bytes = s2.allocated_bytes - s.allocated_bytes
+        data.grown_sites = [dict(asdict(g), growth_bytes=g.growth_bytes) for g in growth[:top]]
         timeline = s2.timeline
     return Result(verb="doctor.snapshot", peak_allocated_bytes=max((p["allocated_bytes"] for p in timeline), default=None),
                   timeline=timeline, data=data, notes=notes)

@@ -13,7 +13,7 @@ Measures (PyTorch's names):
 
 >>> a = analyze_memory_stats({"allocated_bytes.all.current": 6, "reserved_bytes.all.current": 10,
 ...                           "inactive_split_bytes.all.current": 3, "num_alloc_retries": 2, "num_ooms": 0})
->>> a["fragmentation"], a["cache_unused_fraction"], [f["kind"] for f in a["findings"]]
+>>> a.fragmentation, a.cache_unused_fraction, [f["kind"] for f in a.findings]
 (0.3, 0.4, ['fragmentation', 'retries'])
 """
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.payloads import DoctorStatsPayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
 
@@ -84,30 +85,30 @@ def _get(flat: dict[str, Any], key: str) -> int:
     return int(v) if _num(v) else 0
 
 
-def analyze_memory_stats(flat: dict[str, Any]) -> dict[str, Any]:
-    """Numbers and findings (kind, text, advice) from a flat stats dict."""
+def analyze_memory_stats(flat: dict[str, Any]) -> DoctorStatsPayload:
+    """Numbers and findings (kind, text, advice) from a flat stats dict (``stats_file`` left unset)."""
     allocated = _get(flat, "allocated_bytes.all.current")
     reserved = _get(flat, "reserved_bytes.all.current")
     split = _get(flat, "inactive_split_bytes.all.current")
     retries = _get(flat, "num_alloc_retries")
     ooms = _get(flat, "num_ooms")
-    out: dict[str, Any] = {
-        "allocated_bytes": allocated,
-        "allocated_peak_bytes": _get(flat, "allocated_bytes.all.peak"),
-        "reserved_bytes": reserved,
-        "reserved_peak_bytes": _get(flat, "reserved_bytes.all.peak"),
-        "active_bytes": _get(flat, "active_bytes.all.current"),
-        "requested_bytes": _get(flat, "requested_bytes.all.current"),
-        "reserved_unallocated_bytes": max(0, reserved - allocated),
-        "inactive_split_bytes": split,
-        "segments": _get(flat, "segment.all.current"),
-        "num_alloc_retries": retries,
-        "num_ooms": ooms,
-        "num_device_alloc": _get(flat, "num_device_alloc"),
-        "num_device_free": _get(flat, "num_device_free"),
-        "fragmentation": round(split / reserved, 4) if reserved else 0.0,
-        "cache_unused_fraction": round(1 - allocated / reserved, 4) if reserved else 0.0,
-    }
+    out = DoctorStatsPayload(
+        allocated_bytes=allocated,
+        allocated_peak_bytes=_get(flat, "allocated_bytes.all.peak"),
+        reserved_bytes=reserved,
+        reserved_peak_bytes=_get(flat, "reserved_bytes.all.peak"),
+        active_bytes=_get(flat, "active_bytes.all.current"),
+        requested_bytes=_get(flat, "requested_bytes.all.current"),
+        reserved_unallocated_bytes=max(0, reserved - allocated),
+        inactive_split_bytes=split,
+        segments=_get(flat, "segment.all.current"),
+        num_alloc_retries=retries,
+        num_ooms=ooms,
+        num_device_alloc=_get(flat, "num_device_alloc"),
+        num_device_free=_get(flat, "num_device_free"),
+        fragmentation=round(split / reserved, 4) if reserved else 0.0,
+        cache_unused_fraction=round(1 - allocated / reserved, 4) if reserved else 0.0,
+    )
     findings = []
     if reserved and split / reserved > _FRAGMENTATION_ALERT:
         findings.append({
@@ -131,7 +132,7 @@ def analyze_memory_stats(flat: dict[str, Any]) -> dict[str, Any]:
         })
     if not findings:
         findings.append({"kind": "healthy", "text": "no fragmentation above 20%, no retries, no OOMs", "advice": ""})
-    out["findings"] = findings
+    out.findings = findings
     return out
 
 
@@ -139,5 +140,6 @@ def doctor_stats(path: str | Path) -> Result:
     """The ``doctor stats`` verb as a function."""
     flat = load_memory_stats(path)
     a = analyze_memory_stats(flat)
-    return Result(verb="doctor.stats", peak_allocated_bytes=a["allocated_peak_bytes"] or None,
-                  peak_reserved_bytes=a["reserved_peak_bytes"] or None, data={"stats_file": str(path), **a})
+    a.stats_file = str(path)
+    return Result(verb="doctor.stats", peak_allocated_bytes=a.allocated_peak_bytes or None,
+                  peak_reserved_bytes=a.reserved_peak_bytes or None, data=a)

@@ -4,7 +4,7 @@ effective batch, the same loss scaling and the same optimizer step.
     ab = memlens.adaptive_batch(optimizer, micro_batch=16)      # or spec=..., budget=...: start from memlens.fit
     for batch in loader:                                         # each batch is one optimizer step's batch
         loss = ab.step(batch, lambda mb: model(**mb).loss)       # the mean loss of a micro-batch
-    ab.result.data["changes"]                                    # every change, with its reason
+    ab.result.data.changes                                       # every change, with its reason
 
 How. Each batch is cut along its first dimension into micro-batches of ``micro_batch`` rows; each
 micro-batch's loss is weighted by its share of the batch (rows, or ``weight_fn``: tokens) before
@@ -37,8 +37,9 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..core.errors import MemlensError
-from ..core.units import fmt_bytes
+from ..core.payloads import AdaptivePayload
 from ..core.result import Result
+from ..core.units import fmt_bytes
 from ..measure.guard import free_cuda_cache, is_oom
 from ..measure.monitor import StepTrend
 
@@ -386,11 +387,11 @@ class AdaptiveBatch:
     @property
     def result(self) -> Result:
         rows = self.policy.last_rows
-        data = {"micro_batch": self.policy.micro_batch or rows, "effective_batch": rows,
-                "accumulation": self.policy.accumulation(rows) if rows else None, "steps": self.steps,
-                "ooms_recovered": self.runner.ooms, "windows_redone": self.runner.replays,
-                "changes": [asdict(c) for c in self.policy.changes], "start_fit": self.start_fit,
-                "trend": self.trend.last if self.trend is not None else None}
+        data = AdaptivePayload(micro_batch=self.policy.micro_batch or rows, effective_batch=rows,
+                               accumulation=self.policy.accumulation(rows) if rows else None, steps=self.steps,
+                               ooms_recovered=self.runner.ooms, windows_redone=self.runner.replays,
+                               changes=[asdict(c) for c in self.policy.changes], start_fit=self.start_fit,
+                               trend=self.trend.last if self.trend is not None else None)
         notes = [c.describe() for c in self.policy.changes]
         return Result(verb="adaptive", data=data, notes=notes)
 

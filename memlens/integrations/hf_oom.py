@@ -28,9 +28,12 @@ whose forward mixes rows (batch norm) sees smaller batches.
 from __future__ import annotations
 
 import inspect
+from dataclasses import asdict
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.payloads import AdaptivePayload
+from ..core.result import Result
 from ..explore.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
 from ..measure.guard import Guard, guard_from_option, is_oom
 
@@ -126,20 +129,16 @@ class TrainerOom:
             self.guard.stop()
 
     @property
-    def result(self):
+    def result(self) -> Result:
         """The changes of the micro-batch and the recoveries (a Result, verb "adaptive")."""
-        from dataclasses import asdict
-
-        from ..core.result import Result
-
         rows = self.policy.last_rows
-        data = {"micro_batch": self.policy.micro_batch or rows, "per_device_batch": rows,
-                "accumulation_per_batch": self.policy.accumulation(rows) if rows else None,
-                "gradient_accumulation_steps": self.trainer.args.gradient_accumulation_steps,
-                "ooms_recovered": self.runner.ooms, "windows_redone": self.runner.replays,
-                "changes": [asdict(c) for c in self.policy.changes], "start_fit": self.start_fit,
-                "integration": "transformers.Trainer",
-                "guard_report": [str(p) for p in self.guard.paths] if self.guard is not None else None}
+        data = AdaptivePayload(micro_batch=self.policy.micro_batch or rows, per_device_batch=rows,
+                               accumulation_per_batch=self.policy.accumulation(rows) if rows else None,
+                               gradient_accumulation_steps=self.trainer.args.gradient_accumulation_steps,
+                               ooms_recovered=self.runner.ooms, windows_redone=self.runner.replays,
+                               changes=[asdict(c) for c in self.policy.changes], start_fit=self.start_fit,
+                               integration="transformers.Trainer",
+                               guard_report=[str(p) for p in self.guard.paths] if self.guard is not None else None)
         return Result(verb="adaptive", data=data, notes=[c.describe() for c in self.policy.changes])
 
     # ------------------------------------------------------------ callback moments

@@ -21,9 +21,12 @@ rows needs rows of equal weight (tokens of equal count) to be split exactly.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.payloads import AdaptivePayload
+from ..core.result import Result
 from ..explore.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
 from ..measure.guard import Guard, is_oom
 
@@ -121,15 +124,11 @@ class LightningOom:
         self.module.zero_grad(set_to_none=True)
 
     @property
-    def result(self):
-        from dataclasses import asdict
-
-        from ..core.result import Result
-
+    def result(self) -> Result:
         rows = self.policy.last_rows
-        data = {"micro_batch": self.policy.micro_batch or rows, "batch_size": rows,
-                "accumulate_grad_batches": self.trainer.accumulate_grad_batches, "ooms_recovered": self.runner.ooms,
-                "windows_redone": self.runner.replays, "changes": [asdict(c) for c in self.policy.changes],
-                "integration": "lightning.Trainer",
-                "guard_report": [str(p) for p in self.guard.paths] if self.guard is not None else None}
+        data = AdaptivePayload(micro_batch=self.policy.micro_batch or rows, batch_size=rows,
+                               accumulate_grad_batches=self.trainer.accumulate_grad_batches,
+                               ooms_recovered=self.runner.ooms, windows_redone=self.runner.replays,
+                               changes=[asdict(c) for c in self.policy.changes], integration="lightning.Trainer",
+                               guard_report=[str(p) for p in self.guard.paths] if self.guard is not None else None)
         return Result(verb="adaptive", data=data, notes=[c.describe() for c in self.policy.changes])

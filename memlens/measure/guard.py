@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 from ..core.enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL
 from ..core.errors import MemlensError
+from ..core.payloads import GuardPayload
 from ..core.result import Result
 from .history import parse_moment
 
@@ -219,18 +220,18 @@ def build_report(cap: Capture, message: str = "", spec=None, estimate_fn: Callab
         if spec is None:
             notes.append("which levers fit needs the training configuration: pass spec=TrainingSpec(...) to guard()")
     err = (live.total_bytes - cap.allocated_bytes) / cap.allocated_bytes if cap.allocated_bytes else 0.0
-    data = {
-        "device": f"cuda:{cap.device}", "requested_bytes": cap.requested_bytes, "allocated_bytes": cap.allocated_bytes,
-        "reserved_bytes": cap.reserved_bytes, "free_bytes": cap.free_bytes, "total_bytes": cap.total_bytes,
-        "allowed_bytes": cap.allowed_bytes, "categories_sum_bytes": live.total_bytes, "categories_error": err,
-        "live_blocks": live.blocks, "by_allocation_phase": live.by_phase, "earlier_steps_bytes": live.earlier_steps_bytes,
-        "top_blocks": live.top_blocks, "step": cap.step, "history": cap.history, "module_depth": module_depth,
-        "stats": cap.stats, "processes": cap.processes, "pid": cap.pid,
-        "diagnosis": diag.diagnosis, "certain": diag.certain, "reasons": diag.reasons, "evidence": diag.evidence,
-        "alternatives": diag.alternatives, "account": diag.account.to_dict(), "advice": diag.advice,
-        "levers": levers, "levers_estimated": spec is not None and reachable is not None and not notes,
-        "message": message[:2000],
-    }
+    data = GuardPayload(
+        device=f"cuda:{cap.device}", requested_bytes=cap.requested_bytes, allocated_bytes=cap.allocated_bytes,
+        reserved_bytes=cap.reserved_bytes, free_bytes=cap.free_bytes, total_bytes=cap.total_bytes,
+        allowed_bytes=cap.allowed_bytes, categories_sum_bytes=live.total_bytes, categories_error=err,
+        live_blocks=live.blocks, by_allocation_phase=live.by_phase, earlier_steps_bytes=live.earlier_steps_bytes,
+        top_blocks=live.top_blocks, step=cap.step, history=cap.history, module_depth=module_depth,
+        stats=cap.stats, processes=cap.processes, pid=cap.pid,
+        diagnosis=diag.diagnosis, certain=diag.certain, reasons=diag.reasons, evidence=diag.evidence,
+        alternatives=diag.alternatives, account=diag.account.to_dict(), advice=diag.advice,
+        levers=levers, levers_estimated=spec is not None and reachable is not None and not notes,
+        message=message[:2000],
+    )
     return Result(verb="guard", spec=spec.to_dict() if spec is not None else None, peak_allocated_bytes=cap.allocated_bytes,
                   peak_reserved_bytes=cap.reserved_bytes, by_category=live.by_category, by_module=live.by_module,
                   notes=notes, data=data)
@@ -511,7 +512,7 @@ class Guard:
             self.paths = write_guard_files(self.report, cap.snapshot, self.out_dir)
             if hasattr(exc, "add_note"):
                 exc.add_note(f"memlens.guard: what held the memory is in {self.out_dir / REPORT_HTML} "
-                             f"({self.report.data['diagnosis']})")
+                             f"({self.report.data.diagnosis})")
         except Exception as e:  # noqa: BLE001 - the report must never hide the OOM itself
             self.errors.append(f"writing the report failed: {type(e).__name__}: {e}")
         finally:

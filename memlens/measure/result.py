@@ -126,13 +126,13 @@ def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.prof
 
         st = analyze_memory_stats(prof.meter.stats())
         data["allocator"] = {
-            "reserved_unallocated_bytes": st["reserved_unallocated_bytes"],
-            "inactive_split_bytes": st["inactive_split_bytes"],
-            "num_alloc_retries": st["num_alloc_retries"],
-            "num_ooms": st["num_ooms"],
-            "fragmentation": st["fragmentation"],
-            "segments": st["segments"],
-            "findings": st["findings"],
+            "reserved_unallocated_bytes": st.reserved_unallocated_bytes,
+            "inactive_split_bytes": st.inactive_split_bytes,
+            "num_alloc_retries": st.num_alloc_retries,
+            "num_ooms": st.num_ooms,
+            "fragmentation": st.fragmentation,
+            "segments": st.segments,
+            "findings": st.findings,
             "labels": {
                 "reserved_unallocated_bytes": "reserved - allocated: cached by the allocator, free for reuse",
                 "inactive_split_bytes": "free bytes inside segments that also hold live blocks (cannot be returned to CUDA)",

@@ -11,6 +11,8 @@ import torch
 
 import guard_synthetic as syn
 from memlens.core.errors import MemlensError
+from memlens.core.payloads import UNSET, GuardPayload
+from memlens.core.result import Result
 from memlens.doctor.snapshot import load_snapshot, summarize_snapshot
 from memlens.measure import guard as gmod
 from memlens.measure.guard import Guard, build_report, classify_live_blocks
@@ -260,3 +262,14 @@ def test_moments_interleaved_with_another_recorder():
     n = mine.moment()
     assert len(rec.rec.moments) == n - first + 1
     assert rec.rec.moments[n - first - 1].phase == "backward" and rec.rec.moments[n - first - 3].phase == "forward"
+
+
+def test_report_payload_typed_and_saved_back_the_same(tmp_path):
+    r = build_report(syn.capture(), "CUDA out of memory. Tried to allocate 24.00 MiB.", module_depth=3)
+    d = r.data
+    assert type(d) is GuardPayload and d.extra == {}
+    assert {n for n in d.names() if getattr(d, n) is UNSET} == set()      # every field filled
+    assert d.device == "cuda:0" and d.allocated_bytes == d.categories_sum_bytes == syn.ALLOCATED
+    assert d.live_blocks == 10 and d.earlier_steps_bytes == 2 * MiB and d.module_depth == 3 and d.levers
+    back = Result.load(r.save(tmp_path / "oom_report.json"))
+    assert type(back.data) is GuardPayload and back.data.to_dict() == json.loads(json.dumps(d.to_dict()))
