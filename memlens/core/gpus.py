@@ -89,14 +89,3 @@ def gpu_facts(name: str | None = None) -> GpuFacts:
     close = difflib.get_close_matches(key, GPUS, n=1)
     raise SpecError(f"unknown GPU {name!r}", hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}")
 
-
-def facts_for_device_name(device_name: str) -> GpuFacts | None:
-    """The entry whose label matches what torch.cuda.get_device_name() reports, if any."""
-    low = device_name.lower()
-    for f in GPUS.values():
-        if f.label.lower() == low:
-            return f
-    for f in GPUS.values():
-        if f.name.split("-")[0] in low.replace(" ", "-"):
-            return f
-    return None

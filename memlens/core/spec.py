@@ -114,8 +114,6 @@ class TrainingSpec:
         if self.sharding != "none" and self.world_size == 1:
             raise SpecError(f"sharding {self.sharding!r} needs --world-size > 1", hint="add --world-size 8")
         self._check_distributed()
-        if self.precision in ("fp16",) and self.optimizer == "adamw-8bit":
-            pass  # allowed: bnb 8-bit optimizers work with fp16 params
 
     def _check_distributed(self) -> None:
         # (--world-size without --sharding is refused where a step is built: memlens.step.parallel.base.check)

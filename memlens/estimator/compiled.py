@@ -685,8 +685,3 @@ def compiling():
         yield
     finally:
         torch.compiler._is_compiling_flag = old
-
-
-@contextlib.contextmanager
-def no_context():
-    yield
