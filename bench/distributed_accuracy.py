@@ -3,7 +3,7 @@
 python bench/distributed_accuracy.py OUT_DIR/gpu_distributed.jsonl [case-substring ...]
 Writes bench/results/distributed_accuracy.json and .md: per case and per rank, measured and estimated
 max_memory_allocated and max_memory_reserved and their errors; NVML per process and NCCL's own
-memory as measured (the figure memlens.core.nccl.MEASURED takes); per case, the rank that
+memory as measured (the figure memlens.core.gpus.NCCL_MEASURED takes); per case, the rank that
 peaks (a job fails when any rank runs out, so that is the figure a fit decision needs).
 
 Records without ``tied_embeddings_kept`` were measured before memlens re-tied the embeddings of
@@ -116,7 +116,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "gpu"}, indent=1))
     if summary["nccl_bytes_median"]:
         gpu = (env.get("device") or "").lower()
-        print(f"memlens/core/nccl.py MEASURED entry: ('{'h200' if 'h200' in gpu else 'h100' if 'h100' in gpu else gpu}', "
+        print(f"memlens/core/gpus.py NCCL_MEASURED entry: ('{'h200' if 'h200' in gpu else 'h100' if 'h100' in gpu else gpu}', "
               f"{env.get('world_size')}): ({summary['nccl_bytes_median']}, \"bench/gpu_distributed.py on {env.get('device')}, "
               f"NCCL {env.get('nccl')}, torch {env.get('torch')}: median over ranks and cases\")")
     if args:

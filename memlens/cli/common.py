@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -143,10 +142,6 @@ def out_dir(args: argparse.Namespace) -> Path | None:
     except OSError as e:
         raise SpecError(f"cannot create output directory {d}: {e.strerror}", hint="choose a writable --out DIR") from None
     return d
-
-
-def dump_json(obj, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
 def require_cuda(device: str) -> None:

@@ -1,16 +1,23 @@
 """Hardware facts, one entry per GPU: what the estimate assumes about the device it predicts for.
 
-Everything the estimator and the planners know about a GPU lives here, so adding a GPU is one
-entry: its memory, the CUDA context a process pays, the cuBLAS / cuBLASLt workspaces that go
-through the caching allocator, which fused attention kernels it has, and the matmul rates the
-step-time model uses. Each entry says where its figures come from: ``measured`` (on this
-project's GPU machines, bench/results/raw/gpu_calibration.json) or ``documented`` (vendor data
-sheets and PyTorch's dispatch rules, not measured here).
+Everything the estimator and the planners know about the hardware lives here, so adding a GPU is
+one entry: its memory, the CUDA context a process pays, the cuBLAS / cuBLASLt workspaces that go
+through the caching allocator, which fused attention kernels it has, its data-sheet matmul peak,
+DRAM bandwidth and PCIe link (every registered GPU has each of them, cited beside the entry), the
+effective rates the step-time model derives from them, and NCCL's own buffers where measured.
+Host facts (the CPU Adam rate of an offloaded optimizer) sit beside them. Each entry says where its
+figures come from: ``measured`` (on this project's GPU machines,
+bench/results/raw/gpu_calibration.json) or ``documented`` (vendor data sheets and PyTorch's
+dispatch rules, not measured here).
 
 >>> gpu_facts("h100").cublas_workspace_bytes // 2**20, gpu_facts("a100-80gb").cublas_workspace_bytes
 (32, 8519680)
 >>> gpu_facts("H100").name, sorted(GPUS)[:3]
 ('h100', ['a100-40gb', 'a100-80gb', 'a10g'])
+>>> gpu_facts("t4").dram_gbps, gpu_facts("t4").pcie_gbps, gpu_facts("t4").pcie_bytes_per_s / 1e9
+(320.0, 16.0, 5.0)
+>>> nccl_bytes("h200", 2)[0] // 2**20, nccl_bytes("h100", 2)[0]
+(916, None)
 """
 from __future__ import annotations
 
@@ -45,8 +52,13 @@ class GpuFacts:
     bf16: bool                     # native bf16 matmuls (sm80+)
     cudnn_attention: bool          # SDPA dispatches fp16/bf16 to cuDNN attention first (torch >= 2.5 on sm90)
     flash_attention: bool          # FlashAttention-2 kernels (sm80+)
+    peak_tflops_half: float        # data sheet: dense fp16/bf16 tensor-core TFLOP/s (no sparsity)
+    peak_tflops_fp32: float        # data sheet: dense TF32 tensor-core TFLOP/s (fp32 on GPUs without TF32)
+    dram_gbps: float               # data sheet: GPU memory bandwidth, GB/s
+    pcie_gbps: float               # data sheet: the x16 host link, GB/s each direction (half the bidirectional figure)
     matmul_tflops_half: float      # effective dense fp16/bf16 matmul rate of a training step (step-time model)
     matmul_tflops_fp32: float
+    pcie_bytes_per_s: float        # effective host <-> GPU copy rate of the step-time model (offload)
     source: str                    # measured | documented
 
     def to_dict(self) -> dict[str, Any]:
@@ -55,28 +67,49 @@ class GpuFacts:
         return d
 
 
-def _facts(name, label, arch, cc, mem_gib, ctx_mib, peak_half, peak_fp32, source="documented") -> GpuFacts:
-    # Effective rates: the step-time model's H100 figures (120 / 40 TFLOP/s at typical utilisation of
-    # 989 / 495 peak dense) scaled by each GPU's data-sheet peak.
+# The step-time model's effective rates, set on the H100 and scaled to every other GPU by its data
+# sheet: matmuls at 120 / 40 TFLOP/s (typical utilisation of its 989.5 / 495 dense peaks), host
+# copies at 20 GB/s (of its PCIe Gen5 x16's 64 GB/s each way).
+_H100_PEAK_HALF, _H100_PEAK_FP32, _H100_PCIE = 989.5, 495.0, 64.0
+_EFF_HALF, _EFF_FP32, _EFF_PCIE = 120.0, 40.0, 20e9
+
+
+def _facts(name, label, arch, cc, mem_gib, ctx_mib, peak_half, peak_fp32, dram_gbps, pcie_gbps,
+           source="documented") -> GpuFacts:
     return GpuFacts(name, label, arch, cc, int(mem_gib * GiB), ctx_mib * MiB,
                     _WS_HOPPER if cc[0] == 9 else _WS_OTHER, _LT_WS, cc >= (8, 0), cc[0] == 9, cc >= (8, 0),
-                    round(120.0 * peak_half / 989.0, 1), round(40.0 * peak_fp32 / 495.0, 1), source)
+                    float(peak_half), float(peak_fp32), float(dram_gbps), float(pcie_gbps),
+                    round(_EFF_HALF * peak_half / _H100_PEAK_HALF, 1), round(_EFF_FP32 * peak_fp32 / _H100_PEAK_FP32, 1),
+                    _EFF_PCIE * pcie_gbps / _H100_PCIE, source)
 
 
 # CUDA context: 740 MiB measured on an H100 with torch 2.11 + CUDA 13 (612 MiB after the first kernel,
 # ~740 once cuBLAS/cuDNN load). Other GPUs: the same driver stack, taken as the same (not measured).
+# Columns after the context: peak fp16/bf16 TFLOP/s, peak TF32 (or fp32) TFLOP/s, DRAM GB/s, PCIe GB/s
+# each way; sources beside each entry (dense figures: the data sheets' sparsity figures halved).
 GPUS: dict[str, GpuFacts] = {f.name: f for f in (
-    _facts("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 79.19, 740, 989, 495, "measured"),
-    _facts("h200", "NVIDIA H200", "hopper", (9, 0), 139.8, 740, 989, 495),
-    _facts("a100-80gb", "NVIDIA A100-SXM4-80GB", "ampere", (8, 0), 79.15, 740, 312, 156),
-    _facts("a100-40gb", "NVIDIA A100-SXM4-40GB", "ampere", (8, 0), 39.39, 740, 312, 156),
-    _facts("l40s", "NVIDIA L40S", "ada", (8, 9), 44.39, 740, 362, 183),
-    _facts("l4", "NVIDIA L4", "ada", (8, 9), 22.03, 740, 121, 60),
-    _facts("a10g", "NVIDIA A10G", "ampere", (8, 6), 22.07, 740, 125, 62),
-    _facts("rtx-4090", "NVIDIA GeForce RTX 4090", "ada", (8, 9), 23.52, 740, 165, 83),
-    _facts("rtx-3090", "NVIDIA GeForce RTX 3090", "ampere", (8, 6), 23.57, 740, 71, 36),
-    _facts("t4", "Tesla T4", "turing", (7, 5), 14.58, 740, 65, 8),
-    _facts("v100", "Tesla V100-SXM2-32GB", "volta", (7, 0), 31.74, 740, 125, 16),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1979 / 989 TFLOPS sparse, 3.35 TB/s, PCIe Gen5 128 GB/s
+    _facts("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 79.19, 740, 989.5, 495, 3350, 64, "measured"),
+    # NVIDIA H200 datasheet (SXM): 1979 / 989 TFLOPS sparse, 4.8 TB/s, PCIe Gen5 128 GB/s
+    _facts("h200", "NVIDIA H200", "hopper", (9, 0), 139.8, 740, 989.5, 495, 4800, 64),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 / 156 TFLOPS, 2039 GB/s, PCIe Gen4 64 GB/s
+    _facts("a100-80gb", "NVIDIA A100-SXM4-80GB", "ampere", (8, 0), 79.15, 740, 312.5, 156, 2039, 32),
+    # NVIDIA A100 Tensor Core GPU datasheet (40GB): 312 / 156 TFLOPS, 1555 GB/s, PCIe Gen4 64 GB/s
+    _facts("a100-40gb", "NVIDIA A100-SXM4-40GB", "ampere", (8, 0), 39.39, 740, 312.5, 156, 1555, 32),
+    # NVIDIA L40S datasheet: 733 / 366 TFLOPS sparse (362 / 183 dense), 864 GB/s, PCIe Gen4 x16 64 GB/s
+    _facts("l40s", "NVIDIA L40S", "ada", (8, 9), 44.39, 740, 362, 183, 864, 32),
+    # NVIDIA L4 datasheet: 242 / 120 TFLOPS sparse, 300 GB/s, PCIe Gen4 x16 64 GB/s
+    _facts("l4", "NVIDIA L4", "ada", (8, 9), 22.03, 740, 121, 60, 300, 32),
+    # NVIDIA A10 datasheet (AWS's A10G: the same GA102 part): 125 / 62.5 TFLOPS, 600 GB/s, PCIe Gen4 64 GB/s
+    _facts("a10g", "NVIDIA A10G", "ampere", (8, 6), 22.07, 740, 125, 62, 600, 32),
+    # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 165.2 FP16 w/ FP32 acc. / 82.6 TF32, 1008 GB/s, PCIe Gen4 x16
+    _facts("rtx-4090", "NVIDIA GeForce RTX 4090", "ada", (8, 9), 23.52, 740, 165, 83, 1008, 32),
+    # NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 FP16 w/ FP32 acc. / 35.6 TF32, 936 GB/s, PCIe Gen4 x16
+    _facts("rtx-3090", "NVIDIA GeForce RTX 3090", "ampere", (8, 6), 23.57, 740, 71, 36, 936, 32),
+    # NVIDIA T4 datasheet: 65 TFLOPS mixed precision, 8.1 TFLOPS fp32, 320 GB/s, PCIe Gen3 x16 32 GB/s
+    _facts("t4", "Tesla T4", "turing", (7, 5), 14.58, 740, 65, 8, 320, 16),
+    # NVIDIA V100 Tensor Core GPU datasheet (SXM2): 125 TFLOPS tensor, 15.7 fp32, 900 GB/s, PCIe 32 GB/s
+    _facts("v100", "Tesla V100-SXM2-32GB", "volta", (7, 0), 31.74, 740, 125, 16, 900, 16),
 )}
 DEFAULT_GPU = "h100"
 
@@ -90,13 +123,45 @@ def gpu_facts(name: str | None = None) -> GpuFacts:
     raise SpecError(f"unknown GPU {name!r}", hint=(f"did you mean {close[0]!r}? " if close else "") + f"known: {', '.join(GPUS)}")
 
 
-def facts_for_device_name(device_name: str) -> GpuFacts | None:
-    """The entry whose label matches what torch.cuda.get_device_name() reports, if any."""
-    low = device_name.lower()
-    for f in GPUS.values():
-        if f.label.lower() == low:
-            return f
-    for f in GPUS.values():
-        if f.name.split("-")[0] in low.replace(" ", "-"):
-            return f
-    return None
+
+# ---------------------------------------------------------------- host facts
+# Adam steps on the CPU (ZeRO-Offload's optimizer step), parameters per second: an assumption of the
+# step-time model, not measured here (the order of DeepSpeed's vectorised CPU-Adam, Ren et al. 2021,
+# "ZeRO-Offload"); one figure for every host.
+HOST_CPU_ADAM_PARAMS_PER_S = 1e9
+# GPU-to-GPU collectives of the step-time model, bytes per second per GPU: an assumption, not a data
+# sheet (NVLink, NVSwitch and PCIe-only hosts differ by an order of magnitude); one figure for every GPU.
+INTERCONNECT_BYTES_PER_S = 100e9
+
+
+# ---------------------------------------------------------------- NCCL
+# NCCL's own device memory per rank: what nvidia-smi shows beyond PyTorch's reserved memory and the
+# CUDA context once a communicator has run collectives. NCCL allocates its buffers with cudaMalloc /
+# cuMem directly (per peer and channel: the Simple, LL and LL128 protocol buffers of NCCL_BUFFSIZE and
+# friends, plus work queues and its kernels' code), never through PyTorch's caching allocator:
+# max_memory_allocated and max_memory_reserved do not see it; NVML's per-process used memory does. Its
+# size depends on the NCCL version, the topology, the number of peers and the environment
+# (NCCL_BUFFSIZE, NCCL_NVLS_ENABLE, ...), so it is not derived: it is measured, by
+# bench/gpu_distributed.py: per process, NVML used memory after the profiled steps minus
+# max_memory_reserved minus the CUDA context of the same process measured before the process group
+# was created (field nccl_bytes of each rank's record). Without an entry the figure is unknown.
+#
+# (gpu, world size) -> (bytes per rank, where it was measured). Filled from bench/results/distributed_accuracy.json
+# (the second item is shown to users: no internal paths there).
+NCCL_MEASURED: dict[tuple[str, int], tuple[int, str]] = {
+    ("h200", 2): (960495616, "measured on 2 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
+                             "median over 24 ranks of 12 cases (912-922 MiB)"),
+}
+
+
+def nccl_bytes(gpu: str, world_size: int) -> tuple[int | None, str]:
+    """(bytes NCCL holds per rank outside the caching allocator, or None; where the figure comes from)."""
+    hit = NCCL_MEASURED.get((gpu, world_size))
+    if hit is not None:
+        return hit[0], hit[1]
+    same_gpu = sorted((w, v) for (g, w), v in NCCL_MEASURED.items() if g == gpu)
+    if same_gpu:
+        w, (b, src) = min(same_gpu, key=lambda wv: abs(wv[0] - world_size))
+        return b, f"{src} (measured at world size {w}, not {world_size})"
+    return None, (f"not measured for {gpu} at world size {world_size} (measured as NVML process memory - reserved - "
+                  "CUDA context)")

@@ -482,10 +482,6 @@ def group_modules(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def sum_categories(by_category: dict[str, int], names: Iterable[str]) -> int:
-    return sum(by_category.get(n, 0) for n in names)
-
-
 def replay(log: EventLog, size_fn: Callable[[int], int] | None = None, max_points: int = 600) -> Analysis:
     """:func:`analyze` of a measured log: each storage counts ``size_fn(nbytes)`` (raw bytes by
     default, :func:`round_size` for CUDA blocks), and the whole log is replayed.

@@ -53,9 +53,6 @@ class StorageTracker(TorchDispatchMode):
         self.muted = False                   # True: ops run unaccounted (stand-ins for storages already logged)
 
     # ---------------------------------------------------------------- registration
-    def current_module(self) -> int:
-        return self.module
-
     @staticmethod
     def module_label(name: str) -> str:
         """Module name without Opacus' (``_module``) and peft's wrapper prefixes; the root is the

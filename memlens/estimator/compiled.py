@@ -44,6 +44,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..core.gpus import gpu_facts
+
 MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion and "
          "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 2.2% of ten real "
          "compiled steps on an H100 (README, --compile)")
@@ -399,16 +401,12 @@ def held_tensors(obj, depth: int = 3) -> list:
     return list({id(t): t for t in found}.values())
 
 
-# data-sheet dense fp16/bf16 TFLOP/s and DRAM GB/s (torch/_inductor/analysis/device_info.py's figures)
-_DATASHEET = {"h100": (989.5, 3350), "h200": (989.5, 4800), "a100-80gb": (312.5, 2039), "a100-40gb": (312.5, 1555),
-              "l40s": (362.0, 864), "l4": (121.0, 300), "a10g": (125.0, 600)}
-
-
 def _compute_bound(M: int, K: int, N: int, gpu: str | None) -> bool:
-    """inductor's ``is_mm_compute_bound``: arithmetic intensity above half the machine balance."""
-    tflops, gbps = _DATASHEET.get(gpu or "h100", _DATASHEET["h100"])
+    """inductor's ``is_mm_compute_bound``: arithmetic intensity above half the machine balance (the GPU
+    facts' data-sheet dense fp16/bf16 TFLOP/s over DRAM GB/s; None: the default GPU)."""
+    g = gpu_facts(gpu)
     intensity = M * N * K / max(1, M * K + N * K + M * N)
-    return intensity > 0.5 * 1000 * tflops / gbps
+    return intensity > 0.5 * 1000 * g.peak_tflops_half / g.dram_gbps
 
 
 def pad_matmuls(gm, gpu: str | None = None) -> int:
@@ -685,8 +683,3 @@ def compiling():
         yield
     finally:
         torch.compiler._is_compiling_flag = old
-
-
-@contextlib.contextmanager
-def no_context():
-    yield

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..core.gpus import gpu_facts, nccl_bytes
 from ..core.spec import TrainingSpec
 from ..core.result import Result
 
@@ -36,11 +37,9 @@ def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2):
 def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     """Per-rank peaks (allocated and reserved), the rank that peaks, each simulated rank's breakdown
     by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
-    from ..core.gpus import gpu_facts
     from ..core.ledger import analyze, group_modules
     from .result import simulation_facts
     from ..models.source import resolve
-    from ..core.nccl import nccl_bytes
 
     t0 = time.perf_counter()
     source = source or resolve(spec.model)

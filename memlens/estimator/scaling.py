@@ -510,10 +510,6 @@ class ScalingEstimator:
         self._pending: dict[tuple, tuple[Any, str]] = {}     # (family, point) -> (future, why simulated)
         self._pool: Any = None
 
-    def _family(self, spec: TrainingSpec) -> tuple[Family, Point]:
-        key, x = family_of(spec)
-        return self.families.setdefault(key, Family()), x
-
     def estimate(self, spec: TrainingSpec):
         """The estimate Result of ``spec`` (identical to ``memlens.estimate(spec)`` but for timings and ``data["scaling"]``)."""
         key, x = family_of(spec)

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ..core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, INTERCONNECT_BYTES_PER_S, gpu_facts
 from ..core.spec import TrainingSpec
 
 
@@ -226,13 +227,11 @@ class _Fake:  # for the docstring above
 
 
 # ---------------------------------------------------------------- step time (predicted)
-# A deliberately simple, documented model, labelled "predicted" wherever it is shown. Matmul
-# throughput: the spec's GPU facts (memlens.core.gpus: effective rates at typical utilisation, not
-# peak; H100: 40 TFLOP/s in fp32 and 120 TFLOP/s under fp16/bf16); PCIe 20 GB/s; CPU Adam
-# 1e9 parameters/s; GPU interconnect 100 GB/s per GPU.
-PCIE_BYTES_PER_S = 20e9
-CPU_ADAM_PARAMS_PER_S = 1e9
-LINK_BYTES_PER_S = 100e9
+# A deliberately simple, documented model, labelled "predicted" wherever it is shown. Every rate is a
+# hardware fact of memlens.core.gpus: the spec's GPU's effective matmul rates (typical utilisation,
+# not peak; H100: 40 TFLOP/s in fp32 and 120 TFLOP/s under fp16/bf16) and host copy rate (H100:
+# 20 GB/s over PCIe Gen5, scaled by each GPU's PCIe link), the host's CPU Adam rate (1e9
+# parameters/s) and the interconnect (100 GB/s per GPU, assumed for every GPU).
 UTIL_HALF_TOKENS = 2048   # utilisation(t) = t / (t + 2048) for t tokens per micro-batch
 
 
@@ -279,8 +278,6 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     if spec.dp:
         flops_per_token += (2 * n + 2 * nt) if spec.grad_sample_mode == "ghost" else 2 * nt
     recompute = 2 * n if spec.grad_checkpointing else 0
-    from ..core.gpus import gpu_facts
-
     g = gpu_facts(spec.gpu)
     rate = 1e12 * (g.matmul_tflops_fp32 if spec.precision == "fp32" else g.matmul_tflops_half)
     util = tokens_micro / (tokens_micro + UTIL_HALF_TOKENS)
@@ -292,10 +289,10 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     grad_bytes = nt * (2 if spec.param_dtype != "float32" else 4)
     if spec.offload_optimizer:
         param_bytes = nt * (2 if spec.param_dtype != "float32" else 4)
-        parts["offload"] = (grad_bytes + param_bytes) / PCIE_BYTES_PER_S + nt / CPU_ADAM_PARAMS_PER_S
+        parts["offload"] = (grad_bytes + param_bytes) / g.pcie_bytes_per_s + nt / HOST_CPU_ADAM_PARAMS_PER_S
     if n_ranks > 1:
         factor = 3.0 if sharding_of(spec).shards_parameters else 2.0   # FSDP2 gathers parameters again in backward
-        parts["communication"] = factor * (n_ranks - 1) / n_ranks * grad_bytes / LINK_BYTES_PER_S
+        parts["communication"] = factor * (n_ranks - 1) / n_ranks * grad_bytes / INTERCONNECT_BYTES_PER_S
     # the batch per rank: the spec's micro-batch is per GPU, so each rank does all its micro-steps
     return StepTime(sum(parts.values()), {k: v for k, v in parts.items()})
 

@@ -24,6 +24,7 @@ from ..core.spec import TrainingSpec
 from ..core.units import fmt_bytes
 from .core import CachedEstimator, fit_with_accumulation, largest_divisor_at_most
 from ..core.fits import RULE, Budget, need_bytes
+from ..core.gpus import gpu_facts, nccl_bytes
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
 
 def search_field(spec: TrainingSpec) -> str:
@@ -77,9 +78,6 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     notes_gpus: list[str] = []
     if n > 1 and context_bytes is None:
         # per GPU, the budget loses the CUDA context and NCCL's own buffers (outside the caching allocator)
-        from ..core.gpus import gpu_facts
-        from ..core.nccl import nccl_bytes
-
         nccl, src = nccl_bytes(gpu_facts(spec.gpu).name, n)
         context_bytes = gpu_facts(spec.gpu).cuda_context_bytes + (nccl or 0)
         notes_gpus.append(f"per GPU: budget - CUDA context - NCCL buffers ({'%.0f MiB' % (nccl / 2**20) if nccl else 'unknown'}: {src})")

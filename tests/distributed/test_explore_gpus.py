@@ -47,12 +47,12 @@ def test_fit_answers_the_per_gpu_micro_batch():
 
 
 def test_fit_budget_loses_nccl_when_measured(monkeypatch):
-    from memlens.core import nccl
+    from memlens.core import gpus
     from memlens.explore.core import CachedEstimator, Point
     from memlens.explore.fit import fit
 
     est = CachedEstimator(fn=lambda s: Point(s.batch_size * 2**30, s.batch_size * 2**30))
-    monkeypatch.setitem(nccl.MEASURED, ("h100", 2), (2**30, "test"))
+    monkeypatch.setitem(gpus.NCCL_MEASURED, ("h100", 2), (2**30, "test"))
     d = fit(SPEC, "20GiB", plan=False, margin=0, estimator=est).data
     assert d["context_bytes"] == 740 * 2**20 + 2**30
 

@@ -37,7 +37,7 @@ nn/parallel/distributed.py, torch 2.x):
   ``broadcast_coalesced`` flats.
 
 The all-reduce itself runs in place on the bucket; NCCL's own buffers are outside the caching
-allocator (see :mod:`memlens.core.nccl`).
+allocator (see :mod:`memlens.core.gpus`, ``nccl_bytes``).
 
 >>> import torch
 >>> params = [torch.empty(300_000), torch.empty(100), torch.empty(300_000)]   # fp32: 1.2 MB, 400 B, 1.2 MB

@@ -13,7 +13,7 @@ What Opacus does (opacus/distributed.py, opacus/optimizers/ddpoptimizer*.py, 1.5
   ``p.grad = summed_grad.view_as(p)`` (no allocation). So rank 0 peaks higher by what the noise
   step allocates, the others hold one gradient copy less;
 - ``reduce_gradients``: ``all_reduce(p.grad)`` in place per parameter, then ``p.grad /= N``
-  (in place): NCCL's own buffers only (:mod:`memlens.core.nccl`).
+  (in place): NCCL's own buffers only (:mod:`memlens.core.gpus`, ``nccl_bytes``).
 
 ``--batch-size`` is each rank's logical batch (without Poisson sampling Opacus leaves each
 rank's data loader as given; its expected batch size divides by N only for the noise scale).

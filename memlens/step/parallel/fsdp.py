@@ -219,10 +219,6 @@ class FSDPWrapper(Wrapper):
             groups.append(RankGroup(-1, between, "between the two simulated ranks: every shard between theirs"))
         return groups
 
-    def shard_bytes(self, rank: int) -> int:
-        """Unpadded bytes of this rank's trainable shards (what its optimizer states scale with)."""
-        return sum(local_rows(d, self.world_size, rank) * rb for d, rb in self.dim0s)
-
     @contextlib.contextmanager
     def simulation(self, tracker, step):
         """Inside the tracker: FSDP2's unshard, copy-out and post-backward allocate "communication"
