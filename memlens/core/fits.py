@@ -2,7 +2,10 @@
 
 A budget is what the training process may use on the GPU, as nvidia-smi counts it. From it come
 off the CUDA context (the GPU facts' ``cuda_context_bytes``, not PyTorch's) and a safety margin
-(default 5% of the rest, at least 256 MiB): what is left is ``usable_bytes``.
+(default 5% of the rest, at least 256 MiB: :func:`margin_bytes`): what is left is ``usable_bytes``.
+``Budget.make`` is the one way to build a budget: every caller (fit, sweep, compare, doctor, the
+trend guard, the Trainer callback) goes through it, and a caller that wants another margin says so
+with its ``margin`` argument.
 
 What a step *needs* under a limit is the smaller of its peak reserved (``max_memory_reserved``,
 what the caching allocator holds unconstrained) and its peak allocated + 10%: pressed against a
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MemlensError, NoDeviceError
+from .gpus import gpu_facts
 from .units import fmt_bytes, parse_bytes
 
 PRESSED_ALLOCATOR_OVERHEAD = 0.10
@@ -60,6 +64,25 @@ def need_bytes(p: Any) -> int:
     return min(int(res), pressed) if res else pressed
 
 
+def margin_bytes(rest: int, margin: float | int | str | None = None) -> int:
+    """The safety margin taken off ``rest`` (the budget less the CUDA context): by default 5% of it,
+    at least 256 MiB; ``margin`` overrides it: a fraction < 1 of ``rest``, bytes, or a size string.
+
+    >>> MiB = 2**20
+    >>> margin_bytes(1024 * MiB) // MiB, margin_bytes(16 * 1024 * MiB) // MiB   # the floor; 5%
+    (256, 819)
+    >>> margin_bytes(16 * 1024 * MiB, 0), margin_bytes(1000, 0.5), margin_bytes(1000, "1KiB")
+    (0, 500, 1024)
+    """
+    if margin is None:
+        return max(int(MARGIN_FRACTION * rest), MARGIN_MIN_BYTES)
+    if isinstance(margin, float) and margin < 1:
+        if margin < 0:
+            raise MemlensError(f"margin {margin} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
+        return int(margin * rest)
+    return parse_bytes(margin)
+
+
 @dataclass(frozen=True)
 class Budget:
     """Bytes: ``budget`` as given, minus the CUDA context and the margin = ``usable`` for the step.
@@ -81,10 +104,10 @@ class Budget:
     @classmethod
     def make(cls, budget: int | str | None, *, context_bytes: int | None = None, margin: float | int | str | None = None,
              gpu: str | None = None) -> "Budget":
-        """``budget`` None: this GPU's free memory now. ``margin``: bytes, a size string, or a fraction < 1.
-        ``context_bytes`` None: the CUDA context of ``gpu`` (default: the GPU facts' default)."""
-        from .gpus import gpu_facts
-
+        """The one constructor. ``budget`` None: this GPU's free memory now. ``margin`` None: the rule's
+        (:func:`margin_bytes`); else bytes, a size string, or a fraction < 1 (0: none, for a caller that
+        compares with a measured limit). ``context_bytes`` None: the CUDA context of ``gpu`` (default:
+        the GPU facts' default)."""
         source = "given"
         if budget is None:
             total = gpu_free_bytes()
@@ -94,15 +117,7 @@ class Budget:
         if total <= 0:
             raise MemlensError("the budget is 0 bytes", hint="give a size such as --budget 16GiB")
         ctx = gpu_facts(gpu).cuda_context_bytes if context_bytes is None else int(context_bytes)
-        rest = total - ctx
-        if margin is None:
-            m = max(int(MARGIN_FRACTION * rest), MARGIN_MIN_BYTES)
-        elif isinstance(margin, float) and margin < 1:
-            if margin < 0:
-                raise MemlensError(f"margin {margin} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
-            m = int(margin * rest)
-        else:
-            m = parse_bytes(margin)
+        m = margin_bytes(total - ctx, margin)
         b = cls(total, ctx, m, source)
         if b.usable_bytes <= 0:
             raise MemlensError(f"budget {fmt_bytes(total)} leaves nothing after the CUDA context ({fmt_bytes(ctx)}) and the margin ({fmt_bytes(m)})",
@@ -142,7 +157,7 @@ def fits(p: Any, budget: Budget) -> Verdict:
 def gpu_free_bytes() -> int:
     """Free memory of the current CUDA device (cudaMemGetInfo)."""
     try:
-        import torch
+        import torch   # heavy: only when a budget is read from the GPU
 
         if torch.cuda.is_available():
             return int(torch.cuda.mem_get_info()[0])

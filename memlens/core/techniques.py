@@ -126,7 +126,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("qlora", "QLoRA r={rank}", _qlora, MODEL, "4-bit NF4 frozen base + LoRA adapters (bitsandbytes)",
               lambda s: not s.qlora),
     Technique("adamw-8bit", "8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS,
-              "bitsandbytes AdamW8bit: states in 8 bits (2 B/param instead of 8)",
+              "bitsandbytes AdamW8bit: states in 8 bits, 2 B/param instead of 8",
               lambda s: s.optimizer in ADAM and not s.uses_lora),
     Technique("adafactor", "Adafactor", {"optimizer": "adafactor"}, NUMERICS,
               "factored second moment, no first moment: tiny states", lambda s: s.optimizer in ADAM and not s.uses_lora),
@@ -141,7 +141,7 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("zero2", "ZeRO-2 over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "zero2"}, EXACT,
               "optimizer states and gradients sharded; batch split over GPUs", _one_gpu),
     Technique("fsdp", "FSDP (ZeRO-3) over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "fsdp"}, EXACT,
-              "parameters sharded too; all-gathers each layer (1.5x the communication of DDP)", _one_gpu),
+              "parameters sharded too; all-gathers each layer, 1.5x the communication of DDP", _one_gpu),
     # DP-SGD (Opacus): memlens.step.kinds.opacus runs them
     Technique("dp-hooks", "DP-SGD (Opacus hooks)", {"dp": True, "grad_sample_mode": "hooks"}, PRIVACY,
               "per-sample gradients: trainable parameters x physical batch, kept into the optimizer step",

@@ -12,18 +12,29 @@ True
 """
 from __future__ import annotations
 
+from ..core import techniques as tech
 from ..core.units import fmt_bytes as f
 from .account import Account, account
 from .message import OomMessage
 
+
+def _named(name: str, gpus: str | None = None) -> str:
+    """'Title (cost)' of a technique, both from the one technique table (memlens/core/techniques.py);
+    ``gpus``: words for the GPU count of a sharded title (advice names no count)."""
+    t = tech.lookup(name)
+    return f"{t.title.format(gpus=gpus) if gpus else tech.title(name)} ({t.cost})"
+
+
+# The general ways to shrink a step; each technique's name and cost come from the technique table, so
+# doctor, compare and fit's plan say the same thing about it.
 _REDUCE = [
-    "Halve the micro-batch and double gradient accumulation: the same effective batch, about half the activations.",
+    f"Halve the micro-batch and double gradient accumulation: {tech.cost('halve-batch')}.",
     "Enable gradient checkpointing (model.gradient_checkpointing_enable()): activation memory grows with "
-    "sqrt(layers) instead of layers, for about 20-30% more compute.",
-    "Train under autocast (bf16, or fp16 with a GradScaler): activations in 2 bytes instead of 4.",
-    "Shrink optimizer state: 8-bit AdamW (bitsandbytes) or Adafactor, or train LoRA adapters only "
-    "(AdamW keeps 2 fp32 tensors per trained parameter).",
-    "Shard or offload the model states: FSDP / ZeRO over several GPUs, or optimizer states on the CPU.",
+    f"sqrt(layers) instead of layers; it {tech.cost('checkpointing')}.",
+    f"Train under autocast: {_named('amp-bf16')}, or {_named('amp-fp16')}.",
+    f"Shrink optimizer state (AdamW keeps 2 fp32 tensors per trained parameter): {_named('adamw-8bit')}, "
+    f"{_named('adafactor')}, or {_named('lora')}.",
+    f"Shard or offload the model states: {_named('fsdp', gpus='several')}, or {_named('offload')}.",
     "Run `memlens estimate` and `memlens fit` with your configuration to see which category dominates "
     "and the largest micro-batch that fits.",
 ]
@@ -121,8 +132,6 @@ def measured_levers(by_category: dict[str, int]) -> list[dict]:
     >>> [(l["name"], l["shrinks_bytes"]) for l in measured_levers({"activations": 10, "optimizer_state": 4})][:2]
     [('halve-batch', 10), ('checkpointing', 10)]
     """
-    from ..core import techniques as tech
-
     out = []
     for name in tech.DOCTOR:
         cats = LEVER_SHRINKS.get(name, ())

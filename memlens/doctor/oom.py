@@ -251,8 +251,8 @@ def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], margin: f
 
     try:
         b = Budget.make(budget, context_bytes=0, margin=margin)
-    except MemlensError:   # too small for a margin: hold the options against the budget itself
-        b = Budget(int(budget), 0, 0)
+    except MemlensError:   # too small for a margin: hold the options against the measured budget itself (margin 0);
+        b = Budget.make(budget, context_bytes=0, margin=0) if budget > 0 else None   # of 0 bytes nothing fits
     options: list[FitOption] = []
 
     def _try(name: str, changes: dict[str, Any]) -> FitOption | None:
@@ -261,7 +261,7 @@ def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], margin: f
         except SpecError:
             return None
         r = estimate_fn(s)
-        opt = FitOption(name, changes, s.describe(), int(r.peak_allocated_bytes or 0), fits(r, b).fits)
+        opt = FitOption(name, changes, s.describe(), int(r.peak_allocated_bytes or 0), b is not None and fits(r, b).fits)
         options.append(opt)
         return opt
 

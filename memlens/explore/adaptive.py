@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 from ..core.errors import MemlensError
+from ..core.fits import MARGIN_MIN_BYTES, Budget, Need, fits
 from ..core.payloads import AdaptivePayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
@@ -264,8 +265,8 @@ class TrendGuard:
     ``lookahead`` steps. ``probe()`` returns (allocated now, running max allocated, reserved now, bytes
     PyTorch could hold). The prediction goes through the one fit rule: need = min(reserved, allocated
     x 1.10) extrapolated ``lookahead`` steps by the slope of memory left at the end of a step, against
-    what PyTorch could hold less the rule's minimum margin (a measurement has no estimate error to
-    cover; :mod:`memlens.core.fits`)."""
+    what PyTorch could hold less the rule's minimum margin, 256 MiB (a measurement has no estimate error
+    to cover; :mod:`memlens.core.fits`)."""
 
     def __init__(self, lookahead: int = 20, window: int = 10, probe: Callable[[], tuple[int, int, int, int]] | None = None):
         if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
@@ -277,8 +278,6 @@ class TrendGuard:
 
     def after_step(self, step: int) -> str | None:
         """A reason to halve now (the prediction, in words), or None."""
-        from ..core.fits import MARGIN_MIN_BYTES, Budget, Need, fits
-
         end, peak, reserved, reachable = self.probe()
         self.trend.record(step, end, peak)
         pred = self.trend.predicted_peak(self.lookahead)
@@ -286,8 +285,13 @@ class TrendGuard:
         if pred is None:
             return None
         grow = int(self.trend.slope() * self.lookahead)
-        v = fits(Need(peak_allocated_bytes=pred, peak_reserved_bytes=reserved + grow),
-                 Budget(reachable, 0, min(MARGIN_MIN_BYTES, reachable // 20)))
+        try:
+            # a measured trend has no estimate error to cover: the rule's 256 MiB floor, not its 5%
+            b = Budget.make(reachable, context_bytes=0, margin=MARGIN_MIN_BYTES)
+        except MemlensError:
+            return (f"memory grows {fmt_bytes(self.trend.slope())}/step and only {fmt_bytes(reachable)} is reachable: "
+                    f"less than the fit rule's {fmt_bytes(MARGIN_MIN_BYTES)} margin")
+        v = fits(Need(peak_allocated_bytes=pred, peak_reserved_bytes=reserved + grow), b)
         if v.fits:
             return None
         return (f"memory grows {fmt_bytes(self.trend.slope())}/step; in {self.lookahead} steps the peak would be "

@@ -260,7 +260,8 @@ def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_by
         if p.peak_rank is not None:
             rec["estimated_peak_rank"] = p.peak_rank
         if budget_bytes:
-            rec["estimated_fits"] = fits(p, Budget(budget_bytes, 0, 0)).fits
+            # margin 0, no context: the cap is the caching allocator's own, the limit a measured cell runs under
+            rec["estimated_fits"] = fits(p, Budget.make(budget_bytes, context_bytes=0, margin=0)).fits
         if not measure:
             rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
             rec["timeline"] = [dict(pt) for pt in p.timeline]

@@ -1,0 +1,82 @@
+"""The one fit rule and its one Budget constructor (memlens.core.fits)."""
+import re
+from pathlib import Path
+
+import pytest
+
+from memlens.core.errors import MemlensError
+from memlens.core.fits import MARGIN_MIN_BYTES, Budget, Need, fits, margin_bytes
+from memlens.core.result import Result
+from memlens.core.spec import TrainingSpec
+from memlens.doctor.oom import what_fits
+from memlens.explore.adaptive import TrendGuard
+
+MiB, GiB = 2**20, 2**30
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_margin_is_5_percent_at_least_256_mib_at_the_boundary():
+    # 5% of 5 GiB is exactly 256 MiB: below it the floor, above it the 5%
+    assert Budget.make(5 * GiB, context_bytes=0).margin_bytes == 256 * MiB
+    assert Budget.make(5 * GiB - 20 * MiB, context_bytes=0).margin_bytes == 256 * MiB          # 5% = 255 MiB
+    assert Budget.make(5 * GiB + 20 * MiB, context_bytes=0).margin_bytes == 257 * MiB          # 5% = 257 MiB
+    assert Budget.make(80 * GiB, context_bytes=0).margin_bytes == 4 * GiB
+    # 5% of what the CUDA context leaves (H100: 740 MiB)
+    assert Budget.make("16GiB", gpu="h100").margin_bytes == int(0.05 * (16 * GiB - 740 * MiB))
+
+
+def test_an_explicit_margin_overrides_the_rule():
+    assert Budget.make(16 * GiB, context_bytes=0, margin=0).usable_bytes == 16 * GiB
+    assert Budget.make(16 * GiB, context_bytes=0, margin=0.10).margin_bytes == int(1.6 * GiB)
+    assert Budget.make(16 * GiB, context_bytes=0, margin="512MiB").margin_bytes == 512 * MiB
+    assert margin_bytes(10 * GiB, MARGIN_MIN_BYTES) == 256 * MiB
+    with pytest.raises(MemlensError, match="negative"):
+        Budget.make(16 * GiB, margin=-0.1)
+    with pytest.raises(MemlensError, match="leaves nothing"):
+        Budget.make(200 * MiB, context_bytes=0)
+
+
+def test_no_caller_builds_a_budget_by_hand():
+    hand = [f"{p.relative_to(ROOT)}:{i}" for p in (ROOT / "memlens").rglob("*.py") if p.name != "fits.py" or p.parent.name != "core"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bBudget\(", line)]
+    assert hand == []
+
+
+class _Trend:
+    """A StepTrend stand-in: a fixed prediction."""
+
+    def __init__(self, pred, slope):
+        self.pred, self.s = pred, slope
+
+    def record(self, *a):
+        pass
+
+    def predicted_peak(self, lookahead):
+        return self.pred
+
+    def slope(self):
+        return self.s
+
+
+def test_trend_guard_keeps_the_rules_256_mib_floor():
+    # 2 GiB reachable: usable 2 GiB - 256 MiB = 1792 MiB (the old min(256 MiB, 5%) margin was 102.4 MiB)
+    def guard(pred):
+        tg = TrendGuard(lookahead=10, probe=lambda: (0, 0, 0, 2 * GiB))
+        tg.trend = _Trend(pred, 0)
+        return tg.after_step(1)
+
+    assert guard(int(1792 * MiB / 1.1)) is None
+    assert "of the 1.75 GiB usable" in guard(int(1792 * MiB / 1.1) + 2 * MiB)
+    tg = TrendGuard(lookahead=10, probe=lambda: (0, 0, 0, 200 * MiB))
+    tg.trend = _Trend(10 * MiB, MiB)
+    assert "only 200.00 MiB is reachable" in tg.after_step(1)
+
+
+def test_doctor_options_hold_against_the_measured_budget_when_smaller_than_the_margin():
+    spec = TrainingSpec(model="gpt2", batch_size=8)
+    est = lambda s: Result(verb="estimate", peak_allocated_bytes=s.batch_size * 10 * MiB)   # noqa: E731
+    opts = {o.name: o.fits for o in what_fits(spec, 50 * MiB, est)}     # 50 MiB < 256 MiB margin: margin 0
+    # halved: 4 x 10 MiB x 1.1 = 44 MiB <= 50 MiB; checkpointing (the same 80 MiB here) x 1.1 > 50 MiB
+    assert opts["halve micro-batch, double accumulation"] is True and opts["checkpointing"] is False
+    assert not any(o.fits for o in what_fits(spec, 0, est))
+    assert fits(Need(100 * MiB), Budget.make(110 * MiB, context_bytes=0, margin=0)).fits
