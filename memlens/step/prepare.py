@@ -233,6 +233,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(f"accumulation x{spec.grad_accum}")
     if spec.max_grad_norm and not plan.dp:
         applied.append(f"clip_grad_norm_ {spec.max_grad_norm:g}")
+    if spec.step_kind is not None:
+        applied.append(f"step kind {plan.kind.name} ({plan.kind.title})" if plan.kind.title else f"step kind {plan.kind.name}")
     if spec.hf_trainer:
         applied.append("the Trainer's step (decay/no-decay groups" + (", fp32 outputs)" if spec.autocast_dtype else ")"))
     first = next((t for t in tensors(batch) if t.dim() > 0), None)

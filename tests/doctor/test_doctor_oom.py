@@ -392,8 +392,8 @@ def test_generated_old_form_round_trips(req, total, alloc, free, reserved, allow
             + f"{fs(reserved)} reserved in total by PyTorch)")
     m = parse_oom(text)
     assert m.form == "torch<=2.0"
-    assert m.requested_bytes == parse_size(fs(req)) and m.total_capacity_bytes == oom_mod.parse_size(fs(total))
-    assert m.reserved_unallocated_bytes == max(0, parse_size(fs(reserved)) - oom_mod.parse_size(fs(alloc)))
+    assert m.requested_bytes == parse_size(fs(req)) and m.total_capacity_bytes == parse_size(fs(total))
+    assert m.reserved_unallocated_bytes == max(0, parse_size(fs(reserved)) - parse_size(fs(alloc)))
     assert diagnose(m).diagnosis in oom_mod.DIAGNOSES
 
 

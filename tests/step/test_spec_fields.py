@@ -47,6 +47,7 @@ REFUSED = {  # field -> (model key, value, words of the error)
     "images_per_sample": ("gpt2", 2, "vision-language"),
     "world_size": ("gpt2", 2, "world-size"),
     "offload_optimizer": ("gpt2", True, "offload"),
+    "step_kind": ("gpt2", "no-such-kind", "step kind"),   # a registered kind runs (tests/step/test_registries.py)
 }
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
