@@ -125,8 +125,9 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
         raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
     if spec.dp and spec.sharding != "ddp":
-        raise SpecError(f"DP-SGD with --sharding {spec.sharding} (Opacus' ghost_fsdp) is not simulated per rank yet",
-                        hint="use --sharding ddp (Opacus' DPDDP), or one GPU")
+        from .dp_fsdp import check_dp_sharding
+
+        check_dp_sharding(spec)        # Opacus' ghost_fsdp under fsdp/zero3; one line for the rest
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {spec.sharding} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
@@ -174,10 +175,12 @@ def wrapper_for(spec: TrainingSpec, *, fake: bool) -> Wrapper | None:
 
 def _register_builtins() -> None:
     from .ddp import DDPWrapper, Zero1Wrapper
+    from .dp_fsdp import DPFSDPWrapper, applies as dp_fsdp
     from .dpddp import DPDDPWrapper
     from .fsdp import FSDPWrapper
 
     register_wrapper(lambda s: s.sharding == "ddp" and s.dp, DPDDPWrapper, first=False)
+    register_wrapper(dp_fsdp, DPFSDPWrapper, first=False)
     register_wrapper(lambda s: s.sharding == "ddp", DDPWrapper, first=False)
     register_wrapper(lambda s: s.sharding == "zero1", Zero1Wrapper, first=False)
     register_wrapper(lambda s: s.sharding in FSDP_KINDS, FSDPWrapper, first=False)
