@@ -81,6 +81,9 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         f"nvidia-smi per rank: reserved + CUDA context ({ctx // 2**20} MiB) + NCCL's own buffers "
         + (f"({nccl / 2**20:.0f} MiB, {nccl_source})." if nccl is not None else f"(unknown: {nccl_source})."),
     ]
+    passes = peak.get("passes") or []
+    if passes:
+        notes.append(passes_note(passes))
     data = {
         "method": "simulate",
         "world_size": spec.world_size,
@@ -245,8 +248,8 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
             _, physical, name, _ = marks[w]
             total = sum(now.values())
             cur = {"physical_batch": physical, "pass": name, "what": PASS_WHAT.get(name, name),
-                   "start_allocated_bytes": total, "peak_allocated_bytes": total,
-                   "terms_at_peak": {t: v for t, v in now.items() if v}}
+                   "start_allocated_bytes": total, "terms_at_start": {t: v for t, v in now.items() if v},
+                   "peak_allocated_bytes": total, "terms_at_peak": {t: v for t, v in now.items() if v}}
             c = counts.get(name)
             if c is not None and physical == 1:
                 cur["all_gathers"], cur["reduce_scatters"] = c["all_gathers"], c["reduce_scatters"]
@@ -270,8 +273,22 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
             cur["peak_allocated_bytes"] = total
             cur["terms_at_peak"] = {t: v for t, v in now.items() if v}
     for c in out:
-        c["terms_at_peak"] = dict(sorted(c["terms_at_peak"].items(), key=lambda kv: -kv[1]))
+        for k in ("terms_at_start", "terms_at_peak"):
+            c[k] = dict(sorted(c[k].items(), key=lambda kv: -kv[1]))
     return out
+
+
+def passes_note(passes: list[dict[str, Any]]) -> str:
+    """One line on ghost clipping's two backward passes of the first physical batch."""
+    def one(p):
+        comm = (f", {p['all_gathers']} FSDP all-gathers and {p['reduce_scatters']} reduce-scatters"
+                if "all_gathers" in p else "")
+        return (f"{p['pass']} peaks at {p['peak_allocated_bytes'] / 2**20:.1f} MiB "
+                f"(activations {p['terms_at_start'].get('activations', 0) / 2**20:.1f} MiB live as it starts){comm}")
+    first = [p for p in passes if p["physical_batch"] == 1 and p["pass"].startswith("backward")]
+    return ("ghost clipping runs two backward passes per physical batch: backward 1 (loss.mean(), retain_graph=True: "
+            "per-sample norms; the saved activations stay) and backward 2 (loss re-weighted by the clipping "
+            "coefficients, hooks off); in the first: " + "; ".join(one(p) for p in first) + " (data.ranks[i].passes).")
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

@@ -113,28 +113,30 @@ class DPFSDPWrapper(FSDPWrapper):
     def simulation(self, tracker, step):
         """FSDP2's simulation (see :class:`.fsdp.FSDPWrapper`), plus a count of all-gathers
         (``unshard``) and reduce-scatters (``post_backward``) in forward and in each backward pass
-        of the first physical batch of step 1."""
+        of the first physical batch of step 1: FSDP2's own ``foreach_all_gather`` / ``foreach_reduce``
+        calls (an unshard of a group already gathered does not all-gather; a group without
+        gradients, frozen layers, does not reduce-scatter)."""
         import importlib
 
         dp = getattr(step, "dp", None)
-        group_cls = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group").FSDPParamGroup
+        pg = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
         with super().simulation(tracker, step):
-            saved = {m: getattr(group_cls, m) for m in ("unshard", "post_backward")}
+            saved = {m: getattr(pg, m) for m in ("foreach_all_gather", "foreach_reduce")}
 
             def counted(fn, what):
-                def run(group, *a, **k):
+                def run(*a, **k):
                     if dp is not None and dp.runs == 1 and dp.physical[0] == 1:
                         self.counts[(dp.current_pass, what)] += 1
-                    return fn(group, *a, **k)
+                    return fn(*a, **k)
                 return run
 
-            group_cls.unshard = counted(saved["unshard"], "all-gather")
-            group_cls.post_backward = counted(saved["post_backward"], "reduce-scatter")
+            pg.foreach_all_gather = counted(saved["foreach_all_gather"], "all-gather")
+            pg.foreach_reduce = counted(saved["foreach_reduce"], "reduce-scatter")
             try:
                 yield
             finally:
                 for m, fn in saved.items():
-                    setattr(group_cls, m, fn)
+                    setattr(pg, m, fn)
                 self.facts["passes"] = self.passes()
                 self.pass_marks = list(dp.passes) if dp is not None else []
 
