@@ -80,6 +80,9 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         f"nvidia-smi per rank: reserved + CUDA context ({ctx // 2**20} MiB) + NCCL's own buffers "
         + (f"({nccl / 2**20:.0f} MiB, {nccl_source})." if nccl is not None else f"(unknown: {nccl_source})."),
     ]
+    passes = peak.get("passes") or []
+    if passes:
+        notes.append(passes_note(passes))
     data = {
         "method": "simulate",
         "world_size": spec.world_size,
@@ -105,6 +108,10 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
 def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[str, Any]:
     terms, maxima = peak_terms(sim.log, a.peak_event, sim.wrapper)
     step = max(1, len(a.timeline) // 120)
+    extra = {}
+    marks = getattr(sim.wrapper, "pass_marks", None)
+    if marks:
+        extra["passes"] = pass_peaks(sim.log, marks, sim.wrapper)
     return {
         "rank": g.rank, "ranks": list(g.ranks), "why": g.why, "simulated": True,
         "peak_allocated_bytes": a.peak_allocated_bytes, "peak_reserved_bytes": a.peak_reserved_bytes,
@@ -118,6 +125,7 @@ def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[st
         "end_reserved_bytes": a.end_reserved_bytes,
         "timeline": a.timeline[::step],
         "simulate_seconds": round(sim.seconds, 3),
+        **extra,
     }
 
 
@@ -154,22 +162,7 @@ def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]
     from ..core.ledger import CachingAllocatorModel
 
     final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
-    gathered = getattr(wrapper, "unsharded_keys", set())
-    gathered_grads = getattr(wrapper, "unsharded_grad_keys", set())
-    sharded = type(wrapper).__name__ == "FSDPWrapper"
-    opt_sharded = sharded or type(wrapper).__name__ == "Zero1Wrapper"
-
-    def term(key, cat: str) -> str:
-        if key in gathered:
-            return "gathered parameters"
-        if key in gathered_grads:
-            return "gathered gradients"
-        if cat in ("parameters", "gradients"):
-            return f"{'sharded ' if sharded else ''}{cat}"
-        if cat == "optimizer_state":
-            return "optimizer states" + (" (sharded)" if opt_sharded else "")
-        return cat
-
+    term = _term_of(wrapper)
     a = CachingAllocatorModel()
     live: dict[Any, tuple[int, str]] = {}
     now: dict[str, int] = {}
@@ -194,6 +187,107 @@ def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]
             at_peak = {t: v for t, v in now.items() if v}
     order = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
     return order(at_peak), order(most)
+
+
+def _term_of(wrapper):
+    """key, category -> the term it counts in (see :func:`peak_terms`)."""
+    from ..step.parallel.fsdp import FSDPWrapper
+
+    gathered = getattr(wrapper, "unsharded_keys", set())
+    gathered_grads = getattr(wrapper, "unsharded_grad_keys", set())
+    sharded = isinstance(wrapper, FSDPWrapper)       # and Opacus' FSDP2Wrapper (ghost_fsdp)
+    opt_sharded = sharded or type(wrapper).__name__ == "Zero1Wrapper"
+
+    def term(key, cat: str) -> str:
+        if key in gathered:
+            return "gathered parameters"
+        if key in gathered_grads:
+            return "gathered gradients"
+        if cat in ("parameters", "gradients"):
+            return f"{'sharded ' if sharded else ''}{cat}"
+        if cat == "optimizer_state":
+            return "optimizer states" + (" (sharded)" if opt_sharded else "")
+        return cat
+
+    return term
+
+
+PASS_WHAT = {
+    "forward": "forward (Opacus' hooks keep each trainable layer's input)",
+    "backward 1": "backward 1: loss.mean() with retain_graph=True; the norm samplers compute per-sample gradient norms",
+    "backward 2": "backward 2: the loss re-weighted by the clipping coefficients, hooks off; the retained graph is freed",
+    "clip": "clip: the DP optimizer accumulates (and on the last physical batch adds noise and steps)",
+}
+
+
+def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
+    """The passes of step 1 (DP-SGD ghost clipping: forward, backward 1, backward 2, clip of each
+    physical batch) from the step's marks ``(run, physical batch, pass, event index)``: each one's
+    peak (allocator blocks) and the terms live at it, the bytes live as it starts, and the FSDP2
+    collectives the wrapper counted in it (first physical batch)."""
+    from ..core.events import ALLOC, FREE, PHASE, TAG
+    from ..core.ledger import CachingAllocatorModel
+
+    later = [m[3] for m in marks if m[0] > 1]
+    marks = [m for m in marks if m[0] == 1]
+    if not marks:
+        return []
+    events = log.events
+    end = min(later) if later else next((i for i, ev in enumerate(events) if ev[0] == PHASE and ev[1] == "done"), len(events))
+    final = {ev[1]: ev[2] for ev in events if ev[0] == TAG}
+    term = _term_of(wrapper)
+    counts = {p["pass"]: p for p in getattr(wrapper, "facts", {}).get("passes", ())}
+    a = CachingAllocatorModel()
+    live: dict[Any, tuple[int, str]] = {}
+    now: dict[str, int] = {}
+    out: list[dict[str, Any]] = []
+    w, cur = 0, None
+    for i in range(end):
+        while w < len(marks) and i >= marks[w][3]:
+            _, physical, name, _ = marks[w]
+            total = sum(now.values())
+            cur = {"physical_batch": physical, "pass": name, "what": PASS_WHAT.get(name, name),
+                   "start_allocated_bytes": total, "terms_at_start": {t: v for t, v in now.items() if v},
+                   "peak_allocated_bytes": total, "terms_at_peak": {t: v for t, v in now.items() if v}}
+            c = counts.get(name)
+            if c is not None and physical == 1:
+                cur["all_gathers"], cur["reduce_scatters"] = c["all_gathers"], c["reduce_scatters"]
+            out.append(cur)
+            w += 1
+        ev = events[i]
+        k = ev[0]
+        if k == ALLOC and not a.is_live(ev[1]):
+            t = term(ev[1], final.get(ev[1], ev[3]))
+            size = a.malloc(ev[1], ev[2], ev[8])
+            live[ev[1]] = (size, t)
+            now[t] = now.get(t, 0) + size
+        elif k == FREE and a.is_live(ev[1]):
+            a.free(ev[1])
+            size, t = live.pop(ev[1])
+            now[t] -= size
+        else:
+            continue
+        total = sum(now.values())
+        if cur is not None and total > cur["peak_allocated_bytes"]:
+            cur["peak_allocated_bytes"] = total
+            cur["terms_at_peak"] = {t: v for t, v in now.items() if v}
+    for c in out:
+        for k in ("terms_at_start", "terms_at_peak"):
+            c[k] = dict(sorted(c[k].items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def passes_note(passes: list[dict[str, Any]]) -> str:
+    """One line on ghost clipping's two backward passes of the first physical batch."""
+    def one(p):
+        comm = (f", {p['all_gathers']} FSDP all-gathers and {p['reduce_scatters']} reduce-scatters"
+                if "all_gathers" in p else "")
+        return (f"{p['pass']} peaks at {p['peak_allocated_bytes'] / 2**20:.1f} MiB "
+                f"(activations {p['terms_at_start'].get('activations', 0) / 2**20:.1f} MiB live as it starts){comm}")
+    first = [p for p in passes if p["physical_batch"] == 1 and p["pass"].startswith("backward")]
+    return ("ghost clipping runs two backward passes per physical batch: backward 1 (loss.mean(), retain_graph=True: "
+            "per-sample norms; the saved activations stay) and backward 2 (loss re-weighted by the clipping "
+            "coefficients, hooks off); in the first: " + "; ".join(one(p) for p in first) + " (data.ranks[i].passes).")
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:

@@ -29,3 +29,13 @@ def three(spec=None):
     model = torch.nn.Sequential(torch.nn.Linear(1024, 1024, bias=False), torch.nn.Linear(1024, 256))
     b = spec.batch_size if spec is not None else 4
     return model, torch.randn(b, 1024), lambda out, batch: out.sum()
+
+
+def seq_blocks(spec=None):
+    """Sequences through bias-free 64 -> 64, ReLU, 64 -> 8 (fp32); one loss per sample (the sum of
+    its outputs), as ghost clipping needs: ReLU saves its B x T x 64 output, which Linear b saves
+    too (one storage): the activation a retained graph keeps from backward 1 into backward 2."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.ReLU(), torch.nn.Linear(64, 8, bias=False))
+    b = spec.batch_size if spec is not None else 4
+    t = spec.seq_len if spec is not None and spec.seq_len else 16
+    return model, torch.randn(b, t, 64), lambda out, batch: out.sum(dim=(1, 2))

@@ -40,8 +40,10 @@ size each step; memory follows the physical batch). The privacy accountant is Op
 
 Distributed DP-SGD: :func:`make_private` takes the rank's already-wrapped module, and Opacus picks
 its distributed optimizer from the module type. ``--dp --sharding ddp`` wraps in Opacus' DPDDP
-(:mod:`memlens.step.parallel.dpddp`); FSDP2 with ghost clipping (Opacus' ``ghost_fsdp``) is refused
-in one line: not simulated per rank yet.
+(:mod:`memlens.step.parallel.dpddp`); ``--dp --grad-sample-mode ghost --sharding fsdp`` wraps in
+Opacus' FSDP2Wrapper (:mod:`memlens.step.parallel.dp_fsdp`) and runs ``grad_sample_mode="ghost_fsdp"``.
+Ghost clipping's backward phase holds two passes; :attr:`DPStep.passes` marks where "backward 1"
+(per-sample norms, ``retain_graph=True``) and "backward 2" (the re-weighted loss) start.
 """
 from __future__ import annotations
 
@@ -198,6 +200,9 @@ class DPStep:
     functorch_layers: list[str] = field(default_factory=list)   # trainable layer types Opacus handles with functorch
     observer: Any = None              # .retag(tensor, category) and .scope(category): the estimate's tracker or the profiler
     physical: tuple[int, int] = (0, 0)  # the physical batch running now: (number, of how many)
+    current_pass: str = ""            # "forward", "backward 1", "backward 2" (ghost clipping's re-weighted pass), "clip"
+    runs: int = 0                     # optimizer steps run so far
+    passes: list = field(default_factory=list)   # (run, physical batch, pass, event index in the observer's log)
     _on_phase: Callable[[str], None] = field(default=lambda name: None, repr=False)
 
     @property
@@ -235,6 +240,7 @@ class DPStep:
         import warnings
 
         self._on_phase = on_phase
+        self.runs += 1
         with warnings.catch_warnings():
             # PyTorch's note that a module hook fires on outputs when no input needs a gradient (a
             # frozen embedding before the first adapter): what Opacus relies on, not a problem
@@ -249,13 +255,17 @@ class DPStep:
                 self.physical = (i, k)
                 self._tag(_tensors(batch), INPUTS)
                 on_phase("forward")
+                self._pass("forward")
                 with self.autocast():
                     loss = self._loss(batch)
                 on_phase("backward")
-                loss.backward()
+                self._pass("backward 1")
+                with self._second_pass_marked():
+                    loss.backward()
                 last = loss.detach()
                 del loss
                 on_phase("clip")
+                self._pass("clip")
                 self._tag(self._per_sample_tensors(), PER_SAMPLE)
                 with self._fake_deepcopy():
                     self.optimizer.step()          # the last physical batch enters "optimizer" through the hook
@@ -272,6 +282,33 @@ class DPStep:
         return last
 
     # -- pieces
+    def _pass(self, name: str) -> None:
+        """Mark where a pass starts (the phases stay forward / backward / clip; ghost clipping's
+        backward phase holds two passes, told apart here)."""
+        self.current_pass = name
+        log = getattr(self.observer, "log", None)
+        if log is not None:
+            self.passes.append((self.runs, self.physical[0], name, len(log.events)))
+
+    def _second_pass_marked(self):
+        """Under ghost clipping ``DPTensorFastGradientClipping.backward`` turns the hooks off right
+        before its second (re-weighted) backward: that call marks "backward 2"."""
+        if self.criterion is None or not hasattr(self.model, "disable_hooks"):
+            return contextlib.nullcontext()
+        model, plain = self.model, self.model.disable_hooks
+
+        @contextlib.contextmanager
+        def marked():
+            def disable_hooks():
+                self._pass("backward 2")
+                return plain()
+            model.disable_hooks = disable_hooks
+            try:
+                yield
+            finally:
+                del model.disable_hooks
+        return marked()
+
     def _loss(self, batch):
         from ..loop import forward_loss
 
@@ -297,12 +334,16 @@ class DPStep:
             for name in ("grad_sample", "_current_grad_sample", "_norm_sample"):
                 v = getattr(p, name, None)
                 out.extend(v if isinstance(v, list) else [v] if v is not None else [])
+        if self.mode == "ghost_fsdp":       # the FSDP hooks keep the norms on the module
+            for m in self.model.modules():
+                out.extend(t for t in getattr(m, "norm_sample", None) or () if t is not None)
         return out
 
     def _tag(self, tensors, category: str) -> None:
         obs = self.observer
         if obs is None:
             return
+        tensors = [getattr(t, "_local_tensor", t) for t in tensors]    # a DTensor's memory is its shard
         if hasattr(obs, "retag_all"):            # the profiler: one observation for them all
             obs.retag_all(list(tensors), category)
             return
@@ -391,6 +432,8 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
     n = int(first.shape[0])
     physical = min(spec.physical_batch_size or n, n)
     mode = grad_sample_mode or spec.grad_sample_mode or "hooks"
+    if mode == "ghost" and _is_fsdp(model):
+        mode = "ghost_fsdp"     # Opacus' FSDP2 ghost clipping (the model went through its FSDP2Wrapper)
     fallback = functorch_layers(model, mode)
     if fake and fallback:
         raise SpecError(f"Opacus has no grad sampler for {', '.join(fallback)}: it would use functorch, which does not run "
@@ -439,12 +482,25 @@ def functorch_layers(model, mode: str) -> list[str]:
     known = set(GradSampleModule.GRAD_SAMPLERS)
     if mode.startswith("ghost"):
         known |= set(GradSampleModuleFastGradientClipping.NORM_SAMPLERS)
-    return sorted({type(m).__name__ for _, m in trainable_modules(model) if type(m) not in known})
+    return sorted({_layer_type(m).__name__ for _, m in trainable_modules(model) if _layer_type(m) not in known})
+
+
+def _is_fsdp(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _layer_type(m) -> type:
+    """A layer's own class: fully_shard makes ``FSDP<Class>(FSDPModule, Class)`` (Opacus reads ``__bases__[1]``)."""
+    t = type(m)
+    return t.__bases__[1] if _is_fsdp(m) and len(t.__bases__) > 1 else t
 
 
 def describe(step: DPStep) -> str:
     """One line for the prepared step's "applied" list."""
-    what = "per-sample gradients (hooks)" if step.mode == "hooks" else "ghost clipping (two backward passes)"
+    what = {"hooks": "per-sample gradients (hooks)", "ghost_fsdp": "ghost clipping under FSDP2 (ghost_fsdp: two backward "
+            "passes, each all-gathering and reduce-scattering every FSDP group)"}.get(step.mode, "ghost clipping (two backward passes)")
     text = (f"DP-SGD with Opacus {_version()}: make_private {what}, max_grad_norm {step.optimizer.max_grad_norm:g}, "
             f"noise {step.optimizer.noise_multiplier:g}; BatchMemoryManager: logical batch {step.logical_batch} in "
             f"{step.n_physical} physical batch(es) of <= {step.physical_batch}")

@@ -14,12 +14,14 @@ from ...core.parallel import is_distributed, sharding_of
 from ...core.spec import TrainingSpec
 from .base import RankGroup, Streams, Wrapper, check
 from .ddp import DDPWrapper, Zero1Wrapper
+from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
 from .fsdp import FSDPWrapper
 
 # (applies, wrapper class), asked in order: the first that applies wraps the rank
 _REGISTRY: list[tuple[Callable[[TrainingSpec], bool], type]] = [
     (lambda s: sharding_of(s).name == "ddp" and s.dp, DPDDPWrapper),
+    (lambda s: sharding_of(s).family == "fsdp" and s.dp, DPFSDPWrapper),   # Opacus' ghost_fsdp
     (lambda s: sharding_of(s).name == "ddp", DDPWrapper),
     (lambda s: sharding_of(s).name == "zero1", Zero1Wrapper),
     (lambda s: sharding_of(s).family == "fsdp", FSDPWrapper),

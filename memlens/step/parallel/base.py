@@ -104,9 +104,8 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
     if spec.offload_optimizer:
         raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
-    if spec.dp and spec.sharding != "ddp":
-        raise SpecError(f"DP-SGD with --sharding {spec.sharding} (Opacus' ghost_fsdp) is not simulated per rank yet",
-                        hint="use --sharding ddp (Opacus' DPDDP), or one GPU")
+    if spec.dp:
+        check_dp_sharding(spec)        # DPDDP, or Opacus' ghost_fsdp under fsdp/zero3; one line for the rest
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {spec.sharding} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
@@ -156,3 +155,20 @@ def _default_stream():
     import torch
 
     return torch.cpu._default_cpu_stream
+
+
+def check_dp_sharding(spec: TrainingSpec) -> None:
+    """One line for a DP-SGD sharding Opacus does not run: it runs DPDDP (ddp) and FSDP2 ghost clipping
+    (``ghost_fsdp``: Opacus' FSDP2Wrapper re-shards every layer after forward)."""
+    sh = sharding_of(spec)
+    if sh.name == "ddp":
+        return
+    if sh.family != "fsdp":
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding}: Opacus runs DPDDP (ddp) or FSDP2 ghost clipping "
+                        "(ghost_fsdp), not a sharded optimizer", hint="use --sharding ddp, or --sharding fsdp --grad-sample-mode ghost")
+    if (spec.grad_sample_mode or "hooks") != "ghost":
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding} needs --grad-sample-mode ghost: Opacus supports FSDP "
+                        "only with ghost clipping (ghost_fsdp)", hint="add --grad-sample-mode ghost, or use --sharding ddp")
+    if not sh.shards_parameters or spec.reshard_after_forward is False:
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding}: Opacus' FSDP2Wrapper takes no reshard_after_forward "
+                        "(its layers re-shard after forward)", hint="use --sharding fsdp (or zero3)")

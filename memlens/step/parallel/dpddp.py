@@ -20,6 +20,8 @@ rank's data loader as given; its expected batch size divides by N only for the n
 """
 from __future__ import annotations
 
+import contextlib
+
 from ...core.spec import TrainingSpec
 from .base import RankGroup, Wrapper
 
@@ -45,6 +47,16 @@ class DPDDPWrapper(Wrapper):
             with fake_mode:
                 return DifferentiallyPrivateDistributedDataParallel(model)
         return DifferentiallyPrivateDistributedDataParallel(model)
+
+    @contextlib.contextmanager
+    def simulation(self, tracker, step):
+        """Keeps the DP step's pass marks (ghost clipping: backward 1 and backward 2) for the per-rank result."""
+        self.pass_marks: list = []
+        try:
+            yield
+        finally:
+            dp = getattr(step, "dp", None)
+            self.pass_marks = list(dp.passes) if dp is not None and dp.criterion is not None else []
 
     def rank_groups(self) -> list[RankGroup]:
         n = self.world_size

@@ -131,7 +131,6 @@ class FSDPWrapper(Wrapper):
     def wrap(self, model, *, device, fake_mode=None):
         import torch
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         for p in model.parameters():
             if p.requires_grad:
@@ -139,11 +138,8 @@ class FSDPWrapper(Wrapper):
                 self.dim0s.append((p.shape[0] if p.dim() else 1, rowbytes))
         mesh = init_device_mesh(device.type, (self.world_size,))
         mp = mixed_precision(self.spec)
-        blocks = find_blocks(model)
         try:
-            for b in blocks:
-                fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=self.raf)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
+            blocks = self.shard(model, mesh, mp)
         except (ValueError, NotImplementedError, AssertionError, RuntimeError) as e:
             from ...core.errors import SpecError
 
@@ -174,6 +170,16 @@ class FSDPWrapper(Wrapper):
             del saved
         self.model = model
         return model
+
+    def shard(self, model, mesh, mp) -> list:
+        """``fully_shard`` on every block, then the root; returns the blocks."""
+        from torch.distributed.fsdp import fully_shard
+
+        blocks = find_blocks(model)
+        for b in blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp, reshard_after_forward=self.raf)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+        return blocks
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
         """On a device: the spec's optimizer over the sharded DTensor parameters (as FSDP2 users do).
