@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import SpecError
-from ..core.spec import ATTENTION, GRAD_SAMPLE_MODES, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
+from ..core.spec import ATTENTION, GRAD_SAMPLE_MODES, LOSSES, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
 
 
 def whole(lowest: int):
@@ -55,6 +55,13 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
                    "other flags override the file)")
     g.add_argument("--target-len", type=int, metavar="N", help="encoder-decoder models: decoder tokens per sample (default: the encoder's)")
     g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see README: --compile)")
+    g.add_argument("--loss", choices=LOSSES, help="causal LMs: model = the model's own loss from labels (default); criterion = "
+                   "your criterion on logits[:, :-1].reshape(-1, V) against labels[:, 1:]; criterion-fp32 = the same on .float() logits")
+    g.add_argument("--keep-outputs", dest="keep_outputs", action="store_const", const=True,
+                   help="your loop holds the model's outputs (logits = model(x).logits; outputs = model(**batch)) through "
+                        "backward until the next forward returns (default with --dp, as Opacus loops do)")
+    g.add_argument("--drop-outputs", dest="keep_outputs", action="store_const", const=False,
+                   help="your loop keeps only the loss (a function returns it; the Trainer; default without --dp)")
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
     g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
@@ -93,7 +100,7 @@ SPEC_FLAG_FIELDS = (
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb",
+    "bucket_cap_mb", "loss", "keep_outputs",
 )
 
 

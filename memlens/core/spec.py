@@ -21,7 +21,10 @@ from .precision import PRECISION_NAMES, PRECISIONS as _PRECISION_FACTS
 PRECISIONS = PRECISION_NAMES
 ATTENTION = ("sdpa", "eager")
 SHARDING = SHARDING_NAMES
-GRAD_SAMPLE_MODES = ("hooks", "ghost")   # Opacus' own names (make_private's grad_sample_mode)
+GRAD_SAMPLE_MODES = ("hooks", "ghost")
+# how the loss is computed (causal LMs): the model's own from labels, or the user's criterion on the shifted
+# logits, logits[:, :-1].reshape(-1, V) against labels[:, 1:], in the logits' dtype or upcast with .float()
+LOSSES = ("model", "criterion", "criterion-fp32")   # Opacus' own names (make_private's grad_sample_mode)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class TrainingSpec:
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
     step_kind: str | None = None        # a registered step kind by name (memlens.step.kinds); None: from dp/hf_trainer/compile
+    loss: str = "model"                 # LOSSES: the model's loss from labels, or a criterion on the logits
+    keep_outputs: bool | None = None    # the loop holds the model's outputs (logits) through backward until its next
+                                        # forward returns; None: the step kind's habit (DP-SGD loops keep them)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -74,6 +80,9 @@ class TrainingSpec:
                 _check_int(self, name, 1)
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
+        _check_choice("loss", self.loss, LOSSES)
+        if self.keep_outputs is not None and not isinstance(self.keep_outputs, bool):
+            raise SpecError(f"keep-outputs must be true or false, got {self.keep_outputs!r}", hint="--keep-outputs or --drop-outputs")
         object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
         if self.optimizer not in optimizer_names():
             close = difflib.get_close_matches(str(self.optimizer), optimizer_names() + tuple(HF_OPTIM_ALIASES), n=1)
@@ -158,8 +167,9 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        if d["step_kind"] is None:     # absent unless a registered step kind is named
-            del d["step_kind"]
+        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None)):
+            if d[name] == default:     # absent unless set
+                del d[name]
         for k in ("lora_targets", "freeze"):
             if d[k] is not None:
                 d[k] = list(d[k])
@@ -242,6 +252,10 @@ class TrainingSpec:
             parts.append("trainer")
         if self.step_kind:
             parts.append(f"kind={self.step_kind}")
+        if self.loss != "model":
+            parts.append(f"loss={self.loss}")
+        if self.keep_outputs is not None:
+            parts.append("keep-outputs" if self.keep_outputs else "drop-outputs")
         if self.dp:
             parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if is_distributed(self):
@@ -270,7 +284,8 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
-_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view"}
+_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
+          "keep_outputs"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "target_len"}
 

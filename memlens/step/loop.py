@@ -70,6 +70,37 @@ def loss_of(out, batch, loss_fn: Callable | None = None):
     return loss
 
 
+def shifted_logits(out, batch, fp32: bool):
+    """A user's causal-LM criterion input: ``logits[:, :-1].reshape(-1, V)`` (a copy: the slice is not
+    contiguous), upcast with ``.float()`` when ``fp32``, and the targets ``labels[:, 1:].reshape(-1)``."""
+    logits = out.logits if hasattr(out, "logits") else out["logits"]
+    V = logits.shape[-1]
+    x = logits[:, :-1].reshape(-1, V)
+    if fp32:
+        x = x.float()
+    return x, batch["labels"][:, 1:].reshape(-1)
+
+
+def criterion_loss(fp32: bool) -> Callable:
+    """``loss_fn(out, batch)`` of ``--loss criterion`` / ``criterion-fp32``: cross-entropy on the shifted logits."""
+    import torch   # heavy: torch, loaded on first use
+
+    def loss_fn(out, batch):
+        x, target = shifted_logits(out, batch, fp32)
+        return torch.nn.functional.cross_entropy(x, target)
+
+    loss_fn.__name__ = "criterion_fp32" if fp32 else "criterion"
+    return loss_fn
+
+
+def held_part(out, loss_fn: Callable | None):
+    """What a loop that keeps the model's outputs holds: ``logits = model(x).logits`` under a criterion of
+    its own, the whole output (``outputs = model(**batch)``) otherwise."""
+    if loss_fn is not None and getattr(loss_fn, "__name__", "") in ("criterion", "criterion_fp32"):
+        return out.logits if hasattr(out, "logits") else out["logits"]
+    return out
+
+
 def forward_loss(model, batch, loss_fn: Callable | None = None, forward_keys: frozenset[str] | None = None):
     """Run the model on a batch and return a scalar loss (outputs are not kept)."""
     return loss_of(call_model(model, batch, forward_keys), batch, loss_fn)
@@ -106,13 +137,16 @@ def train_step(
     hf_trainer: bool = False,
     forward_keys: frozenset[str] | None = None,
     step_fn: Callable | None = None,
+    holder: list | None = None,
 ) -> float | None:
     """One optimizer step over ``grad_accum`` micro-batches (the same batch reused).
 
     ``on_phase`` is called with "forward", "backward", "optimizer" and "end" as the step moves on
     (gradient clipping belongs to "optimizer"). ``step_fn(model, batch) -> loss`` replaces the
-    forward and loss (a factory's own step). Returns the loss of the last micro-batch, detached
-    (None on fake tensors' callers that ignore it).
+    forward and loss (a factory's own step). ``holder``: a loop that keeps the model's outputs
+    (``--keep-outputs``): they go into ``holder`` when the forward returns, replacing (freeing) the
+    previous micro-batch's, and stay there through backward and the optimizer step. Returns the loss
+    of the last micro-batch, detached (None on fake tensors' callers that ignore it).
     """
 
     last = None
@@ -127,6 +161,12 @@ def train_step(
             if autocast is not contextlib.nullcontext:
                 out = outputs_to_fp32(out)
             loss = loss_of(out, batch, loss_fn)
+            del out
+        elif holder is not None:
+            with autocast():
+                out = call_model(model, batch, forward_keys)
+                holder[:] = [held_part(out, loss_fn)]   # `logits = model(x).logits`: the previous one goes now
+                loss = loss_of(out, batch, loss_fn)
             del out
         else:
             with autocast():

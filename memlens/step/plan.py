@@ -57,6 +57,11 @@ class StepPlan:
     def grad_scaler(self) -> bool:
         return self.precision.grad_scaler
 
+    @property
+    def keep_outputs(self) -> bool:
+        """The loop holds the model's outputs through backward (the spec's word, else the step kind's habit)."""
+        return self.kind.keeps_outputs if self.spec.keep_outputs is None else self.spec.keep_outputs
+
     def whole_stack_why(self) -> str | None:
         """Why the estimator must simulate every layer of this step (None: layers may be written from a shallow model)."""
         if self.distributed:
@@ -84,6 +89,12 @@ def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None) -> Ste
                         hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
     kind = kind_for(spec)
     kind.refuse(spec, task)
+    if spec.loss != "model" and task not in (None, "causal-lm", "vlm"):
+        raise SpecError(f"--loss {spec.loss} is a causal LM's criterion on shifted logits; {source.name} trains {task}",
+                        hint="drop --loss (a factory's own loss_fn is its criterion)")
+    if kind.name == "hf-trainer" and (spec.loss != "model" or spec.keep_outputs):
+        raise SpecError("the Trainer's step takes the model's own loss and keeps no outputs (--loss / --keep-outputs)",
+                        hint="drop --loss / --keep-outputs with --hf-trainer (a custom compute_loss is a factory's step)")
     return StepPlan(spec=spec, sharding=sharding_of(spec), wrapper=wrapper_class(spec), kind=kind,
                     optimizer=optimizer_facts(spec.optimizer), precision=precision_of(spec))
 

@@ -43,7 +43,7 @@ from .parallel import wrapper_for
 from .plan import StepPlan, resolve
 from .fake import fake_batch, materialize_on_fake, tensors, to_device
 from .kinds.opacus import describe, make_private
-from .loop import PhaseHook, optimizer_step, train_step
+from .loop import PhaseHook, criterion_loss, optimizer_step, train_step
 
 
 @dataclass
@@ -73,6 +73,7 @@ class PreparedStep:
     target_len: int | None = None                # seq2seq: decoder tokens
     wrapper: Any = None                          # memlens.step.parallel wrapper of this rank (several GPUs)
     plan: StepPlan | None = None                 # what step this is (memlens.step.plan.resolve)
+    held: list = field(default_factory=list)     # the model outputs a loop that keeps them holds (--keep-outputs)
 
     @property
     def param_count(self) -> int:
@@ -90,7 +91,8 @@ class PreparedStep:
         return train_step(self.model, self.optimizer, self.batch, grad_accum=self.spec.grad_accum,
                           autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase,
                           max_grad_norm=self.spec.max_grad_norm, hf_trainer=self.spec.hf_trainer,
-                          forward_keys=self.forward_keys, step_fn=self.step_fn)
+                          forward_keys=self.forward_keys, step_fn=self.step_fn,
+                          holder=self.held if self.plan is not None and self.plan.keep_outputs else None)
 
     def run_optimizer(self, on_phase: PhaseHook = lambda name: None) -> None:
         """Only the optimizer phase of :meth:`run` (the gradients must be in place)."""
@@ -240,16 +242,24 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     first = next((t for t in tensors(batch) if t.dim() > 0), None)
     if first is not None:
         micro = int(first.shape[0])   # a factory's batch has the samples it built
+    loss_fn, forward_keys = built.loss_fn, built.forward_keys
+    if spec.loss != "model":      # the user's criterion on the shifted logits: the model runs without labels
+        loss_fn = criterion_loss(fp32=spec.loss == "criterion-fp32")
+        forward_keys = frozenset(k for k in batch if k != "labels")
+        applied.append(f"loss: cross-entropy on logits[:, :-1]{'.float()' if spec.loss == 'criterion-fp32' else ''} "
+                       "against labels[:, 1:]")
+    if plan.keep_outputs:
+        applied.append("the loop holds the model's outputs through backward until its next forward returns")
     dp = None
     if plan.dp:
-        dp = make_private(spec, model, optimizer, batch, device=dev, fake=fake, task=source.task, loss_fn=built.loss_fn,
+        dp = make_private(spec, model, optimizer, batch, device=dev, fake=fake, task=source.task, loss_fn=loss_fn, keep_outputs=plan.keep_outputs,
                           autocast=autocast, name=source.name)
         model, optimizer, micro = dp.model, dp.optimizer, dp.physical_batch
         applied.append(describe(dp))
         stage("privacy engine setup")
-    p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, built.loss_fn, autocast, scaler,
+    p = PreparedStep(spec, source, dev, fake, model, batch, optimizer, loss_fn, autocast, scaler,
                      built.seq_len, built.image_size, micro, fake_mode, dp, applied, list(built.notes), load=load,
-                     forward_keys=built.forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper,
+                     forward_keys=forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper,
                      plan=plan)
     if not fake:
         _load_figures(p)

@@ -40,6 +40,7 @@ class StepKind:
     run: Callable[[Any, Callable[[str], None]], Any] | None = None
     layers_written: bool = True
     title: str = ""
+    keeps_outputs: bool = False      # its loops hold the model's outputs through backward (spec.keep_outputs None)
 
 
 def _run_dp(step, on_phase):
@@ -47,8 +48,10 @@ def _run_dp(step, on_phase):
 
 
 _KINDS: list[StepKind] = [
+    # Opacus' loops take the loss outside the model, from outputs they hold: `logits = model(x).logits`
+    # (measured on an H100: bench/results/raw/gpu_dp_gap_probe.jsonl)
     StepKind("dp", lambda s: s.dp, _check_dp, _run_dp, layers_written=False,
-             title="DP-SGD (Opacus make_private + BatchMemoryManager)"),
+             title="DP-SGD (Opacus make_private + BatchMemoryManager)", keeps_outputs=True),
     StepKind("compiled", lambda s: s.compile, layers_written=False, title="torch.compile'd model"),
     StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),
     StepKind("plain", lambda s: True, title="plain PyTorch step"),

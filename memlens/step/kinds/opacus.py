@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 from ...core.enums import Category
 from ...core.errors import MemlensError, SpecError
+from ..loop import held_part, loss_of, shifted_logits
 
 PER_SAMPLE = Category.PER_SAMPLE_GRADIENTS.value
 GRAM = Category.GRAM_MATRICES.value
@@ -198,6 +199,9 @@ class DPStep:
     loss_fn: Callable | None = None
     autocast: Callable[[], Any] = contextlib.nullcontext
     functorch_layers: list[str] = field(default_factory=list)   # trainable layer types Opacus handles with functorch
+    loss_kind: str = "model"          # spec.loss: the model's own loss, or the user's criterion on shifted logits
+    keep_outputs: bool = False        # the loop holds the outputs (`logits = model(x).logits`) through backward
+    held: list = field(default_factory=list)   # what it holds: replaced when the next forward returns
     observer: Any = None              # .retag(tensor, category) and .scope(category): the estimate's tracker or the profiler
     physical: tuple[int, int] = (0, 0)  # the physical batch running now: (number, of how many)
     current_pass: str = ""            # "forward", "backward 1", "backward 2" (ghost clipping's re-weighted pass), "clip"
@@ -310,20 +314,28 @@ class DPStep:
         return marked()
 
     def _loss(self, batch):
-        from ..loop import forward_loss
+        out = self._forward(batch)
+        if self.keep_outputs:      # the user's `logits = model(x).logits`: the previous physical batch's go now
+            self.held[:] = [held_part(out, self.loss_fn)]
+        return self._loss_from(out, batch)
 
-        if self.criterion is None:                     # hooks: the model's own loss (or the factory's)
-            return forward_loss(self.model, batch, self.loss_fn)
+    def _forward(self, batch):
+        if isinstance(batch, dict):
+            if self.criterion is not None and self.task != "factory" or self.loss_kind != "model":
+                batch = {k: v for k, v in batch.items() if k != "labels"}    # the loss is taken outside the model
+            return self.model(**batch)
+        return self.model(*batch) if isinstance(batch, (tuple, list)) else self.model(batch)
+
+    def _loss_from(self, out, batch):
+        if self.criterion is None:                     # hooks: the model's own loss, the factory's or the user's criterion
+            return loss_of(out, batch, self.loss_fn)
         if self.task == "factory":
-            if isinstance(batch, dict):
-                out = self.model(**batch)
-            elif isinstance(batch, (tuple, list)):
-                out = self.model(*batch)
-            else:
-                out = self.model(batch)
             return self.criterion(out, batch)
-        inputs = {k: v for k, v in batch.items() if k != "labels"}
-        return _hf_per_sample_loss(self.criterion, self.task, self.model(**inputs), batch)
+        if self.loss_kind != "model":                  # ghost: the user's criterion per sample, on the shifted logits
+            x, target = shifted_logits(out, batch, fp32=self.loss_kind == "criterion-fp32")
+            B, T = batch["labels"].shape[:2]
+            return self.criterion(x, target, shape=(B, T - 1))
+        return _hf_per_sample_loss(self.criterion, self.task, out, batch)
 
     def _params(self):
         return [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -408,6 +420,7 @@ def check_spec(spec, task: str) -> None:
 
 # ---------------------------------------------------------------- make_private, the way users call it
 def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str, loss_fn: Callable | None = None,
+                 keep_outputs: bool = False,
                  autocast: Callable[[], Any] = contextlib.nullcontext, name: str = "model",
                  grad_sample_mode: str | None = None) -> DPStep:
     """Wrap ``model`` and ``optimizer`` with Opacus' ``PrivacyEngine.make_private`` over a data
@@ -463,7 +476,8 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
         (dp_model, dp_opt, dp_loader), dp_criterion = out, None
     bmm = BatchMemoryManager(data_loader=dp_loader, max_physical_batch_size=physical, optimizer=dp_opt)
     step = DPStep(dp_model, dp_opt, dp_criterion, dp_loader, bmm.__enter__(), engine, gather, device, fake, mode, task,
-                  n, physical, loss_fn=loss_fn, autocast=autocast, functorch_layers=fallback)
+                  n, physical, loss_fn=loss_fn, autocast=autocast, functorch_layers=fallback, loss_kind=spec.loss,
+                  keep_outputs=keep_outputs)
     # the grad / norm samplers run inside the observer's category scope (instance attributes
     # shadow Opacus' class-level registries; the functions are Opacus' own)
     dp_model.GRAD_SAMPLERS = {k: step._scoped(f, PER_SAMPLE) for k, f in type(dp_model).GRAD_SAMPLERS.items()}
