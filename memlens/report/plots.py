@@ -134,19 +134,20 @@ OOM_FACE = (0.82, 0.82, 0.82)
 
 
 def heatmap(fig, ax, cells: dict, xs: Sequence, ys: Sequence, *, budget_bytes: int | None = None,
-            what: str = "peak allocated", cmap: str = "viridis", fontsize: int = 8):
+            what: str = "peak allocated", cmap: str = "viridis", fontsize: int = 8, top_bytes: int | None = None):
     """A batch x sequence-length heatmap of byte values whose colour scale starts at zero.
 
     ``cells`` maps (y, x) to (status, bytes or None). "ok" cells are coloured and labelled with their
     value (text black or white, whichever contrasts more with the cell); other cells (OOM, error,
     timeout) are drawn grey and hatched, labelled with their status (and the estimate under it,
-    when there is one), and explained in a legend below the axes. Returns the colourbar.
+    when there is one), and explained in a legend below the axes. The scale runs from 0 to the
+    largest value or the budget, or to ``top_bytes`` (one scale for several panels). Returns the colourbar.
     """
     import matplotlib.patches as mpatches  # matplotlib: optional (the viz extra); only loaded to draw
     import numpy as np
 
     values = [v for (st, v) in cells.values() if v]
-    top = max(values + ([budget_bytes] if budget_bytes else []) + [1])
+    top = top_bytes or max(values + ([budget_bytes] if budget_bytes else []) + [1])
     div, unit = bytes_unit(top)
     m = np.full((len(ys), len(xs)), np.nan)
     for (y, x), (st, v) in cells.items():
