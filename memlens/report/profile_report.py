@@ -170,7 +170,7 @@ def write_report(result: Result, out_dir: str | Path, memory_snapshot: dict | No
     d.mkdir(parents=True, exist_ok=True)
     pngs = render_pngs(result)
     if not have_matplotlib():
-        skip_plots(result)
+        skip_plots(result, _wanted(result))
     paths = [result.save(d / "result.json")]
     (d / "timeline.csv").write_text(timeline_csv(result))
     paths.append(d / "timeline.csv")
