@@ -198,7 +198,7 @@ def pyplot():
     return plt
 
 
-def timeline_png(result: Any, path: str | Path) -> Path:
+def timeline_png(result: Any, path: Any) -> Any:
     """Allocated and reserved memory over the step(s), coloured by phase, with the peak marked."""
     plt = pyplot()
     d = result.to_dict() if hasattr(result, "to_dict") else result
@@ -225,7 +225,7 @@ def timeline_png(result: Any, path: str | Path) -> Path:
     ax.grid(alpha=0.3)
     legend_outside(ax)
     fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    target = path if hasattr(path, "write") else Path(path)   # a file name, or a buffer (a notebook's inline PNG)
+    fig.savefig(target, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
-    return path
+    return target
