@@ -179,11 +179,6 @@ def heatmap(fig, ax, cells: dict, xs: Sequence, ys: Sequence, *, budget_bytes: i
     return cb
 
 
-def zero_based(ax) -> None:
-    """Start the y axis at zero (a line that starts at 6.6 GiB exaggerates a 5% difference)."""
-    ax.set_ylim(bottom=0, top=max(ax.get_ylim()[1], 0) * 1.0 or 1)
-
-
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or one clear line if matplotlib is missing."""
     try:
