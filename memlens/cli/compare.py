@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         if have_matplotlib():
             plot_compare(result, od / "compare.png")
         else:
-            skip_plots(result)
+            skip_plots(result, ["compare.png"])
         result.save(od / "result.json")
     if args.json:
         emit_json(result)

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         if plot is not None and have_matplotlib():
             plot(result, d / f"{what}.png")
         elif plot is not None:
-            skip_plots(result)
+            skip_plots(result, [f"{what}.png"])
         result.save(d / "result.json")
     if args.json:
         emit_json(result)

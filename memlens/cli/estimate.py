@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
             timeline_png(result, d / "timeline.png")
             written.append("timeline.png")
         elif result.timeline:
-            skip_plots(result)
+            skip_plots(result, ["timeline.png"])
         result.save(d / "result.json")
         (d / "timeline.csv").write_text(timeline_csv(result))
         written[:0] = ["result.json", "timeline.csv"]

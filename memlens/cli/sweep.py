@@ -151,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     write_csv(result, od / "sweep.csv")
     plots = plot_sweep(result, od) if have_matplotlib() else []
     if not have_matplotlib():
-        skip_plots(result)
+        skip_plots(result, ["heatmap_*.png", "memory_vs_batch.png", "timelines/*.png"]
+                   + (["memory_analysis_overview.png", "memory_heatmap.png"] if _is_dp_sweep(spec, grid) else []))
     if _is_dp_sweep(spec, grid):
         from ..report.opacus_files import write_opacus_files
 

@@ -69,6 +69,13 @@ class Result:
         out.update(extra)
         return out
 
+    def _repr_html_(self) -> str:
+        """What Jupyter shows: the summary, the main tables and the timeline inline."""
+        # the renderer lives in report/ (core imports nothing from it at load time; matplotlib stays optional)
+        from ..report.notebook import result_html
+
+        return result_html(self)
+
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_json_default)
 

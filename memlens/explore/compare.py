@@ -145,15 +145,15 @@ def _relative(rows: list[dict[str, Any]], measured: bool) -> None:
 
 def plot_compare(result: Result, path) -> None:
     """Bar chart of peak memory per technique (estimated and measured side by side), saving labelled."""
-    import matplotlib
+    from ..report.plots import bytes_unit, legend_outside, pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = [r for r in result.data["rows"] if r.get("estimated_peak_allocated_bytes") or r.get("measured_peak_allocated_bytes")]
     names = [r["technique"] for r in rows]
-    est = [(r.get("estimated_peak_allocated_bytes") or 0) / 2**30 for r in rows]
-    meas = [(r.get("measured_peak_allocated_bytes") or 0) / 2**30 for r in rows]
+    div, unit = bytes_unit(max([r.get("estimated_peak_allocated_bytes") or 0 for r in rows]
+                               + [r.get("measured_peak_allocated_bytes") or 0 for r in rows]))
+    est = [(r.get("estimated_peak_allocated_bytes") or 0) / div for r in rows]
+    meas = [(r.get("measured_peak_allocated_bytes") or 0) / div for r in rows]
     has_meas = any(meas)
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4.8))
     x = range(len(rows))
@@ -167,11 +167,13 @@ def plot_compare(result: Result, path) -> None:
         ax.text(i, top, f"{top:.2f}" + (f"\n{-s * 100:+.0f}%" if s is not None and i else ""), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x))
     ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel("peak allocated (GiB)")
+    ax.set_ylabel(f"peak allocated ({unit})")
     ax.set_title(f"{result.spec['model']}: peak memory per technique" + (" (measured vs estimated)" if has_meas else " (estimated)"))
-    ax.legend() if has_meas else None
+    if has_meas:
+        legend_outside(ax)
+    ax.set_ylim(0, max(est + meas + [0]) * 1.18 or 1)   # room for the labels above the bars
     ax.grid(axis="y", alpha=0.3)
     _ = b1
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

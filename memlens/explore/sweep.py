@@ -368,9 +368,8 @@ def write_csv(result: Result, path) -> None:
             w.writerow({k: r.get(k) for k in CSV_COLUMNS})
 
 
-def _value(r: dict[str, Any]) -> float | None:
-    v = r.get("peak_allocated_bytes") or r.get("estimated_peak_allocated_bytes")
-    return v / 2**30 if v else None
+def _bytes(r: dict[str, Any]) -> int | None:
+    return r.get("peak_allocated_bytes") or r.get("estimated_peak_allocated_bytes")
 
 
 def _groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -384,86 +383,94 @@ def _groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 def plot_sweep(result: Result, out_dir) -> list[Path]:
     """heatmap_<group>.png (batch x seq, per technique / rank / physical batch), memory_vs_batch.png,
     timelines/<cell>.png for cells with a timeline. Returns the paths written."""
-    import matplotlib
+    from ..report.plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out_dir = Path(out_dir)
     rows = result.data["rows"]
     written: list[Path] = []
     measured = result.data.get("measured")
+    what = "measured" if measured else "estimated"
+    budget = result.data.get("budget_bytes")
     for gname, grows in _groups(rows).items():
         bs = sorted({r["batch_size"] for r in grows if r.get("batch_size") is not None})
         ls = sorted({r["seq_len"] for r in grows if r.get("seq_len") is not None}) or [None]
         if not bs:
             continue
-        fig, ax = plt.subplots(figsize=(1.2 * len(bs) + 2.5, 0.7 * len(ls) + 2))
-        import numpy as np
-
-        m = np.full((len(ls), len(bs)), np.nan)
-        for r in grows:
-            if r.get("batch_size") in bs and r.get("seq_len") in ls:
-                i, j = ls.index(r.get("seq_len")), bs.index(r["batch_size"])
-                v = _value(r) if r["status"] == "ok" else None
-                m[i, j] = v if v is not None else np.nan
-                label = f"{v:.2f}" if v is not None and r["status"] == "ok" else r["status"].upper().replace("-ESTIMATED", "*")
-                ax.text(j, i, label, ha="center", va="center", fontsize=8, color="black" if r["status"] == "ok" else "red")
-        im = ax.imshow(m, cmap="viridis", aspect="auto", alpha=0.85)
-        ax.set_xticks(range(len(bs)), [str(b) for b in bs])
-        ax.set_yticks(range(len(ls)), [str(x) for x in ls])
+        fig, ax = plt.subplots(figsize=(1.2 * len(bs) + 3, 0.7 * len(ls) + 2.6))
+        cells = {(r.get("seq_len"), r["batch_size"]): (r["status"], _bytes(r)) for r in grows
+                 if r.get("batch_size") in bs and r.get("seq_len") in ls}
+        heatmap(fig, ax, cells, bs, ls, budget_bytes=budget, what=f"peak allocated, {what}")
         ax.set_xlabel("batch size")
         ax.set_ylabel("seq len")
-        ax.set_title(f"{result.spec['model']} {gname}: peak allocated (GiB, {'measured' if measured else 'estimated'})", fontsize=9)
-        fig.colorbar(im, ax=ax)
-        fig.tight_layout()
+        ax.set_title(f"{result.spec['model']}{'' if gname == 'spec' else ' ' + gname}: peak allocated ({what})", fontsize=9)
         p = out_dir / f"heatmap_{_safe(gname)}.png"
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
+        _save(fig, plt, p)
         written.append(p)
-    # memory vs batch: one line per (group, seq len)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # memory vs batch: one line per (group, seq len), y from zero; OOM cells as red x at the budget
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    top = max([_bytes(r) or 0 for r in rows] + [budget or 0])
+    div, unit = bytes_unit(top)
     any_line = False
     for gname, grows in _groups(rows).items():
         for L in sorted({r.get("seq_len") for r in grows}, key=lambda x: (x is None, x)):
-            pts = sorted((r["batch_size"], _value(r)) for r in grows if r.get("seq_len") == L and r["status"] == "ok" and _value(r))
+            pts = sorted((r["batch_size"], _bytes(r) / div) for r in grows if r.get("seq_len") == L and r["status"] == "ok" and _bytes(r))
+            line = None
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{gname} L={L}")
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{gname} L={L}")
                 any_line = True
-            ooms = [r["batch_size"] for r in grows if r.get("seq_len") == L and r["status"] in ("oom", "oom-estimated")]
-            if ooms and pts:
-                ax.scatter(ooms, [pts[-1][1]] * len(ooms), marker="x", color="red")
+            ooms = [(r["batch_size"], _bytes(r)) for r in grows if r.get("seq_len") == L and r["status"] in ("oom", "oom-estimated")]
+            if ooms:
+                # an estimated OOM has its estimate; a measured one is drawn at the budget (or the top)
+                ax.scatter([b for b, _ in ooms], [(v or budget or top) / div for _, v in ooms], marker="x", s=60, zorder=3,
+                           color=line.get_color() if line else "red")
+                any_line = True
     if any_line:
+        ax.scatter([], [], marker="x", color="grey", label="OOM: does not fit (at its estimate,\nor at the budget when measured)")
+        if budget:
+            ax.axhline(budget / div, color="#c0392b", ls="--", lw=1, label=f"budget {budget / div:.2f} {unit}")
+        ax.set_ylim(0, top / div * 1.08)
+        ax.set_xscale("log", base=2)
+        xs = sorted({r["batch_size"] for r in rows if r.get("batch_size")})
+        ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("batch size")
-        ax.set_ylabel("peak allocated (GiB)")
-        ax.set_title("memory vs batch (x: OOM)")
+        ax.set_ylabel(f"peak allocated ({unit}, {what})")
+        ax.set_title(f"{result.spec['model']}: memory vs batch (y from 0)", fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+        legend_outside(ax)
         p = out_dir / "memory_vs_batch.png"
-        fig.savefig(p, dpi=100)
+        _save(fig, plt, p)
         written.append(p)
-    plt.close(fig)
+    else:
+        plt.close(fig)
     tl = [r for r in rows if r.get("timeline")]
     if tl:
         (out_dir / "timelines").mkdir(exist_ok=True)
     for r in tl[:48]:
         fig, ax = plt.subplots(figsize=(7, 3))
         timed = "t" in r["timeline"][0]
-        xs = [pt["t"] if timed else pt.get("event", i) for i, pt in enumerate(r["timeline"])]
-        ax.step(xs, [pt["allocated_bytes"] / 2**30 for pt in r["timeline"]], where="post")
+        if timed:
+            xs, tu = relative_times([pt["t"] for pt in r["timeline"]])
+        else:
+            xs = [pt.get("event", i) for i, pt in enumerate(r["timeline"])]
+        tdiv, tunit = bytes_unit(max(pt["allocated_bytes"] for pt in r["timeline"]))
+        ax.step(xs, [pt["allocated_bytes"] / tdiv for pt in r["timeline"]], where="post")
         for pt, x in zip(r["timeline"], xs):
             if timed and pt.get("phase") == "forward":
                 ax.axvline(x, color="grey", alpha=0.2)
-        ax.set_xlabel("seconds" if timed else "event (simulated step)")
-        ax.set_ylabel("allocated (GiB)")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel(f"time since the first reading ({tu})" if timed else "allocation event (simulated step)")
+        ax.set_ylabel(f"allocated ({tunit})")
         ax.set_title(f"{r['key']}: allocated " + ("at phase boundaries (measured)" if timed else "(estimated)"), fontsize=9)
-        fig.tight_layout()
         p = out_dir / "timelines" / f"{_safe(r['key'])}.png"
-        fig.savefig(p, dpi=90)
-        plt.close(fig)
+        _save(fig, plt, p, dpi=90)
         written.append(p)
     return written
+
+
+def _save(fig, plt, path: Path, dpi: int = 100) -> None:
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
 
 
 def _safe(s: str) -> str:

@@ -227,21 +227,28 @@ class Monitor:
 
     def plot(self, path: str | Path) -> Path:
         """PNG of allocated and reserved over time, with the threshold and the alerts."""
+        # the renderers (and matplotlib behind them) load only when a plot is asked for
         from ..report.doctor_plots import _pyplot, _save
+        from ..report.plots import bytes_unit, legend_outside, time_unit
 
         plt = _pyplot()
         hist = list(self.history)
+        div, unit = bytes_unit(max([r.reserved_bytes for r in hist] + [self._threshold_bytes or 0]))
+        t0 = hist[0].time_s if hist else 0.0
+        per, tunit = time_unit(hist[-1].time_s - t0 if hist else 0.0)
+        xs = [(r.time_s - t0) / per for r in hist]
         fig, ax = plt.subplots(figsize=(9, 4))
-        ax.plot([r.time_s for r in hist], [r.allocated_bytes / 2**30 for r in hist], label="allocated")
-        ax.plot([r.time_s for r in hist], [r.reserved_bytes / 2**30 for r in hist], label="reserved", alpha=0.7)
+        ax.plot(xs, [r.allocated_bytes / div for r in hist], label="allocated")
+        ax.plot(xs, [r.reserved_bytes / div for r in hist], label="reserved", alpha=0.7)
         if self._threshold_bytes:
-            ax.axhline(self._threshold_bytes / 2**30, color="red", lw=1, label="threshold")
-        for a in self.alerts:
-            ax.axvline(a.time_s, color="red", ls=":", lw=1)
-        ax.set_xlabel("seconds")
-        ax.set_ylabel("GiB")
+            ax.axhline(self._threshold_bytes / div, color="red", lw=1, label=f"threshold {self._threshold_bytes / div:.2f} {unit}")
+        for i, a in enumerate(self.alerts):
+            ax.axvline((a.time_s - t0) / per, color="red", ls=":", lw=1, label="alert" if i == 0 else None)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel(f"time since the first sample ({tunit})")
+        ax.set_ylabel(unit)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        legend_outside(ax)
         return _save(fig, plt, path)
 
 

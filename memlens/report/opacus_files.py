@@ -22,6 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .plots import heatmap, legend_outside, pyplot, relative_times
+
 GIB = 2**30
 BASIC = ("memory_profile_results.json", "memory_profile_summary.csv", "memory_analysis_overview.png", "memory_heatmap.png")
 DETAILED = ("detailed_memory_results.json", "detailed_memory_analysis.png", "operation_level_breakdown.png")
@@ -95,9 +97,9 @@ def _value(r) -> float | None:
 
 
 def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
-    from .plots import pyplot
-
     plt = pyplot()
+    budget = result.data.get("budget_bytes")
+    top_bytes = max([r["peak_memory_allocated_bytes"] or r["estimated_peak_allocated_bytes"] or 0 for r in rows] + [budget or 0, 1])
     written: list[Path] = []
     measured = bool(result.data.get("measured"))
     what = "measured" if measured else "estimated"
@@ -110,6 +112,7 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
     for ax, x in zip(axs[0], axes_names):
         others = [a for a in ("batch_size", "seq_length", "max_physical_batch_size", "lora_rank") if a != x]
         groups: dict[tuple, list] = {}
+        oom_seen = False
         for r in rows:
             groups.setdefault(tuple(r[o] for o in others), []).append(r)
         for key, grp in list(groups.items())[:12]:
@@ -117,21 +120,22 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
             label = ", ".join(f"{o.replace('max_physical_batch_size', 'pb')}={v}" for o, v in zip(others, key) if v is not None)
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
-            ooms = [r[x] for r in grp if r["status"] in ("oom", "oom-estimated") and r[x] is not None]
+            ooms = [(r[x], r["estimated_peak_allocated_bytes"]) for r in grp if r["status"] in ("oom", "oom-estimated") and r[x] is not None]
             if ooms:
-                top = max((p[1] for p in pts), default=0)
-                ax.scatter(ooms, [top] * len(ooms), marker="x", color="red")
+                # at its estimate; a measured OOM without one at the budget (or the top of the data)
+                ax.scatter([o[0] for o in ooms], [(v or budget or top_bytes) / GIB for _, v in ooms], marker="x", color="red",
+                           label="OOM (at its estimate, or the budget)" if not oom_seen else None, zorder=3)
+                oom_seen = True
+        ax.set_ylim(bottom=0)
         ax.set_xlabel(x)
         ax.set_ylabel(f"peak allocated (GiB, {what})")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=6)
+            legend_outside(ax, below=True, fontsize=7, ncol=1)
     fig.suptitle(f"{model}: DP-SGD memory ({what}; x = OOM)", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, plt, out / "memory_analysis_overview.png"))
     # heatmap: batch x seq, one panel per (rank, physical batch)
-    import numpy as np
-
     panels: dict[tuple, list] = {}
     for r in rows:
         panels.setdefault((r["lora_rank"], r["max_physical_batch_size"], r["technique"]), []).append(r)
@@ -140,23 +144,13 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
     for ax, (key, grp) in zip(axs[0], panels.items()):
         bs = sorted({r["batch_size"] for r in grp if r["batch_size"] is not None})
         ls = sorted({r["seq_length"] for r in grp if r["seq_length"] is not None}) or [None]
-        m = np.full((len(ls), max(len(bs), 1)), np.nan)
-        for r in grp:
-            if r["batch_size"] in bs and r["seq_length"] in ls:
-                i, j = ls.index(r["seq_length"]), bs.index(r["batch_size"])
-                v = _value(r)
-                if v is not None:
-                    m[i, j] = v
-                ax.text(j, i, f"{v:.1f}" if v is not None else r["status"].upper().replace("-ESTIMATED", "*"),
-                        ha="center", va="center", fontsize=7, color="black" if v is not None else "red")
-        im = ax.imshow(m, cmap="viridis", aspect="auto", alpha=0.85)
-        ax.set_xticks(range(len(bs)), [str(b) for b in bs])
-        ax.set_yticks(range(len(ls)), [str(x) for x in ls])
+        cells = {(r["seq_length"], r["batch_size"]): (r["status"], r["peak_memory_allocated_bytes"] or r["estimated_peak_allocated_bytes"])
+                 for r in grp if r["batch_size"] in bs and r["seq_length"] in ls}
+        heatmap(fig, ax, cells, bs, ls, budget_bytes=budget, what="peak allocated", fontsize=7, top_bytes=top_bytes)
         ax.set_xlabel("batch size")
         ax.set_ylabel("sequence length")
         ax.set_title(", ".join(f"{n}={v}" for n, v in zip(("LoRA r", "pb", ""), key) if v is not None) or "cells", fontsize=8)
-        fig.colorbar(im, ax=ax)
-    fig.suptitle(f"{model}: peak allocated (GiB, {what})", fontsize=10)
+    fig.suptitle(f"{model}: peak allocated ({what})", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, plt, out / "memory_heatmap.png"))
     # one timeline per configuration
@@ -166,12 +160,16 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
             continue
         fig, ax = plt.subplots(figsize=(8, 3.2))
         timed = "t" in tl[0]
-        xs = [pt["t"] if timed else pt.get("event", i) for i, pt in enumerate(tl)]
+        if timed:
+            xs, tunit = relative_times([pt["t"] for pt in tl])
+        else:
+            xs = [pt.get("event", i) for i, pt in enumerate(tl)]
         ax.step(xs, [pt["allocated_bytes"] / GIB for pt in tl], where="post")
         for pt, x in zip(tl, xs):
             if pt.get("phase") in ("forward", "clip", "optimizer"):
                 ax.axvline(x, color={"forward": "#3498db", "clip": "#c0392b", "optimizer": "#27ae60"}[pt["phase"]], alpha=0.25)
-        ax.set_xlabel("seconds" if timed else "allocation events (simulated)")
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel(f"time since the first reading ({tunit})" if timed else "allocation events (simulated)")
         ax.set_ylabel("allocated (GiB)")
         ax.set_title(f"config {r['config']}: {r['key']} ({r['status']})", fontsize=9)
         fig.tight_layout()
@@ -205,7 +203,7 @@ def _detailed_plots(plt, rows, out: Path, model: str, what: str) -> list[Path]:
         ax.set_ylabel("GiB at the peak")
         ax.set_title("components" if key == "by_component" else "memory types", fontsize=9)
         if order:
-            ax.legend(fontsize=7)
+            legend_outside(ax, below=True, fontsize=7, ncol=3)
     fig.suptitle(f"{model}: what is live at the peak ({what})", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, plt, out / "detailed_memory_analysis.png"))
@@ -220,13 +218,13 @@ def _detailed_plots(plt, rows, out: Path, model: str, what: str) -> list[Path]:
     ax.set_ylabel("peak allocated in the phase (GiB)")
     ax.set_title(f"{model}: peak per operation ({what})", fontsize=9)
     if phases:
-        ax.legend(fontsize=7)
+        legend_outside(ax, fontsize=7)
     fig.tight_layout()
     written.append(_save(fig, plt, out / "operation_level_breakdown.png"))
     return written
 
 
 def _save(fig, plt, path: Path) -> Path:
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return path

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from ..core.units import fmt_bytes
 from ..core.result import Result
+from .plots import bytes_unit, legend_outside
 from .plots import pyplot as _pyplot
 
-_GIB = 1024**3
 COLUMNS = ("index", "label", "step", "phase", "t_s", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes")
 CAT_COLORS = {
     "parameters": "#4c72b0", "buffers": "#8172b3", "gradients": "#dd8452", "optimizer_state": "#55a868",
@@ -43,15 +43,11 @@ def timeline_csv(result: Result) -> str:
     return buf.getvalue()
 
 
-def _unit(n: float) -> tuple[float, str]:
-    return (_GIB, "GiB") if n >= 0.5 * _GIB else (1024**2, "MiB") if n >= 1024**2 else (1024, "KiB")
-
-
 def plot_snapshots(result: Result):
     """Bars of allocated / reserved / peak at every labelled snapshot (the seeds' plot_snapshots)."""
     plt = _pyplot()
     tl = result.timeline
-    div, u = _unit(max([p["reserved_bytes"] for p in tl] + [1]))
+    div, u = bytes_unit(max([p["reserved_bytes"] for p in tl] + [1]))
     fig, ax = plt.subplots(figsize=(max(8, 0.45 * len(tl) + 3), 4.8))
     x = range(len(tl))
     w = 0.27
@@ -62,7 +58,7 @@ def plot_snapshots(result: Result):
     ax.set_xticklabels([p["label"] for p in tl], rotation=60, ha="right", fontsize=8)
     ax.set_ylabel(u)
     ax.set_title("memory at each snapshot")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
@@ -72,7 +68,7 @@ def plot_timeline(result: Result):
     """Allocated and reserved over host time, with each interval's peak and the overall peak."""
     plt = _pyplot()
     tl = result.timeline
-    div, u = _unit(max([p["reserved_bytes"] for p in tl] + [result.peak_allocated_bytes or 1]))
+    div, u = bytes_unit(max([p["reserved_bytes"] for p in tl] + [result.peak_allocated_bytes or 1]))
     fig, ax = plt.subplots(figsize=(10, 4.5))
     t = [p["t_s"] for p in tl]
     ax.step(t, [p["allocated_bytes"] / div for p in tl], where="post", label="allocated (at snapshot)", color="#3498db")
@@ -85,8 +81,9 @@ def plot_timeline(result: Result):
             ax.axvline(p["t_s"], color="#bbbbbb", lw=0.5)
     ax.set_xlabel("host seconds since the profiler started (vertical lines: forward starts)")
     ax.set_ylabel(u)
+    ax.set_ylim(bottom=0)
     ax.set_title("memory timeline")
-    ax.legend(fontsize=8, loc="lower right")
+    legend_outside(ax)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
@@ -96,7 +93,7 @@ def plot_categories(result: Result):
     """One stacked bar: what was live at the peak, by category."""
     plt = _pyplot()
     cats = [(k, v) for k, v in result.by_category.items() if v > 0]
-    div, u = _unit(sum(v for _, v in cats) or 1)
+    div, u = bytes_unit(sum(v for _, v in cats) or 1)
     fig, ax = plt.subplots(figsize=(6, 5))
     bottom = 0.0
     for k, v in cats:
@@ -105,10 +102,10 @@ def plot_categories(result: Result):
     if result.peak_allocated_bytes:
         ax.axhline(result.peak_allocated_bytes / div, ls="--", color="k", lw=0.8, label=f"peak allocated {fmt_bytes(result.peak_allocated_bytes)}")
     ax.set_xticks([])
-    ax.set_xlim(-1, 2.5)
+    ax.set_xlim(-0.8, 0.8)
     ax.set_ylabel(u)
     ax.set_title("at the peak, by category")
-    ax.legend(fontsize=8, loc="upper right")
+    legend_outside(ax)
     fig.tight_layout()
     return fig
 
@@ -118,7 +115,7 @@ def plot_modules(result: Result, top: int = 15):
     plt = _pyplot()
     rows = sorted(result.by_module, key=lambda r: -max(r["bytes"], r.get("forward_peak_bytes", 0), r.get("backward_peak_bytes", 0)))[:top]
     rows.reverse()
-    div, u = _unit(max([max(r["bytes"], r.get("forward_peak_bytes", 0), r.get("backward_peak_bytes", 0)) for r in rows] + [1]))
+    div, u = bytes_unit(max([max(r["bytes"], r.get("forward_peak_bytes", 0), r.get("backward_peak_bytes", 0)) for r in rows] + [1]))
     fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.8))
     y = range(len(rows))
     h = 0.27
@@ -129,7 +126,7 @@ def plot_modules(result: Result, top: int = 15):
     ax.set_yticklabels([(r["module"][-48:] + ("  [LoRA]" if r.get("lora") else "")) for r in rows], fontsize=8)
     ax.set_xlabel(u)
     ax.set_title(f"top {len(rows)} modules")
-    ax.legend(fontsize=8, loc="lower right")
+    legend_outside(ax, below=True, ncol=3)
     fig.tight_layout()
     return fig
 
@@ -157,7 +154,7 @@ def render_pngs(result: Result) -> dict[str, bytes]:
     for name in _wanted(result):
         fig = PLOTS[name](result)
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110)
+        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
         out[name] = buf.getvalue()
     return out
@@ -173,7 +170,7 @@ def write_report(result: Result, out_dir: str | Path, memory_snapshot: dict | No
     d.mkdir(parents=True, exist_ok=True)
     pngs = render_pngs(result)
     if not have_matplotlib():
-        skip_plots(result)
+        skip_plots(result, _wanted(result))
     paths = [result.save(d / "result.json")]
     (d / "timeline.csv").write_text(timeline_csv(result))
     paths.append(d / "timeline.csv")
@@ -220,7 +217,7 @@ def rank_lanes_svg(ranks: list[dict], width: int = 1000, lane: int = 70) -> str:
     """One lane per rank: allocated memory at each snapshot (line), each interval's peak (dots), on
     one scale for every rank, so ranks compare at a glance (inline SVG, no plotting library)."""
     top = max([p.get("peak_allocated_bytes") or p.get("allocated_bytes") or 0 for r in ranks for p in r.get("timeline") or []] + [1])
-    div, unit = _unit(top)
+    div, unit = bytes_unit(top)
     left, pad = 70, 8
     h = lane * len(ranks) + 24
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{h}' font-family='sans-serif' font-size='11'>"]
