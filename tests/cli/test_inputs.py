@@ -1,0 +1,41 @@
+"""Inputs that cannot be right are refused in one line `ERROR: ... HINT: ...`, exit 2 (issue "What a new user meets")."""
+import pytest
+
+from memlens.cli.main import main
+
+
+def one_line(capsys, *argv, code=2):
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    assert rc == code, err
+    assert err.count("\n") == 1 and err.startswith("ERROR: ") and "  HINT: " in err, err
+    assert "Traceback" not in err and "internal error" not in err
+    return err.strip()
+
+
+NEW = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.69 GiB of which {free} is "
+       "free. Of the allocated memory {alloc} is allocated by PyTorch, and 1.00 GiB is reserved by PyTorch but unallocated.")
+OLD = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 23.69 GiB total capacity; {alloc} already allocated; "
+       "1.89 GiB free; {reserved} reserved in total by PyTorch)")
+
+
+@pytest.mark.parametrize("text,words", [
+    (NEW.format(free="30.00 GiB", alloc="10.00 GiB"), "30.00 GiB is free on a GPU of 23.69 GiB: free memory cannot exceed"),
+    (NEW.format(free="1.00 GiB", alloc="40.00 GiB"), "40.00 GiB is allocated by PyTorch on a GPU of 23.69 GiB"),
+    (OLD.format(alloc="20.45 GiB", reserved="41.50 GiB"), "41.50 GiB is reserved by PyTorch on a GPU of 23.69 GiB"),
+])
+def test_oom_message_numbers_above_the_total_are_refused(capsys, text, words):
+    err = one_line(capsys, "doctor", "oom", text)
+    assert words in err and "HINT: paste the message exactly as PyTorch printed it" in err
+
+
+def test_oom_message_at_the_total_is_still_read(capsys):
+    assert main(["doctor", "oom", NEW.format(free="20.00 MiB", alloc="22.60 GiB")]) == 0
+
+
+def test_log_readings_above_the_capacity_are_refused(capsys, tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("".join(f"Step {i}: Memory={16 + i}.0GB\n" for i in range(5)))
+    err = one_line(capsys, "doctor", "log", str(log), "--capacity", "1MiB")
+    assert "the log's readings are 14.90 GiB to 18.63 GiB, all above the stated capacity 1.00 MiB" in err
+    assert "HINT: give --capacity the GPU's whole memory" in err
