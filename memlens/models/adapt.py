@@ -72,9 +72,29 @@ def apply_lora(model, spec: TrainingSpec):
         raise SpecError(f"LoRA cannot be applied: {msg}",
                         hint=(f"name the modules with --lora-targets (Linear/Conv modules: {', '.join(names[:6])})" if names
                               else "name the modules with --lora-targets q_proj,v_proj")) from None
+    _check_rank(model, spec.lora_rank)
     if spec.grad_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def _check_rank(model, rank: int) -> None:
+    """Refuse a rank above min(in, out) features of every adapted layer. The update B @ A of a
+    layer has rank at most min(in, out), so a larger r adds parameters (r * (in + out), more than
+    the layer's in * out) and nothing it could learn; peft itself does not check. A rank that
+    exceeds some adapted layers only (a 2-class head among the targets) is peft's usual behaviour."""
+    sizes = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "lora_A") and isinstance(getattr(m, "in_features", None), int) \
+                and isinstance(getattr(m, "out_features", None), int):
+            sizes[name] = min(m.in_features, m.out_features)
+    if sizes and rank > max(sizes.values()):
+        name = max(sizes, key=sizes.get)
+        widest = sizes[name]
+        raise SpecError(f"--lora-rank {rank} is above the width of every adapted layer (at most {widest}: "
+                        f"min(in, out) features of {name.rsplit('.', 1)[-1]}): a LoRA update has rank at most min(in, out), "
+                        "a larger adapter only adds memory",
+                        hint=f"use --lora-rank {widest} or less (8-64 is usual)")
 
 
 def adaptable_modules(model) -> list[str]:

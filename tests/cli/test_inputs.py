@@ -39,3 +39,10 @@ def test_log_readings_above_the_capacity_are_refused(capsys, tmp_path):
     err = one_line(capsys, "doctor", "log", str(log), "--capacity", "1MiB")
     assert "the log's readings are 14.90 GiB to 18.63 GiB, all above the stated capacity 1.00 MiB" in err
     assert "HINT: give --capacity the GPU's whole memory" in err
+
+
+def test_lora_rank_above_the_layer_width_is_refused(capsys):
+    err = one_line(capsys, "estimate", "--model", "gpt2", "--lora-rank", "100000")
+    assert err == ("ERROR: --lora-rank 100000 is above the width of every adapted layer (at most 768: min(in, out) "
+                   "features of c_attn): a LoRA update has rank at most min(in, out), a larger adapter only adds memory  "
+                   "HINT: use --lora-rank 768 or less (8-64 is usual)")
