@@ -93,6 +93,8 @@ class TrainingSpec:
             raise SpecError("model is empty", hint="give --model gpt2 (see `memlens estimate --list-models`)")
         if self.seq_len is not None and self.seq_len > 1_048_576:
             raise SpecError(f"seq_len {self.seq_len} is impossibly long", hint="use at most 1048576 tokens")
+        if self.target_len is not None and self.target_len > 1_048_576:
+            raise SpecError(f"target_len {self.target_len} is impossibly long", hint="use at most 1048576 decoder tokens")
         if self.batch_size > 1_000_000:
             raise SpecError(f"batch_size {self.batch_size} is impossibly large", hint="use a micro-batch under 1000000")
         if self.qlora and self.lora_rank is None:

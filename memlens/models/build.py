@@ -67,7 +67,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     import torch
 
     config = copy.deepcopy(source.config)
-    _check_lengths(spec, source)
+    length_notes = _check_lengths(spec, source)
     if spec.image_size and source.task == "image-classification" and hasattr(config, "image_size"):
         config.image_size = spec.image_size   # position embeddings for that many patches (as a fine-tune at that size)
     dtype = torch_dtype(spec.param_dtype)
@@ -85,6 +85,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
         raise ModelSourceError(f"transformers cannot build {source.name!r}: {msg}",
                                hint="check the config (or use pkg.module:factory for custom code)") from None
+    notes += length_notes
     model.train()
     if spec.hf_trainer and hasattr(model.config, "use_cache"):
         model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
@@ -131,7 +132,9 @@ def _module_class_names(model_cls) -> list[str]:
 _RELATIVE_POSITIONS = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 
 
-def _check_lengths(spec: TrainingSpec, source: ModelSource) -> None:
+def _check_lengths(spec: TrainingSpec, source: ModelSource) -> tuple[str, ...]:
+    """Refuse lengths beyond a model's position embeddings; for relative-position models (no
+    limit to refuse at) a note when a length passes the one their config trained at (n_positions)."""
     cfg = source.config
     if source.task == "speech-seq2seq":
         src = getattr(cfg, "max_source_positions", None)
@@ -141,15 +144,24 @@ def _check_lengths(spec: TrainingSpec, source: ModelSource) -> None:
         tgt = getattr(cfg, "max_target_positions", None)
         if spec.target_len and tgt and spec.target_len > tgt:
             raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {tgt} decoder positions", hint=f"use --target-len {tgt} or less")
-        return
+        return ()
     text_cfg = getattr(cfg, "text_config", None) or cfg
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    notes: tuple[str, ...] = ()
     if cfg.model_type in _RELATIVE_POSITIONS:
+        trained = getattr(cfg, "n_positions", None)
+        longer = [f"{what} {n}" for what, n in (("seq_len", spec.seq_len), ("target_len", spec.target_len))
+                  if trained and n and n > trained]
+        if longer:
+            notes = (f"{source.name} has relative positions (no length limit), but {' and '.join(longer)} "
+                     f"{'is' if len(longer) == 1 else 'are'} beyond the {trained} tokens it was trained on (n_positions): "
+                     "memory is estimated as asked, attention grows with the square of the length",)
         max_pos = None
     if spec.seq_len and max_pos and spec.seq_len > max_pos and source.task != "vlm":
         raise SpecError(f"seq_len {spec.seq_len} exceeds {source.name}'s {max_pos} positions", hint=f"use --seq-len {max_pos} or less")
     if spec.target_len and max_pos and spec.target_len > max_pos:
         raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {max_pos} decoder positions", hint=f"use --target-len {max_pos} or less")
+    return notes
 
 
 # ---------------------------------------------------------------- batches

@@ -46,3 +46,17 @@ def test_lora_rank_above_the_layer_width_is_refused(capsys):
     assert err == ("ERROR: --lora-rank 100000 is above the width of every adapted layer (at most 768: min(in, out) "
                    "features of c_attn): a LoRA update has rank at most min(in, out), a larger adapter only adds memory  "
                    "HINT: use --lora-rank 768 or less (8-64 is usual)")
+
+
+def test_target_len_is_bounded_like_seq_len(capsys):
+    err = one_line(capsys, "estimate", "--model", "t5-base", "--target-len", "2000000")
+    assert err == "ERROR: target_len 2000000 is impossibly long  HINT: use at most 1048576 decoder tokens"
+
+
+def test_relative_position_model_past_its_trained_length_says_so():
+    from memlens import estimate
+    from memlens.core.spec import TrainingSpec
+
+    r = estimate(TrainingSpec(model="t5-base", batch_size=1, seq_len=64, target_len=1024))
+    assert any("t5-base has relative positions (no length limit), but target_len 1024 is beyond the 512 tokens" in n
+               for n in r.notes), r.notes
