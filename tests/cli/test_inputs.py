@@ -60,3 +60,13 @@ def test_relative_position_model_past_its_trained_length_says_so():
     r = estimate(TrainingSpec(model="t5-base", batch_size=1, seq_len=64, target_len=1024))
     assert any("t5-base has relative positions (no length limit), but target_len 1024 is beyond the 512 tokens" in n
                for n in r.notes), r.notes
+
+
+@pytest.mark.parametrize("gpu,precision,noted", [("t4", "bf16", True), ("t4", "amp-bf16", True), ("v100", "bf16", True),
+                                                 ("t4", "amp-fp16", False), ("a100-80gb", "bf16", False)])
+def test_bf16_on_a_gpu_without_bf16_tensor_cores_is_noted(gpu, precision, noted):
+    from memlens import estimate
+    from memlens.core.spec import TrainingSpec
+
+    r = estimate(TrainingSpec(model="gpt2", gpu=gpu, precision=precision), method="formula")
+    assert any("has no bf16 tensor cores: bf16 runs emulated, much slower" in n for n in r.notes) == noted, r.notes
