@@ -145,6 +145,8 @@ def _check_lengths(spec: TrainingSpec, source: ModelSource) -> tuple[str, ...]:
         if spec.target_len and tgt and spec.target_len > tgt:
             raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {tgt} decoder positions", hint=f"use --target-len {tgt} or less")
         return ()
+    if spec.image_size and source.task == "image-classification":
+        _check_image_size(spec.image_size, source)
     text_cfg = getattr(cfg, "text_config", None) or cfg
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
     notes: tuple[str, ...] = ()
@@ -162,6 +164,28 @@ def _check_lengths(spec: TrainingSpec, source: ModelSource) -> tuple[str, ...]:
     if spec.target_len and max_pos and spec.target_len > max_pos:
         raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {max_pos} decoder positions", hint=f"use --target-len {max_pos} or less")
     return notes
+
+
+def _check_image_size(size: int, source: ModelSource) -> None:
+    """Refuse an image smaller than one patch, or than a hierarchical model's (Swin, ConvNeXt: a
+    ``depths`` list) last stage, whose feature map is the patch grid halved at each later stage."""
+    cfg = source.config
+    patch = getattr(cfg, "patch_size", None)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    if not isinstance(patch, int) or patch <= 0:
+        return
+    stages = len(getattr(cfg, "depths", None) or [1])
+    smallest = patch * 2 ** (stages - 1)
+    if size < smallest:
+        why = (f"its {patch}-pixel patches" if stages == 1
+               else f"its {patch}-pixel patches halved {stages - 1} times (its {stages} stages)")
+        raise SpecError(f"image_size {size} is smaller than {source.name} can take: {why} need at least {smallest} pixels",
+                        hint=f"use --image-size {smallest} or more (it was trained at {_trained_size(cfg)})")
+
+
+def _trained_size(cfg) -> str:
+    s = getattr(cfg, "image_size", None)
+    return str(s[0] if isinstance(s, (list, tuple)) else s) if s else "its config's size"
 
 
 # ---------------------------------------------------------------- batches

@@ -70,3 +70,40 @@ def test_bf16_on_a_gpu_without_bf16_tensor_cores_is_noted(gpu, precision, noted)
 
     r = estimate(TrainingSpec(model="gpt2", gpu=gpu, precision=precision), method="formula")
     assert any("has no bf16 tensor cores: bf16 runs emulated, much slower" in n for n in r.notes) == noted, r.notes
+
+
+def _gpt2_config(tmp_path, **changes):
+    import json
+    from pathlib import Path
+
+    import memlens.models
+
+    cfg = json.loads((Path(memlens.models.__file__).parent / "configs" / "gpt2.json").read_text())["config"]
+    cfg.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_config_size_written_as_a_string_names_the_field(capsys, tmp_path):
+    path = _gpt2_config(tmp_path, n_embd="768")
+    err = one_line(capsys, "estimate", "--model", path)
+    assert err == (f"ERROR: {path}: config field 'n_embd' is \"768\" (a JSON string): a model size must be a whole number "
+                   "above 0  HINT: write it as a number, without quotes: \"n_embd\": 768")
+
+
+def test_config_field_of_another_wrong_type_names_the_field(capsys, tmp_path):
+    err = one_line(capsys, "estimate", "--model", _gpt2_config(tmp_path, layer_norm_epsilon="x"))
+    assert "Field 'layer_norm_epsilon' expected float, got str" in err and "HINT: fix that field in config.json" in err
+
+
+def test_negative_layer_count_says_what_is_wrong(capsys, tmp_path):
+    err = one_line(capsys, "estimate", "--model", _gpt2_config(tmp_path, n_layer=-2))
+    assert "config field 'n_layer' is -2: a model size must be a whole number above 0" in err
+    assert "--method formula" not in err
+
+
+def test_image_smaller_than_a_patch_says_what_is_wrong(capsys):
+    err = one_line(capsys, "estimate", "--model", "vit-base-patch16-224", "--image-size", "7")
+    assert err == ("ERROR: image_size 7 is smaller than vit-base-patch16-224 can take: its 16-pixel patches need at least "
+                   "16 pixels  HINT: use --image-size 16 or more (it was trained at 224)")
