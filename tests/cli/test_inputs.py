@@ -107,3 +107,9 @@ def test_image_smaller_than_a_patch_says_what_is_wrong(capsys):
     err = one_line(capsys, "estimate", "--model", "vit-base-patch16-224", "--image-size", "7")
     assert err == ("ERROR: image_size 7 is smaller than vit-base-patch16-224 can take: its 16-pixel patches need at least "
                    "16 pixels  HINT: use --image-size 16 or more (it was trained at 224)")
+
+
+def test_sweep_into_a_directory_that_cannot_be_made(capsys):
+    err = one_line(capsys, "sweep", "--model", "gpt2", "--batch-sizes", "1", "--out", "/proc/nope")
+    assert err == ("ERROR: cannot create output directory /proc/nope: No such file or directory  "
+                   "HINT: choose a writable --out DIR")
