@@ -119,6 +119,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         v = getattr(args, name, None)
         if v is not None and name not in skip:
             base[name] = v
+    if base.get("qlora") and getattr(args, "precision", None) is None and base.get("precision") == "fp32":
+        base["precision"] = None   # a YAML spec's default fp32: QLoRA's default (bf16) instead
     if "model" not in base or not base["model"]:
         raise SpecError("no model given", hint="add --model gpt2 (or a YAML file with `model:` via --config)")
     return TrainingSpec.from_dict(base)
