@@ -48,10 +48,31 @@ def apply_freeze(model, patterns) -> None:
             raise SpecError(f"--freeze {pat!r} matches no parameter", hint=f"top-level modules: {', '.join(tops)}")
 
 
-def apply_lora(model, spec: TrainingSpec):
+# Attention projections LoRA adapts when peft has no default for a model type, as peft's own
+# defaults do for Llama-like attention (q, v): the first pair whose names a model's Linear layers have
+_ATTENTION_TARGETS = (("q_proj", "v_proj"), ("query_proj", "value_proj"), ("query", "value"), ("q", "v"),
+                      ("qkv_proj",), ("Wqkv",), ("c_attn",), ("query_key_value",))
+
+
+def default_lora_targets(model) -> list[str] | None:
+    """LoRA targets for a transformers model whose model_type peft has no default for (OLMoE,
+    other new MoE models): its attention projections; None where peft has a default (or no
+    config, or a VLM, which :func:`apply_lora` handles)."""
+    import torch   # torch and peft: heavy, loaded when a model is built with LoRA
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) in PEFT_DEFAULTS or hasattr(cfg, "vision_config"):
+        return None
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return next((list(pair) for pair in _ATTENTION_TARGETS if set(pair) <= linear), None)
+
+
+def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
+    """peft's LoRA on ``model``: ``spec.lora_targets``, else ``targets`` (:func:`default_lora_targets`), else peft's default."""
     from peft import LoraConfig, get_peft_model
 
-    targets: Any = list(spec.lora_targets) if spec.lora_targets else None
+    targets: Any = list(spec.lora_targets) if spec.lora_targets else targets
     mcfg = getattr(model, "config", None)      # None for a plain nn.Module from a factory
     if targets is None and hasattr(mcfg, "text_config") and hasattr(mcfg, "vision_config"):
         # VLMs: peft has no default; adapt the language model's attention like text LLMs (q, v)

@@ -12,7 +12,7 @@ from typing import Any
 from ..core.errors import ModelSourceError, SpecError
 from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
-from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, torch_dtype  # noqa: F401 - re-exported
+from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, torch_dtype  # noqa: F401 - re-exported
 from .source import ModelSource
 
 DEFAULT_SEQ_LEN = 512
@@ -95,7 +95,11 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
             raise SpecError(f"{source.name} does not support gradient checkpointing in transformers", hint="drop --grad-checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.lora_rank:
-        model = apply_lora(model, spec)
+        targets = None if spec.lora_targets else default_lora_targets(model)
+        if targets:
+            notes += (f"LoRA targets {','.join(targets)}: peft has no default for model_type {model.config.model_type!r}, so "
+                      "the attention projections, as peft's default for Llama-like attention (--lora-targets names others)",)
+        model = apply_lora(model, spec, targets)
     if spec.qlora:
         from .quant import quantize_frozen_linears
 

@@ -113,3 +113,16 @@ def test_sweep_into_a_directory_that_cannot_be_made(capsys):
     err = one_line(capsys, "sweep", "--model", "gpt2", "--batch-sizes", "1", "--out", "/proc/nope")
     assert err == ("ERROR: cannot create output directory /proc/nope: No such file or directory  "
                    "HINT: choose a writable --out DIR")
+
+
+CONFIGS = __import__("pathlib").Path(__file__).resolve().parents[1] / "fixtures" / "configs"
+
+
+def test_moe_model_without_a_peft_default_gets_the_attention_projections():
+    from memlens import estimate
+    from memlens.core.spec import TrainingSpec
+
+    r = estimate(TrainingSpec(model=str(CONFIGS / "olmoe.json"), batch_size=1, seq_len=16, lora_rank=4, precision="bf16"))
+    assert any(n.startswith("LoRA targets q_proj,v_proj: peft has no default for model_type 'olmoe'") for n in r.notes), r.notes
+    # q and v in each of 2 layers: r x (64 + 64) each
+    assert r.data["trainable_param_count"] == 2 * 2 * 4 * (64 + 64)
