@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.errors import SpecError
+from ..core.errors import SpecError, sentences
 from ..core.spec import TrainingSpec
 
 
@@ -88,7 +88,7 @@ def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
     try:
         model = get_peft_model(model, cfg)
     except (ValueError, TypeError, AttributeError) as e:
-        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        msg = sentences(e) or type(e).__name__
         names = adaptable_modules(model)
         raise SpecError(f"LoRA cannot be applied: {msg}",
                         hint=(f"name the modules with --lora-targets (Linear/Conv modules: {', '.join(names[:6])})" if names

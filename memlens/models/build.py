@@ -9,7 +9,7 @@ import inspect
 import logging
 from typing import Any
 
-from ..core.errors import ModelSourceError, SpecError
+from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
 from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, torch_dtype  # noqa: F401 - re-exported
@@ -82,7 +82,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         with ctx:
             model = cls.from_config(config, dtype=dtype, **attn)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
-        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        msg = sentences(e) or type(e).__name__
         raise ModelSourceError(f"transformers cannot build {source.name!r}: {msg}",
                                hint="check the config (or use pkg.module:factory for custom code)") from None
     notes += length_notes

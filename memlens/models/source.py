@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.errors import ModelSourceError
+from ..core.errors import ModelSourceError, sentences
 from . import registry
 
 TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq", "speech-seq2seq", "image-classification", "clip",
@@ -93,7 +93,7 @@ def _download_config(repo_id: str) -> dict:
         with _hub_quiet():
             p = hf_hub_download(repo_id, "config.json", token=token, local_files_only=reason is not None)
     except hf_errors.HFValidationError as e:
-        raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id ({str(e).splitlines()[0][:120]})",
+        raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id ({sentences(e)})",
                                hint="write it as owner/name, or use a built-in name (`memlens estimate --list-models`)") from None
     except hf_errors.GatedRepoError:
         raise ModelSourceError(f"{what}: the repository is gated", hint="accept its licence on the Hub and set HF_TOKEN") from None
@@ -113,7 +113,7 @@ def _download_config(repo_id: str) -> dict:
 
 
 def _short(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+    return sentences(e) or type(e).__name__
 
 
 def _hub_unreachable(timeout: float = 2.0) -> str | None:
@@ -150,7 +150,7 @@ def _config_from_dict(cfg: dict, label: str):
     try:
         return AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as e:
-        raise ModelSourceError(f"{label}: transformers cannot build model_type {model_type!r} ({str(e).splitlines()[0][:120]})",
+        raise ModelSourceError(f"{label}: transformers cannot build model_type {model_type!r} ({sentences(e)})",
                                hint="upgrade transformers, or use pkg.module:factory for custom models") from None
     except Exception as e:   # huggingface_hub's StrictDataclassFieldValidationError: a field of the wrong type
         if type(e).__name__.startswith("StrictDataclass"):

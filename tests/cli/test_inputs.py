@@ -126,3 +126,20 @@ def test_moe_model_without_a_peft_default_gets_the_attention_projections():
     assert any(n.startswith("LoRA targets q_proj,v_proj: peft has no default for model_type 'olmoe'") for n in r.notes), r.notes
     # q and v in each of 2 layers: r x (64 + 64) each
     assert r.data["trainable_param_count"] == 2 * 2 * 4 * (64 + 64)
+
+
+GATED = ("401 Client Error. (Request ID: Root=1-abc)\n\nCannot access gated repo for url "
+         "https://huggingface.co/meta-llama/Llama-3.1-8B/resolve/main/config.json.\nAccess to model meta-llama/Llama-3.1-8B is "
+         "restricted. You must have access to it and be authenticated to access it. Please log in.")
+
+
+def test_library_messages_keep_whole_sentences():
+    from memlens.core.errors import sentences
+    from memlens.core.usercode import first_line
+    from memlens.models.source import _short
+
+    for short in (_short(Exception(GATED)), first_line(Exception(GATED)), sentences(GATED)):
+        assert short.endswith(".") and "\n" not in short, short
+        assert GATED.replace("\n\n", " ").replace("\n", " ").startswith(short), short
+    assert sentences(GATED, limit=len(" ".join(GATED.split())) - 1).endswith("You must have access to it and be authenticated to access it.")
+    assert sentences("x" * 5000).endswith(" ...") or len(sentences("x" * 5000)) <= 604
