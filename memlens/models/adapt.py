@@ -29,6 +29,17 @@ class Built:
     notes: tuple[str, ...] = ()
 
 
+# The synthetic batch's class labels are drawn from [0, num_labels): a model's check on them that
+# reads data (DeBERTa's `(labels >= 0).nonzero()`) is answered from that (estimator/cuda_rules.py)
+KNOWN = "_memlens_known"   # "nonnegative", or "all_true" (a comparison that holds for every element)
+
+
+def mark_known(t, what: str = "nonnegative"):
+    """``t``, marked as known without reading it: "nonnegative" (a synthetic batch's class labels) or "all_true"."""
+    setattr(t, KNOWN, what)
+    return t
+
+
 def torch_dtype(name: str):
     import torch
 

@@ -12,7 +12,7 @@ from typing import Any
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
-from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, torch_dtype  # noqa: F401 - re-exported
+from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, mark_known, torch_dtype  # noqa: F401 - re-exported
 from .source import ModelSource
 
 DEFAULT_SEQ_LEN = 512
@@ -79,6 +79,11 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         if not has_attention(cls, config):
             attn = {}  # CNNs (ConvNeXt, ResNet): transformers refuses an attention implementation
             notes = (f"{source.name} has no attention layers: --attn does not apply",)
+        elif spec.attn == "sdpa" and not supports_sdpa(cls, config):
+            # what transformers does when no implementation is asked for: eager for a model without SDPA
+            attn = {"attn_implementation": "eager"}
+            notes = (f"{source.name} has no SDPA attention in transformers: it runs eager attention, as transformers "
+                     "does when no implementation is asked for",)
         with ctx:
             model = cls.from_config(config, dtype=dtype, **attn)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
@@ -118,6 +123,15 @@ def has_attention(cls, config) -> bool:
     return bool(getattr(model_cls, "_supports_sdpa", False) or getattr(model_cls, "_supports_attention_backend", False)
                 or getattr(model_cls, "_supports_flash_attn", False) or getattr(model_cls, "_supports_flex_attn", False)
                 or any("attention" in n.lower() for n in _module_class_names(model_cls)))
+
+
+def supports_sdpa(cls, config) -> bool:
+    """Whether the class ``cls`` builds for ``config`` takes attn_implementation="sdpa" (True when unknown)."""
+    try:
+        model_cls = cls._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return True
+    return bool(getattr(model_cls, "_supports_sdpa", True))
 
 
 def _module_class_names(model_cls) -> list[str]:
@@ -230,7 +244,7 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
     if task == "seq-classification":
         L = default_seq_len(spec, source)
         n_labels = getattr(cfg, "num_labels", 2)
-        labels = torch.randn(B, **dev) if n_labels == 1 else torch.randint(0, n_labels, (B,), **dev)
+        labels = torch.randn(B, **dev) if n_labels == 1 else mark_known(torch.randint(0, n_labels, (B,), **dev))
         return {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev), "labels": labels}, L, None
     if task == "seq2seq":  # the model makes decoder_input_ids from the labels (shift right)
         L = default_seq_len(spec, source)

@@ -143,3 +143,32 @@ def test_library_messages_keep_whole_sentences():
         assert GATED.replace("\n\n", " ").replace("\n", " ").startswith(short), short
     assert sentences(GATED, limit=len(" ".join(GATED.split())) - 1).endswith("You must have access to it and be authenticated to access it.")
     assert sentences("x" * 5000).endswith(" ...") or len(sentences("x" * 5000)) <= 604
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_deberta_v2_sequence_classification_estimates_on_the_cpu(attn):
+    from memlens import estimate
+    from memlens.core.spec import TrainingSpec
+
+    r = estimate(TrainingSpec(model=str(CONFIGS / "deberta-v2.json"), batch_size=2, seq_len=32, attn=attn))
+    assert r.peak_allocated_bytes > 0
+    fell_back = any("has no SDPA attention in transformers: it runs eager attention" in n for n in r.notes)
+    assert fell_back == (attn == "sdpa"), r.notes
+
+
+def test_known_labels_answer_deberta_nonzero_without_reading_data():
+    """`(labels >= 0).nonzero()` on the synthetic labels: every index, as on CUDA; other values still refuse."""
+    import torch
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    from memlens.estimator.cuda_rules import _known_values
+    from memlens.models.adapt import mark_known
+
+    with FakeTensorMode():
+        labels = mark_known(torch.randint(0, 3, (5,)))
+        ge = _known_values(torch.Tensor.__ge__, "__ge__", (labels, 0), {})
+        idx = _known_values(torch.Tensor.nonzero, "nonzero", (ge,), {})
+        assert idx.shape == (5, 1) and idx.dtype == torch.long
+        gt = _known_values(torch.Tensor.__ge__, "__ge__", (labels, 1), {})   # not known all true
+        with pytest.raises(DynamicOutputShapeException):
+            _known_values(torch.Tensor.nonzero, "nonzero", (gt,), {})
