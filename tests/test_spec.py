@@ -29,6 +29,8 @@ def test_yaml_coercions(tmp_path):
     ({"qlora": True}, "--qlora needs --lora-rank"),
     ({"sharding": "zero3"}, "needs --world-size"),
     ({"seq_len": 10**7}, "impossibly long"),
+    ({"target_len": 10**7}, "target_len 10000000 is impossibly long"),
+    ({"qlora": True, "lora_rank": 8, "precision": "fp32"}, "--qlora with fp32 is not modelled"),
 ])
 def test_invalid_specs(fields, needle):
     with pytest.raises(SpecError) as e:
@@ -76,3 +78,16 @@ def test_version_and_environment(capsys):
     assert Result(verb="estimate").environment["torch"] == torch.__version__
     loaded = Result.from_dict({"verb": "estimate", "environment": {"torch": "2.4.0"}})
     assert loaded.environment == {"torch": "2.4.0"}          # as it was made
+
+
+def test_qlora_without_precision_computes_in_bf16_as_fit_and_compare_do(tmp_path):
+    from memlens.cli.main import build_parser
+    from memlens.cli.common import spec_from_args
+
+    assert TrainingSpec(model="gpt2", lora_rank=8, qlora=True).precision == "bf16"
+    assert TrainingSpec(model="gpt2").precision == "fp32"
+    assert TrainingSpec(model="gpt2", lora_rank=8, qlora=True, precision="amp-fp16").precision == "amp-fp16"
+    p = tmp_path / "s.yaml"
+    p.write_text("model: gpt2\nbatch_size: 2\n")
+    args = build_parser("estimate").parse_args(["estimate", "--config", str(p), "--lora-rank", "8", "--qlora"])
+    assert spec_from_args(args).precision == "bf16"

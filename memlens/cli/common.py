@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -125,6 +126,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         v = getattr(args, name, None)
         if v is not None and name not in skip:
             base[name] = v
+    if base.get("qlora") and getattr(args, "precision", None) is None and base.get("precision") == "fp32":
+        base["precision"] = None   # a YAML spec's default fp32: QLoRA's default (bf16) instead
     if "model" not in base or not base["model"]:
         raise SpecError("no model given", hint="add --model gpt2 (or a YAML file with `model:` via --config)")
     return TrainingSpec.from_dict(base)
@@ -143,11 +146,18 @@ def emit_json(result) -> None:
 def out_dir(args: argparse.Namespace) -> Path | None:
     if not getattr(args, "out", None):
         return None
-    d = Path(args.out)
+    return writable_dir(args.out)
+
+
+def writable_dir(path: str | Path) -> Path:
+    """``path`` as a directory this process can write files in (made if missing), or SpecError."""
+    d = Path(path)
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise SpecError(f"cannot create output directory {d}: {e.strerror}", hint="choose a writable --out DIR") from None
+    if not os.access(d, os.W_OK | os.X_OK):
+        raise SpecError(f"output directory {d} cannot be written", hint="choose a writable --out DIR")
     return d
 
 

@@ -24,7 +24,7 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args, positive, whole
+from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args, positive, whole, writable_dir
 
 SEED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"   # the Opacus profiler's default --model_name
 
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
 
     resolve(spec.model)   # a model that cannot be had is one line, not an error in every cell
     out = args.out or "memlens-sweep"
+    writable_dir(out)     # before any cell runs
     big = [c for c in grid_cells(spec, grid) if c.spec is None and "max_physical_batch_size" in (c.skip or "")]
     if big and len(big) < len(grid_cells(spec, grid)) and not args.json:
         print(f"skipping {len(big)} cell(s) with max_physical_batch_size > batch_size: the physical batch is a part of the "

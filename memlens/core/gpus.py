@@ -49,7 +49,8 @@ class GpuFacts:
     cuda_context_bytes: int        # what nvidia-smi shows beyond reserved once cuBLAS/cuDNN are loaded
     cublas_workspace_bytes: int
     cublaslt_workspace_bytes: int
-    bf16: bool                     # native bf16 matmuls (sm80+)
+    bf16: bool                     # bf16 tensor cores (sm80+): the A100 datasheet is the first to list BF16; the
+                                   # T4 (Turing) and V100 (Volta) datasheets list FP16/INT8 tensor cores only
     cudnn_attention: bool          # SDPA dispatches fp16/bf16 to cuDNN attention first (torch >= 2.5 on sm90)
     flash_attention: bool          # FlashAttention-2 kernels (sm80+)
     peak_tflops_half: float        # data sheet: dense fp16/bf16 tensor-core TFLOP/s (no sparsity)

@@ -36,7 +36,8 @@ class TrainingSpec:
     seq_len: int | None = None          # tokens per sample (text); None: 512 or the model's limit
     image_size: int | None = None       # pixels per side (vision); None: the model's config
     images_per_sample: int = 1          # VLMs: images per sample
-    precision: str = "fp32"             # fp16/bf16: weights in that dtype; amp-*: fp32 weights + autocast
+    precision: str = None               # type: ignore[assignment]  # fp16/bf16: weights in that dtype; amp-*: fp32
+                                        # weights + autocast; None: fp32, or bf16 with qlora (its compute dtype, as fit/compare use)
     grad_checkpointing: bool = False
     attn: str = "sdpa"
     optimizer: str = "adamw"
@@ -78,6 +79,8 @@ class TrainingSpec:
         for name in ("seq_len", "image_size", "lora_rank", "physical_batch_size", "target_len"):
             if getattr(self, name) is not None:
                 _check_int(self, name, 1)
+        if self.precision is None:
+            object.__setattr__(self, "precision", "bf16" if self.qlora else "fp32")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
         _check_choice("loss", self.loss, LOSSES)
@@ -102,10 +105,15 @@ class TrainingSpec:
             raise SpecError("model is empty", hint="give --model gpt2 (see `memlens estimate --list-models`)")
         if self.seq_len is not None and self.seq_len > 1_048_576:
             raise SpecError(f"seq_len {self.seq_len} is impossibly long", hint="use at most 1048576 tokens")
+        if self.target_len is not None and self.target_len > 1_048_576:
+            raise SpecError(f"target_len {self.target_len} is impossibly long", hint="use at most 1048576 decoder tokens")
         if self.batch_size > 1_000_000:
             raise SpecError(f"batch_size {self.batch_size} is impossibly large", hint="use a micro-batch under 1000000")
         if self.qlora and self.lora_rank is None:
             raise SpecError("--qlora needs --lora-rank", hint="add --lora-rank 16 (QLoRA trains LoRA adapters on 4-bit weights)")
+        if self.qlora and self.precision == "fp32":
+            raise SpecError("--qlora with fp32 is not modelled: the 4-bit layers compute in bf16 or fp16 (bitsandbytes' "
+                            "compute dtype)", hint="drop --precision (QLoRA defaults to bf16), or use bf16, amp-bf16 or fp16")
         if self.lora_alpha is not None and (isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, (int, float))
                                             or not self.lora_alpha > 0 or self.lora_alpha == float("inf")):
             raise SpecError(f"lora-alpha must be a positive number, got {self.lora_alpha!r}", hint="e.g. --lora-alpha 32 (default 2 x rank)")

@@ -12,7 +12,7 @@ import sys
 import sysconfig
 from types import CodeType, TracebackType
 
-from .errors import MemlensError
+from .errors import MemlensError, sentences
 
 _ROLES: dict[CodeType, tuple[str, str]] = {}   # code object -> (role, factory name)
 _FILES: dict[str, str] = {}                     # the factory module's file -> factory name
@@ -97,8 +97,7 @@ def describe(exc: BaseException) -> tuple[str, str] | None:
 
 
 def first_line(exc: BaseException, limit: int = 200) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0][:limit] if text else type(exc).__name__)
+    return sentences(exc, limit) or type(exc).__name__
 
 
 def user_code_error(exc: BaseException) -> MemlensError | None:

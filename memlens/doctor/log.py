@@ -438,6 +438,14 @@ def doctor_log(text: str, capacity_bytes: int | None = None, unit: str | None = 
                source: str | None = None) -> Result:
     """The ``doctor log`` verb as a function: read the series, analyse it, return a Result."""
     series = read_memory_log(text, unit=unit, gpu=gpu)
+    # A series that crosses the capacity is projected (memory "already at the capacity"); one whose
+    # every reading is above it never ran on such a GPU: a wrong --capacity or unit, not a leak.
+    low, peak = min(series.bytes), max(series.bytes)
+    if capacity_bytes is not None and low > capacity_bytes * 1.001:   # 0.1%: the log's printed rounding
+        raise MemlensError(
+            f"the log's readings are {fmt_bytes(low)} to {fmt_bytes(peak)}, all above the stated capacity "
+            f"{fmt_bytes(capacity_bytes)}: a GPU cannot hold more than its memory",
+            hint="give --capacity the GPU's whole memory (e.g. 24GiB, 80GiB), or --unit if the log's numbers are not in the unit read")
     a = analyze_memory(series, capacity_bytes)
     data = DoctorLogPayload(
         source=source,

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.units import fmt_bytes
 from .sizes import SIZE, parse_size
 
 _ANCHOR = re.compile(r"(?:\b(?P<backend>CUDA|HIP|XPU|MPS|NPU|MLU|MUSA)(?: backend)? )?[Oo]ut of memory")
@@ -160,6 +161,32 @@ def parse_oom(text: str) -> OomMessage:
     if not found:
         raise _not_oom()
     return found[-1]
+
+
+def check_consistent(msg: OomMessage) -> OomMessage:
+    """``msg`` itself, or MemlensError when its numbers cannot come from one GPU: free, allocated
+    or reserved memory above the total capacity (an edited message, or two messages mixed up).
+    ``doctor oom`` checks the message it diagnoses; :func:`parse_oom` only reads numbers.
+    PyTorch prints two decimals, so a number may pass the total by that rounding and no more.
+
+    >>> check_consistent(parse_oom("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+    ...     "capacity of 23.69 GiB of which 30.00 GiB is free."))
+    Traceback (most recent call last):
+    ...
+    memlens.core.errors.MemlensError: the OOM message says 30.00 GiB is free on a GPU of 23.69 GiB: free memory cannot exceed the total capacity
+    """
+    total = msg.total_capacity_bytes
+    if not total:
+        return msg
+    for what, n in (("is free", msg.free_bytes), ("is allocated by PyTorch", msg.allocated_by_pytorch_bytes),
+                    ("is reserved by PyTorch", msg.reserved_by_pytorch_bytes)):
+        if n is not None and n > total * 1.001 + 0.01 * 2**30:
+            kind = what.split()[-1] if what == "is free" else what.split()[1]
+            raise MemlensError(
+                f"the OOM message says {fmt_bytes(n)} {what} on a GPU of {fmt_bytes(total)}: "
+                f"{kind} memory cannot exceed the total capacity",
+                hint="paste the message exactly as PyTorch printed it (its numbers look edited or taken from two messages)")
+    return msg
 
 
 def _not_oom() -> MemlensError:

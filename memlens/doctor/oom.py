@@ -18,7 +18,7 @@ from ..core.result import Result
 from ..core.units import fmt_bytes
 from .account import NOT_LISTED, account, context_allowance, hypotheses, is_significant
 from .advice import oom_advice
-from .message import OomMessage, ProcessUse, _not_oom, find_oom_messages, parse_oom  # noqa: F401 - re-exported
+from .message import OomMessage, ProcessUse, _not_oom, check_consistent, find_oom_messages, parse_oom  # noqa: F401 - re-exported
 
 DIAGNOSES = ("memory_fraction_limit", "other_processes", "non_pytorch_memory", "held_elsewhere", "fragmentation",
              "capacity", "unknown")
@@ -313,7 +313,7 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
     found = find_oom_messages(text)
     if not found:
         raise _not_oom()
-    msg = found[-1]
+    msg = check_consistent(found[-1])
     diag = diagnose(msg)
     data = DoctorOomPayload(**msg.to_dict(), diagnosis=diag.diagnosis, reasons=diag.reasons, advice=diag.advice,
                             certain=diag.certain, evidence=diag.evidence, alternatives=diag.alternatives,

@@ -6,7 +6,9 @@
 """
 from __future__ import annotations
 
+from ..core.gpus import gpu_facts
 from ..core.parallel import is_distributed
+from ..core.precision import precision_of
 from ..core.result import Result
 from .result import simulation_result
 from ..core.spec import TrainingSpec
@@ -29,6 +31,12 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
 
     if method not in METHODS:
         raise MemlensError(f"method {method!r} is not one of {', '.join(METHODS)}", hint="use --method simulate or formula")
+    result = _estimate(spec, method, steps, source)
+    result.notes.extend(hardware_notes(spec))
+    return result
+
+
+def _estimate(spec: TrainingSpec, method: str, steps: int, source) -> Result:
     if method == "formula":
         from .formula import formula_estimate
 
@@ -44,3 +52,19 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
     sim = simulate(spec, source=source, steps=steps)
     progress.stage(f"{spec.describe()}: replaying the allocator")
     return simulation_result(sim, analyze(sim.log))
+
+
+def hardware_notes(spec: TrainingSpec) -> list[str]:
+    """What the GPU cannot do natively that the spec asks of it (the memory is the same; the speed is not).
+
+    >>> hardware_notes(TrainingSpec(model="gpt2", gpu="t4", precision="bf16"))[0][:59]
+    't4 (turing, sm75) has no bf16 tensor cores: bf16 runs emula'
+    """
+    gpu = gpu_facts(spec.gpu)
+    p = precision_of(spec)
+    uses_bf16 = "bfloat16" in (p.weights, p.autocast) or (spec.qlora and p.weights != "float16" and p.autocast != "float16")
+    if uses_bf16 and not gpu.bf16:
+        cc = "".join(map(str, gpu.compute_capability))
+        return [f"{gpu.name} ({gpu.arch}, sm{cc}) has no bf16 tensor cores: bf16 runs emulated, much slower; "
+                "memory is as estimated (use fp16 or amp-fp16 for speed on it)"]
+    return []

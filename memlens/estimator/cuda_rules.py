@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..models.adapt import KNOWN, mark_known
+
 # CUDA autocast policies (aten/src/ATen/autocast_mode.cpp: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by the Python names of the calls that reach them.
 LOWER_PRECISION = {
@@ -307,6 +309,8 @@ class CudaEmulation(TorchFunctionMode):
     def _call(self, func, name, args, kwargs):
         if func is torch.rand and _host_scalar_draw(args, kwargs):
             return _real_host_draw(func, args, kwargs)
+        if name in ("__ge__", "ge", "nonzero") and args and getattr(args[0], KNOWN, None):
+            return _known_values(func, name, args, kwargs)
         if func is F.scaled_dot_product_attention:
             return cuda_sdpa(self.rules, *args, **kwargs)
         if func is F.multi_head_attention_forward:
@@ -320,6 +324,23 @@ class CudaEmulation(TorchFunctionMode):
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _known_values(func, name, args, kwargs):
+    """Data-dependent ops on a tensor whose values are known without reading them (the synthetic
+    batch's class labels, :func:`memlens.models.adapt.mark_known`), answered from that: ``t >= c``
+    of a non-negative t and c <= 0 is all true; ``nonzero`` of an all-true tensor is every index,
+    the (numel, ndim) int64 tensor CUDA's nonzero returns for it (its cub scratch is not counted)."""
+    t, known = args[0], getattr(args[0], KNOWN, None)
+    if name == "nonzero":
+        if known != "all_true" or kwargs or len(args) > 1:     # as_tuple=...: not the form answered here
+            return func(*args, **kwargs)
+        return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
+    out = func(*args, **kwargs)
+    other = args[1] if len(args) > 1 else kwargs.get("other")
+    if known == "nonnegative" and isinstance(other, (int, float)) and not isinstance(other, bool) and other <= 0:
+        mark_known(out, "all_true")
+    return out
 
 
 def _host_scalar_draw(args, kwargs) -> bool:

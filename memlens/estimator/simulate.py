@@ -17,7 +17,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..core import progress
-from ..core.errors import MemlensError
+from ..core.errors import MemlensError, sentences
 from ..core.gpus import gpu_facts
 from ..core.events import ALLOC, EventLog, canonical
 from ..models.build import quiet, torch_dtype
@@ -548,5 +548,5 @@ def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)) or "data-dependent" in str(e).lower():
         return MemlensError(f"{spec.model}: the step has a data-dependent op that cannot be simulated ({name})",
                             hint="use --method formula for this model")
-    msg = str(e).splitlines()[0][:200] if str(e) else name
+    msg = sentences(e) or name
     return MemlensError(f"simulating {spec.model} failed: {name}: {msg}", hint="try --method formula, or rerun with --debug")

@@ -17,7 +17,7 @@ from ..core.parallel import is_distributed
 from typing import Any, Callable
 
 from ..core import progress as core_progress
-from ..core.errors import MemlensError
+from ..core.errors import MemlensError, sentences
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 
@@ -185,7 +185,7 @@ def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fracti
         rec = runner(base.replace(**{f: bs}), device=device, steps=steps, timeout=timeout, memory_fraction=memory_fraction)
         outcomes[bs] = rec
         if rec["status"] not in ("ok", "oom"):
-            raise MemlensError(f"trial at batch {bs} ended with {rec['status']}: {rec.get('error', '')[:200]}",
+            raise MemlensError(f"trial at batch {bs} ended with {rec['status']}: {sentences(rec.get('error', ''))}",
                                hint="run `memlens profile` with that batch to see the error")
         return rec["status"] == "ok"
 

@@ -161,7 +161,10 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     if gpus is not None:
         check_gpu_list(gpus, {c.spec.world_size for c in runnable}, measure)
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MemlensError(f"cannot create output directory {out}: {e.strerror}", hint="choose a writable out directory") from None
     path = out / RESULTS
     done = read_results(path)
     if done and not resume:

@@ -65,6 +65,14 @@ class MemlensCallback(TrainerCallback):
 
         if train_dataloader is None:
             raise MemlensError("the fit check needs the Trainer's train dataloader", hint="train with a train_dataset")
+        if self.fit_budget == "auto":
+            import torch
+
+            device = getattr(args, "device", None)
+            if not torch.cuda.is_available() or getattr(device, "type", "cuda") != "cuda":
+                raise MemlensError('fit_budget="auto" reads the free memory of the CUDA device the Trainer trains on, '
+                                   f"and this Trainer trains on {getattr(device, 'type', None) or 'the CPU'}",
+                                   hint='give the budget itself, e.g. fit_budget="24GiB" with gpu="a10g", or train on a GPU')
         self.estimate = estimate_parts(model, args, train_dataloader.dataset, train_dataloader.collate_fn, gpu=self.gpu)
         budget, context = self.fit_budget, None
         if budget == "auto":  # what this process may still use: free memory + its own reserved; its context is paid

@@ -37,6 +37,7 @@ import time
 from ..core.parallel import is_distributed
 from typing import Any
 
+from ..core.errors import sentences
 from ..core.spec import TrainingSpec
 
 MARK = "MEMLENS_TRIAL "
@@ -110,7 +111,7 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
                          "peak_allocated_bytes": p["peak_allocated_bytes"]} for p in r.data.get("snapshots", [])]
         rec["timeline"] = timeline
     except torch.OutOfMemoryError as e:
-        rec = {**rec, "status": "oom", "error": str(e).splitlines()[0][:300] if str(e) else "OutOfMemoryError",
+        rec = {**rec, "status": "oom", "error": sentences(e, 300) or "OutOfMemoryError",
                "peak_allocated_bytes": None, "peak_reserved_bytes": None}
     return rec
 
@@ -139,7 +140,7 @@ def _measure_detailed(spec: TrainingSpec, dev, steps: int, rec: dict[str, Any]) 
     try:
         r, _ = profile_spec(spec, steps=steps, warmup=0, device=dev, mode="full")
     except torch.OutOfMemoryError as e:
-        return {**rec, "status": "oom", "error": str(e).splitlines()[0][:300] if str(e) else "OutOfMemoryError",
+        return {**rec, "status": "oom", "error": sentences(e, 300) or "OutOfMemoryError",
                 "peak_allocated_bytes": None, "peak_reserved_bytes": None}
     d = r.data
     times = [s["host_seconds"] for s in d.get("steps", [])]
@@ -215,7 +216,7 @@ def _main() -> int:
                       memory_fraction=req.get("memory_fraction"), seed=int(req.get("seed", 0)),
                       detailed=bool(req.get("detailed", False)))
     except Exception as e:  # noqa: BLE001 - reported to the parent as a crash
-        rec = {"status": "crash", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        rec = {"status": "crash", "error": f"{type(e).__name__}: {sentences(e, 300)}"}
     sys.stdout.write(MARK + json.dumps(rec) + "\n")
     sys.stdout.flush()
     return 0

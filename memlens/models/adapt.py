@@ -6,7 +6,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..core.errors import SpecError
+from ..core.errors import SpecError, sentences
 from ..core.spec import TrainingSpec
 
 
@@ -29,6 +29,17 @@ class Built:
     notes: tuple[str, ...] = ()
 
 
+# The synthetic batch's class labels are drawn from [0, num_labels): a model's check on them that
+# reads data (DeBERTa's `(labels >= 0).nonzero()`) is answered from that (estimator/cuda_rules.py)
+KNOWN = "_memlens_known"   # "nonnegative", or "all_true" (a comparison that holds for every element)
+
+
+def mark_known(t, what: str = "nonnegative"):
+    """``t``, marked as known without reading it: "nonnegative" (a synthetic batch's class labels) or "all_true"."""
+    setattr(t, KNOWN, what)
+    return t
+
+
 def torch_dtype(name: str):
     import torch
 
@@ -48,10 +59,31 @@ def apply_freeze(model, patterns) -> None:
             raise SpecError(f"--freeze {pat!r} matches no parameter", hint=f"top-level modules: {', '.join(tops)}")
 
 
-def apply_lora(model, spec: TrainingSpec):
+# Attention projections LoRA adapts when peft has no default for a model type, as peft's own
+# defaults do for Llama-like attention (q, v): the first pair whose names a model's Linear layers have
+_ATTENTION_TARGETS = (("q_proj", "v_proj"), ("query_proj", "value_proj"), ("query", "value"), ("q", "v"),
+                      ("qkv_proj",), ("Wqkv",), ("c_attn",), ("query_key_value",))
+
+
+def default_lora_targets(model) -> list[str] | None:
+    """LoRA targets for a transformers model whose model_type peft has no default for (OLMoE,
+    other new MoE models): its attention projections; None where peft has a default (or no
+    config, or a VLM, which :func:`apply_lora` handles)."""
+    import torch   # torch and peft: heavy, loaded when a model is built with LoRA
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) in PEFT_DEFAULTS or hasattr(cfg, "vision_config"):
+        return None
+    linear = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    return next((list(pair) for pair in _ATTENTION_TARGETS if set(pair) <= linear), None)
+
+
+def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
+    """peft's LoRA on ``model``: ``spec.lora_targets``, else ``targets`` (:func:`default_lora_targets`), else peft's default."""
     from peft import LoraConfig, get_peft_model
 
-    targets: Any = list(spec.lora_targets) if spec.lora_targets else None
+    targets: Any = list(spec.lora_targets) if spec.lora_targets else targets
     mcfg = getattr(model, "config", None)      # None for a plain nn.Module from a factory
     if targets is None and hasattr(mcfg, "text_config") and hasattr(mcfg, "vision_config"):
         # VLMs: peft has no default; adapt the language model's attention like text LLMs (q, v)
@@ -67,14 +99,34 @@ def apply_lora(model, spec: TrainingSpec):
     try:
         model = get_peft_model(model, cfg)
     except (ValueError, TypeError, AttributeError) as e:
-        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        msg = sentences(e) or type(e).__name__
         names = adaptable_modules(model)
         raise SpecError(f"LoRA cannot be applied: {msg}",
                         hint=(f"name the modules with --lora-targets (Linear/Conv modules: {', '.join(names[:6])})" if names
                               else "name the modules with --lora-targets q_proj,v_proj")) from None
+    _check_rank(model, spec.lora_rank)
     if spec.grad_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+def _check_rank(model, rank: int) -> None:
+    """Refuse a rank above min(in, out) features of every adapted layer. The update B @ A of a
+    layer has rank at most min(in, out), so a larger r adds parameters (r * (in + out), more than
+    the layer's in * out) and nothing it could learn; peft itself does not check. A rank that
+    exceeds some adapted layers only (a 2-class head among the targets) is peft's usual behaviour."""
+    sizes = {}
+    for name, m in model.named_modules():
+        if hasattr(m, "lora_A") and isinstance(getattr(m, "in_features", None), int) \
+                and isinstance(getattr(m, "out_features", None), int):
+            sizes[name] = min(m.in_features, m.out_features)
+    if sizes and rank > max(sizes.values()):
+        name = max(sizes, key=sizes.get)
+        widest = sizes[name]
+        raise SpecError(f"--lora-rank {rank} is above the width of every adapted layer (at most {widest}: "
+                        f"min(in, out) features of {name.rsplit('.', 1)[-1]}): a LoRA update has rank at most min(in, out), "
+                        "a larger adapter only adds memory",
+                        hint=f"use --lora-rank {widest} or less (8-64 is usual)")
 
 
 def adaptable_modules(model) -> list[str]:

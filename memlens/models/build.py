@@ -9,10 +9,10 @@ import inspect
 import logging
 from typing import Any
 
-from ..core.errors import ModelSourceError, SpecError
+from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
-from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, torch_dtype  # noqa: F401 - re-exported
+from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, mark_known, torch_dtype  # noqa: F401 - re-exported
 from .source import ModelSource
 
 DEFAULT_SEQ_LEN = 512
@@ -67,7 +67,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     import torch
 
     config = copy.deepcopy(source.config)
-    _check_lengths(spec, source)
+    length_notes = _check_lengths(spec, source)
     if spec.image_size and source.task == "image-classification" and hasattr(config, "image_size"):
         config.image_size = spec.image_size   # position embeddings for that many patches (as a fine-tune at that size)
     dtype = torch_dtype(spec.param_dtype)
@@ -79,12 +79,18 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         if not has_attention(cls, config):
             attn = {}  # CNNs (ConvNeXt, ResNet): transformers refuses an attention implementation
             notes = (f"{source.name} has no attention layers: --attn does not apply",)
+        elif spec.attn == "sdpa" and not supports_sdpa(cls, config):
+            # what transformers does when no implementation is asked for: eager for a model without SDPA
+            attn = {"attn_implementation": "eager"}
+            notes = (f"{source.name} has no SDPA attention in transformers: it runs eager attention, as transformers "
+                     "does when no implementation is asked for",)
         with ctx:
             model = cls.from_config(config, dtype=dtype, **attn)
     except (ValueError, TypeError, KeyError, AttributeError, RuntimeError) as e:
-        msg = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        msg = sentences(e) or type(e).__name__
         raise ModelSourceError(f"transformers cannot build {source.name!r}: {msg}",
                                hint="check the config (or use pkg.module:factory for custom code)") from None
+    notes += length_notes
     model.train()
     if spec.hf_trainer and hasattr(model.config, "use_cache"):
         model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
@@ -94,7 +100,11 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
             raise SpecError(f"{source.name} does not support gradient checkpointing in transformers", hint="drop --grad-checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if spec.lora_rank:
-        model = apply_lora(model, spec)
+        targets = None if spec.lora_targets else default_lora_targets(model)
+        if targets:
+            notes += (f"LoRA targets {','.join(targets)}: peft has no default for model_type {model.config.model_type!r}, so "
+                      "the attention projections, as peft's default for Llama-like attention (--lora-targets names others)",)
+        model = apply_lora(model, spec, targets)
     if spec.qlora:
         from .quant import quantize_frozen_linears
 
@@ -115,6 +125,15 @@ def has_attention(cls, config) -> bool:
                 or any("attention" in n.lower() for n in _module_class_names(model_cls)))
 
 
+def supports_sdpa(cls, config) -> bool:
+    """Whether the class ``cls`` builds for ``config`` takes attn_implementation="sdpa" (True when unknown)."""
+    try:
+        model_cls = cls._model_mapping[type(config)]
+    except (KeyError, AttributeError):
+        return True
+    return bool(getattr(model_cls, "_supports_sdpa", True))
+
+
 def _module_class_names(model_cls) -> list[str]:
     """Names of the classes defined in the modeling module of ``model_cls`` (a cheap look for
     attention modules in models that support no SDPA yet)."""
@@ -131,7 +150,9 @@ def _module_class_names(model_cls) -> list[str]:
 _RELATIVE_POSITIONS = ("t5", "mt5", "umt5", "longt5", "switch_transformers")
 
 
-def _check_lengths(spec: TrainingSpec, source: ModelSource) -> None:
+def _check_lengths(spec: TrainingSpec, source: ModelSource) -> tuple[str, ...]:
+    """Refuse lengths beyond a model's position embeddings; for relative-position models (no
+    limit to refuse at) a note when a length passes the one their config trained at (n_positions)."""
     cfg = source.config
     if source.task == "speech-seq2seq":
         src = getattr(cfg, "max_source_positions", None)
@@ -141,15 +162,48 @@ def _check_lengths(spec: TrainingSpec, source: ModelSource) -> None:
         tgt = getattr(cfg, "max_target_positions", None)
         if spec.target_len and tgt and spec.target_len > tgt:
             raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {tgt} decoder positions", hint=f"use --target-len {tgt} or less")
-        return
+        return ()
+    if spec.image_size and source.task == "image-classification":
+        _check_image_size(spec.image_size, source)
     text_cfg = getattr(cfg, "text_config", None) or cfg
     max_pos = getattr(text_cfg, "max_position_embeddings", None) or getattr(text_cfg, "n_positions", None)
+    notes: tuple[str, ...] = ()
     if cfg.model_type in _RELATIVE_POSITIONS:
+        trained = getattr(cfg, "n_positions", None)
+        longer = [f"{what} {n}" for what, n in (("seq_len", spec.seq_len), ("target_len", spec.target_len))
+                  if trained and n and n > trained]
+        if longer:
+            notes = (f"{source.name} has relative positions (no length limit), but {' and '.join(longer)} "
+                     f"{'is' if len(longer) == 1 else 'are'} beyond the {trained} tokens it was trained on (n_positions): "
+                     "memory is estimated as asked, attention grows with the square of the length",)
         max_pos = None
     if spec.seq_len and max_pos and spec.seq_len > max_pos and source.task != "vlm":
         raise SpecError(f"seq_len {spec.seq_len} exceeds {source.name}'s {max_pos} positions", hint=f"use --seq-len {max_pos} or less")
     if spec.target_len and max_pos and spec.target_len > max_pos:
         raise SpecError(f"target_len {spec.target_len} exceeds {source.name}'s {max_pos} decoder positions", hint=f"use --target-len {max_pos} or less")
+    return notes
+
+
+def _check_image_size(size: int, source: ModelSource) -> None:
+    """Refuse an image smaller than one patch, or than a hierarchical model's (Swin, ConvNeXt: a
+    ``depths`` list) last stage, whose feature map is the patch grid halved at each later stage."""
+    cfg = source.config
+    patch = getattr(cfg, "patch_size", None)
+    patch = patch[0] if isinstance(patch, (list, tuple)) else patch
+    if not isinstance(patch, int) or patch <= 0:
+        return
+    stages = len(getattr(cfg, "depths", None) or [1])
+    smallest = patch * 2 ** (stages - 1)
+    if size < smallest:
+        why = (f"its {patch}-pixel patches" if stages == 1
+               else f"its {patch}-pixel patches halved {stages - 1} times (its {stages} stages)")
+        raise SpecError(f"image_size {size} is smaller than {source.name} can take: {why} need at least {smallest} pixels",
+                        hint=f"use --image-size {smallest} or more (it was trained at {_trained_size(cfg)})")
+
+
+def _trained_size(cfg) -> str:
+    s = getattr(cfg, "image_size", None)
+    return str(s[0] if isinstance(s, (list, tuple)) else s) if s else "its config's size"
 
 
 # ---------------------------------------------------------------- batches
@@ -190,7 +244,7 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
     if task == "seq-classification":
         L = default_seq_len(spec, source)
         n_labels = getattr(cfg, "num_labels", 2)
-        labels = torch.randn(B, **dev) if n_labels == 1 else torch.randint(0, n_labels, (B,), **dev)
+        labels = torch.randn(B, **dev) if n_labels == 1 else mark_known(torch.randint(0, n_labels, (B,), **dev))
         return {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev), "labels": labels}, L, None
     if task == "seq2seq":  # the model makes decoder_input_ids from the labels (shift right)
         L = default_seq_len(spec, source)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.errors import ModelSourceError
+from ..core.errors import ModelSourceError, sentences
 from . import registry
 
 TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq", "speech-seq2seq", "image-classification", "clip",
@@ -93,7 +93,7 @@ def _download_config(repo_id: str) -> dict:
         with _hub_quiet():
             p = hf_hub_download(repo_id, "config.json", token=token, local_files_only=reason is not None)
     except hf_errors.HFValidationError as e:
-        raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id ({str(e).splitlines()[0][:120]})",
+        raise ModelSourceError(f"{repo_id!r} is not a valid Hugging Face id ({sentences(e)})",
                                hint="write it as owner/name, or use a built-in name (`memlens estimate --list-models`)") from None
     except hf_errors.GatedRepoError:
         raise ModelSourceError(f"{what}: the repository is gated", hint="accept its licence on the Hub and set HF_TOKEN") from None
@@ -113,7 +113,7 @@ def _download_config(repo_id: str) -> dict:
 
 
 def _short(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+    return sentences(e) or type(e).__name__
 
 
 def _hub_unreachable(timeout: float = 2.0) -> str | None:
@@ -146,11 +146,59 @@ def _config_from_dict(cfg: dict, label: str):
     model_type = cfg.pop("model_type", None)
     if not model_type:
         raise ModelSourceError(f"{label}: config has no model_type", hint="a Hugging Face config.json names its model_type")
+    check_size_fields(cfg, label)
     try:
         return AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as e:
-        raise ModelSourceError(f"{label}: transformers cannot build model_type {model_type!r} ({str(e).splitlines()[0][:120]})",
+        raise ModelSourceError(f"{label}: transformers cannot build model_type {model_type!r} ({sentences(e)})",
                                hint="upgrade transformers, or use pkg.module:factory for custom models") from None
+    except Exception as e:   # huggingface_hub's StrictDataclassFieldValidationError: a field of the wrong type
+        if type(e).__name__.startswith("StrictDataclass"):
+            raise ModelSourceError(f"{label}: {_short(e).rstrip(':')}: {' '.join(str(e).split()[-8:])}",
+                                   hint="fix that field in config.json") from None
+        raise
+
+
+# Sizes a model is built from: each, where a config has it, is a whole number above 0
+_SIZE_FIELDS = (
+    "hidden_size", "n_embd", "d_model", "num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers",
+    "encoder_layers", "decoder_layers", "num_attention_heads", "n_head", "num_heads", "num_key_value_heads",
+    "encoder_attention_heads", "decoder_attention_heads", "intermediate_size", "d_ff", "n_inner", "head_dim", "d_kv",
+    "vocab_size", "max_position_embeddings", "n_positions", "num_local_experts", "num_experts", "num_experts_per_tok",
+    "image_size", "patch_size", "num_channels",
+)
+
+
+def check_size_fields(cfg: dict, label: str, where: str = "") -> None:
+    """ModelSourceError naming the first size field (``_SIZE_FIELDS``, also in ``text_config`` /
+    ``vision_config``) that is not a whole number above 0.
+
+    >>> check_size_fields({"n_layer": -2}, "cfg.json")
+    Traceback (most recent call last):
+    ...
+    memlens.core.errors.ModelSourceError: cfg.json: config field 'n_layer' is -2: a model size must be a whole number above 0
+    """
+    for key in _SIZE_FIELDS:
+        v = cfg.get(key)
+        if v is None or (isinstance(v, (list, tuple)) and v and all(_positive(x) for x in v)):   # image_size: [h, w]
+            continue
+        if not _positive(v):
+            kind = "" if isinstance(v, (int, float)) and not isinstance(v, bool) else f" (a JSON {_json_kind(v)})"
+            hint = (f'write it as a number, without quotes: "{key}": {int(v)}' if isinstance(v, str) and v.strip().isdigit()
+                    and int(v) > 0 else f'set "{key}" to a whole number above 0 (the published config\'s value)')
+            raise ModelSourceError(f"{label}: config field '{where}{key}' is {json.dumps(v)}{kind}: "
+                                   "a model size must be a whole number above 0", hint=hint)
+    for sub in ("text_config", "vision_config", "encoder", "decoder"):
+        if isinstance(cfg.get(sub), dict):
+            check_size_fields(cfg[sub], label, f"{where}{sub}.")
+
+
+def _positive(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _json_kind(v) -> str:
+    return {str: "string", bool: "boolean", list: "list", dict: "object", float: "number"}.get(type(v), type(v).__name__)
 
 
 _ARCH_TASKS = (

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..core.errors import ModelSourceError, SpecError
+from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.spec import TrainingSpec
 from .source import ModelSource
 
@@ -34,7 +34,7 @@ def construct(source: ModelSource):
     except ModelSourceError:
         raise
     except Exception as e:  # noqa: BLE001 - any constructor failure is one line
-        raise ModelSourceError(f"{lib} cannot build {name!r}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}",
+        raise ModelSourceError(f"{lib} cannot build {name!r}: {type(e).__name__}: {sentences(e)}",
                                hint="check the name, or use pkg.module:factory") from None
 
 

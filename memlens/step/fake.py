@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..models.adapt import KNOWN, mark_known
+
 
 def materialize_on_fake(model, fake_mode):
     """Swap every meta tensor of a model for a fake CPU tensor of the same shape (ties kept)."""
@@ -47,7 +49,7 @@ def fake_batch(batch: Any, fake_mode) -> Any:
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             if id(t) not in memo:
                 with fake_mode:
-                    memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    memo[id(t)] = _keep_known(t, torch.empty(t.shape, dtype=t.dtype, device="cpu"))
             return memo[id(t)]
         return t
 
@@ -65,4 +67,10 @@ def to_device(batch, dev):
     import torch
     from torch.utils._pytree import tree_map
 
-    return tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) and t.device != dev else t, batch)
+    return tree_map(lambda t: _keep_known(t, t.to(dev)) if isinstance(t, torch.Tensor) and t.device != dev else t, batch)
+
+
+def _keep_known(old, new):
+    """``new`` with what is known of ``old``'s values (:func:`memlens.models.adapt.mark_known`)."""
+    known = getattr(old, KNOWN, None)
+    return mark_known(new, known) if known else new
