@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..core.errors import MemlensError, NoDeviceError
+from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
 from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
 
@@ -52,22 +52,13 @@ def _margin(text: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..explore.fit import fit, verify
+    from ..explore.fit import fit, require_verify_device, verify_fit   # heavy: the estimator loads torch
 
     spec = spec_from_args(args)
     if args.gpus < 1:
         raise MemlensError(f"--gpus must be >= 1, got {args.gpus}", hint="e.g. --gpus 8 (1 leaves multi-GPU plans out)")
-    if args.verify and not args.device.startswith("cuda"):
-        raise MemlensError("--verify needs a CUDA device (CPU steps never run out of GPU memory)", hint="drop --verify, or run on a GPU")
     if args.verify:
-        try:
-            import torch
-
-            ok = torch.cuda.is_available()
-        except ImportError:
-            ok = False
-        if not ok:
-            raise NoDeviceError("--verify needs a CUDA GPU and this machine has none", hint="drop --verify for the estimate alone")
+        require_verify_device(args.device)
     context = parse_bytes(args.context) if args.context is not None else None
     from .progress import ProgressBar
 
@@ -82,13 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise MemlensError(f"even batch 1 needs {fmt_bytes(d.get('batch1_peak_bytes'))} reserved, more than the "
                            f"{fmt_bytes(d['usable_bytes'])} usable of the {fmt_bytes(d['budget_bytes'])} budget", hint=hint)
     if args.verify:
-        import torch
-
-        total = torch.cuda.get_device_properties(0).total_memory
-        frac = min(1.0, (d["budget_bytes"] - d["context_bytes"]) / total)
-        s = verify(spec, d["max_batch_size"], device=args.device, memory_fraction=frac, timeout=args.timeout, steps=args.steps)
-        d["verify"] = {"max_batch_size": s.limit, "trials": s.trials, "memory_fraction": frac,
-                       "estimate_within_one_below": 0 <= s.limit - d["max_batch_size"] <= 1}
+        verify_fit(result, spec, device=args.device, timeout=args.timeout, steps=args.steps)
     od = out_dir(args)
     if od is not None:
         result.save(od / "result.json")

@@ -49,27 +49,14 @@ def run(args: argparse.Namespace) -> int:
     d = out_dir(args)
     if args.snapshot and d is None:
         raise MemlensError("--snapshot writes a pickle file", hint="add --out DIR")
-    device = args.device
-    if device is not None and not (device == "cpu" or device.startswith("cuda")):
-        raise MemlensError(f"--device {device!r} is not cuda[:N] or cpu", hint="use --device cuda:0 or --device cpu")
-    from ..measure.runner import profile_spec
+    from ..measure.runner import profile_job   # heavy: the measuring side loads torch
 
-    mode = args.mode or ("full" if device == "cpu" else "phases")
-    trace = str(d / "trace.json") if (d is not None and args.torch_profiler) else None
-    if is_distributed(spec):
-        from ..measure.launch import profile_distributed
-
-        if args.load_on_cpu:
-            raise MemlensError("--load-on-cpu is a one-GPU experiment", hint="drop --load-on-cpu with --world-size")
-        result, artifacts = profile_distributed(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
-                                                torch_profiler=args.torch_profiler, snapshot=args.snapshot,
-                                                compare_estimate=args.compare_estimate, out_dir=d)
-    else:
-        with _progress(args, args.steps) as progress:
-            result, artifacts = profile_spec(spec, steps=args.steps, warmup=args.warmup, device=device, mode=mode,
-                                             torch_profiler=args.torch_profiler, snapshot=args.snapshot,
-                                             compare_estimate=args.compare_estimate, trace_path=trace, progress=progress,
-                                             load_on_cpu=args.load_on_cpu, own_process=True)
+    with _progress(args, args.steps) as progress:
+        result, artifacts = profile_job(spec, steps=args.steps, warmup=args.warmup, device=args.device, mode=args.mode,
+                                        torch_profiler=args.torch_profiler, snapshot=args.snapshot,
+                                        compare_estimate=args.compare_estimate, out_dir=d,
+                                        progress=None if is_distributed(spec) else progress,
+                                        load_on_cpu=args.load_on_cpu, own_process=True)
     if d is not None:
         from ..report.profile_report import write_report
 

@@ -17,7 +17,7 @@ from ..core.parallel import is_distributed
 from typing import Any, Callable
 
 from ..core import progress as core_progress
-from ..core.errors import MemlensError, sentences
+from ..core.errors import MemlensError, NoDeviceError, sentences
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 
@@ -164,6 +164,35 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
 
 
 # ---------------------------------------------------------------- real trials
+def require_verify_device(device: str) -> None:
+    """One line, before any search, when ``--verify`` cannot run here."""
+    if not str(device).startswith("cuda"):
+        raise MemlensError("--verify needs a CUDA device (CPU steps never run out of GPU memory)", hint="drop --verify, or run on a GPU")
+    try:
+        import torch   # heavy: torch, loaded when a GPU is asked for
+        ok = torch.cuda.is_available()
+    except ImportError:
+        ok = False
+    if not ok:
+        raise NoDeviceError("--verify needs a CUDA GPU and this machine has none", hint="drop --verify for the estimate alone")
+
+
+def verify_fit(result: Result, spec: TrainingSpec, *, device: str = "cuda", timeout: float = 600, steps: int = 3,
+               runner=None) -> dict[str, Any]:
+    """Check ``fit``'s answer on this GPU with real steps (:func:`verify`), capped to the budget's share of
+    the device; the findings are added to ``result.data["verify"]`` and returned."""
+    import torch   # heavy: torch, loaded when a GPU is asked for
+
+    require_verify_device(device)
+    d = result.data
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    frac = min(1.0, (d["budget_bytes"] - d["context_bytes"]) / total)
+    s = verify(spec, d["max_batch_size"], device=device, memory_fraction=frac, timeout=timeout, steps=steps, runner=runner)
+    d["verify"] = {"max_batch_size": s.limit, "trials": s.trials, "memory_fraction": frac,
+                   "estimate_within_one_below": 0 <= s.limit - d["max_batch_size"] <= 1}
+    return d["verify"]
+
+
 def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fraction: float | None = None,
            timeout: float = 600, steps: int = 3, cap: int = MAX_BATCH, runner=None) -> Search:
     """Confirm the largest batch with real steps, each in a fresh subprocess (``trial.run_trial``).

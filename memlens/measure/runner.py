@@ -16,6 +16,8 @@ from ..core.enums import CATEGORIES
 from ..core.errors import MemlensError, NoDeviceError
 from ..core.result import Result
 from ..core.enums import MEASURED_PHASES
+from ..core.parallel import is_distributed
+from .launch import profile_distributed
 from .profiler import Profiler, _resolve_device
 
 
@@ -122,6 +124,27 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         r.data["compare_estimate"] = compare_with_estimate(spec, r)
     del step, prof
     return r, artifacts
+
+
+def profile_job(spec, *, steps: int = 3, warmup: int = 1, device: str | None = None, mode: str | None = None,
+                torch_profiler: bool = False, snapshot: bool = False, compare_estimate: bool = False,
+                out_dir=None, progress: Callable[[int], None] | None = None, load_on_cpu: bool = False,
+                own_process: bool = False) -> tuple[Result, dict]:
+    """Profile ``spec``'s step wherever it runs: this process on one device (:func:`profile_spec`), or
+    torchrun with one process per GPU for a job of several ranks (:func:`memlens.measure.launch.profile_distributed`).
+    Returns (Result, artifacts). ``mode`` None: "full" on the CPU, "phases" on CUDA."""
+    if device is not None and not (device == "cpu" or str(device).startswith("cuda")):
+        raise MemlensError(f"--device {device!r} is not cuda[:N] or cpu", hint="use --device cuda:0 or --device cpu")
+    mode = mode or ("full" if device == "cpu" else "phases")
+    if is_distributed(spec):
+        if load_on_cpu:
+            raise MemlensError("--load-on-cpu is a one-GPU experiment", hint="drop --load-on-cpu with --world-size")
+        return profile_distributed(spec, steps=steps, warmup=warmup, device=device, mode=mode, torch_profiler=torch_profiler,
+                                   snapshot=snapshot, compare_estimate=compare_estimate, out_dir=out_dir)
+    trace = str(os.path.join(out_dir, "trace.json")) if (out_dir is not None and torch_profiler) else None
+    return profile_spec(spec, steps=steps, warmup=warmup, device=device, mode=mode, torch_profiler=torch_profiler,
+                        snapshot=snapshot, compare_estimate=compare_estimate, trace_path=trace, progress=progress,
+                        load_on_cpu=load_on_cpu, own_process=own_process)
 
 
 def _opacus_version() -> str:
