@@ -31,7 +31,7 @@ def _local(t):
     return t if type(t) is torch.Tensor else getattr(t, "_local_tensor", t)
 
 
-from .enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL  # noqa: F401 - labels used by callers
+from .enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, Category  # noqa: F401 - labels used by callers
 
 
 class StorageTracker(TorchDispatchMode):
@@ -44,7 +44,7 @@ class StorageTracker(TorchDispatchMode):
         self._refs: dict[int, Any] = {}      # key -> weakref whose callback logs the free
         self.phase = "setup"
         self.step = 0
-        self.category_default = "temporaries"
+        self.category_default = Category.TEMPORARIES
         self.module = -1                     # module id allocations are charged to
         self._keys: dict[int, int] = {}      # id(storage) -> key
         self._category: dict[int, str] = {}  # key -> current category
@@ -195,7 +195,7 @@ def pack_hook_for(tracker: StorageTracker):
     """saved_tensors_hooks pack function: tensors autograd saves become 'activations'."""
 
     def pack(t: torch.Tensor) -> Any:
-        tracker.retag(t, "activations", only_from=("temporaries",))
+        tracker.retag(t, Category.ACTIVATIONS, only_from=(Category.TEMPORARIES,))
         return t
 
     return pack
@@ -265,12 +265,12 @@ def register_model(tracker: StorageTracker, model, with_grads: bool = False) -> 
         for p in mod.parameters(recurse=False):
             names.setdefault(id(p), tracker.module_label(mname))
     for p in model.parameters():
-        tracker.register(p, "parameters", names.get(id(p), ROOT_LABEL), op="model")
+        tracker.register(p, Category.PARAMETERS, names.get(id(p), ROOT_LABEL), op="model")
         if with_grads and p.grad is not None:
-            tracker.register(p.grad, "gradients", names.get(id(p), ROOT_LABEL), op="grad")
+            tracker.register(p.grad, Category.GRADIENTS, names.get(id(p), ROOT_LABEL), op="grad")
     for mname, mod in model.named_modules():
         for b in mod.buffers(recurse=False):
-            tracker.register(b, "buffers", tracker.module_label(mname), op="model")
+            tracker.register(b, Category.BUFFERS, tracker.module_label(mname), op="model")
 
 
 def register_inputs(tracker: StorageTracker, batch: Any) -> None:
@@ -278,9 +278,9 @@ def register_inputs(tracker: StorageTracker, batch: Any) -> None:
     for t in tree_flatten(batch)[0]:
         if isinstance(t, torch.Tensor):
             if tracker.key_of(t) is None:
-                tracker.register(t, "inputs", INPUTS_LABEL, op="batch")
+                tracker.register(t, Category.INPUTS, INPUTS_LABEL, op="batch")
             else:
-                tracker.retag(t, "inputs", only_from=("temporaries",))
+                tracker.retag(t, Category.INPUTS, only_from=(Category.TEMPORARIES,))
 
 
 def tag_optimizer_state(tracker: StorageTracker, optimizer, register: bool = False) -> None:
@@ -299,6 +299,6 @@ def tag_optimizer_state(tracker: StorageTracker, optimizer, register: bool = Fal
             if k == "step" and t.numel() == 1 and _is_fake(t) and not on_device:
                 tracker.release(t)
             elif register and tracker.key_of(t) is None:
-                tracker.register(t, "optimizer_state", OPTIMIZER_LABEL, op="state")
+                tracker.register(t, Category.OPTIMIZER_STATE, OPTIMIZER_LABEL, op="state")
             else:
-                tracker.retag(t, "optimizer_state")
+                tracker.retag(t, Category.OPTIMIZER_STATE)

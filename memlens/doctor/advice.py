@@ -12,6 +12,8 @@ True
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 from ..core import techniques as tech
 from ..core.units import fmt_bytes as f
 from .account import Account, account
@@ -116,11 +118,11 @@ def oom_advice(msg: "OomMessage", diagnosis: str, acc: "Account | None" = None) 
 # only block inputs of the activations; autocast stores activations in 2 bytes; 8-bit AdamW keeps 2 bytes
 # of state per parameter instead of 8; LoRA trains adapters only (no full gradients, no full states).
 LEVER_SHRINKS = {
-    "halve-batch": ("activations", "temporaries", "inputs"),
-    "checkpointing": ("activations",),
-    "amp-bf16": ("activations",),
-    "adamw-8bit": ("optimizer_state",),
-    "lora": ("gradients", "optimizer_state"),
+    "halve-batch": (Category.ACTIVATIONS, Category.TEMPORARIES, Category.INPUTS),
+    "checkpointing": (Category.ACTIVATIONS,),
+    "amp-bf16": (Category.ACTIVATIONS,),
+    "adamw-8bit": (Category.OPTIMIZER_STATE,),
+    "lora": (Category.GRADIENTS, Category.OPTIMIZER_STATE),
 }
 
 

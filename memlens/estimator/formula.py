@@ -14,6 +14,8 @@ Peak = max(forward/backward peak, optimizer-step peak):
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 from ..core.optimizers import optimizer_facts
 from ..core.parallel import is_distributed, sharding_of
 from dataclasses import dataclass
@@ -169,21 +171,21 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     if sh.family == "ddp" and not spec.gradient_as_bucket_view:
         bucket = grads   # DDP's Reducer copies every gradient into its flat all-reduce buckets (no views)
     fb = [
-        Term("parameters", params + gathered, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"
+        Term(Category.PARAMETERS, params + gathered, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"
              + (f"; {shard_why}" if shard_why else "") + ("; + 2 blocks gathered whole (the one running, the one prefetched)" if gathered else "")),
-        Term("gradients", grads + bucket, "one gradient per trainable parameter, in its dtype"
+        Term(Category.GRADIENTS, grads + bucket, "one gradient per trainable parameter, in its dtype"
              + ("; + DDP's all-reduce buckets (a copy of the gradients)" if bucket else "")),
-        Term("optimizer_state", opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
-        Term("activations", act, act_why),
-        Term("temporaries", logits, logits_why or "none counted"),
-        Term("workspace", ws, "cuBLAS workspaces (forward and autograd threads)"),
+        Term(Category.OPTIMIZER_STATE, opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
+        Term(Category.ACTIVATIONS, act, act_why),
+        Term(Category.TEMPORARIES, logits, logits_why or "none counted"),
+        Term(Category.WORKSPACE, ws, "cuBLAS workspaces (forward and autograd threads)"),
     ]
     opt = [
-        Term("parameters", params, "weights"),
-        Term("gradients", grads + bucket, "all gradients exist during the step" + ("; + DDP's buckets" if bucket else "")),
-        Term("optimizer_state", opt_bytes, "states"),
-        Term("temporaries", opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
-        Term("workspace", ws, "cuBLAS workspaces"),
+        Term(Category.PARAMETERS, params, "weights"),
+        Term(Category.GRADIENTS, grads + bucket, "all gradients exist during the step" + ("; + DDP's buckets" if bucket else "")),
+        Term(Category.OPTIMIZER_STATE, opt_bytes, "states"),
+        Term(Category.TEMPORARIES, opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
+        Term(Category.WORKSPACE, ws, "cuBLAS workspaces"),
     ]
     facts = {"hidden_size": H, "layers": layers, "heads": heads, "vocab_size": V, "tokens_per_micro_batch": tokens,
              "family": fam, "trainable_param_count": t_numel, "param_bytes": p_bytes}

@@ -30,6 +30,8 @@ by event.
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -169,7 +171,7 @@ class FirstStep:
         for ev in events[self.stop:]:
             if ev[0] == FREE:
                 outlive.discard(ev[1])
-        odd = [k for k in outlive if final.get(k, allocated[k]) != "workspace"]
+        odd = [k for k in outlive if final.get(k, allocated[k]) != Category.WORKSPACE]
         if odd:
             return f"{len(odd)} storage(s) made in step 1's forward or backward outlive it"
         carried = live - outlive
@@ -361,7 +363,7 @@ class MicroBatches:
             grads[key] = (starts[0], at)
         if any(p.grad is not None and id(p) not in seen for p in self.params):
             return None
-        workspace = {k for k in live if category[k] == "workspace"}
+        workspace = {k for k in live if category[k] == Category.WORKSPACE}
         rest = live - set(grads) - workspace
         if len(rest) != 1 or any(k not in live for k in grads):
             return None

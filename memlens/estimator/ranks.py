@@ -15,6 +15,8 @@ representatives; ranks between two simulated ones are reported as bounded by the
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 import time
 from typing import Any
 
@@ -203,9 +205,9 @@ def _term_of(wrapper):
             return "gathered parameters"
         if key in gathered_grads:
             return "gathered gradients"
-        if cat in ("parameters", "gradients"):
+        if cat in (Category.PARAMETERS, Category.GRADIENTS):
             return f"{'sharded ' if sharded else ''}{cat}"
-        if cat == "optimizer_state":
+        if cat == Category.OPTIMIZER_STATE:
             return "optimizer states" + (" (sharded)" if opt_sharded else "")
         return cat
 

@@ -7,6 +7,8 @@ memory differs from CUDA's; the ledger's allocator model turns the log into what
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 import contextlib
 import time
 from ..core.precision import precision_of
@@ -203,7 +205,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     def on_grad(p) -> None:
         if p.grad is None:  # a hook can fire with no gradient (e.g. Swin's relative position tables)
             return
-        tracker.retag(p.grad, "gradients")
+        tracker.retag(p.grad, Category.GRADIENTS)
 
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
 
@@ -237,7 +239,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
                             progress.stage(f"{label}: step {n} {name}")
                         tracker.set_phase(name, n)
                         tracker.module = phase_module.get(name, tracker.module)
-                        tracker.category_default = "temporaries"
+                        tracker.category_default = Category.TEMPORARIES
 
                     runner.run(n, on_phase)
                     tag_optimizer_state(tracker, step.optimizer)
@@ -453,7 +455,7 @@ class SimulationTracker(StorageTracker):
         d = grad.shape[-1]
         scratch = [torch.empty(n * d * 4, dtype=torch.uint8), torch.empty(n * 454, dtype=torch.uint8)]
         for t in scratch:
-            self.register(t, "temporaries")
+            self.register(t, Category.TEMPORARIES)
         del scratch
 
     def _conv_workspace(self, func, args, out) -> None:
@@ -469,12 +471,12 @@ class SimulationTracker(StorageTracker):
                                                  x.shape[1], x.numel() * x.element_size(), y.numel() * y.element_size())
         if nbytes > 0:
             ws = torch.empty(nbytes, dtype=torch.uint8)
-            self.register(ws, "workspace")
+            self.register(ws, Category.WORKSPACE)
             del ws
 
     def _workspace(self, name: str, nbytes: int) -> None:
         t = torch.empty(nbytes, dtype=torch.uint8)  # inside the handler this mode is off: register it
-        self.register(t, "workspace")
+        self.register(t, Category.WORKSPACE)
         self._workspaces[name] = t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -36,6 +36,8 @@ and temporaries are then one ``unclassified`` row.
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 import functools
 import os
 import pickle
@@ -159,14 +161,14 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
                     ph, st, mod = m
                     phase = f"{ph} (step {st})"
                     if st < step:           # kept from an earlier step: a workspace, a cache, or a leak
-                        cat = "workspace"
+                        cat = Category.WORKSPACE
                         earlier += size
                     else:
-                        cat = "activations" if ph == "forward" else "temporaries"
+                        cat = Category.ACTIVATIONS if ph == "forward" else Category.TEMPORARIES
                 elif not history:
                     cat, mod, phase = UNCLASSIFIED, OUTSIDE_LABEL, "history off"
                 else:
-                    cat, mod = "workspace", OUTSIDE_LABEL
+                    cat, mod = Category.WORKSPACE, OUTSIDE_LABEL
             by_cat[cat] = by_cat.get(cat, 0) + size
             row = by_mod.setdefault(mod, {})
             row[cat] = row.get(cat, 0) + size
@@ -377,17 +379,17 @@ class _Recorder:
             for name, mod in self.model.named_modules():
                 label = self.module_name(name)
                 for p in mod.parameters(recurse=False):
-                    add(p, "parameters", label)
+                    add(p, Category.PARAMETERS, label)
                     if p.grad is not None:
-                        add(p.grad, "gradients", label)
+                        add(p.grad, Category.GRADIENTS, label)
                 for b in mod.buffers(recurse=False):
-                    add(b, "buffers", label)
+                    add(b, Category.BUFFERS, label)
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
                 for t in st.values():
-                    add(t, "optimizer_state", OPTIMIZER_LABEL)
+                    add(t, Category.OPTIMIZER_STATE, OPTIMIZER_LABEL)
         for ptr in self.inputs:
-            out.setdefault(ptr, ("inputs", INPUTS_LABEL))
+            out.setdefault(ptr, (Category.INPUTS, INPUTS_LABEL))
         return out
 
     def moment_table(self) -> dict[int, tuple[str, int, str]]:

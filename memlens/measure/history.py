@@ -22,6 +22,8 @@ workspaces, the previous step's loss).
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 import bisect
 import functools
 import itertools
@@ -115,7 +117,7 @@ def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple
     lump = rec.start_allocated - known
     lump_n = 0
     if lump > 0:
-        log.alloc(("workspace", lump_n), lump, "workspace", outside, moments[0].phase, "start")
+        log.alloc((Category.WORKSPACE, lump_n), lump, Category.WORKSPACE, outside, moments[0].phase, "start")
     counts = {"entries": 0, "unknown_frees": 0}
     applied = -1            # moments whose phase change and observations are in the log
     by_moment: dict[int, list[tuple[str, tuple[tuple[int, int], ...]]]] = {}
@@ -129,11 +131,11 @@ def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple
         r = round_size(nbytes)
         if lump < r:
             return False
-        log.free(("workspace", lump_n))
+        log.free((Category.WORKSPACE, lump_n))
         lump -= r
         lump_n += 1
         if lump > 0:
-            log.alloc(("workspace", lump_n), lump, "workspace", outside, moments[0].phase, "start")
+            log.alloc((Category.WORKSPACE, lump_n), lump, Category.WORKSPACE, outside, moments[0].phase, "start")
         return True
 
     def observe(m: int) -> None:
@@ -173,7 +175,7 @@ def history_to_log(trace: Iterable[dict[str, Any]], rec: HistoryRecord) -> tuple
             if old is not None:
                 log.free(old)
             live[addr] = i
-            log.alloc(i, size, "activations" if m.phase == "forward" else "temporaries", m.module, m.phase, "")
+            log.alloc(i, size, Category.ACTIVATIONS if m.phase == "forward" else Category.TEMPORARIES, m.module, m.phase, "")
         else:
             k = live.pop(addr, None)
             if k is not None:
@@ -259,11 +261,11 @@ class HistoryRecorder:
 
     def observe_grads(self) -> None:
         if self.model is not None:
-            self.observe("gradients", (p.grad for p in self.model.parameters() if p.grad is not None))
+            self.observe(Category.GRADIENTS, (p.grad for p in self.model.parameters() if p.grad is not None))
 
     def observe_optimizer_state(self) -> None:
         if self.optimizer is not None:
-            self.observe("optimizer_state", (t for st in self.optimizer.state.values() for t in st.values()))
+            self.observe(Category.OPTIMIZER_STATE, (t for st in self.optimizer.state.values() for t in st.values()))
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -282,16 +284,16 @@ class HistoryRecorder:
             for n, mod in self.model.named_modules():
                 mid = self._ids[id(mod)]
                 for p in mod.parameters(recurse=False):
-                    add(p, "parameters", mid)
+                    add(p, Category.PARAMETERS, mid)
                 for b in mod.buffers(recurse=False):
-                    add(b, "buffers", mid)
+                    add(b, Category.BUFFERS, mid)
             for p in self.model.parameters():
                 if p.grad is not None:
-                    add(p.grad, "gradients", self.outside)
+                    add(p.grad, Category.GRADIENTS, self.outside)
         if self.optimizer is not None:
             for st in self.optimizer.state.values():
                 for t in st.values():
-                    add(t, "optimizer_state", self.optimizer_id)
+                    add(t, Category.OPTIMIZER_STATE, self.optimizer_id)
         self.rec.start_blocks = list(blocks.values())
         self.rec.start_allocated = int(torch.cuda.memory_allocated(self.device))
         if self._own_moments:

@@ -39,6 +39,8 @@ storage bytes *are* the figures ("allocated" = bytes of live tensor storages; re
 """
 from __future__ import annotations
 
+from ..core.enums import Category
+
 import contextlib
 import threading
 import time
@@ -379,7 +381,7 @@ class Profiler:
                 h.observe_grads()
         if self.tracker is not None:
             self.tracker.set_phase(name, self.step)
-            self.tracker.category_default = "temporaries"
+            self.tracker.category_default = Category.TEMPORARIES
             if name == "optimizer":
                 self.tracker.module = self.log.module_id(OPTIMIZER_LABEL)
             elif name == "forward":
@@ -423,7 +425,7 @@ class Profiler:
             tr = self.tracker
             for p in m.parameters():
                 if p.requires_grad:
-                    self._handles.append(p.register_post_accumulate_grad_hook(lambda p: tr.retag(p.grad, "gradients")))
+                    self._handles.append(p.register_post_accumulate_grad_hook(lambda p: tr.retag(p.grad, Category.GRADIENTS)))
         del torch
 
     def _on_forward_pre(self, module, args, kwargs):
@@ -435,7 +437,7 @@ class Profiler:
         if self.history is not None:
             from torch.utils._pytree import tree_flatten
 
-            self.history.observe("inputs", tree_flatten((args, kwargs))[0])
+            self.history.observe(Category.INPUTS, tree_flatten((args, kwargs))[0])
 
     def _on_forward_post(self, module, args, out):
         if not self.torch.is_grad_enabled():

@@ -2,6 +2,8 @@
 NVML and torch.profiler tables (verb "profile")."""
 from __future__ import annotations
 
+from ..core.enums import Category
+
 import os
 from typing import Any
 
@@ -71,10 +73,10 @@ def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.prof
         from ..core.ledger import RawSizes, analyze, round_size
 
         view = analyze(prof.log, sizer=RawSizes(round_size if cuda else (lambda n: n)), stop_at_done=False)
-        by_category = {k: v for k, v in view.by_category.items() if v or k in ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")}
+        by_category = {k: v for k, v in view.by_category.items() if v or k in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.ACTIVATIONS, Category.TEMPORARIES, Category.INPUTS)}
         untracked = prof.extra.get("untracked_at_start_bytes", 0)
         if cuda and untracked:
-            by_category["workspace"] = by_category.get("workspace", 0) + max(untracked, 0)
+            by_category["workspace"] = by_category.get(Category.WORKSPACE, 0) + max(untracked, 0)
         attributed = sum(by_category.values())
         by_category[UNATTRIBUTED] = steps_peak - attributed if cuda else 0
         by_module = view.by_module

@@ -47,6 +47,8 @@ allocator (see :mod:`memlens.core.gpus`, ``nccl_bytes``).
 """
 from __future__ import annotations
 
+from ...core.enums import Category
+
 import collections
 import contextlib
 import sys
@@ -127,7 +129,7 @@ class SimulatedReducer:
     # -- allocations, all through the tracker (inside its dispatch mode)
     def _comm(self, t):
         if self.tracker is not None:
-            self.tracker.retag(t, "communication")
+            self.tracker.retag(t, Category.COMMUNICATION)
         return t
 
     def _broadcast_coalesced(self, tensors: list) -> None:

@@ -31,6 +31,8 @@ a fake process group (torch/distributed/fsdp/_fully_shard/, torch 2.x):
 """
 from __future__ import annotations
 
+from ...core.enums import Category
+
 import contextlib
 import math
 from ...core.spec import TrainingSpec
@@ -250,7 +252,7 @@ class FSDPWrapper(Wrapper):
                 if retag_grads:
                     self._tag_gathered_grads(tracker, group)
                 old = tracker.category_default, tracker.module
-                tracker.category_default, tracker.module = "communication", mid
+                tracker.category_default, tracker.module = Category.COMMUNICATION, mid
                 try:
                     return fn(group, *a, **k)
                 finally:
@@ -277,7 +279,7 @@ class FSDPWrapper(Wrapper):
         for fsdp_param in group.fsdp_params:
             g = getattr(getattr(fsdp_param, "_unsharded_param", None), "grad", None)
             if g is not None:
-                tracker.retag(g, "gradients")
+                tracker.retag(g, Category.GRADIENTS)
                 k = tracker.key_of(g)
                 if k is not None:
                     self.unsharded_grad_keys.add(k)
@@ -303,13 +305,13 @@ def track_storage_resizes(tracker, alloc_storage, free_storage, keys: set, strea
         sid = id(st)
         if was == 0 and st.nbytes() > 0:
             key = tracker._new_key(st, sid)
-            tracker._category[key] = "parameters"
-            tracker.log.alloc(key, st.nbytes(), "parameters", tracker.module, tracker.phase, "fsdp.alloc_storage",
+            tracker._category[key] = Category.PARAMETERS
+            tracker.log.alloc(key, st.nbytes(), Category.PARAMETERS, tracker.module, tracker.phase, "fsdp.alloc_storage",
                               stream=stream_of())
         else:
             key = tracker._keys.get(sid)
             if key is not None:
-                tracker.retag(tensor, "parameters")
+                tracker.retag(tensor, Category.PARAMETERS)
         if key is not None:
             keys.add(key)
 
