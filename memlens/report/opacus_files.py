@@ -127,12 +127,15 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
                            label="OOM (at its estimate, or the budget)" if not oom_seen else None, zorder=3)
                 oom_seen = True
         ax.set_ylim(bottom=0)
+        ax.set_xticks(sorted({r[x] for r in rows if r[x] is not None}))   # the grid's own values (whole numbers)
         ax.set_xlabel(x)
         ax.set_ylabel(f"peak allocated (GiB, {what})")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             legend_outside(ax, below=True, fontsize=7, ncol=1)
-    fig.suptitle(f"{model}: DP-SGD memory ({what}; x = OOM)", fontsize=10)
+    spec = result.spec or {}
+    ranks = (f", per rank of {spec.get('sharding')} x {spec.get('world_size')}" if (spec.get("world_size") or 1) > 1 else "")
+    fig.suptitle(f"{model}: DP-SGD memory ({what}{ranks}; x = OOM)", fontsize=10)
     fig.tight_layout()
     written.append(_save(fig, plt, out / "memory_analysis_overview.png"))
     # heatmap: batch x seq, one panel per (rank, physical batch)
