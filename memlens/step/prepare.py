@@ -167,6 +167,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
         load["t0"] = time.perf_counter()
         built = build_for_sharding(spec, source, wrapper)
+        stage("model load")                    # parameters still on the meta device: buffers only
         model = wrapper.wrap(built.model, device=dev)
         batch = to_device(built.batch, dev)
     else:
@@ -194,8 +195,10 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
             load["reserved_after_move_bytes"] = torch.cuda.memory_reserved(dev)
         load["t0"] = t0
         if wrapper is not None:
+            stage("model load")
             model = wrapper.wrap(model, device=dev)
-    stage("model load")
+    # the seed profiler's phases: model load, then the wrap of a sharded job ("FSDP wrap", "DDP wrap")
+    stage(f"{plan.sharding.family.upper()} wrap" if wrapper is not None and not fake else "model load")
     if not fake:
         # DP-SGD: the logical batch is the data loader's dataset, on the host; each physical batch is copied over
         batch = to_device(batch, torch.device("cpu") if plan.dp else dev)

@@ -59,4 +59,8 @@ def test_cli_profile_dp_over_two_cpu_ranks(tmp_path):
     d = json.loads((tmp_path / "p" / "result.json").read_text())
     assert [r["rank"] for r in d["ranks"]] == [0, 1]
     assert any("DifferentiallyPrivateDistributedDataParallel" in a for a in d["applied"])
+    # the seed profiler's setup phases, per rank: load, wrap, data, optimizer, privacy engine
+    for r in d["ranks"]:
+        labels = [t["label"] for t in r["timeline"]]
+        assert labels[:5] == ["model load", "DDP wrap", "data preparation", "optimizer setup", "privacy engine setup"], labels
     assert d["by_category"]["per_sample_gradients"] == 2 * 4 * W            # 2 tensors of the physical batch of 4
