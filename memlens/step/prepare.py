@@ -209,9 +209,15 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append("gradient checkpointing")
     if source.kind != "factory":
         applied.append(f"attention {spec.attn}")
+    if spec.pad_fraction:
+        applied.append(f"padding: the last {spec.pad_fraction:g} of each sample's tokens (attention_mask 0, labels -100)")
+    if spec.kbit_prep:
+        applied.append("peft prepare_model_for_kbit_training (non-quantized parameters in fp32, gradient checkpointing "
+                       "as peft enables it, input gradients)")
     if spec.lora_rank:
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
-                       + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else ""))
+                       + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else "")
+                       + (f" dropout {spec.lora_dropout:g}" if spec.lora_dropout else ""))
     if wrapper is not None:
         applied.extend(wrapper.applied)
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)
