@@ -10,10 +10,10 @@ What is applied, in order:
 1. the model from its source (built-in config, Hugging Face id, directory, factory): on the meta
    device then on fake tensors (``fake=True``), or with random weights on the device (optionally
    built on the CPU and moved, ``load_on_cpu``);
-2. weight dtype (``precision`` fp16/bf16), ``freeze``, gradient checkpointing, LoRA, QLoRA
-   (by :mod:`memlens.models.build`);
-3. the batch (``batch_size`` x ``seq_len`` / ``image_size`` / ``images_per_sample``; DP-SGD's
-   ``physical_batch_size`` samples at once);
+2. weight dtype (``precision`` fp16/bf16), ``freeze``, peft's ``prepare_model_for_kbit_training``
+   (``kbit_prep``), gradient checkpointing, LoRA (``lora_dropout``), QLoRA (by :mod:`memlens.models.build`);
+3. the batch (``batch_size`` x ``seq_len`` / ``image_size`` / ``images_per_sample``; ``pad_fraction``'s
+   attention_mask; DP-SGD's ``physical_batch_size`` samples at once);
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
 6. DP-SGD: Opacus' ``make_private`` and ``BatchMemoryManager`` over the logical batch
