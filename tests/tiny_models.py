@@ -182,3 +182,18 @@ class _CopiedGrad(torch.nn.Module):
 
 def copied_grad(spec=None):
     return _CopiedGrad(), torch.randn(16, 64), lambda out, batch: out.sum()
+
+
+def hidden_linear(spec=None):
+    """A bias-free 64x32 linear layer fed a hidden state: an input that requires grad and that the
+    step holds anyway (as inside a network); batch of 8 (or the spec's) x 16 (or --seq-len) x 64 fp32;
+    step: the sum of the outputs."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    batch = 8 if spec is None or spec.batch_size == 1 else spec.batch_size
+    x = torch.randn(batch, (spec.seq_len if spec is not None and spec.seq_len else 16), 64)
+
+    def step(model, batch):
+        hidden = batch.detach().requires_grad_()
+        return model(hidden).sum()
+
+    return model, x, step

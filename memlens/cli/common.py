@@ -66,7 +66,14 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
     g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
+    g.add_argument("--lora-dropout", type=float, metavar="P", help="peft's lora_dropout (0 <= P < 1, e.g. 0.05): a dropout "
+                   "mask and a dropped copy of each adapted layer's input are saved for backward (needs --lora-rank; default 0)")
     g.add_argument("--qlora", action="store_const", const=True, help="4-bit NF4 base weights (needs --lora-rank)")
+    g.add_argument("--kbit-prep", action="store_const", const=True,
+                   help="QLoRA: peft's prepare_model_for_kbit_training before LoRA: non-quantized parameters (norms, embeddings, "
+                        "lm_head) in fp32, gradient checkpointing as peft enables it, input gradients (needs --qlora)")
+    g.add_argument("--pad-fraction", type=float, metavar="F", help="text models: share of padding tokens per sample "
+                   "(0 <= F < 1; right padding): the batch gets an attention_mask and labels -100 there (default 0: no mask)")
     g.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters whose name matches (repeatable), e.g. vision_tower")
     g.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
     g.add_argument("--dp", action="store_const", const=True, help="DP-SGD with Opacus (per-sample gradients)")
@@ -101,7 +108,7 @@ SPEC_FLAG_FIELDS = (
     "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "loss", "keep_outputs",
+    "bucket_cap_mb", "loss", "keep_outputs", "lora_dropout", "pad_fraction", "kbit_prep",
 )
 
 

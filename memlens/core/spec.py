@@ -44,6 +44,7 @@ class TrainingSpec:
     lora_rank: int | None = None
     lora_alpha: float | None = None     # None: 2 x rank
     lora_targets: tuple[str, ...] | None = None  # None: q_proj,v_proj style defaults per architecture
+    lora_dropout: float = 0.0           # peft LoraConfig.lora_dropout: nn.Dropout on each adapted layer's input before lora_A
     qlora: bool = False                 # 4-bit (NF4) frozen base weights, LoRA on top
     freeze: tuple[str, ...] = ()        # module-name patterns whose parameters get no gradient
     grad_accum: int = 1
@@ -67,6 +68,9 @@ class TrainingSpec:
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
     step_kind: str | None = None        # a registered step kind by name (memlens.step.kinds); None: from dp/hf_trainer/compile
     loss: str = "model"                 # LOSSES: the model's loss from labels, or a criterion on the logits
+    pad_fraction: float = 0.0           # text: share of padding tokens per sample (right padding: attention_mask 0, labels -100)
+    kbit_prep: bool = False             # QLoRA: peft's prepare_model_for_kbit_training before LoRA (fp32 non-quantized
+                                        # parameters, gradient checkpointing as peft enables it, input gradients)
     keep_outputs: bool | None = None    # the loop holds the model's outputs (logits) through backward until its next
                                         # forward returns; None: the step kind's habit (DP-SGD loops keep them)
 
@@ -121,6 +125,15 @@ class TrainingSpec:
             raise SpecError("--lora-alpha needs --lora-rank", hint="add --lora-rank 16")
         if self.lora_targets is not None and self.lora_rank is None:
             raise SpecError("--lora-targets needs --lora-rank", hint="add --lora-rank 16")
+        _check_fraction(self, "lora_dropout", "e.g. --lora-dropout 0.05")
+        if self.lora_dropout and self.lora_rank is None:
+            raise SpecError("--lora-dropout needs --lora-rank", hint="add --lora-rank 16 (the dropout is on the LoRA adapters' input)")
+        _check_fraction(self, "pad_fraction", "e.g. --pad-fraction 0.25 (a quarter of each sample's tokens are padding)")
+        if not isinstance(self.kbit_prep, bool):
+            raise SpecError(f"kbit-prep must be true or false, got {self.kbit_prep!r}", hint="--kbit-prep")
+        if self.kbit_prep and not self.qlora:
+            raise SpecError("--kbit-prep needs --qlora: peft's prepare_model_for_kbit_training prepares a model with quantized base weights",
+                            hint="add --qlora (with --lora-rank), or drop --kbit-prep")
         self._check_dp()
         if self.physical_batch_size is not None and not self.dp:
             raise SpecError("--physical-batch-size is a DP-SGD setting", hint="add --dp, or use --grad-accum for plain accumulation")
@@ -175,7 +188,8 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None)):
+        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("lora_dropout", 0.0),
+                              ("pad_fraction", 0.0), ("kbit_prep", False)):
             if d[name] == default:     # absent unless set
                 del d[name]
         for k in ("lora_targets", "freeze"):
@@ -248,6 +262,12 @@ class TrainingSpec:
         parts.append(self.optimizer)
         if self.lora_rank:
             parts.append(("qlora" if self.qlora else "lora") + f"-r{self.lora_rank}")
+        if self.lora_dropout:
+            parts.append(f"lora-dropout={self.lora_dropout:g}")
+        if self.kbit_prep:
+            parts.append("kbit-prep")
+        if self.pad_fraction:
+            parts.append(f"pad={self.pad_fraction:g}")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         if self.max_grad_norm and not self.dp:   # under DP it is Opacus' per-sample bound
@@ -285,6 +305,15 @@ def _check_int(spec: TrainingSpec, name: str, minimum: int) -> None:
         raise SpecError(f"{name.replace('_', '-')} must be >= {minimum}, got {v}", hint=f"e.g. --{name.replace('_', '-')} 8")
 
 
+def _check_fraction(spec: TrainingSpec, name: str, hint: str) -> None:
+    """A number in [0, 1), stored as a float."""
+    v = getattr(spec, name)
+    flag = name.replace("_", "-")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+        raise SpecError(f"{flag} must be a number >= 0 and < 1, got {v!r}", hint=hint)
+    object.__setattr__(spec, name, float(v))
+
+
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         close = difflib.get_close_matches(str(value), choices, n=1)
@@ -292,7 +321,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
-_BOOLS = {"grad_checkpointing", "qlora", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
+_BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
           "keep_outputs"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "target_len"}
@@ -325,7 +354,7 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value) if not isinstance(value, bool) else value
         except (TypeError, ValueError):
             raise SpecError(f"bucket-cap-mb must be a number, got {value!r}", hint="e.g. --bucket-cap-mb 25") from None
-    if name in ("lora_alpha", "max_grad_norm", "noise_multiplier"):
+    if name in ("lora_alpha", "max_grad_norm", "noise_multiplier", "lora_dropout", "pad_fraction"):
         try:
             return float(value)
         except (TypeError, ValueError):

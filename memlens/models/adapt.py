@@ -88,7 +88,7 @@ def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
     if targets is None and hasattr(mcfg, "text_config") and hasattr(mcfg, "vision_config"):
         # VLMs: peft has no default; adapt the language model's attention like text LLMs (q, v)
         targets = r".*language_model.*\.(q_proj|v_proj)$"
-    cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=0.0,
+    cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=spec.lora_dropout,
                      target_modules=targets, bias="none")
     if targets is None and mcfg is None:   # a plain nn.Module: peft has no default targets for it
         names = adaptable_modules(model)

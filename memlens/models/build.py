@@ -24,6 +24,10 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
 
     Tensors are created in the ambient mode/device context, or on ``device`` if given.
     """
+    if spec.pad_fraction and (source.kind in ("factory", "module", "timm", "torchvision") or source.task not in PADDED_TASKS):
+        what = f"{source.task} ({source.name})" if source.task else f"{source.name}, a {source.kind}"
+        raise SpecError(f"--pad-fraction pads token ids of text models ({', '.join(PADDED_TASKS)}), not {what}",
+                        hint="drop --pad-fraction (a factory's batch carries its own attention_mask)")
     if source.kind == "factory":
         return _build_factory(spec, source, device)
     if source.kind == "module":
@@ -42,6 +46,8 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
 
 
 SEQ2SEQ_TASKS = ("seq2seq", "speech-seq2seq")
+# tasks whose batch is token ids a tokenizer pads (--pad-fraction): an attention_mask over input_ids
+PADDED_TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq")
 
 
 # ---------------------------------------------------------------- Hugging Face models
@@ -95,6 +101,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     if spec.hf_trainer and hasattr(model.config, "use_cache"):
         model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
     apply_freeze(model, spec.freeze)
+    if spec.kbit_prep:
+        prepare_for_kbit(model, source.name)
     if spec.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise SpecError(f"{source.name} does not support gradient checkpointing in transformers", hint="drop --grad-checkpointing")
@@ -108,8 +116,27 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     if spec.qlora:
         from .quant import quantize_frozen_linears
 
-        quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16)
+        quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16,
+                                bias_dtype=torch.float32 if spec.kbit_prep else None)
     return model, notes
+
+
+def prepare_for_kbit(model, name: str) -> None:
+    """peft's ``prepare_model_for_kbit_training(model)`` with its defaults, as QLoRA recipes call it on
+    the 4-bit model before ``get_peft_model``: every parameter frozen, the fp16/bf16 parameters that are
+    not 4-bit (norms, embeddings, lm_head, biases) cast to fp32, input gradients, and gradient
+    checkpointing with ``gradient_checkpointing_kwargs={}`` (torch's checkpoint then defaults to
+    use_reentrant=True). peft recognizes a quantized model by ``is_loaded_in_4bit`` (peft/utils/other.py
+    ``prepare_model_for_kbit_training``): set here, since memlens puts its 4-bit stand-ins in after LoRA
+    (:func:`memlens.models.quant.quantize_frozen_linears`); the linear weights peft casts to fp32 here
+    are the ones those stand-ins replace, so what stays in fp32 is what stays outside 4-bit on a GPU."""
+    from peft import prepare_model_for_kbit_training   # heavy: loaded for --kbit-prep only
+
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise SpecError(f"--kbit-prep enables gradient checkpointing, which {name} does not support in transformers",
+                        hint="drop --kbit-prep")
+    model.is_loaded_in_4bit = True
+    prepare_model_for_kbit_training(model)
 
 
 def has_attention(cls, config) -> bool:
@@ -240,17 +267,28 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
     if task in ("causal-lm", "masked-lm"):
         L = default_seq_len(spec, source)
         ids = torch.randint(0, cfg.vocab_size, (B, L), **dev)
-        return {"input_ids": ids, "labels": ids}, L, None
+        if not spec.pad_fraction:
+            return {"input_ids": ids, "labels": ids}, L, None
+        mask, n = padding_mask(spec.pad_fraction, B, L, dev)
+        labels = ids.clone()          # a collator's labels: a copy of the ids, -100 on padding
+        labels[:, L - n:] = -100
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}, L, None
     if task == "seq-classification":
         L = default_seq_len(spec, source)
         n_labels = getattr(cfg, "num_labels", 2)
         labels = torch.randn(B, **dev) if n_labels == 1 else mark_known(torch.randint(0, n_labels, (B,), **dev))
-        return {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev), "labels": labels}, L, None
+        batch = {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev), "labels": labels}
+        if spec.pad_fraction:
+            batch["attention_mask"] = padding_mask(spec.pad_fraction, B, L, dev)[0]
+        return batch, L, None
     if task == "seq2seq":  # the model makes decoder_input_ids from the labels (shift right)
         L = default_seq_len(spec, source)
         T = spec.target_len or L
-        return {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev),
-                "labels": torch.randint(0, cfg.vocab_size, (B, T), **dev)}, L, None
+        batch = {"input_ids": torch.randint(0, cfg.vocab_size, (B, L), **dev),
+                 "labels": torch.randint(0, cfg.vocab_size, (B, T), **dev)}
+        if spec.pad_fraction:         # the encoder's padding (the decoder's labels are the targets)
+            batch["attention_mask"] = padding_mask(spec.pad_fraction, B, L, dev)[0]
+        return batch, L, None
     if task == "speech-seq2seq":  # Whisper: 30 s of log-mel frames (2 x max_source_positions)
         frames = 2 * cfg.max_source_positions
         T = spec.target_len or min(cfg.max_source_positions, cfg.max_target_positions)
@@ -283,6 +321,22 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
         return {"input_ids": ids, "labels": ids,
                 "pixel_values": torch.randn(B * spec.images_per_sample, 3, S, S, dtype=pix_dtype, **dev)}, L, S
     raise AssertionError(task)
+
+
+def padding_mask(fraction: float, B: int, L: int, dev: dict):
+    """A tokenizer's attention_mask for a right-padded batch: (B, L) int64, 1 on tokens and 0 on the
+    last n = round(fraction * L) positions of each sample (at least 1, at most L - 1). Returns (mask, n).
+
+    A mask with zeros makes transformers build its 4D attention mask (masking_utils: the causal
+    mask is skipped only when every token is real), and SDPA with a mask cannot run flash
+    attention (memlens.estimator.cuda_rules.sdpa_backend)."""
+    import torch
+
+    n = min(max(1, round(fraction * L)), L - 1)
+    mask = torch.ones(B, L, dtype=torch.long, **dev)
+    if n:
+        mask[:, L - n:] = 0
+    return mask, n
 
 
 # ---------------------------------------------------------------- factories

@@ -41,7 +41,8 @@ class _Dequant4bitMatmul(torch.autograd.Function):
 class Linear4bitSim(torch.nn.Module):
     """A frozen linear layer stored as NF4 (what bitsandbytes.nn.Linear4bit keeps on the GPU)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None,
+                 bias_dtype: torch.dtype | None = None):
         super().__init__()
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         n = in_features * out_features
@@ -50,22 +51,28 @@ class Linear4bitSim(torch.nn.Module):
         # double-quantized absmax: uint8 per block + fp32 per 256 blocks
         self.register_buffer("absmax", torch.empty(blocks, dtype=torch.uint8, device=device))
         self.register_buffer("absmax2", torch.empty((blocks + DOUBLE_QUANT_BLOCK - 1) // DOUBLE_QUANT_BLOCK, dtype=torch.float32, device=device))
-        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=compute_dtype, device=device), requires_grad=False) if bias else None
+        self.bias = torch.nn.Parameter(torch.empty(out_features, dtype=bias_dtype or compute_dtype, device=device),
+                                       requires_grad=False) if bias else None
 
     def forward(self, x):
+        # bitsandbytes Linear4bit.forward: x.to(compute_dtype), bias.to(compute_dtype), matmul_4bit(...).to(inp_dtype):
+        # an fp32 input (the hidden states after prepare_model_for_kbit_training's fp32 embeddings) gets an fp32 output
+        inp_dtype = x.dtype
         out = _Dequant4bitMatmul.apply(x, self.weight_packed, self.absmax, self.out_features, self.in_features, self.compute_dtype)
         if self.bias is not None:
-            out = out + self.bias
-        return out
+            out = out + self.bias.to(out.dtype)
+        return out.to(inp_dtype)
 
 
-def quantize_frozen_linears(model, compute_dtype: torch.dtype) -> int:
-    """Replace every frozen nn.Linear (LoRA base layers included, lm_head excluded) by Linear4bitSim."""
+def quantize_frozen_linears(model, compute_dtype: torch.dtype, bias_dtype: torch.dtype | None = None) -> int:
+    """Replace every frozen nn.Linear (LoRA base layers included, lm_head excluded) by Linear4bitSim;
+    their biases in ``bias_dtype`` (None: the compute dtype; fp32 after prepare_model_for_kbit_training)."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and not child.weight.requires_grad and "lm_head" not in name:
-                new = Linear4bitSim(child.in_features, child.out_features, child.bias is not None, compute_dtype, child.weight.device)
+                new = Linear4bitSim(child.in_features, child.out_features, child.bias is not None, compute_dtype, child.weight.device,
+                                    bias_dtype=bias_dtype)
                 setattr(parent, name, new)
                 count += 1
     return count

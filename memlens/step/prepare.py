@@ -10,10 +10,10 @@ What is applied, in order:
 1. the model from its source (built-in config, Hugging Face id, directory, factory): on the meta
    device then on fake tensors (``fake=True``), or with random weights on the device (optionally
    built on the CPU and moved, ``load_on_cpu``);
-2. weight dtype (``precision`` fp16/bf16), ``freeze``, gradient checkpointing, LoRA, QLoRA
-   (by :mod:`memlens.models.build`);
-3. the batch (``batch_size`` x ``seq_len`` / ``image_size`` / ``images_per_sample``; DP-SGD's
-   ``physical_batch_size`` samples at once);
+2. weight dtype (``precision`` fp16/bf16), ``freeze``, peft's ``prepare_model_for_kbit_training``
+   (``kbit_prep``), gradient checkpointing, LoRA (``lora_dropout``), QLoRA (by :mod:`memlens.models.build`);
+3. the batch (``batch_size`` x ``seq_len`` / ``image_size`` / ``images_per_sample``; ``pad_fraction``'s
+   attention_mask; DP-SGD's ``physical_batch_size`` samples at once);
 4. the optimizer over the trainable parameters (:mod:`memlens.step.optim`);
 5. autocast and GradScaler for ``amp-*``;
 6. DP-SGD: Opacus' ``make_private`` and ``BatchMemoryManager`` over the logical batch
@@ -212,9 +212,15 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append("gradient checkpointing")
     if source.kind != "factory":
         applied.append(f"attention {spec.attn}")
+    if spec.pad_fraction:
+        applied.append(f"padding: the last {spec.pad_fraction:g} of each sample's tokens (attention_mask 0, labels -100)")
+    if spec.kbit_prep:
+        applied.append("peft prepare_model_for_kbit_training (non-quantized parameters in fp32, gradient checkpointing "
+                       "as peft enables it, input gradients)")
     if spec.lora_rank:
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
-                       + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else ""))
+                       + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else "")
+                       + (f" dropout {spec.lora_dropout:g}" if spec.lora_dropout else ""))
     if wrapper is not None:
         applied.extend(wrapper.applied)
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)

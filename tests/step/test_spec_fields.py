@@ -41,7 +41,7 @@ APPLIED = {
     "grad_checkpointing": ("gpt2", True), "attn": ("gpt2", "eager"), "optimizer": ("gpt2", "sgd"),
     "lora_rank": ("gpt2", 8), "freeze": ("gpt2", ("wte",)), "grad_accum": ("gpt2", 2),
     "gpu": ("gpt2", "a100-80gb"), "hf_trainer": ("gpt2", True), "compile": ("gpt2", True),
-    "loss": ("gpt2", "criterion-fp32"), "keep_outputs": ("gpt2", True),
+    "loss": ("gpt2", "criterion-fp32"), "keep_outputs": ("gpt2", True), "pad_fraction": ("gpt2", 0.25),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
     "target_len": ("gpt2", 16, "target"),
@@ -53,6 +53,8 @@ REFUSED = {  # field -> (model key, value, words of the error)
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
     "qlora": ("gpt2", {"lora_rank": 8}, True),
+    "lora_dropout": ("gpt2", {"lora_rank": 8}, 0.05),
+    "kbit_prep": ("gpt2", {"lora_rank": 8, "qlora": True}, True),
     "physical_batch_size": ("gpt2", {"dp": True, "lora_rank": 8, "batch_size": 4}, 2),
     "sharding": ("gpt2", {"world_size": 2, "sharding": "ddp"}, "fsdp"),
     "reshard_after_forward": ("gpt2", {"world_size": 2, "sharding": "fsdp"}, False),
