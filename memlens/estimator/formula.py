@@ -63,10 +63,14 @@ def _counts(spec: TrainingSpec):
     if spec.dp:
         raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
+    unmodelled = [flag for flag, on in (("--lora-dropout", spec.lora_dropout), ("--pad-fraction", spec.pad_fraction),
+                                        ("--kbit-prep", spec.kbit_prep), (f"--loss {spec.loss}", spec.loss != "model"),
+                                        ("--keep-outputs", spec.keep_outputs), (f"--step-kind {spec.step_kind}", spec.step_kind))
+                  if on]
+    if unmodelled:
+        raise MemlensError(f"--method formula has no terms for {', '.join(unmodelled)}",
+                           hint="drop --method formula: the simulation runs them")
     source = resolve(spec.model)
-    if spec.dp:
-        raise MemlensError("--method formula does not model DP-SGD's per-sample gradients",
-                           hint="drop --method formula: simulate runs Opacus' step")
     if source.kind == "factory":
         raise MemlensError(f"--method formula needs a transformers config (layers, hidden size, vocabulary); "
                            f"{spec.model} is a factory", hint="drop --method formula: simulate runs any factory")

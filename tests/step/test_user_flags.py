@@ -129,3 +129,19 @@ def test_cli_flags_reach_the_spec():
     s = spec_from_args(ap.parse_args(["--model", "gpt2", "--lora-rank", "8", "--lora-dropout", "0.05", "--qlora",
                                       "--kbit-prep", "--pad-fraction", "0.1"]))
     assert (s.lora_dropout, s.kbit_prep, s.pad_fraction) == (0.05, True, 0.1)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"lora_rank": 8, "lora_dropout": 0.05}, "--lora-dropout"),
+    ({"pad_fraction": 0.25}, "--pad-fraction"),
+    ({"loss": "criterion-fp32"}, "--loss criterion-fp32"),
+    ({"keep_outputs": True}, "--keep-outputs"),
+])
+def test_the_closed_form_refuses_what_it_has_no_terms_for(fields, words):
+    from memlens.core.errors import MemlensError
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+
+    with pytest.raises(MemlensError) as e:
+        estimate(TrainingSpec(model="gpt2", **fields), method="formula")
+    assert words in e.value.message and "\n" not in e.value.render() and "simulation" in e.value.hint
