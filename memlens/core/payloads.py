@@ -96,6 +96,9 @@ class EstimatePayload(Payload):
     peak_requested_bytes: int | None = UNSET      # requested bytes live at the peak (before 512-B rounding)
     cuda_context_bytes: int | None = UNSET        # what nvidia-smi shows beyond reserved (the GPU facts)
     nvidia_smi_estimate_bytes: int | None = UNSET
+    fit_verdict: str | None = UNSET               # the fit rule against the whole --gpu (default h100), in words:
+                                                  # "fits the h100 (...)" / "does not fit the rtx-4090 (...): ..., N over"
+    fit: dict | None = UNSET                      # the same: fits, need/usable/headroom, budget/context/margin bytes, gpu
     steps: list | None = UNSET                    # per simulated step: peak, end allocated / reserved
     attention_backends: list | None = UNSET       # the SDPA kernels CUDA would pick
     by_module_group: list | None = UNSET          # by_module summed per block
