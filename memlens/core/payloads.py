@@ -116,6 +116,8 @@ class EstimatePayload(Payload):
     optimizer_terms: list | None = UNSET
     facts: dict | None = UNSET
     ranks: list | None = UNSET                    # several GPUs: each rank's peaks and breakdown
+    worst_case: dict | None = UNSET               # DDP: the peak with the stale buckets held (rank, peaks, cause);
+                                                  # the headline peak is the expected one, without them
     later_steps: str | None = UNSET               # steps 2..: "written from step 1" or "simulated (why)"
     later_micro_batches: str | None = UNSET       # accumulation: "2..k written from micro-batch 1", "3..k written from micro-batch 2" or "simulated"
     later_layers: str | None = UNSET              # a deep stack: "written from 3 and 4 layers" or "simulated (why)"
