@@ -109,8 +109,10 @@ def render(result) -> None:
         t.add_row(*row)
     c.print(t)
     if budget:
-        c.print(f"[dim]fits: need = min(peak reserved, peak allocated x 1.10) <= {fmt_bytes(d['usable_bytes'])} "
-                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context - margin)[/dim]")
+        c.print(f"[dim]fits: peak reserved + CUDA context <= budget - margin: peak reserved <= {fmt_bytes(d['usable_bytes'])} "
+                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context {fmt_bytes(d['context_bytes'])} - margin {fmt_bytes(d['margin_bytes'])})[/dim]")
+    if d["rows"]:
+        c.print(f"[dim]each row is its technique applied on top of the baseline ({d['baseline']}: {d['rows'][0].get('describe', '')})[/dim]")
     for r in d["rows"]:
         if r.get("estimate_error_message"):
             c.print(f"[dim]{r['technique']}: no estimate ({r['estimate_error_message']})[/dim]")

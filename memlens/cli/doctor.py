@@ -196,6 +196,8 @@ def _render_estimate(c, est) -> None:
 
     c.print(f"\n[bold]Estimate of your configuration[/bold]: peak allocated {fmt_bytes(est['estimated_peak_allocated_bytes'])}"
             + (f", budget on this GPU {fmt_bytes(est['budget_bytes'])}" if est.get("budget_bytes") is not None else ""))
+    if est.get("verdict"):
+        c.print(("[green]" if est["fits"] else "[red]") + est["verdict"] + ("[/green]" if est["fits"] else "[/red]"))
     cats = sorted(est.get("estimated_by_category", {}).items(), key=lambda kv: -kv[1])
     t = Table(show_header=True, box=None)
     t.add_column("category")

@@ -96,6 +96,9 @@ class EstimatePayload(Payload):
     peak_requested_bytes: int | None = UNSET      # requested bytes live at the peak (before 512-B rounding)
     cuda_context_bytes: int | None = UNSET        # what nvidia-smi shows beyond reserved (the GPU facts)
     nvidia_smi_estimate_bytes: int | None = UNSET
+    fit_verdict: str | None = UNSET               # the fit rule against the whole --gpu (default h100), in words:
+                                                  # "fits the h100 (...)" / "does not fit the rtx-4090 (...): ..., N over"
+    fit: dict | None = UNSET                      # the same: fits, need/usable/headroom, budget/context/margin bytes, gpu
     steps: list | None = UNSET                    # per simulated step: peak, end allocated / reserved
     attention_backends: list | None = UNSET       # the SDPA kernels CUDA would pick
     by_module_group: list | None = UNSET          # by_module summed per block
@@ -113,6 +116,8 @@ class EstimatePayload(Payload):
     optimizer_terms: list | None = UNSET
     facts: dict | None = UNSET
     ranks: list | None = UNSET                    # several GPUs: each rank's peaks and breakdown
+    worst_case: dict | None = UNSET               # DDP: the peak with the stale buckets held (rank, peaks, cause);
+                                                  # the headline peak is the expected one, without them
     later_steps: str | None = UNSET               # steps 2..: "written from step 1" or "simulated (why)"
     later_micro_batches: str | None = UNSET       # accumulation: "2..k written from micro-batch 1", "3..k written from micro-batch 2" or "simulated"
     later_layers: str | None = UNSET              # a deep stack: "written from 3 and 4 layers" or "simulated (why)"

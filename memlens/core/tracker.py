@@ -258,7 +258,8 @@ class ModuleScope:
 
 # ---------------------------------------------------------------- what a step holds before it runs
 def register_model(tracker: StorageTracker, model, with_grads: bool = False) -> None:
-    """Account a model's parameters (charged to the module that owns them), buffers, and with
+    """Account a model's parameters (charged to the module that owns them; a quantized weight held as
+    buffers, ``memlens_weight_buffers``, counts as parameters), buffers, and with
     ``with_grads`` the gradients they already hold (a profile started after the first step)."""
     names: dict[int, str] = {}
     for mname, mod in model.named_modules():
@@ -269,8 +270,9 @@ def register_model(tracker: StorageTracker, model, with_grads: bool = False) -> 
         if with_grads and p.grad is not None:
             tracker.register(p.grad, Category.GRADIENTS, names.get(id(p), ROOT_LABEL), op="grad")
     for mname, mod in model.named_modules():
-        for b in mod.buffers(recurse=False):
-            tracker.register(b, Category.BUFFERS, tracker.module_label(mname), op="model")
+        weights = getattr(mod, "memlens_weight_buffers", ())   # a quantized weight held as buffers (models.quant)
+        for bname, b in mod.named_buffers(recurse=False):
+            tracker.register(b, Category.PARAMETERS if bname in weights else Category.BUFFERS, tracker.module_label(mname), op="model")
 
 
 def register_inputs(tracker: StorageTracker, batch: Any) -> None:

@@ -288,13 +288,16 @@ def check_spec(msg: OomMessage, spec, estimate_fn: Callable[[Any], Result] | Non
     peak = int(est.peak_allocated_bytes or sum(by_cat.values()))
     dominant = max(by_cat, key=by_cat.get) if by_cat else None
     budget = budget_bytes(msg)
+    verdict = None if budget is None else _fits_rule(est, budget)
     out: dict[str, Any] = {
         "estimated_peak_allocated_bytes": peak,
+        "estimated_peak_reserved_bytes": int(est.peak_reserved_bytes) if est.peak_reserved_bytes else None,
         "estimated_by_category": by_cat,
         "dominant_category": dominant,
         "dominant_category_bytes": by_cat.get(dominant) if dominant else None,
         "budget_bytes": budget,
-        "fits": None if budget is None else _fits_rule(est, budget),
+        "fits": None if verdict is None else verdict.fits,
+        "verdict": None if verdict is None else verdict.describe("what PyTorch could hold on this GPU"),
         "fit_options": [],
     }
     if budget is not None:
@@ -323,13 +326,34 @@ def diagnose_oom(text: str, spec=None, estimate_fn: Callable[[Any], Result] | No
         notes.append(f"{len(found)} OOM messages found; the last one is diagnosed")
     if spec is not None:
         data.estimate = check_spec(msg, spec, estimate_fn)
+        if data.estimate["fits"] is False and diag.diagnosis != "capacity":
+            _capacity_from_estimate(data, diag.diagnosis)
     return Result(verb="doctor.oom", spec=spec.to_dict() if spec is not None else None, data=data, notes=notes)
 
 
-def _fits_rule(est: Result, budget: int) -> bool:
-    from ..core.fits import Budget, fits
+def _capacity_from_estimate(data: DoctorOomPayload, read: str) -> None:
+    """The estimate of the step does not fit the memory the message says PyTorch could hold (the fit
+    rule): the step itself is too large, whatever the allocator does, so the verdict is "capacity"
+    and the advice is the technique table's levers (those that fit first); what the message alone
+    read as stays a reason."""
+    est = data.estimate
+    data.reasons = [f"the estimate of this configuration {est['verdict']}: the step does not fit, "
+                    f"whatever the allocator does"] + [f"the message alone reads as {read}: " + r for r in (data.reasons or [])]
+    opts = est.get("fit_options") or []
+    fitting = [o for o in opts if o["fits"]]
+    advice = [f"{o['name']} ({o['description']}): estimated to fit" for o in fitting]
+    advice += [f"{o['name']} ({o['description']}): saves memory, estimated not to fit alone" for o in opts if not o["fits"]]
+    if not fitting:
+        advice.append("no lever of the technique table fits alone or combined: a larger GPU or more GPUs "
+                      "(`memlens fit --budget ...` ranks sharded plans)")
+    data.diagnosis, data.advice, data.certain = "capacity", advice, True
+
+
+def _fits_rule(est: Result, budget: int):
+    """The fit rule's Verdict for ``est`` against what PyTorch could hold (the context is already off)."""
+    from ..core.fits import Budget, Verdict, fits
 
     try:
-        return fits(est, Budget.make(budget, context_bytes=0)).fits
+        return fits(est, Budget.make(budget, context_bytes=0))
     except MemlensError:   # a budget too small for the margin: nothing fits
-        return False
+        return Verdict(False, int(est.peak_reserved_bytes or est.peak_allocated_bytes or 0), 0, bool(est.peak_reserved_bytes))

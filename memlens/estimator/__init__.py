@@ -33,7 +33,27 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
         raise MemlensError(f"method {method!r} is not one of {', '.join(METHODS)}", hint="use --method simulate or formula")
     result = _estimate(spec, method, steps, source)
     result.notes.extend(hardware_notes(spec))
+    gpu_verdict(result, spec)
     return result
+
+
+def gpu_verdict(result: Result, spec: TrainingSpec) -> None:
+    """The fit rule (:mod:`memlens.core.fits`) against the whole of ``spec.gpu`` (the named GPU, or the
+    default h100): its total memory as PyTorch reports it, less the CUDA context (and, per rank,
+    NCCL's measured buffers) and the rule's margin. Always given, so an estimate never leaves out
+    whether it fits the GPU it was made for; ``fit`` and ``fit_verdict`` in the payload."""
+    from ..core.fits import Budget, fits
+    from ..core.gpus import nccl_bytes
+
+    g = gpu_facts(spec.gpu)
+    ctx = g.cuda_context_bytes
+    if spec.world_size > 1:
+        ctx += nccl_bytes(g.name, spec.world_size)[0] or 0
+    b = Budget.make("total", context_bytes=ctx, gpu=g.name)
+    v = fits(result, b)
+    words = v.describe(f"the {g.name}" + (" (per rank)" if spec.world_size > 1 else ""))
+    result.data.fit = {**b.to_dict(), **v.to_dict(), "gpu": g.name}
+    result.data.fit_verdict = words
 
 
 def _estimate(spec: TrainingSpec, method: str, steps: int, source) -> Result:

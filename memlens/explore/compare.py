@@ -60,10 +60,20 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
     rows: list[dict[str, Any]] = []
     first_error: MemlensError | None = None
+    # every row is its technique applied on top of the baseline's spec, so "vs baseline" compares one change
+    # (compare --precision fp32 --techniques bf16,lora: the LoRA row is bf16 LoRA, not fp32 LoRA)
+    try:
+        base_spec = technique_spec(spec, names[0])
+    except MemlensError:
+        base_spec = spec                # the baseline's own row says why; the others build on the spec as given
+
+    def row_spec(i: int, name: str) -> TrainingSpec:
+        return technique_spec(spec if i == 0 else base_spec, name)
+
     ahead: list[TrainingSpec] = []
-    for name in names:
+    for i, name in enumerate(names):
         try:
-            ahead.append(technique_spec(spec, name))
+            ahead.append(row_spec(i, name))
         except MemlensError:
             pass                        # reported in its row below
     if hasattr(est, "prefetch"):        # all estimates at once, side by side in the worker processes
@@ -74,11 +84,12 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
         core_progress.advance(i, len(names), name)
         row: dict[str, Any] = {"technique": name, "status": "ok"}
         try:
-            s = technique_spec(spec, name)
+            s = row_spec(i, name)
         except MemlensError as e:
             rows.append({**row, "status": "invalid", "error": e.message})
             continue
         row["spec"] = s.to_dict()
+        row["changes"] = {} if i == 0 else _changed(base_spec, s)     # the settings this row changes vs the baseline
         row["describe"] = s.describe()
         row["kind"] = tech.kind(name)
         row["cost"] = tech.cost(name)
@@ -110,7 +121,9 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
                          "estimate_calls": est.calls, "estimator": est.stats()}
     if b is not None:
         d.update(b.to_dict())
-    notes = ["saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
+    notes = [f"each row is its technique applied on top of the baseline ({names[0]}: {base_spec.describe()}); "
+             "changes: the settings it changes vs the baseline",
+             "saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
              "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
     if measure and device.startswith("cpu"):
         notes.append("device cpu: step times, losses and the CPU ledger's peak of tensor storages are measured "
@@ -118,6 +131,12 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     base = rows[0] if rows else {}
     return Result(verb="compare", spec=spec.to_dict(), peak_allocated_bytes=base.get("measured_peak_allocated_bytes") or base.get("estimated_peak_allocated_bytes"),
                   notes=notes, data=d)
+
+
+def _changed(base: TrainingSpec, s: TrainingSpec) -> dict[str, Any]:
+    """The spec fields ``s`` sets differently from the baseline's spec ``base``."""
+    old, new = base.to_dict(), s.to_dict()
+    return {k: v for k, v in new.items() if old.get(k) != v}
 
 
 def _peak(row: dict[str, Any]) -> int | None:

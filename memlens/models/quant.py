@@ -39,7 +39,14 @@ class _Dequant4bitMatmul(torch.autograd.Function):
 
 
 class Linear4bitSim(torch.nn.Module):
-    """A frozen linear layer stored as NF4 (what bitsandbytes.nn.Linear4bit keeps on the GPU)."""
+    """A frozen linear layer stored as NF4 (what bitsandbytes.nn.Linear4bit keeps on the GPU).
+
+    The packed weight and its absmax are buffers here (no gradient, no optimizer), but they are the
+    layer's weight: bitsandbytes holds it as a uint8 ``Params4bit`` parameter (absmax in its quant
+    state), so the tracker counts them as parameters (``memlens_weight_buffers``), at their storage
+    dtypes: uint8 (two 4-bit weights a byte), uint8 absmax per 64 weights, fp32 per 256 blocks."""
+
+    memlens_weight_buffers = ("weight_packed", "absmax", "absmax2")   # core.tracker.register_model: parameters
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None,
                  bias_dtype: torch.dtype | None = None):

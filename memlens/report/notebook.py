@@ -36,6 +36,8 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def _fits(result: Any) -> str | None:
     """The fit verdict, where the verb made one (a budget was given)."""
     d = result.data
+    if d.get("fit_verdict"):           # estimate: the fit rule against the GPU it is for
+        return d["fit_verdict"]
     for key in ("fits", "estimated_fits"):
         v = d.get(key)
         if isinstance(v, bool):

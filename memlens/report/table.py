@@ -35,6 +35,10 @@ def memory_tables(result: Any, top_modules: int = 12):
         extra = "" if not d.get("ranks") else (f" + {fmt_bytes(nccl['bytes_per_rank'])} NCCL" if nccl.get("bytes_per_rank")
                                                 else "; NCCL's own buffers not included: not measured for this GPU")
         head.append(f"~{fmt_bytes(d.get('nvidia_smi_estimate_bytes'))}  (reserved + ~{fmt_bytes(d['cuda_context_bytes'])} CUDA context{extra})\n")
+    if d.get("fit_verdict"):
+        ok = (d.get("fit") or {}).get("fits")
+        head.append("GPU            ", style="bold")
+        head.append(d["fit_verdict"] + "\n", style="green" if ok else "bold red")
     if d.get("peak_phase"):
         head.append(f"peak reached in the {d['peak_phase']} phase" + (f" of step {d['peak_step']}" if d.get("peak_step") else ""))
         if d.get("attention_backends"):

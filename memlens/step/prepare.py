@@ -36,6 +36,7 @@ from typing import Any, Callable
 from ..core.errors import SpecError
 from ..core.precision import precision_of
 from ..core.spec import TrainingSpec
+from ..core.units import fmt_bytes
 from ..models.build import build, quiet
 from ..models.source import resolve as resolve_source
 from .optim import make_optimizer
@@ -221,6 +222,15 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
                        + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else "")
                        + (f" dropout {spec.lora_dropout:g}" if spec.lora_dropout else ""))
+    if spec.qlora:   # the 4-bit weights count as parameters (core.tracker.register_model), at their storage dtypes
+        q = {}
+        for mod in model.modules():
+            for bname in getattr(mod, "memlens_weight_buffers", ()):
+                b = getattr(mod, bname)
+                q[str(b.dtype).removeprefix("torch.")] = q.get(str(b.dtype).removeprefix("torch."), 0) + b.numel() * b.element_size()
+        if q:
+            applied.append("4-bit NF4 frozen weights under parameters: " + ", ".join(f"{fmt_bytes(v)} {k}" for k, v in q.items())
+                           + " (packed 2 a byte; absmax uint8 per 64 weights, fp32 per 256 blocks)")
     if wrapper is not None:
         applied.extend(wrapper.applied)
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)

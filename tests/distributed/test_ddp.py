@@ -94,3 +94,24 @@ def test_ddp_settings_refused_elsewhere(bad):
 
     with pytest.raises(SpecError, match="DDP setting"):
         TrainingSpec(model="gpt2", world_size=2, **bad)
+
+
+def test_the_estimate_reports_the_expected_peak_and_the_stale_buckets_as_the_worst_case():
+    from memlens.estimator import estimate
+
+    spec = TrainingSpec(model="tests.distributed.dist_models:three", world_size=2, sharding="ddp", optimizer="sgd")
+    r = estimate(spec)
+    worst = analyze(simulate_rank(spec, 0).log)                       # the old buckets held until step 3
+    expected = analyze(simulate_rank(spec, 0, stale_buckets=False).log)
+    assert expected.by_category["communication"] == W0 + W1 + B1      # the rebuilt buckets only
+    assert r.peak_allocated_bytes == expected.peak_allocated_bytes < worst.peak_allocated_bytes
+    assert r.peak_reserved_bytes == expected.peak_reserved_bytes
+    wc = r.data.worst_case
+    assert (wc["peak_allocated_bytes"], wc["peak_reserved_bytes"]) == (worst.peak_allocated_bytes, worst.peak_reserved_bytes)
+    assert wc["rank"] == 0 and "watchdog" in wc["cause"]
+    (rank,) = r.data.ranks
+    assert rank["peak_allocated_bytes"] == expected.peak_allocated_bytes
+    assert rank["worst_case"]["peak_allocated_bytes"] == worst.peak_allocated_bytes
+    assert any(n.startswith("peak (expected): without DDP's stale buckets; worst case ") for n in r.notes)
+    # ZeRO-1 never holds them: no worst case
+    assert "worst_case" not in estimate(spec.replace(sharding="zero1")).data.to_dict()

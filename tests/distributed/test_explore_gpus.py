@@ -39,7 +39,7 @@ def test_fit_answers_the_per_gpu_micro_batch():
     GiB = 2**30
     est = CachedEstimator(fn=lambda s: Point(s.batch_size * GiB, s.batch_size * GiB))   # 1 GiB per sample per GPU
     d = fit(SPEC.replace(world_size=4), "10GiB", target_batch=64, context_bytes=0, margin=0, plan=False, estimator=est).data
-    # need = min(reserved, 1.1 x allocated) = b GiB: 10 per GPU fit; 64 over 4 GPUs = 16 per GPU = 8 x 2
+    # need = peak reserved = b GiB: 10 per GPU fit; 64 over 4 GPUs = 16 per GPU = 8 x 2
     assert (d["max_batch_size"], d["per_gpu_target_batch"], d["micro_batch_size"], d["grad_accum"]) == (10, 16, 8, 2)
     assert d["effective_batch_size"] == 64 and d["target_batch"] == 64
     with pytest.raises(MemlensError, match="does not split evenly"):

@@ -196,7 +196,7 @@ def test_what_fits_tries_each_lever_then_combines():
     assert names[:5] == ["halve micro-batch, double accumulation", "checkpointing", "AMP bf16", "8-bit AdamW",
                          "LoRA r=16"]
     by = {o.name: o for o in opts}
-    # baseline 2+2+4+16 = 24 GiB; checkpointing: 2+2+4+4 = 12 GiB (x 1.1 pressed) fits in 16 GiB less the 5% margin
+    # baseline 2+2+4+16 = 24 GiB; checkpointing: 2+2+4+4 = 12 GiB (no reserved figure: allocated) fits in 16 GiB less the 5% margin
     assert by["checkpointing"].peak_allocated_bytes == 12 * 2**30 and by["checkpointing"].fits
     assert by["halve micro-batch, double accumulation"].peak_allocated_bytes == 16 * 2**30
     assert not by["halve micro-batch, double accumulation"].fits  # 16 GiB > 15.2 GiB
@@ -223,6 +223,27 @@ def test_doctor_oom_with_spec_renders_table(monkeypatch, capsys):
     assert main(["doctor", "oom", EX_9_2, "--model", "gpt2", "--batch-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "activations (dominant)" in out and "what would fit" in out and "Diagnosis: capacity" in out
+
+
+FRAGMENTED = ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 23.65 GiB total capacity; 15.00 GiB already allocated; "
+              "1.00 GiB free; 21.90 GiB reserved in total by PyTorch)")
+
+
+def test_doctor_with_an_estimate_that_does_not_fit_says_capacity(monkeypatch):
+    # the message alone reads as fragmentation (6.9 GiB reserved but unallocated); the step's estimate
+    # (gpt2 batch 16 in the fake: 24 GiB) does not fit the 22.9 GiB PyTorch could hold: capacity, technique advice
+    assert diagnose_oom(FRAGMENTED).data.diagnosis == "fragmentation"
+    r = diagnose_oom(FRAGMENTED, TrainingSpec(model="gpt2", batch_size=16), _fake_estimate)
+    d = r.data
+    assert d.diagnosis == "capacity" and d.estimate["fits"] is False
+    assert d.estimate["verdict"].startswith("does not fit what PyTorch could hold on this GPU (")
+    assert d.reasons[0].startswith("the estimate of this configuration does not fit")
+    assert any(x.startswith("the message alone reads as fragmentation") for x in d.reasons)
+    assert not any("expandable_segments" in a for a in d.advice)
+    assert d.advice[0] == "halve micro-batch, double accumulation (gpt2 b=8 fp32 adamw accum=2): estimated to fit"
+    # an estimate that fits leaves the message's verdict alone
+    small = diagnose_oom(FRAGMENTED, TrainingSpec(model="gpt2", batch_size=1), _fake_estimate).data
+    assert small.diagnosis == "fragmentation" and small.estimate["fits"] is True
 
 
 def test_budget_is_what_pytorch_could_hold():

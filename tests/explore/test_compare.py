@@ -45,6 +45,18 @@ def test_estimated_savings_on_fake_estimator():
     assert r.data["baseline"] == "fp32" and not r.data["measured"]
 
 
+def test_rows_build_on_the_baselines_settings():
+    # the spec as given is fp32; the baseline row is bf16: LoRA and 8-bit AdamW are bf16 too, each row says what it changes
+    r = compare(SPEC, ["bf16", "lora", "adamw-8bit", "fp32"], estimator=fake_estimator(), budget="64GiB")
+    rows = {x["technique"]: x for x in r.data["rows"]}
+    assert {n: x["spec"]["precision"] for n, x in rows.items()} == {"bf16": "bf16", "lora": "bf16", "adamw-8bit": "bf16", "fp32": "fp32"}
+    assert rows["bf16"]["changes"] == {} and rows["lora"]["changes"] == {"lora_rank": 16}
+    assert rows["adamw-8bit"]["changes"] == {"optimizer": "adamw-8bit"} and rows["fp32"]["changes"] == {"precision": "fp32"}
+    assert rows["lora"]["saving"] > 0          # bf16 LoRA saves against bf16 (fp32 LoRA did not: "+41% vs bf16")
+    assert all(x["need_bytes"] == x["estimated_peak_reserved_bytes"] for x in rows.values())   # the fit rule: reserved
+    assert any("on top of the baseline (bf16: " in n for n in r.notes)
+
+
 def test_invalid_technique_row_does_not_stop_the_rest():
     r = compare(SPEC.replace(batch_size=3), ["fp32", "accumulation", "bf16"], estimator=fake_estimator())
     st = [x["status"] for x in r.data["rows"]]

@@ -136,7 +136,8 @@ def _truth():
 def _brute_entry(spec, changes, usable, target, point):
     s = spec.replace(grad_accum=1, **changes)
     divisors = [d for d in range(1, target + 1) if target % d == 0]
-    m = max((d for d in divisors if need_bytes(point(s.replace(batch_size=d))) <= usable), default=0)
+    # a plan entry's run is the accumulated one (micro-batch d x target // d): that is the run that has to fit
+    m = max((d for d in divisors if need_bytes(point(s.replace(batch_size=d, grad_accum=target // d))) <= usable), default=0)
     micro = m or 1
     run = s.replace(batch_size=micro, grad_accum=target // micro)
     p = point(run)

@@ -29,7 +29,9 @@ nn/parallel/distributed.py, torch 2.x):
   completed Work. Measured on 2 x H200 (torch 2.11, NCCL 2.28): the old set was still allocated at
   step 2's peak on one or both ranks of every DDP case (GPT-2 +498 MB, Llama-3.2-1B +2.47 GB), from
   step 2's forward to as late as step 3's forward. A simulated rank keeps it until step 3's forward,
-  the worst case: whether a given rank sees it depends on the watchdog's timing. ZeRO-1 is the
+  the worst case, unless ``HOLD_STALE_BUCKETS`` is False (the expected case: reaped before the
+  rebuild); whether a given rank sees it depends on the watchdog's timing, so
+  :mod:`memlens.estimator.ranks` simulates both and reports the expected peak with the worst case beside it. ZeRO-1 is the
   exception: its first optimizer step builds its partitions and blocks on one broadcast per
   parameter, long enough for the watchdog to reap step 1's Works before the rebuild (measured: no
   stale set on either rank);
@@ -51,6 +53,7 @@ from ...core.enums import Category
 
 import collections
 import contextlib
+import contextvars
 import sys
 from typing import Any
 
@@ -58,6 +61,9 @@ from ...core.spec import TrainingSpec
 from .base import RankGroup, Wrapper
 
 MiB = 1 << 20
+# False: simulate the expected case, the watchdog reaping step 1's Works before the rebuild (no stale
+# set); memlens.estimator.ranks reports that as the peak and the default (stale set held) as the worst case
+HOLD_STALE_BUCKETS: contextvars.ContextVar[bool] = contextvars.ContextVar("memlens_ddp_hold_stale", default=True)
 BROADCAST_BUCKET_BYTES = 250 * MiB          # DistributedDataParallel.broadcast_bucket_size
 DEFAULT_BUCKET_CAP_MB = 25                  # DistributedDataParallel(bucket_cap_mb=None) -> 25
 MAX_IN_FLIGHT = 2                           # comm.cpp broadcast_coalesced: "maximum of 2 in flight"
@@ -242,7 +248,7 @@ class DDPWrapper(Wrapper):
 
             model = materialize_on_fake(model, fake_mode)
             self.reducer = SimulatedReducer(model, self.spec)
-            self.reducer.hold_stale = self.holds_stale_buckets
+            self.reducer.hold_stale = self.holds_stale_buckets and HOLD_STALE_BUCKETS.get()
             return model
         from torch.nn.parallel import DistributedDataParallel
 
