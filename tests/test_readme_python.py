@@ -79,7 +79,17 @@ def _loop_names() -> dict:
             "loader": [{"input_ids": ids, "labels": ids}] * 2}
 
 
-class _TinyCNN(torch.nn.Module):
+def _run_factory(block: str, tmp_path, monkeypatch, capsys):
+    """The factory block as mypkg/models.py (with the imports and a tiny MyCNN it leaves out), then the command
+    in its first line."""
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    prelude = '''import torch
+import torch.nn.functional as F
+
+
+class MyCNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.conv = torch.nn.Conv2d(3, 4, 3, stride=4)
@@ -89,16 +99,9 @@ class _TinyCNN(torch.nn.Module):
         return self.fc(self.conv(x).mean((2, 3)))
 
 
-def _run_factory(block: str, tmp_path, monkeypatch, capsys):
-    """The factory block as mypkg/models.py (with the imports and a tiny MyCNN it leaves out), then the command
-    in its first line."""
-    pkg = tmp_path / "mypkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    prelude = ("import torch\nimport torch.nn.functional as F\n\nfrom tests.test_readme_python import _TinyCNN as MyCNN\n\n")
+'''
     (pkg / "models.py").write_text(prelude + block)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(ROOT))
     for m in [m for m in sys.modules if m == "mypkg" or m.startswith("mypkg.")]:
         monkeypatch.delitem(sys.modules, m)
     cmd = block.split("\n")[0].split("memlens ", 1)[1]
