@@ -15,9 +15,11 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The newest releases pyproject's ranges allow, as a fresh `pip install` gets them (eager: an existing .venv is
+# upgraded too when pyproject changes), torch held at the pin.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
 	touch $@
 
 $(LOWEST)/bin/python:

@@ -1,7 +1,8 @@
 """The README runs: every `memlens ...` command in its ```console blocks (`$ memlens ...`) and ```bash blocks
 (`memlens ...`) is run here, on a tiny stand-in where the README's model is large (same verb, same flags shape),
 or parsed only where it needs a GPU, NVML or a token; where the README shows the output, the stand-in's output
-is compared with it on its shape (the same labels and headers, numbers aside).
+is compared with it on its shape (the same labels and headers, numbers aside). The outputs of the full-size runs
+(bench/readme_outputs.py) are checked line for line, and the ```python blocks run, in tests/test_readme_python.py.
 
 A README command that is not in COMMANDS fails `test_every_readme_command_is_covered`: a new example must say
 here how it runs.
@@ -24,6 +25,17 @@ TINY_GPT2 = f"{FIX}/models/tiny-gpt2"
 RUN, PARSE, SKIP = "run", "parse", "skip"
 # README command (continuation lines joined, comments dropped) -> (RUN, stand-in argv) | (PARSE, reason) | (SKIP, reason)
 COMMANDS = {
+    # the quickstart
+    "estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16":
+        (RUN, f"estimate --model {TINY_GPT2} --batch-size 2 --seq-len 64 --precision amp-bf16"),
+    "compare --model gpt2 --batch-size 8 --seq-len 1024 --techniques fp32,amp-bf16,checkpointing,amp-bf16+checkpointing":
+        (RUN, f"compare --model {TINY_GPT2} --batch-size 2 --seq-len 64 --techniques fp32,amp-bf16,checkpointing,amp-bf16+checkpointing"),
+    "profile --model gpt2 --device cpu --steps 1 --batch-size 1 --seq-len 64":
+        (RUN, f"profile --model {TINY_GPT2} --device cpu --steps 1 --batch-size 1 --seq-len 16"),
+    "doctor oom \"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 4.00 GiB. GPU 0 has a total capacity of 23.65 GiB "
+    "of which 1.19 GiB is free. Including non-PyTorch memory, this process has 22.45 GiB memory in use. Of the allocated memory "
+    "21.70 GiB is allocated by PyTorch, and 110.00 MiB is reserved by PyTorch but unallocated.\"": (RUN, None),   # as written
+    # the sections below
     "estimate --model llama-3.2-1b --batch-size 4 --seq-len 2048 --precision bf16":
         (RUN, f"estimate --model {TINY_LLAMA} --batch-size 4 --seq-len 256 --precision bf16"),
     "estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16 --compile":
