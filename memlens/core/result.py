@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import MemlensError
 from .version import __version__, environment
+from .notebook import result_html
 from .payloads import Payload, payload_for
 
 SCHEMA_VERSION = "1"
@@ -71,9 +72,6 @@ class Result:
 
     def _repr_html_(self) -> str:
         """What Jupyter shows: the summary, the main tables and the timeline inline."""
-        # the renderer lives in report/ (core imports nothing from it at load time; matplotlib stays optional)
-        from ..report.notebook import result_html
-
         return result_html(self)
 
     def to_json(self, indent: int | None = 2) -> str:

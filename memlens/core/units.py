@@ -112,3 +112,19 @@ def fmt_bytes(n: float | int | None, digits: int = 2) -> str:
 def gib(n: float | int) -> float:
     """Bytes to GiB as a float."""
     return float(n) / 1024**3
+
+
+_BYTE_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
+
+
+def bytes_unit(largest: float) -> tuple[float, str]:
+    """(divisor, unit) that shows ``largest`` bytes as a number between 1 and 1024 (B/KiB/MiB/GiB),
+    for an axis or a table of sizes read in one unit.
+
+    >>> bytes_unit(3 * 1024**3), bytes_unit(256 * 1024), bytes_unit(512), bytes_unit(0)
+    ((1073741824, 'GiB'), (1024, 'KiB'), (1, 'B'), (1, 'B'))
+    """
+    for unit, div in _BYTE_UNITS:
+        if abs(largest) >= div:
+            return div, unit
+    return 1, "B"

@@ -1,6 +1,8 @@
 """PNG renderings of a Result (matplotlib, Agg backend; the `viz` extra)."""
 from __future__ import annotations
 
+from ..core.units import bytes_unit  # noqa: F401 - the pictures' unit, shared with core.notebook
+
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,22 +42,6 @@ def skipped_line(names: Sequence[str] = ()) -> str:
 
 
 # ---------------------------------------------------------------- shared by every picture
-_BYTE_UNITS = (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024), ("B", 1))
-
-
-def bytes_unit(largest: float) -> tuple[float, str]:
-    """(divisor, unit) that shows ``largest`` bytes as a number between 1 and 1024 (B/KiB/MiB/GiB),
-    for an axis or a table of sizes read in one unit.
-
-    >>> bytes_unit(3 * 1024**3), bytes_unit(256 * 1024), bytes_unit(512), bytes_unit(0)
-    ((1073741824, 'GiB'), (1024, 'KiB'), (1, 'B'), (1, 'B'))
-    """
-    for unit, div in _BYTE_UNITS:
-        if abs(largest) >= div:
-            return div, unit
-    return 1, "B"
-
-
 def time_unit(span_s: float) -> tuple[float, str]:
     """(seconds per unit, unit) that shows a span of ``span_s`` seconds as a readable number (µs/ms/s).
 

@@ -8,13 +8,10 @@ True
 """
 from __future__ import annotations
 
-import base64
 import html
-import io
 from typing import Any
 
-from ..core.units import fmt_bytes
-from .plots import bytes_unit, have_matplotlib, timeline_png
+from .units import bytes_unit, fmt_bytes
 
 _CSS = ("font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;font-size:13px;max-width:980px")
 _TABLE = "border-collapse:collapse;margin:4px 0 10px 0"
@@ -76,13 +73,7 @@ def timeline_svg(timeline: list[dict[str, Any]], width: int = 900, height: int =
 def _timeline_html(result: Any) -> str:
     if not result.timeline:
         return ""
-    drawable = all("reserved_bytes" in p and "phase" in p for p in result.timeline)   # an estimate's or a profile's
-    if have_matplotlib() and drawable:
-        buf = io.BytesIO()
-        timeline_png(result, buf)
-        b64 = base64.b64encode(buf.getvalue()).decode()
-        return f"<img alt='timeline' style='max-width:100%' src='data:image/png;base64,{b64}'>"
-    return timeline_svg(result.timeline)
+    return timeline_svg(result.timeline)   # inline SVG: no matplotlib, no image files, sharp at any zoom
 
 
 def result_html(result: Any, top_modules: int = 10) -> str:
