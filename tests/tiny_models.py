@@ -209,5 +209,6 @@ class _Blocks(torch.nn.Module):
 
 
 def blocks(spec=None):
-    """Four _Blocks in a ModuleList (``blocks``); a batch of 16 x 64 fp32; loss = sum of the outputs."""
-    return _Blocks(4), torch.randn(16, 64), lambda out, batch: out.sum()
+    """Four _Blocks in a ModuleList (``blocks``); a batch of 16 (or the spec's) x 64 fp32; loss = sum of the outputs."""
+    batch = 16 if spec is None or spec.batch_size == 1 else spec.batch_size
+    return _Blocks(4), torch.randn(batch, 64), lambda out, batch: out.sum()

@@ -15,6 +15,7 @@ share one class: a decoder's layers, a ViT's blocks). How a block is checkpointe
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -143,9 +144,11 @@ def apply(model, plan: dict | Any) -> list[str]:
     >>> memlens.apply(model, {"checkpoint_layers": 12})              # doctest: +SKIP
     ['model.layers.0', ..., 'model.layers.11']
     """
-    data = getattr(plan, "data", None)
-    if isinstance(data, dict) and isinstance(data.get("recompute_plan"), dict):   # a fit --least-recompute Result
-        plan = data["recompute_plan"]["apply"]
+    data = getattr(plan, "data", plan)
+    if isinstance(data, Mapping) and isinstance(data.get("recompute_plan"), dict):   # a fit --least-recompute Result (or its JSON)
+        plan = data["recompute_plan"].get("apply")
+        if plan is None:
+            raise MemlensError("this fit found no number of checkpointed blocks that fits", hint="a smaller batch or a larger GPU")
     if not isinstance(plan, dict):
         raise MemlensError(f"a plan is a mapping such as {{'checkpoint_layers': 8}}, got {type(plan).__name__}",
                            hint="memlens.apply(model, {'checkpoint_layers': 8})")
