@@ -19,6 +19,7 @@ _EXPORTS = {
     "profile_spec": ".measure.runner", "Monitor": ".measure.monitor", "diagnose_oom": ".doctor",
     "parse_oom": ".doctor", "doctor_log": ".doctor", "doctor_snapshot": ".doctor", "doctor_stats": ".doctor",
     "estimate_trainer": ".integrations.trainer_estimate", "adaptive_batch": ".explore.adaptive", "guard": ".measure.guard",
+    "apply": ".models.checkpoint",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .integrations.trainer_estimate import estimate_trainer
     from .explore.adaptive import adaptive_batch
     from .measure.guard import guard
+    from .models.checkpoint import apply
     from .measure.monitor import Monitor
     from .measure.profiler import Profiler, profile
     from .measure.runner import profile_spec
@@ -69,6 +71,7 @@ __all__ = [
     "profile_spec",
     "Monitor",
     "guard",
+    "apply",
     "adaptive_batch",
     "diagnose_oom",
     "parse_oom",

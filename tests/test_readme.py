@@ -42,6 +42,9 @@ COMMANDS = {
         (RUN, f"estimate --model {TINY_GPT2} --batch-size 2 --seq-len 64 --precision amp-bf16 --compile"),
     "fit --model gpt2 --seq-len 512 --batch-size 32 --budget 16GiB":
         (RUN, f"fit --model {TINY_GPT2} --seq-len 512 --batch-size 32 --budget 600MiB --context 0"),
+    "fit --model llama-3.1-8b --lora-rank 16 --precision bf16 --batch-size 8 --seq-len 2048 --budget 80GiB --least-recompute":
+        (RUN, f"fit --model {TINY_LLAMA} --lora-rank 16 --precision bf16 --batch-size 8 --seq-len 512 --budget 100MiB "
+             "--least-recompute --context 0 --margin 0"),
     "compare --model gpt2-medium --batch-size 1 --seq-len 128 --measure --out cmp/":
         (PARSE, "--measure runs real steps on a GPU"),
     "sweep --model gpt2-medium --batch-sizes 4,8,16 --seq-lens 512,1024 --techniques fp32,amp-bf16+checkpointing --measure --budget 10GiB --out sw/":

@@ -197,3 +197,33 @@ def hidden_linear(spec=None):
         return model(hidden).sum()
 
     return model, x, step
+
+
+class _Block(torch.nn.Module):
+    """Linear(64 -> 256), GELU, Linear(256 -> 64), no biases: in training it saves its input x (for the first
+    weight's gradient), the GELU's input a and output g (16 x 256 fp32 each: 16 KiB)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(64, 256, bias=False)
+        self.down = torch.nn.Linear(256, 64, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block() for _ in range(n)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def blocks(spec=None):
+    """Four _Blocks in a ModuleList (``blocks``); a batch of 16 (or the spec's) x 64 fp32; loss = sum of the outputs."""
+    batch = 16 if spec is None or spec.batch_size == 1 else spec.batch_size
+    return _Blocks(4), torch.randn(batch, 64), lambda out, batch: out.sum()

@@ -44,6 +44,8 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--images-per-sample", type=int, metavar="N", help="images per sample (VLMs; default 1)")
     g.add_argument("--precision", choices=PRECISIONS, help="fp16/bf16: weights in that dtype; amp-*: fp32 weights under autocast (default fp32)")
     g.add_argument("--grad-checkpointing", action="store_const", const=True, help="recompute activations in backward")
+    g.add_argument("--checkpoint-layers", metavar="all|N|I,J,...",
+                   help="checkpoint only some blocks: the first N, or these block indices (0-based); all = --grad-checkpointing")
     g.add_argument("--attn", choices=ATTENTION, help="attention implementation (default sdpa)")
     g.add_argument("--optimizer", metavar="NAME", help=f"{' | '.join(OPTIMIZERS)} (default adamw = torch's foreach AdamW); "
                    "Trainer optim names (adamw_torch_fused, adafactor, adamw_bnb_8bit, ...) are accepted")
@@ -104,8 +106,8 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
 
 
 SPEC_FLAG_FIELDS = (
-    "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "attn",
-    "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
+    "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "checkpoint_layers",
+    "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
     "bucket_cap_mb", "loss", "keep_outputs", "lora_dropout", "pad_fraction", "kbit_prep",

@@ -29,6 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--full-plan", action="store_true",
                    help="search every plan entry (default: an entry that adds settings to one that fits and cannot be faster is not searched)")
     g.add_argument("--method", choices=("simulate", "formula"), default="simulate", help="estimator (default simulate)")
+    g.add_argument("--least-recompute", action="store_true",
+                   help="the fewest blocks to checkpoint (the first N) for --batch-size to fit, by bisection over N, each "
+                        "answer simulated; shown next to none and all, with the recompute it adds and the line that applies it")
     v = p.add_argument_group("verify on a GPU")
     v.add_argument("--verify", action="store_true", help="confirm the limit with real steps (fresh subprocesses), seeded by the estimate")
     v.add_argument("--device", default="cuda", help="device for --verify (default cuda)")
@@ -62,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     context = parse_bytes(args.context) if args.context is not None else None
     from .progress import ProgressBar
 
+    if args.least_recompute:
+        return _least_recompute(args, spec, context)
+
     with ProgressBar("fit", enabled=not args.json):
         result = fit(spec, args.budget, target_batch=args.target_batch, margin=_margin(args.margin), context_bytes=context,
                      plan=not args.no_plan, gpus=args.gpus, method=args.method, full_plan=args.full_plan)
@@ -84,6 +90,61 @@ def run(args: argparse.Namespace) -> int:
         if od is not None:
             print(f"written to {od}/")
     return 0
+
+
+def _least_recompute(args: argparse.Namespace, spec, context) -> int:
+    from ..explore.fit import least_recompute
+    from .progress import ProgressBar
+
+    if args.verify or args.target_batch is not None or args.method != "simulate":
+        raise MemlensError("--least-recompute searches the checkpointed blocks of one micro-batch, simulated",
+                           hint="drop --verify / --target-batch / --method with --least-recompute")
+    with ProgressBar("fit", enabled=not args.json):
+        result = least_recompute(spec, args.budget, margin=_margin(args.margin), context_bytes=context)
+    od = out_dir(args)
+    if od is not None:
+        result.save(od / "result.json")
+    if args.json:
+        emit_json(result)
+    else:
+        render_recompute(result)
+        if od is not None:
+            print(f"written to {od}/")
+    return 0
+
+
+def render_recompute(result) -> None:
+    """The least recompute: the answer, none / N / all side by side, and the line that applies it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    d = result.data
+    rp = d["recompute_plan"]
+    L, n = rp["layers"], rp["checkpoint_layers"]
+    head = f"[bold]{result.spec['model']}[/bold] micro-batch {d['batch_size']}: "
+    if n is None:
+        head += f"[red]does not fit even with all {L} blocks checkpointed[/red]"
+    elif n == 0:
+        head += "fits without checkpointing"
+    else:
+        head += f"checkpoint the first [bold]{n}[/bold] of {L} blocks (+{rp['added_step_seconds']:.3f} s per step predicted)"
+    c.print(head)
+    c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
+            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} simulations "
+            f"(N = {', '.join(str(p['checkpoint_layers']) for p in rp['probes'])}), {d['seconds']} s")
+    t = Table(title_justify="left")
+    for col in ("checkpointed", "fits", "need", "peak reserved", "peak allocated", "step (pred.)", "recompute", "flags"):
+        t.add_column(col, justify="left" if col in ("checkpointed", "flags") else "right", no_wrap=True)
+    for r in rp["rows"]:
+        t.add_row(r["name"], "yes" if r["fits"] else "[red]no[/red]", fmt_bytes(r["need_bytes"]), fmt_bytes(r["predicted_peak_bytes"]),
+                  fmt_bytes(r["predicted_peak_allocated_bytes"]), f"{r['predicted_step_seconds']:.3f} s",
+                  f"+{r['recompute_seconds']:.3f} s", r["flags"] or "-")
+    c.print(t)
+    if n:
+        c.print(f"apply it: {rp['code']}")
+    elif n is None:
+        c.print("[dim]a smaller --batch-size (memlens fit without --least-recompute finds the largest) or a larger GPU[/dim]")
 
 
 def render(result) -> None:

@@ -195,6 +195,7 @@ class FitPayload(Payload):
     plan: list | None = UNSET
     estimates: list | None = UNSET
     method: str | None = UNSET
+    recompute_plan: dict | None = UNSET           # --least-recompute: N of L blocks checkpointed, rows none/N/all, code
 
 
 @dataclass

@@ -39,6 +39,8 @@ class TrainingSpec:
     precision: str = None               # type: ignore[assignment]  # fp16/bf16: weights in that dtype; amp-*: fp32
                                         # weights + autocast; None: fp32, or bf16 with qlora (its compute dtype, as fit/compare use)
     grad_checkpointing: bool = False
+    checkpoint_layers: int | tuple[int, ...] | None = None  # which blocks are checkpointed: the first N, or these
+                                        # indices (0-based); None: all with grad_checkpointing ("all" and 0 normalize to that)
     attn: str = "sdpa"
     optimizer: str = "adamw"
     lora_rank: int | None = None
@@ -77,6 +79,7 @@ class TrainingSpec:
     # ---------- validation ----------
     def __post_init__(self):
         _check_int(self, "batch_size", 1)
+        _check_checkpoint_layers(self)
         _check_int(self, "images_per_sample", 1)
         _check_int(self, "grad_accum", 1)
         _check_int(self, "world_size", 1)
@@ -189,9 +192,12 @@ class TrainingSpec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("lora_dropout", 0.0),
-                              ("pad_fraction", 0.0), ("kbit_prep", False)):
+                              ("pad_fraction", 0.0), ("kbit_prep", False),
+                              ("checkpoint_layers", None)):
             if d[name] == default:     # absent unless set
                 del d[name]
+        if isinstance(d.get("checkpoint_layers"), tuple):
+            d["checkpoint_layers"] = list(d["checkpoint_layers"])
         for k in ("lora_targets", "freeze"):
             if d[k] is not None:
                 d[k] = list(d[k])
@@ -256,7 +262,7 @@ class TrainingSpec:
             parts.append(f"img={self.image_size}")
         parts.append(self.precision)
         if self.grad_checkpointing:
-            parts.append("ckpt")
+            parts.append("ckpt" + ("" if self.checkpoint_layers is None else f"={checkpoint_layers_text(self.checkpoint_layers)}"))
         if self.attn != "sdpa":
             parts.append(self.attn)
         parts.append(self.optimizer)
@@ -312,6 +318,55 @@ def _check_fraction(spec: TrainingSpec, name: str, hint: str) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
         raise SpecError(f"{flag} must be a number >= 0 and < 1, got {v!r}", hint=hint)
     object.__setattr__(spec, name, float(v))
+
+
+def parse_checkpoint_layers(value: Any) -> int | tuple[int, ...] | None:
+    """``checkpoint_layers`` from a flag or YAML: "all" (None: every block, as --grad-checkpointing), a whole
+    number N (the first N blocks) or a list of block indices ("0,2,5" or [0, 2, 5]); 0 or [] is none.
+
+    >>> parse_checkpoint_layers("all"), parse_checkpoint_layers("8"), parse_checkpoint_layers("5,0,2"), parse_checkpoint_layers([3])
+    (None, 8, (0, 2, 5), (3,))
+    """
+    bad = SpecError(f"checkpoint-layers must be all, a number of blocks or a list of block indices, got {value!r}",
+                    hint="e.g. --checkpoint-layers 8 (the first 8 blocks) or --checkpoint-layers 0,2,4")
+    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+        return None
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        if value < 0:
+            raise bad
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            return int(text)
+        value = [v.strip() for v in text.strip("[]").split(",") if v.strip()]
+        if not all(v.isdigit() for v in value):
+            raise bad
+        value = [int(v) for v in value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise bad
+    return tuple(sorted(set(value)))
+
+
+def checkpoint_layers_text(value: int | tuple[int, ...]) -> str:
+    """How a spec names its checkpointed blocks: "8" (the first 8) or "[0,2,5]"."""
+    return str(value) if isinstance(value, int) else "[" + ",".join(map(str, value)) + "]"
+
+
+def _check_checkpoint_layers(spec: TrainingSpec) -> None:
+    """Normalize ``checkpoint_layers``: "all" -> None with grad_checkpointing on; 0 / [] -> none (checkpointing
+    off); a subset switches grad_checkpointing on (it is checkpointing, of some blocks)."""
+    v = parse_checkpoint_layers(spec.checkpoint_layers) if spec.checkpoint_layers is not None else None
+    if spec.checkpoint_layers is not None and v is None:          # "all"
+        object.__setattr__(spec, "grad_checkpointing", True)
+    elif v == 0 or v == ():
+        object.__setattr__(spec, "grad_checkpointing", False)
+        v = None
+    elif v is not None:
+        object.__setattr__(spec, "grad_checkpointing", True)
+    object.__setattr__(spec, "checkpoint_layers", v)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -129,7 +129,13 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     fam = FAMILY.get(cfg.model_type, "default")
     c = ACT_PER_TOKEN[fam]
     tokens = B * L
-    if spec.grad_checkpointing:
+    ck = layers if spec.checkpoint_layers is None else min(
+        spec.checkpoint_layers if isinstance(spec.checkpoint_layers, int) else len(spec.checkpoint_layers), layers)
+    if spec.grad_checkpointing and ck < layers:   # some layers: their inputs, the others' whole activations
+        act = ck * tokens * H * e + int((layers - ck) * c * tokens * H * e)
+        act_why = (f"checkpointing {ck} of {layers} layers: their inputs of B*L*H*{e} B + {layers - ck} layers x {c:g} x "
+                   f"B*L*H x {e} B")
+    elif spec.grad_checkpointing:
         act = layers * tokens * H * e + int(c * tokens * H * e)  # layer inputs + one layer recomputed
         act_why = f"checkpointing: {layers} layer inputs of B*L*H*{e} B + one layer recomputed ({c:g}*B*L*H*{e} B)"
     else:
@@ -137,7 +143,7 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
         act_why = f"{layers} layers x {c:g} x B*L*H x {e} B ({fam} family constant, Korthikanti-style)"
     if spec.attn == "eager":
         extra = layers * B * heads * L * L * (e + 4 + (1 if fam in ("gpt2", "bert") else 0))
-        act += 0 if spec.grad_checkpointing else extra
+        act += extra * (layers - ck) // layers if spec.grad_checkpointing else extra
         act_why += "; eager attention keeps B*heads*L*L scores, probabilities (fp32) and dropout masks per layer"
     logits = 0
     logits_why = ""

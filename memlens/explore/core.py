@@ -244,8 +244,16 @@ class StepTime:
         return {"seconds": self.seconds, "parts": self.parts}
 
 
+def checkpointed_fraction(spec: TrainingSpec, layers: int | None) -> float:
+    """The share of the blocks that checkpointing recomputes: 1 for all, N/layers for some (1 if layers is unknown)."""
+    c = spec.checkpoint_layers
+    if c is None or not layers:
+        return 1.0
+    return min(c if isinstance(c, int) else len(c), layers) / layers
+
+
 def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None = None, grad_accum: int | None = None,
-                      tokens_per_sample: int | None = None) -> StepTime:
+                      tokens_per_sample: int | None = None, layers: int | None = None) -> StepTime:
     """Predicted seconds of one optimizer step (all its micro-batches), with its parts.
 
     Matmul FLOPs per token (Kaplan et al. 2020 / nanoGPT: 6N for training): forward 2N, backward
@@ -264,6 +272,13 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     0.154
     >>> round(predict_step_time(s.replace(grad_checkpointing=True), p).seconds / predict_step_time(s, p).seconds, 2)
     1.33
+
+    Checkpointing N of the model's ``layers`` blocks (``checkpoint_layers``) recomputes N/layers of the
+    forward (the blocks hold nearly all the FLOPs; without ``layers``, all of it: an upper bound):
+
+    >>> round(predict_step_time(s.replace(checkpoint_layers=8), p, layers=32).parts["recompute"]
+    ...       / predict_step_time(s.replace(grad_checkpointing=True), p).parts["recompute"], 2)
+    0.25
     """
     mb = micro_batch if micro_batch is not None else spec.batch_size
     acc = grad_accum if grad_accum is not None else spec.grad_accum
@@ -277,7 +292,7 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
     flops_per_token = 2 * n + 2 * n + 2 * nt
     if spec.dp:
         flops_per_token += (2 * n + 2 * nt) if spec.grad_sample_mode == "ghost" else 2 * nt
-    recompute = 2 * n if spec.grad_checkpointing else 0
+    recompute = 2 * n * checkpointed_fraction(spec, layers) if spec.grad_checkpointing else 0
     g = gpu_facts(spec.gpu)
     rate = 1e12 * (g.matmul_tflops_fp32 if spec.precision == "fp32" else g.matmul_tflops_half)
     util = tokens_micro / (tokens_micro + UTIL_HALF_TOKENS)

@@ -255,3 +255,153 @@ def fit_batch_size(train_step: Callable[[int], Any], *, spec: TrainingSpec | Non
         return False
 
     return verify_limit(t, seed, cap=cap)
+
+
+# ---------------------------------------------------------------- the least recompute
+def recompute_spec(spec: TrainingSpec, n: int, layers: int, all_flag: bool = True) -> TrainingSpec:
+    """``spec`` with its first ``n`` of ``layers`` blocks checkpointed (0: none; all: --grad-checkpointing, whose
+    deep stack is written from shallow models, or with ``all_flag`` False --checkpoint-layers L, memlens wrapping
+    the blocks itself, as a factory's model needs; in between: simulated whole, memlens.estimator.depth)."""
+    if n <= 0:
+        return spec.replace(checkpoint_layers=None, grad_checkpointing=False)
+    if n >= layers and all_flag:
+        return spec.replace(checkpoint_layers=None, grad_checkpointing=True)
+    return spec.replace(checkpoint_layers=n)
+
+
+def apply_line(n: int) -> str:
+    """The one line of code that applies a least-recompute answer."""
+    return f'memlens.apply(model, {{"checkpoint_layers": {n}}})'
+
+
+def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, margin: float | int | str | None = None,
+                    context_bytes: int | None = None, estimator: CachedEstimator | None = None, layers: int | None = None) -> Result:
+    """The fewest blocks to checkpoint (the first N of the model's L) for ``spec``'s micro-batch to fit ``budget``.
+
+    Peak memory falls as N grows (each checkpointed block keeps only its input), so N is found by bisection
+    between none (N = 0) and all (N = L), each answer a full simulation: none and all side by side, then the
+    pair (g - 1, g) at the line through them (the secant) guesses the crossing, then the bracket is cut in
+    thirds, two probes at a time, until the fitting N and N - 1 that does not are both simulated. The Result's
+    ``data["recompute_plan"]`` holds the answer, the rows none / N / all (peaks, fit, predicted step time and
+    the recompute it adds: N/L of whole checkpointing's, memlens.explore.core.predict_step_time) and the line
+    that applies it (``memlens.apply(model, {"checkpoint_layers": N})``).
+    """
+    from ..estimator.depth import depth_of
+    from ..models.source import resolve
+    from .core import predict_step_time
+
+    if spec.dp or spec.compile or is_distributed(spec) or spec.offload_optimizer:
+        raise MemlensError("--least-recompute is for one GPU's plain or Trainer step: DP-SGD, --compile, several GPUs and "
+                           "--offload-optimizer are not searched", hint="drop --dp / --compile / --world-size / --offload-optimizer")
+    if spec.grad_accum > 1:
+        spec = spec.replace(grad_accum=1)
+    all_flag = layers is None      # the config's layers: transformers' own switch; else memlens wraps them all
+    if layers is None:
+        source = resolve(spec.model)
+        layers = depth_of(source)
+        if layers is None and source.kind == "factory":   # a factory's model, built on the meta device: its block stack
+            layers, all_flag = _factory_blocks(spec, source), False
+    if not layers:
+        raise MemlensError(f"--least-recompute needs the number of blocks of {spec.model} (num_hidden_layers in its config)",
+                           hint="estimate a subset with --checkpoint-layers N instead")
+    b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
+    t0 = time.perf_counter()
+    est = estimator or CachedEstimator(method="simulate")
+    points: dict[int, Any] = {}
+
+    def probe(ns) -> None:
+        ns = [n for n in dict.fromkeys(ns) if n not in points]
+        specs = [recompute_spec(spec, n, layers, all_flag) for n in ns]
+        if getattr(est, "workers", 1) > 1 and len(specs) > 1:
+            est.prefetch(specs)                      # side by side in the worker processes
+        for n, s in zip(ns, specs):
+            points[n] = est(s)
+
+    def fits_(n: int) -> bool:
+        return need_bytes(points[n]) <= b.usable_bytes
+
+    probe([0, layers])
+    if fits_(0):
+        answer: int | None = 0
+    elif not fits_(layers):
+        answer = None
+    else:
+        lo, hi = 0, layers                           # lo does not fit, hi fits
+        secant = True
+        while hi - lo > 1:
+            if secant:        # the pair where the need (the fit rule's: peak reserved), linear in N, crosses the budget
+                g = next((n for n in range(lo + 1, hi) if _line(points, lo, hi, n, need_bytes) <= b.usable_bytes), hi)
+                guesses = [g - 1, g]
+            else:             # the secant's pair fell on one side: the bracket in thirds
+                span = hi - lo
+                guesses = [lo + max(1, span // 3), lo + max(1, (2 * span) // 3)]
+            probe([n for n in guesses if lo < n < hi])
+            for n in sorted(points):
+                if lo < n < hi:
+                    if fits_(n):
+                        hi = n
+                    else:
+                        lo = n
+            secant = not secant     # a secant pair that did not close the bracket: thirds next, then the secant again
+        answer = hi
+    rows = []
+
+    def row(name: str, n: int) -> dict[str, Any]:
+        p = points[n]
+        s = recompute_spec(spec, n, layers, all_flag)
+        t = predict_step_time(s, p, layers=layers)
+        return {"name": name, "checkpoint_layers": n, "layers": layers, "fits": fits_(n), "need_bytes": need_bytes(p),
+                "predicted_peak_bytes": p.peak_reserved_bytes, "predicted_peak_allocated_bytes": p.peak_allocated_bytes,
+                "predicted_step_seconds": t.seconds, "recompute_seconds": t.parts.get("recompute", 0.0),
+                "flags": "" if n == 0 else "--grad-checkpointing" if n == layers and all_flag else f"--checkpoint-layers {n}"}
+
+    rows.append(row("none", 0))
+    if answer is not None and 0 < answer < layers:
+        rows.append(row(f"first {answer} of {layers}", answer))
+    rows.append(row(f"all {layers}", layers))
+    plan: dict[str, Any] = {"layers": layers, "checkpoint_layers": answer, "fits": answer is not None, "rows": rows,
+                            "probes": [{"checkpoint_layers": n, "need_bytes": need_bytes(points[n]), "fits": fits_(n)}
+                                       for n in sorted(points)]}
+    if answer is not None:
+        plan.update(apply={"checkpoint_layers": answer}, code=apply_line(answer),
+                    flags=next(r["flags"] for r in rows if r["checkpoint_layers"] == answer))
+        base = rows[0]["predicted_step_seconds"]
+        plan["added_step_seconds"] = next(r["predicted_step_seconds"] for r in rows if r["checkpoint_layers"] == answer) - base
+    seconds = round(time.perf_counter() - t0, 2)
+    notes = [f"fits: {RULE}: {b.describe()}",
+             "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time): checkpointing N of "
+             "L blocks recomputes N/L of the forward"]
+    best = points[answer] if answer is not None else None
+    data: dict[str, Any] = {"recompute_plan": plan, **b.to_dict(), "batch_size": spec.batch_size, "estimate_calls": len(points),
+                            "seconds": seconds, "estimator": est.stats(), "method": "simulate"}
+    return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=best.peak_allocated_bytes if best else None,
+                  peak_reserved_bytes=best.peak_reserved_bytes if best else None, notes=notes, data=data)
+
+
+def _line(points: dict, lo: int, hi: int, n: int, of: Callable) -> float:
+    """``of`` at ``n`` on the line through the bracket's two simulated ends."""
+    a, b = of(points[lo]), of(points[hi])
+    return a + (b - a) * (n - lo) / (hi - lo)
+
+
+def _factory_blocks(spec: TrainingSpec, source) -> int | None:
+    import torch   # heavy: loaded when a factory's model is built
+
+    from ..models.checkpoint import find_blocks
+
+    try:
+        with torch.device("meta"):
+            built = source.factory(spec) if _takes_spec(source.factory) else source.factory()
+    except Exception:  # noqa: BLE001 - the user's factory: the caller says the blocks could not be counted
+        return None
+    model = built[0] if isinstance(built, tuple) else built
+    return len(find_blocks(model)[1])
+
+
+def _takes_spec(f) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(f).parameters) >= 1
+    except (TypeError, ValueError):
+        return False

@@ -12,6 +12,7 @@ from typing import Any
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
+from .checkpoint import checkpoint_blocks
 from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, mark_known, torch_dtype  # noqa: F401 - re-exported
 from .source import ModelSource
 
@@ -107,6 +108,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise SpecError(f"{source.name} does not support gradient checkpointing in transformers", hint="drop --grad-checkpointing")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if spec.checkpoint_layers is not None:   # some layers: the others' own switch off (models/checkpoint.py)
+            checkpoint_blocks(model, spec.checkpoint_layers)
     if spec.lora_rank:
         targets = None if spec.lora_targets else default_lora_targets(model)
         if targets:
@@ -379,6 +382,8 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
         forward_keys = forward_batch_keys(model, batch, source.name, has_loss_fn=loss_fn is not None)
     model.train()
     apply_freeze(model, spec.freeze)
+    if spec.checkpoint_layers is not None:   # the factory checkpoints all blocks or none itself (spec.grad_checkpointing)
+        checkpoint_blocks(model, spec.checkpoint_layers)
     if spec.lora_rank:
         model = apply_lora(model, spec)
     return Built(model, batch, loss_fn, forward_keys=forward_keys, step=step)
@@ -394,6 +399,8 @@ def _build_module(spec: TrainingSpec, source: ModelSource) -> Built:
         if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "gradient_checkpointing_enable"):
             raise SpecError(f"{source.name} does not support gradient checkpointing", hint="turn gradient_checkpointing off")
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if spec.checkpoint_layers is not None:
+            checkpoint_blocks(model, spec.checkpoint_layers)
         if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
             model.enable_input_require_grads()   # what peft-wrapped Trainer runs do for checkpointing
     return Built(model, batch)

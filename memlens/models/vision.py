@@ -15,6 +15,7 @@ from typing import Any
 
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.spec import TrainingSpec
+from .checkpoint import checkpoint_blocks
 from .source import ModelSource
 
 DEFAULT_IMAGE_SIZE = 224
@@ -82,7 +83,9 @@ def build_vision_module(spec: TrainingSpec, source: ModelSource, device: Any):
         batch = {"x": torch.randn(spec.batch_size, 3, S, S, dtype=dtype), "labels": torch.randint(0, n, (spec.batch_size,))}
     model.train()
     apply_freeze(model, spec.freeze)
-    if spec.grad_checkpointing:
+    if spec.checkpoint_layers is not None:   # some blocks: wrapped one by one (models/checkpoint.py)
+        checkpoint_blocks(model, spec.checkpoint_layers)
+    elif spec.grad_checkpointing:
         if not hasattr(model, "set_grad_checkpointing"):
             raise SpecError(f"{source.name} has no gradient checkpointing switch", hint="drop --grad-checkpointing (timm models have one)")
         model.set_grad_checkpointing(True)

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from ..core.errors import SpecError
 from ..core.precision import precision_of
-from ..core.spec import TrainingSpec
+from ..core.spec import TrainingSpec, checkpoint_layers_text
 from ..core.units import fmt_bytes
 from ..models.build import build, quiet
 from ..models.source import resolve as resolve_source
@@ -210,7 +210,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.freeze:
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
-        applied.append("gradient checkpointing")
+        applied.append("gradient checkpointing" + ("" if spec.checkpoint_layers is None else
+                                                   f" of blocks {checkpoint_layers_text(spec.checkpoint_layers)}"))
     if source.kind != "factory":
         applied.append(f"attention {spec.attn}")
     if spec.pad_fraction:

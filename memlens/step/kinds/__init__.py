@@ -43,6 +43,12 @@ class StepKind:
     keeps_outputs: bool = False      # its loops hold the model's outputs through backward (spec.keep_outputs None)
 
 
+def _refuse_compiled(spec: TrainingSpec, task: str | None) -> None:
+    if spec.checkpoint_layers is not None:
+        raise SpecError("--checkpoint-layers with --compile: the compiled partition of some checkpointed blocks is not modelled",
+                        hint="use --grad-checkpointing (every block), or drop --compile")
+
+
 def _run_dp(step, on_phase):
     return step.dp.run(on_phase)
 
@@ -52,7 +58,7 @@ _KINDS: list[StepKind] = [
     # (measured on an H100: bench/results/raw/gpu_dp_gap_probe.jsonl)
     StepKind("dp", lambda s: s.dp, _check_dp, _run_dp, layers_written=False,
              title="DP-SGD (Opacus make_private + BatchMemoryManager)", keeps_outputs=True),
-    StepKind("compiled", lambda s: s.compile, layers_written=False, title="torch.compile'd model"),
+    StepKind("compiled", lambda s: s.compile, _refuse_compiled, layers_written=False, title="torch.compile'd model"),
     StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),
     StepKind("plain", lambda s: True, title="plain PyTorch step"),
 ]
