@@ -32,6 +32,9 @@ class Category(str, Enum):
     def __str__(self) -> str:  # f-strings and str() give the plain name
         return self.value
 
+    def __repr__(self) -> str:  # in a dict or list it reads as the string it equals
+        return repr(self.value)
+
 
 class Phase(str, Enum):
     """Where in the training loop an event happened."""
@@ -50,6 +53,9 @@ class Phase(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 CATEGORIES: tuple[str, ...] = tuple(c.value for c in Category)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..core.errors import MemlensError
 from ..core.result import Result
+from .result import finish
 from ..core.spec import TrainingSpec
 
 MiB = 1024 * 1024
@@ -225,7 +226,7 @@ def formula_estimate(spec: TrainingSpec) -> Result:
     for t in terms:
         by_cat[t.name] = by_cat.get(t.name, 0) + t.bytes
     reserved = int(peak * 1.05)
-    return Result(
+    return finish(Result(
         verb="estimate",
         spec=spec.to_dict(),
         peak_allocated_bytes=peak,
@@ -244,4 +245,4 @@ def formula_estimate(spec: TrainingSpec) -> Result:
               "optimizer_terms": [{"name": t.name, "bytes": t.bytes, "why": t.why} for t in opt], "facts": facts,
               "cuda_context_bytes": gpu.cuda_context_bytes, "nvidia_smi_estimate_bytes": reserved + gpu.cuda_context_bytes,
               "gpu": gpu.to_dict()},
-    )
+    ), spec)

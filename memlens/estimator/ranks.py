@@ -23,6 +23,7 @@ from typing import Any
 from ..core.gpus import gpu_facts, nccl_bytes
 from ..core.spec import TrainingSpec
 from ..core.result import Result
+from .result import finish, simulation_facts
 
 TOP_MODULES = 40
 
@@ -57,7 +58,6 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     """Per-rank peaks (allocated and reserved), the rank that peaks, each simulated rank's breakdown
     by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
     from ..core.ledger import analyze, group_modules
-    from .result import simulation_facts
     from ..models.source import resolve
 
     t0 = time.perf_counter()
@@ -139,9 +139,9 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         **simulation_facts(sim, a),
         "simulate_seconds": round(time.perf_counter() - t0, 3),
     }
-    return Result(verb="estimate", spec=spec.to_dict(), peak_allocated_bytes=a.peak_allocated_bytes,
-                  peak_reserved_bytes=a.peak_reserved_bytes, by_category=dict(a.by_category), by_phase=a.by_phase,
-                  by_module=a.by_module, timeline=a.timeline, notes=notes, data=data)
+    return finish(Result(verb="estimate", spec=spec.to_dict(), peak_allocated_bytes=a.peak_allocated_bytes,
+                         peak_reserved_bytes=a.peak_reserved_bytes, by_category=dict(a.by_category), by_phase=a.by_phase,
+                         by_module=a.by_module, timeline=a.timeline, notes=notes, data=data), spec)
 
 
 def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 from ..core.components import by_component
-from ..core.gpus import gpu_facts
+from ..core.fits import Budget, fits
+from ..core.gpus import gpu_facts, nccl_bytes
 from ..core.ledger import group_modules
+from ..core.parallel import is_distributed
 from ..core.precision import precision_of
 from ..core.result import Result
 
@@ -72,4 +74,45 @@ def simulation_result(sim, a) -> Result:
 
         r.data["compile_model"] = MODEL
         r.notes.append(f"--compile: {MODEL}.")
-    return r
+    return finish(r, spec)
+
+
+def finish(result: Result, spec) -> Result:
+    """What every estimate Result says last, however it was made (a simulation here or in a worker, a replay,
+    every rank, the closed form): what the GPU cannot do natively, and whether it fits that GPU."""
+    result.notes.extend(hardware_notes(spec))
+    gpu_verdict(result, spec)
+    return result
+
+
+def gpu_verdict(result: Result, spec) -> None:
+    """The fit rule (:mod:`memlens.core.fits`) against the whole of ``spec.gpu`` (the named GPU, or the
+    default h100): its total memory as PyTorch reports it, less the CUDA context (and, per rank,
+    NCCL's measured buffers) and the rule's margin. Always given, so an estimate never leaves out
+    whether it fits the GPU it was made for; ``fit`` and ``fit_verdict`` in the payload."""
+    g = gpu_facts(spec.gpu)
+    ctx = g.cuda_context_bytes
+    if is_distributed(spec):
+        ctx += nccl_bytes(g.name, spec.world_size)[0] or 0
+    b = Budget.make("total", context_bytes=ctx, gpu=g.name)
+    v = fits(result, b)
+    words = v.describe(f"the {g.name}" + (" (per rank)" if is_distributed(spec) else ""))
+    result.data.fit = {**b.to_dict(), **v.to_dict(), "gpu": g.name}
+    result.data.fit_verdict = words
+
+
+def hardware_notes(spec) -> list[str]:
+    """What the GPU cannot do natively that the spec asks of it (the memory is the same; the speed is not).
+
+    >>> from memlens.core.spec import TrainingSpec
+    >>> hardware_notes(TrainingSpec(model="gpt2", gpu="t4", precision="bf16"))[0][:59]
+    't4 (turing, sm75) has no bf16 tensor cores: bf16 runs emula'
+    """
+    gpu = gpu_facts(spec.gpu)
+    p = precision_of(spec)
+    uses_bf16 = "bfloat16" in (p.weights, p.autocast) or (spec.qlora and p.weights != "float16" and p.autocast != "float16")
+    if uses_bf16 and not gpu.bf16:
+        cc = "".join(map(str, gpu.compute_capability))
+        return [f"{gpu.name} ({gpu.arch}, sm{cc}) has no bf16 tensor cores: bf16 runs emulated, much slower; "
+                "memory is as estimated (use fp16 or amp-fp16 for speed on it)"]
+    return []
