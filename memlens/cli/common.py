@@ -71,6 +71,11 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--lora-dropout", type=float, metavar="P", help="peft's lora_dropout (0 <= P < 1, e.g. 0.05): a dropout "
                    "mask and a dropped copy of each adapted layer's input are saved for backward (needs --lora-rank; default 0)")
     g.add_argument("--qlora", action="store_const", const=True, help="4-bit NF4 base weights (needs --lora-rank)")
+    g.add_argument("--use-cache", dest="use_cache", action="store_const", const=True,
+                   help="transformers builds its KV cache in the training forward (config.use_cache; the default of most configs)")
+    g.add_argument("--no-cache", dest="use_cache", action="store_const", const=False,
+                   help="your loop sets model.config.use_cache = False (the Trainer does; fused-qkv models then keep their "
+                        "qkv output for backward instead of the cache's K/V copies)")
     g.add_argument("--kbit-prep", action="store_const", const=True,
                    help="QLoRA: peft's prepare_model_for_kbit_training before LoRA: non-quantized parameters (norms, embeddings, "
                         "lm_head) in fp32, gradient checkpointing as peft enables it, input gradients (needs --qlora)")
@@ -110,7 +115,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "loss", "keep_outputs", "lora_dropout", "pad_fraction", "kbit_prep",
+    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep",
 )
 
 

@@ -73,6 +73,8 @@ class TrainingSpec:
     pad_fraction: float = 0.0           # text: share of padding tokens per sample (right padding: attention_mask 0, labels -100)
     kbit_prep: bool = False             # QLoRA: peft's prepare_model_for_kbit_training before LoRA (fp32 non-quantized
                                         # parameters, gradient checkpointing as peft enables it, input gradients)
+    use_cache: bool | None = None       # transformers' KV cache during the training forward (config.use_cache): None: the
+                                        # model config's (what a plain loop gets), False with --hf-trainer (the Trainer's)
     keep_outputs: bool | None = None    # the loop holds the model's outputs (logits) through backward until its next
                                         # forward returns; None: the step kind's habit (DP-SGD loops keep them)
 
@@ -91,6 +93,11 @@ class TrainingSpec:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
         _check_choice("loss", self.loss, LOSSES)
+        if self.use_cache is not None and not isinstance(self.use_cache, bool):
+            raise SpecError(f"use-cache must be true or false, got {self.use_cache!r}", hint="--use-cache or --no-cache")
+        if self.use_cache and self.hf_trainer:
+            raise SpecError("--use-cache with --hf-trainer: the Trainer sets config.use_cache = False (TrainingArguments.use_cache)",
+                            hint="drop --use-cache")
         if self.keep_outputs is not None and not isinstance(self.keep_outputs, bool):
             raise SpecError(f"keep-outputs must be true or false, got {self.keep_outputs!r}", hint="--keep-outputs or --drop-outputs")
         object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
@@ -191,7 +198,7 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("lora_dropout", 0.0),
+        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("use_cache", None), ("lora_dropout", 0.0),
                               ("pad_fraction", 0.0), ("kbit_prep", False),
                               ("checkpoint_layers", None)):
             if d[name] == default:     # absent unless set
@@ -290,6 +297,8 @@ class TrainingSpec:
             parts.append(f"loss={self.loss}")
         if self.keep_outputs is not None:
             parts.append("keep-outputs" if self.keep_outputs else "drop-outputs")
+        if self.use_cache is not None:
+            parts.append("use-cache" if self.use_cache else "no-cache")
         if self.dp:
             parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if is_distributed(self):
@@ -377,7 +386,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
-          "keep_outputs"}
+          "keep_outputs", "use_cache"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "target_len"}
 

@@ -66,6 +66,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
         base_spec = technique_spec(spec, names[0])
     except MemlensError:
         base_spec = spec                # the baseline's own row says why; the others build on the spec as given
+    if tech.kind(names[0]) == tech.PRIVACY:
+        base_spec = spec                # a non-private baseline (DP compare): the DP rows are the spec as given
 
     def row_spec(i: int, name: str) -> TrainingSpec:
         return technique_spec(spec if i == 0 else base_spec, name)

@@ -101,6 +101,10 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     model.train()
     if spec.hf_trainer and hasattr(model.config, "use_cache"):
         model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
+    elif spec.use_cache is not None and hasattr(model.config, "use_cache"):
+        # with the cache, each layer's K and V are cat'd into a DynamicCache (new tensors the attention kernel keeps);
+        # without it the kernel keeps V as a view of its projection: a fused qkv output (GPT-NeoX, GPT-2) stays alive
+        model.config.use_cache = spec.use_cache
     apply_freeze(model, spec.freeze)
     if spec.kbit_prep:
         prepare_for_kbit(model, source.name)

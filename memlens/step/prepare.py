@@ -214,6 +214,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
                                                    f" of blocks {checkpoint_layers_text(spec.checkpoint_layers)}"))
     if source.kind != "factory":
         applied.append(f"attention {spec.attn}")
+    if spec.use_cache is not None and source.kind != "factory":
+        applied.append(f"config.use_cache = {spec.use_cache}")
     if spec.pad_fraction:
         applied.append(f"padding: the last {spec.pad_fraction:g} of each sample's tokens (attention_mask 0, labels -100)")
     if spec.kbit_prep:

@@ -79,8 +79,9 @@ def test_levers_estimated_with_a_spec():
     from memlens.core.spec import TrainingSpec
     from memlens.core.result import Result
 
-    def fake_estimate(spec):      # activations grow with the batch, the rest is fixed
+    def fake_estimate(spec):      # activations grow with the batch, the rest is fixed; reserved 8 MiB above allocated
         return Result(verb="estimate", peak_allocated_bytes=40 * MiB + spec.batch_size * 4 * MiB,
+                      peak_reserved_bytes=48 * MiB + spec.batch_size * 4 * MiB,
                       by_category={"activations": spec.batch_size * 4 * MiB})
 
     r = build_report(syn.capture(), "", spec=TrainingSpec(model="gpt2", batch_size=8), estimate_fn=fake_estimate)
@@ -88,7 +89,8 @@ def test_levers_estimated_with_a_spec():
     assert r.data["levers_estimated"] is True and r.spec["batch_size"] == 8
     halve = levers["halve micro-batch, double accumulation"]
     assert halve["changes"] == {"batch_size": 4, "grad_accum": 2} and halve["peak_allocated_bytes"] == 56 * MiB
-    # budget = reserved + free = 74 MiB less the fit rule's margin (256 MiB minimum > 74 MiB: the budget itself)
+    # budget = reserved + free = 74 MiB less the fit rule's margin (256 MiB minimum > 74 MiB: the budget itself);
+    # the rule reads reserved: halving needs 64 MiB, checkpointing (nothing to checkpoint here) 80 MiB
     assert halve["fits"] is True and levers["checkpointing"]["fits"] is False
 
 

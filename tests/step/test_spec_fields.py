@@ -42,7 +42,7 @@ APPLIED = {
     "lora_rank": ("gpt2", 8), "freeze": ("gpt2", ("wte",)), "grad_accum": ("gpt2", 2),
     "gpu": ("gpt2", "a100-80gb"), "hf_trainer": ("gpt2", True), "compile": ("gpt2", True),
     "loss": ("gpt2", "criterion-fp32"), "keep_outputs": ("gpt2", True), "pad_fraction": ("gpt2", 0.25),
-    "checkpoint_layers": ("gpt2", 1),
+    "checkpoint_layers": ("gpt2", 1), "use_cache": ("gpt2", False),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
     "target_len": ("gpt2", 16, "target"),

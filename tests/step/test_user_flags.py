@@ -147,3 +147,16 @@ def test_the_closed_form_refuses_what_it_has_no_terms_for(fields, words):
     with pytest.raises(MemlensError) as e:
         estimate(TrainingSpec(model="gpt2", **fields), method="formula")
     assert words in e.value.message and "\n" not in e.value.render() and "simulation" in e.value.hint
+
+
+def test_the_kv_cache_of_a_training_forward_is_simulated():
+    """transformers' DynamicCache cat's each layer's K and V into new (B, H, T, d) tensors, which the attention
+    kernel then keeps for backward. GPT-2's query stays a view of its fused (B, T, 3H) c_attn output either way,
+    so with the cache the two copies are extra: 2 x B*T*H fp32 per layer. (GPT-NeoX's query is a new rotary
+    tensor, so there --no-cache keeps the whole projection alive through V's view instead: measured on an H100,
+    bench/results/newuser_accuracy.md.)"""
+    base = TrainingSpec(model="gpt2", batch_size=8, seq_len=512)
+    with_cache, without = estimate(base.replace(use_cache=True)), estimate(base.replace(use_cache=False))
+    assert "config.use_cache = False" in without.data["applied"]
+    layers, B, T, H = 12, 8, 512, 768
+    assert with_cache.by_category["activations"] - without.by_category["activations"] == layers * 2 * B * T * H * 4
