@@ -1,0 +1,82 @@
+"""Partial activation checkpointing on a real GPU: peak and step time with none, some and all blocks checkpointed.
+
+    python bench/gpu_recompute.py OUT.jsonl [case-substring ...]      # GPU; each case in a fresh subprocess
+
+The step is memlens' prepared step (memlens.step.prepare, the code `estimate` simulates), so the same spec is
+estimated on the CPU by bench/recompute_accuracy.py. Per case: max_memory_allocated / max_memory_reserved over
+steps 2-4 (reset after step 1) and the median step time of steps 2-4 (synchronized).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BASES = {
+    "llama8b-lora16-bf16-b2-L2048": (dict(model="llama-3.1-8b", lora_rank=16, precision="bf16", batch_size=2, seq_len=2048), 32),
+    "llama1b-full-bf16-b4-L2048": (dict(model="llama-3.2-1b", precision="bf16", batch_size=4, seq_len=2048), 16),
+    "vit-ampbf16-b256": (dict(model="vit-base-patch16-224", precision="amp-bf16", batch_size=256), 12),
+}
+
+
+def cases() -> list[tuple[str, dict]]:
+    out = []
+    for name, (fields, layers) in BASES.items():
+        for n in (0, layers // 2, layers):
+            out.append((f"{name}-ckpt{n}of{layers}", {**fields, **({"checkpoint_layers": n} if n else {})}))
+    return out
+
+
+def run_case(fields: dict) -> dict:
+    import torch
+
+    from memlens.core.spec import TrainingSpec
+    from memlens.step import prepare
+
+    spec = TrainingSpec(**fields)
+    step = prepare(spec, device=torch.device("cuda"), seed=0)
+    step.run()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        step.run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return {"spec": spec.to_dict(), "max_allocated": torch.cuda.max_memory_allocated(),
+            "max_reserved": torch.cuda.max_memory_reserved(), "step_seconds": statistics.median(times), "times": times}
+
+
+def main() -> None:
+    out = sys.argv[1]
+    if len(sys.argv) > 2 and sys.argv[2] == "--child":
+        name = sys.argv[3]
+        fields = dict(cases())[name]
+        try:
+            rec = {"name": name, **run_case(fields)}
+        except Exception as e:  # noqa: BLE001 - recorded, the next case runs
+            rec = {"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        with open(out, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return
+    wanted = sys.argv[2:]
+    for name, _ in cases():
+        if wanted and not any(w in name for w in wanted):
+            continue
+        t = time.perf_counter()
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), out, "--child", name], capture_output=True, text=True,
+                           timeout=300, cwd=ROOT)
+        print(f"{name:44s} rc={r.returncode} {time.perf_counter() - t:5.1f}s {r.stderr.strip().splitlines()[-1:] if r.returncode else ''}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
