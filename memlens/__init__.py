@@ -7,8 +7,10 @@
 
 Importing memlens does not import torch; the functions do when called.
 """
-from .core.version import __version__
+import importlib
 from typing import TYPE_CHECKING
+
+from .core.version import __version__
 
 # Each name is imported on first use (PEP 562), so `import memlens` imports neither torch nor the
 # verbs a program does not call (`memlens doctor` never imports torch; `memlens estimate` no doctor).
@@ -24,27 +26,32 @@ _EXPORTS = {
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .core.errors import MemlensError
+    from .core.result import Result
     from .core.spec import TrainingSpec
-    from .doctor import diagnose_oom, doctor_log, doctor_snapshot, doctor_stats, parse_oom
+    from .doctor import (
+        diagnose_oom,
+        doctor_log,
+        doctor_snapshot,
+        doctor_stats,
+        parse_oom,
+    )
     from .estimator import estimate
+    from .explore.adaptive import adaptive_batch
     from .explore.compare import compare
     from .explore.fit import fit, fit_batch_size
     from .explore.sweep import sweep
     from .integrations.trainer_estimate import estimate_trainer
-    from .explore.adaptive import adaptive_batch
     from .measure.guard import guard
-    from .models.checkpoint import apply
     from .measure.monitor import Monitor
     from .measure.profiler import Profiler, profile
     from .measure.runner import profile_spec
-    from .core.result import Result
+    from .models.checkpoint import apply
 
 
 def __getattr__(name: str):
     mod = _EXPORTS.get(name)
     if mod is None:
         raise AttributeError(f"module 'memlens' has no attribute {name!r}")
-    import importlib
 
     value = getattr(importlib.import_module(mod, __name__), name)
     globals()[name] = value

@@ -6,8 +6,17 @@ import os
 import sys
 from pathlib import Path
 
-from ..core.errors import SpecError
-from ..core.spec import ATTENTION, GRAD_SAMPLE_MODES, LOSSES, OPTIMIZERS, PRECISIONS, SHARDING, TrainingSpec
+from ..core.errors import NoDeviceError, SpecError
+from ..core.spec import (
+    ATTENTION,
+    GRAD_SAMPLE_MODES,
+    LOSSES,
+    OPTIMIZERS,
+    PRECISIONS,
+    SHARDING,
+    TrainingSpec,
+)
+from ..integrations.trainer_args import spec_fields_from_file, weights_of_model
 
 
 def whole(lowest: int):
@@ -130,7 +139,6 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     skip = set()
     if getattr(args, "trainer_args", None):
         # with --trainer-args, --precision names the model's weights; the file's bf16/fp16 go over them
-        from ..integrations.trainer_args import spec_fields_from_file, weights_of_model
 
         model = getattr(args, "model", None) or base.get("model")
         weights = getattr(args, "precision", None) or base.get("precision") or (weights_of_model(model) if model else None)
@@ -180,13 +188,11 @@ def require_cuda(device: str) -> None:
     if not device.startswith("cuda"):
         return
     try:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         ok = torch.cuda.is_available()
     except ImportError:
         ok = False
     if not ok:
-        from ..core.errors import NoDeviceError
-
         raise NoDeviceError("--measure needs a CUDA GPU and this machine has none",
                             hint="drop --measure for estimates, or --device cpu to time the steps only")

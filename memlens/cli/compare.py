@@ -14,7 +14,22 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
-from .common import require_cuda, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
+from ..explore.compare import compare, parse_techniques, plot_compare
+from ..report import (
+    plots as plots_mod,  # a module: have_matplotlib is asked at call time
+)
+from ..report.plots import skip_plots
+from .common import (
+    add_output_args,
+    add_spec_args,
+    emit_json,
+    out_dir,
+    positive,
+    require_cuda,
+    spec_from_args,
+    whole,
+)
+from .progress import ProgressBar
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,8 +50,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..explore.compare import compare, parse_techniques, plot_compare
-
     spec = spec_from_args(args)
     names = parse_techniques(args.techniques) if args.techniques is not None or not spec.dp else None  # --dp: hooks vs ghost vs non-private
     if args.steps < 1:
@@ -44,15 +57,12 @@ def run(args: argparse.Namespace) -> int:
     if args.measure:
         require_cuda(args.device)
     od = out_dir(args)
-    from .progress import ProgressBar
 
     with ProgressBar("compare (measuring)" if args.measure else "compare", enabled=not args.json):
         result = compare(spec, names, measure=args.measure, device=args.device, steps=args.steps, timeout=args.timeout,
                          budget=args.budget)
     if od is not None:
-        from ..report.plots import have_matplotlib, skip_plots
-
-        if have_matplotlib():
+        if plots_mod.have_matplotlib():
             plot_compare(result, od / "compare.png")
         else:
             skip_plots(result, ["compare.png"])
@@ -71,8 +81,12 @@ def _pct(x) -> str:
 
 
 def render(result) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -119,6 +133,8 @@ def render(result) -> None:
 
 
 if __name__ == "__main__":
-    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    from .main import (
+        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    )
 
     sys.exit(main(["compare", *sys.argv[1:]]))

@@ -15,9 +15,32 @@ import re
 import sys
 
 from ..core.errors import MemlensError
-from ..core.payloads import DoctorLogPayload, DoctorOomPayload, DoctorSnapshotPayload, DoctorStatsPayload
+from ..core.payloads import (
+    DoctorLogPayload,
+    DoctorOomPayload,
+    DoctorSnapshotPayload,
+    DoctorStatsPayload,
+)
 from ..core.units import fmt_bytes, parse_bytes
-from .common import SPEC_FLAG_FIELDS, add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
+from ..doctor.account import Account
+from ..doctor.log import doctor_log, read_text
+from ..doctor.oom import diagnose_oom
+from ..doctor.snapshot import doctor_snapshot
+from ..doctor.stats import doctor_stats
+from ..report import (
+    plots as plots_mod,  # a module: have_matplotlib is asked at call time
+)
+from ..report.doctor_plots import plot_log, plot_snapshot
+from ..report.plots import skip_plots
+from .common import (
+    SPEC_FLAG_FIELDS,
+    add_output_args,
+    add_spec_args,
+    emit_json,
+    out_dir,
+    spec_from_args,
+    whole,
+)
 
 WHATS = ("oom", "log", "snapshot", "stats")
 
@@ -60,9 +83,7 @@ def run(args: argparse.Namespace) -> int:
     result, plot = {"oom": _oom, "log": _log, "snapshot": _snapshot, "stats": _stats}[what](args)
     d = out_dir(args)
     if d is not None:
-        from ..report.plots import have_matplotlib, skip_plots
-
-        if plot is not None and have_matplotlib():
+        if plot is not None and plots_mod.have_matplotlib():
             plot(result, d / f"{what}.png")
         elif plot is not None:
             skip_plots(result, [f"{what}.png"])
@@ -80,8 +101,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _read_text_arg(value: str | None, what: str) -> str:
     """A file's text if ``value`` names a file, stdin for '-' or nothing, else the value itself."""
-    from ..doctor.log import read_text
-
     if value not in (None, "-"):
         if os.path.isfile(value) or _looks_like_path(value):
             return read_text(value, what)
@@ -101,8 +120,6 @@ def _looks_like_path(value: str) -> bool:
 
 
 def _oom(args):
-    from ..doctor.oom import diagnose_oom
-
     text = _read_text_arg(args.text, "OOM message")
     wants_spec = args.config or any(getattr(args, name, None) is not None for name in SPEC_FLAG_FIELDS)
     spec = spec_from_args(args) if wants_spec else None
@@ -110,9 +127,6 @@ def _oom(args):
 
 
 def _log(args):
-    from ..doctor.log import doctor_log, read_text
-    from ..report.doctor_plots import plot_log
-
     text = _read_text_arg(None, "training log") if args.logfile == "-" else read_text(args.logfile, "log")
     cap = parse_bytes(args.capacity) if args.capacity else None
     if cap == 0:
@@ -121,28 +135,27 @@ def _log(args):
 
 
 def _snapshot(args):
-    from ..report.doctor_plots import plot_snapshot
-    from ..doctor.snapshot import doctor_snapshot
-
     return doctor_snapshot(args.snapshot, diff_with=args.diff, top=args.top), plot_snapshot
 
 
 def _stats(args):
-    from ..doctor.stats import doctor_stats
-
     return doctor_stats(args.stats), None
 
 
 # ---------------------------------------------------------------- rendering
 
 def _console():
-    from rich.console import Console
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     return Console(soft_wrap=False)
 
 
 def _kv_table(rows, title=None):
-    from rich.table import Table
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     t = Table(title=title, show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
@@ -184,15 +197,15 @@ def _render_oom(result) -> None:
 
 def _account_lines(acc: dict) -> list:
     """The account's rows (label, bytes, what) from its JSON form."""
-    from ..doctor.account import Account
-
     if not acc:
         return []
     return Account(**acc).lines()
 
 
 def _render_estimate(c, est) -> None:
-    from rich.table import Table
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c.print(f"\n[bold]Estimate of your configuration[/bold]: peak allocated {fmt_bytes(est['estimated_peak_allocated_bytes'])}"
             + (f", budget on this GPU {fmt_bytes(est['budget_bytes'])}" if est.get("budget_bytes") is not None else ""))
@@ -247,7 +260,9 @@ def _render_log(result) -> None:
 
 
 def _render_snapshot(result) -> None:
-    from rich.table import Table
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c = _console()
     d: DoctorSnapshotPayload = result.data
@@ -310,6 +325,8 @@ RENDER = {"oom": _render_oom, "log": _render_log, "snapshot": _render_snapshot, 
 
 
 if __name__ == "__main__":
-    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    from .main import (
+        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    )
 
     sys.exit(main(["doctor", *sys.argv[1:]]))

@@ -10,7 +10,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
+from ..core.gpus import GPUS
+from ..core.units import fmt_bytes
+from ..estimator import estimate
+from ..models import registry
+from ..report import (
+    plots as plots_mod,  # a module: have_matplotlib is asked at call time
+)
+from ..report.plots import skip_plots, timeline_png
+from ..report.profile_report import timeline_csv
+from ..report.table import print_memory
+from .common import (
+    add_output_args,
+    add_spec_args,
+    emit_json,
+    out_dir,
+    spec_from_args,
+    whole,
+)
+from .progress import ProgressBar
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -29,34 +47,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
-        from ..models import registry
-
         for name in registry.names():
             doc = registry.get(name)
             print(f"{name:30s} {doc['task']:22s} {doc['hf_id']}")
         return 0
     if args.list_gpus:
-        from ..core.gpus import GPUS
-        from ..core.units import fmt_bytes
-
         for g in GPUS.values():
             attn = "cudnn" if g.cudnn_attention else "flash" if g.flash_attention else "efficient"
             print(f"{g.name:10s} {g.label:26s} {g.arch:7s} {fmt_bytes(g.total_memory_bytes):>10s}  context {fmt_bytes(g.cuda_context_bytes)}"
                   f"  half attention: {attn:9s} ({g.source})")
         return 0
     spec = spec_from_args(args)
-    from ..estimator import estimate
-    from .progress import ProgressBar
 
     with ProgressBar("estimate", enabled=not args.json):
         result = estimate(spec, method=args.method)
     d = out_dir(args)
     written: list[str] = []
     if d is not None:
-        from ..report.plots import have_matplotlib, skip_plots, timeline_png
-        from ..report.profile_report import timeline_csv
-
-        if result.timeline and have_matplotlib():
+        if result.timeline and plots_mod.have_matplotlib():
             timeline_png(result, d / "timeline.png")
             written.append("timeline.png")
         elif result.timeline:
@@ -67,8 +75,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
     else:
-        from ..report.table import print_memory
-
         print_memory(result, top_modules=args.top)
         if d is not None:
             print(f"written to {d}/ ({', '.join(written)})")
@@ -76,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    from .main import (
+        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    )
 
     sys.exit(main(["estimate", *sys.argv[1:]]))

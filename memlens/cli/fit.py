@@ -12,7 +12,22 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, positive, whole
+from ..explore.fit import (  # heavy: the estimator loads torch
+    fit,
+    least_recompute,
+    require_verify_device,
+    verify_fit,
+)
+from .common import (
+    add_output_args,
+    add_spec_args,
+    emit_json,
+    out_dir,
+    positive,
+    spec_from_args,
+    whole,
+)
+from .progress import ProgressBar
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,15 +70,12 @@ def _margin(text: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..explore.fit import fit, require_verify_device, verify_fit   # heavy: the estimator loads torch
-
     spec = spec_from_args(args)
     if args.gpus < 1:
         raise MemlensError(f"--gpus must be >= 1, got {args.gpus}", hint="e.g. --gpus 8 (1 leaves multi-GPU plans out)")
     if args.verify:
         require_verify_device(args.device)
     context = parse_bytes(args.context) if args.context is not None else None
-    from .progress import ProgressBar
 
     if args.least_recompute:
         return _least_recompute(args, spec, context)
@@ -93,9 +105,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _least_recompute(args: argparse.Namespace, spec, context) -> int:
-    from ..explore.fit import least_recompute
-    from .progress import ProgressBar
-
     if args.verify or args.target_batch is not None or args.method != "simulate":
         raise MemlensError("--least-recompute searches the checkpointed blocks of one micro-batch, simulated",
                            hint="drop --verify / --target-batch / --method with --least-recompute")
@@ -115,8 +124,12 @@ def _least_recompute(args: argparse.Namespace, spec, context) -> int:
 
 def render_recompute(result) -> None:
     """The least recompute: the answer, none / N / all side by side, and the line that applies it."""
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -149,8 +162,12 @@ def render_recompute(result) -> None:
 
 def render(result) -> None:
     """The answer and the plan as rich tables."""
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -195,6 +212,8 @@ def render(result) -> None:
 
 
 if __name__ == "__main__":
-    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    from .main import (
+        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    )
 
     sys.exit(main(["fit", *sys.argv[1:]]))

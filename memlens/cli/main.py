@@ -15,6 +15,7 @@ import traceback
 
 from ..core.errors import MemlensError
 from ..core.usercode import user_code_error
+from ..core.version import __version__
 
 # verb -> module name under memlens.cli
 VERBS = {
@@ -39,7 +40,6 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser of every verb, or with ``verb`` of that verb alone (imports only its module:
     `memlens estimate` loads no doctor, `memlens doctor` no torch)."""
     parser = _Parser(prog="memlens", description="Predict, measure and explain the GPU memory of PyTorch training.")
-    from ..core.version import __version__
 
     parser.add_argument("--version", action="version", version=f"memlens {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for internal errors")

@@ -16,10 +16,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..core.parallel import is_distributed
 from ..core.errors import MemlensError
+from ..core.parallel import is_distributed
 from ..core.units import fmt_bytes
-from .common import add_output_args, add_spec_args, emit_json, out_dir, spec_from_args, whole
+from ..report.profile_report import write_report
+from .common import (
+    add_output_args,
+    add_spec_args,
+    emit_json,
+    out_dir,
+    spec_from_args,
+    whole,
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     d = out_dir(args)
     if args.snapshot and d is None:
         raise MemlensError("--snapshot writes a pickle file", hint="add --out DIR")
-    from ..measure.runner import profile_job   # heavy: the measuring side loads torch
+    from ..measure.runner import profile_job  # heavy: the measuring side loads torch
 
     with _progress(args, args.steps) as progress:
         result, artifacts = profile_job(spec, steps=args.steps, warmup=args.warmup, device=args.device, mode=args.mode,
@@ -58,8 +66,6 @@ def run(args: argparse.Namespace) -> int:
                                         progress=None if is_distributed(spec) else progress,
                                         load_on_cpu=args.load_on_cpu, own_process=True)
     if d is not None:
-        from ..report.profile_report import write_report
-
         write_report(result, d, artifacts.get("memory_snapshot"))
     if args.json:
         emit_json(result)
@@ -82,8 +88,12 @@ class _progress:
     def __enter__(self):
         if not self.on:
             return None
-        from rich.console import Console
-        from rich.progress import Progress
+        from rich.console import (
+            Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+        )
+        from rich.progress import (
+            Progress,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+        )
 
         self.bar = Progress(console=Console(stderr=True), transient=True)
         self.bar.start()
@@ -96,14 +106,18 @@ class _progress:
 
 
 def _console():
-    from rich.console import Console
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     return Console(soft_wrap=False)
 
 
 def render(result) -> None:
     """The terminal summary of a profile Result."""
-    from rich.table import Table
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c = _console()
     d = result.data

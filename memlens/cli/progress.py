@@ -73,8 +73,17 @@ class ProgressBar:
         with self._lock:
             if self._closed or self._bar is not None:
                 return
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+            from rich.console import (
+                Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+            )
+            from rich.progress import (  # heavy enough: rich, loaded only when a table is printed (not for --json)
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
 
             bar = Progress(SpinnerColumn(), TextColumn(f"[bold]{self.title}[/bold]"), BarColumn(bar_width=24),
                            MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"),

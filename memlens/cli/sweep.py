@@ -20,11 +20,31 @@ memory_heatmap.png; detailed_*.json/png, operation_level_breakdown.png):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
-from .common import require_cuda, add_output_args, add_spec_args, emit_json, spec_from_args, positive, whole, writable_dir
+from ..explore.compare import parse_techniques
+from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
+from ..models.source import resolve
+from ..report import (
+    plots as plots_mod,  # a module: have_matplotlib is asked at call time
+)
+from ..report.opacus_files import write_opacus_files
+from ..report.plots import skip_plots
+from .common import (
+    add_output_args,
+    add_spec_args,
+    emit_json,
+    positive,
+    require_cuda,
+    spec_from_args,
+    whole,
+    writable_dir,
+)
+from .progress import ProgressBar
 
 SEED_MODEL = "meta-llama/Llama-3.1-8B-Instruct"   # the Opacus profiler's default --model_name
 
@@ -89,8 +109,6 @@ def _flat(v) -> list[int]:
 
 def _seed_names(args: argparse.Namespace) -> None:
     """Fold the Opacus profiler's flag names into memlens' (one clear line when they disagree)."""
-    import os
-
     if args.model_name:
         if args.model and args.model != args.model_name:
             raise MemlensError(f"--model {args.model} and --model_name {args.model_name} disagree", hint="give one of them")
@@ -108,9 +126,6 @@ def _seed_names(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..explore.compare import parse_techniques
-    from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
-
     _seed_names(args)
     spec = spec_from_args(args)
     grid = Grid(_flat(args.batch_sizes), _flat(args.seq_lens), _flat(args.lora_ranks), _flat(args.physical_batch_sizes),
@@ -129,7 +144,6 @@ def run(args: argparse.Namespace) -> int:
         raise MemlensError("--budget is 0", hint="e.g. --budget 16GiB")
     if args.measure:
         require_cuda(args.device)
-    from ..models.source import resolve
 
     resolve(spec.model)   # a model that cannot be had is one line, not an error in every cell
     out = args.out or "memlens-sweep"
@@ -138,26 +152,20 @@ def run(args: argparse.Namespace) -> int:
     if big and len(big) < len(grid_cells(spec, grid)) and not args.json:
         print(f"skipping {len(big)} cell(s) with max_physical_batch_size > batch_size: the physical batch is a part of the "
               f"logical batch (Opacus' BatchMemoryManager), e.g. {big[0].key}", file=sys.stderr)
-    from .progress import ProgressBar
 
     with ProgressBar("sweep (measuring)" if args.measure else "sweep", enabled=not args.json):
         result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
                        timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, detailed=args.detailed,
                        progress=_lines if not args.json and not sys.stderr.isatty() else None)
-    from pathlib import Path
-
-    from ..report.plots import have_matplotlib, skip_plots
 
     od = Path(out)
     write_csv(result, od / "sweep.csv")
-    plots = plot_sweep(result, od) if have_matplotlib() else []
-    if not have_matplotlib():
+    plots = plot_sweep(result, od) if plots_mod.have_matplotlib() else []
+    if not plots_mod.have_matplotlib():
         skip_plots(result, ["heatmap_*.png", "memory_vs_batch.png", "timelines/*.png"]
                    + (["memory_analysis_overview.png", "memory_heatmap.png"] if _is_dp_sweep(spec, grid) else []))
     if _is_dp_sweep(spec, grid):
-        from ..report.opacus_files import write_opacus_files
-
-        seed = write_opacus_files(result, od, detailed=args.detailed, plots=have_matplotlib())
+        seed = write_opacus_files(result, od, detailed=args.detailed, plots=plots_mod.have_matplotlib())
         result.data["seed_files"] = [p.name for p in seed]
         plots += [p for p in seed if p.suffix == ".png"]
     result.save(od / "result.json")
@@ -181,8 +189,12 @@ def _lines(done: int, total: int, key: str, rec) -> None:
 
 
 def render(result) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -208,6 +220,8 @@ def render(result) -> None:
 
 
 if __name__ == "__main__":
-    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    from .main import (
+        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    )
 
     sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import time
 
 from ..core.errors import MemlensError
 from ..core.result import Result
 from ..core.units import fmt_bytes
+from ..measure import nvml
+from ..measure.nvml import CSV_COLUMNS
 from .common import positive, whole
 
 
@@ -34,8 +37,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace, sleep=time.sleep) -> int:
-    from ..measure import nvml
-
     if not 0 < args.warn_fraction <= 1:
         raise MemlensError("--warn-fraction must be in (0, 1]", hint="e.g. --warn-fraction 0.9")
     count = 1 if args.once else args.count   # --count >= 1 (parsed by whole(1))
@@ -45,7 +46,9 @@ def run(args: argparse.Namespace, sleep=time.sleep) -> int:
     live = None
     try:
         if not args.json and count != 1 and sys.stdout.isatty():
-            from rich.live import Live
+            from rich.live import (
+                Live,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+            )
 
             live = Live(auto_refresh=False)
             live.start()
@@ -75,8 +78,6 @@ def run(args: argparse.Namespace, sleep=time.sleep) -> int:
 
 
 def _open_log(path: str):
-    from ..measure.nvml import CSV_COLUMNS
-
     try:
         new = not _exists_nonempty(path)
         f = open(path, "a", newline="")
@@ -89,8 +90,6 @@ def _open_log(path: str):
 
 
 def _exists_nonempty(path: str) -> bool:
-    import os
-
     return os.path.isfile(path) and os.path.getsize(path) > 0
 
 
@@ -100,7 +99,9 @@ def _result(sample) -> Result:
 
 
 def _table(sample):
-    from rich.table import Table
+    from rich.table import (
+        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     t = Table(title=f"GPU memory (NVML used), t={sample['time_s']:.0f}s", box=None)
     for col in ("gpu", "name / process", "used", "total", "used %", "trend / risk"):
@@ -116,12 +117,16 @@ def _table(sample):
 
 
 def _print(sample) -> None:
-    from rich.console import Console
+    from rich.console import (
+        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
+    )
 
     Console(soft_wrap=False).print(_table(sample))
 
 
 if __name__ == "__main__":
-    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    from .main import (
+        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
+    )
 
     sys.exit(main(["watch", *sys.argv[1:]]))

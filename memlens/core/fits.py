@@ -189,7 +189,7 @@ def fits(p: Any, budget: Budget) -> Verdict:
 def gpu_free_bytes() -> int:
     """Free memory of the current CUDA device (cudaMemGetInfo)."""
     try:
-        import torch   # heavy: only when a budget is read from the GPU
+        import torch  # heavy: only when a budget is read from the GPU
 
         if torch.cuda.is_available():
             return int(torch.cuda.mem_get_info()[0])

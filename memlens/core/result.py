@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import MemlensError
-from .version import __version__, environment
 from .notebook import result_html
 from .payloads import Payload, payload_for
+from .version import __version__, environment
 
 SCHEMA_VERSION = "1"
 

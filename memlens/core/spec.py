@@ -13,10 +13,19 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .errors import SpecError
-from .optimizers import HF_OPTIM_ALIASES, OPTIMIZERS, canonical_optimizer, optimizer_names  # noqa: F401 - OPTIMIZERS re-exported
+from .gpus import gpu_facts
+from .optimizers import (  # noqa: F401 - OPTIMIZERS re-exported
+    HF_OPTIM_ALIASES,
+    OPTIMIZERS,
+    canonical_optimizer,
+    optimizer_names,
+)
 from .parallel import SHARDING_NAMES, check_fields, is_distributed
-from .precision import PRECISION_NAMES, PRECISIONS as _PRECISION_FACTS
+from .precision import PRECISION_NAMES
+from .precision import PRECISIONS as _PRECISION_FACTS
 
 PRECISIONS = PRECISION_NAMES
 ATTENTION = ("sdpa", "eager")
@@ -112,7 +121,6 @@ class TrainingSpec:
             if not self.dp:   # 0 = off, as in the Trainer; under DP-SGD clipping is the point (checked below)
                 object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm) or None)
         _check_choice("sharding", self.sharding, SHARDING)
-        from .gpus import gpu_facts
 
         object.__setattr__(self, "gpu", gpu_facts(None if self.gpu is None else str(self.gpu)).name)
         if not isinstance(self.model, str) or not self.model.strip():
@@ -228,8 +236,6 @@ class TrainingSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainingSpec":
-        import yaml
-
         p = Path(path)
         if not p.exists():
             raise SpecError(f"config file {p} does not exist", hint="check the path given to --config")
@@ -252,8 +258,6 @@ class TrainingSpec:
         return cls.from_dict(data)
 
     def to_yaml(self) -> str:
-        import yaml
-
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def replace(self, **changes: Any) -> "TrainingSpec":

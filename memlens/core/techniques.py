@@ -20,11 +20,11 @@ hooks or ghost clipping, or without it).
 from __future__ import annotations
 
 import difflib
-from .parallel import is_distributed
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import MemlensError
+from .parallel import is_distributed
 from .spec import TrainingSpec
 
 EXACT, NUMERICS, MODEL, PRIVACY = "same math", "numerics", "changes the model", "changes the privacy"

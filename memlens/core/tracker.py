@@ -13,14 +13,16 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from .events import EventLog
 
+from .events import EventLog
 
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
 
 def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,  # heavy: torch, loaded on first use
+    )
 
     return isinstance(_local(t), FakeTensor)
 
@@ -243,7 +245,10 @@ class ModuleScope:
                     fn.register_prehook(enter)
 
     def __enter__(self):
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.modules.module import (  # heavy: torch, loaded on first use
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
 
         self._handles = [register_module_forward_pre_hook(self._pre), register_module_forward_hook(self._post)]
         self.tracker.module = self.outside

@@ -7,20 +7,20 @@ True
 """
 from __future__ import annotations
 
+import importlib.metadata
+import logging
 import platform
+import re
 import sys
+from importlib.metadata import PackageNotFoundError
+from pathlib import Path
 from typing import Any
 
 
 def _read_version() -> str:
     try:
-        from importlib.metadata import version
-
-        return version("memlens")
+        return importlib.metadata.version("memlens")
     except Exception:  # noqa: BLE001 - not installed (a checkout on PYTHONPATH): read pyproject.toml
-        import re
-        from pathlib import Path
-
         p = Path(__file__).resolve().parents[2] / "pyproject.toml"
         m = re.search(r'^version\s*=\s*"([^"]+)"', p.read_text(), re.M) if p.exists() else None
         return m.group(1) if m else "0+unknown"
@@ -103,13 +103,10 @@ def untested(name: str, installed: str) -> str | None:
 
 def check_tested_versions() -> list[str]:
     """One warning line (logging, once per process) for each of torch / transformers outside TESTED; returns the reasons."""
-    import logging
-    from importlib.metadata import PackageNotFoundError, version
-
     reasons = []
     for name in TESTED:
         try:
-            why = untested(name, version(name))
+            why = untested(name, importlib.metadata.version(name))
         except PackageNotFoundError:
             continue
         if why:

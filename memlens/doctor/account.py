@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..core.gpus import gpu_facts
 from ..core.units import fmt_bytes
 from .message import OomMessage
 
@@ -64,8 +65,6 @@ def print_tolerance(n: int | None) -> int:
 
 def context_allowance() -> int:
     """The CUDA context a process pays (the GPU facts' default, measured on an H100)."""
-    from ..core.gpus import gpu_facts
-
     return gpu_facts(None).cuda_context_bytes
 
 

@@ -12,9 +12,8 @@ True
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
 from ..core import techniques as tech
+from ..core.enums import Category
 from ..core.units import fmt_bytes as f
 from .account import Account, account
 from .message import OomMessage

@@ -315,7 +315,7 @@ def _from_csv(text: str, unit: str | None, gpu: int | None) -> MemorySeries | No
 
 def _polyfit(x: list[float], y: list[float], degree: int) -> tuple[list[float], float]:
     """Least-squares polynomial (numpy scales x internally); coefficients in powers of x, and the RSS."""
-    from numpy.polynomial import Polynomial
+    from numpy.polynomial import Polynomial  # heavy: numpy, loaded on first use
 
     p = Polynomial.fit(x, y, degree)
     coef = [float(c) for c in p.convert().coef] + [0.0] * degree

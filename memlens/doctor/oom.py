@@ -12,13 +12,22 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from ..core.errors import MemlensError
+from ..core import techniques as tech
+from ..core.errors import MemlensError, SpecError
+from ..core.fits import Budget, Verdict, fits
 from ..core.payloads import DoctorOomPayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from .account import NOT_LISTED, account, context_allowance, hypotheses, is_significant
 from .advice import oom_advice
-from .message import OomMessage, ProcessUse, _not_oom, check_consistent, find_oom_messages, parse_oom  # noqa: F401 - re-exported
+from .message import (  # noqa: F401 - re-exported
+    OomMessage,
+    ProcessUse,
+    _not_oom,
+    check_consistent,
+    find_oom_messages,
+    parse_oom,
+)
 
 DIAGNOSES = ("memory_fraction_limit", "other_processes", "non_pytorch_memory", "held_elsewhere", "fragmentation",
              "capacity", "unknown")
@@ -192,7 +201,9 @@ def _verdict(msg: OomMessage, acc) -> tuple[str, list[str], dict[str, int]]:
 def _run_estimate(spec) -> Result:
     """The estimator's seam (monkeypatched in tests): ``memlens.estimator.estimate(spec)``."""
     try:
-        from ..estimator import estimate
+        from ..estimator import (
+            estimate,  # optional: an installation without the estimator diagnoses messages alone
+        )
     except ImportError:
         raise MemlensError("the estimator is not available in this installation",
                            hint="drop the --model flags to diagnose the message alone") from None
@@ -231,8 +242,6 @@ def budget_bytes(msg: OomMessage) -> int | None:
 def _levers(spec) -> list[tuple[str, dict[str, Any]]]:
     """The usual ways to save memory that apply to ``spec``, in the order people try them
     (the technique table's ``DOCTOR`` list)."""
-    from ..core import techniques as tech
-
     out = []
     for name in tech.DOCTOR:
         if tech.applies(spec, name):
@@ -246,9 +255,6 @@ def what_fits(spec, budget: int, estimate_fn: Callable[[Any], Result], margin: f
     "Fits" is the one rule (:mod:`memlens.core.fits`) against ``budget``: the memory PyTorch
     could use on that GPU (the CUDA context is already taken off), less the default margin.
     """
-    from ..core.errors import SpecError
-    from ..core.fits import Budget, fits
-
     try:
         b = Budget.make(budget, context_bytes=0, margin=margin)
     except MemlensError:   # too small for a margin: hold the options against the measured budget itself (margin 0);
@@ -351,8 +357,6 @@ def _capacity_from_estimate(data: DoctorOomPayload, read: str) -> None:
 
 def _fits_rule(est: Result, budget: int):
     """The fit rule's Verdict for ``est`` against what PyTorch could hold (the context is already off)."""
-    from ..core.fits import Budget, Verdict, fits
-
     try:
         return fits(est, Budget.make(budget, context_bytes=0))
     except MemlensError:   # a budget too small for the margin: nothing fits

@@ -6,10 +6,15 @@
 """
 from __future__ import annotations
 
+from ..core import progress
+from ..core.errors import MemlensError
+from ..core.ledger import analyze
 from ..core.parallel import is_distributed
 from ..core.result import Result
-from .result import simulation_result
 from ..core.spec import TrainingSpec
+from .formula import formula_estimate
+from .ranks import estimate_ranks
+from .result import simulation_result
 
 __all__ = ["estimate"]
 
@@ -25,8 +30,6 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
     several GPUs "simulate" runs each rank that can differ under a fake process group
     (:mod:`memlens.estimator.ranks`).
     """
-    from ..core.errors import MemlensError
-
     if method not in METHODS:
         raise MemlensError(f"method {method!r} is not one of {', '.join(METHODS)}", hint="use --method simulate or formula")
     return _estimate(spec, method, steps, source)   # each Result says whether it fits its GPU (result.finish)
@@ -34,16 +37,10 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
 
 def _estimate(spec: TrainingSpec, method: str, steps: int, source) -> Result:
     if method == "formula":
-        from .formula import formula_estimate
-
         return formula_estimate(spec)
     if is_distributed(spec):
-        from .ranks import estimate_ranks
-
         return estimate_ranks(spec, steps=steps, source=source)     # one simulation per rank that can differ
-    from ..core import progress
-    from ..core.ledger import analyze
-    from .simulate import simulate
+    from .simulate import simulate  # heavy: imports torch
 
     sim = simulate(spec, source=source, steps=steps)
     progress.stage(f"{spec.describe()}: replaying the allocator")

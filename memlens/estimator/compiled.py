@@ -40,10 +40,14 @@ inductor's generated code); bench/results/generality_accuracy.md reports the acc
 from __future__ import annotations
 
 import contextlib
+import dis
+import inspect
+import sys
 from typing import Any, Callable
 
 import torch
 
+from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
 
 MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion and "
@@ -64,7 +68,9 @@ class CompiledForSimulation(torch.nn.Module):
         self._keys = keys
 
     def forward(self, **kwargs):
-        from torch.utils._pytree import tree_unflatten
+        from torch.utils._pytree import (
+            tree_unflatten,  # heavy: torch, loaded on first use
+        )
 
         outs, loss = self._fn(self._params, [kwargs[k] for k in self._keys])
         it = iter(outs)
@@ -90,7 +96,7 @@ def _attention_ops():
     kernel's scratch is not in the graph)."""
     if _OPS:
         return _OPS["fwd"], _OPS["bwd"]
-    from .cuda_rules import _ceil_to, _kernel_output
+    from .cuda_rules import _ceil_to, _kernel_output  # heavy: imports torch
 
     @torch.library.custom_op("memlens::fused_sdpa_fwd", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -318,10 +324,13 @@ def boxed_runner(gm, fuse: bool):
     that is cleared once read, every value freed at its last use, and (``fuse``) the values
     inductor fuses away computed without being accounted (outside the storage tracker), and the
     scatters it reinplaces written into their ``self`` buffer."""
-    from torch.fx.node import map_arg
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.fx.node import map_arg  # heavy: torch, loaded on first use
+    from torch.utils._python_dispatch import (  # heavy: torch, loaded on first use
+        _get_current_dispatch_mode,
+        _pop_mode_temporarily,
+    )
 
-    from ..core.tracker import StorageTracker
+    from ..core.tracker import StorageTracker  # heavy: imports torch
 
     def unaccounted(fn, a, kw):
         """Run one op with the storage tracker (the innermost mode) set aside: its output is fused
@@ -419,7 +428,7 @@ def pad_matmuls(gm, gpu: str | None = None) -> int:
     compute-bound (its own rule) and K or N is unaligned (they are the row strides of row-major
     operands and result, which cuBLAS' fast kernels need aligned), not when only M is (measured on an
     H100: GPT-2's vocabulary matmuls: forward N and grad-input K padded, grad-weight M not)."""
-    from torch._guards import detect_fake_mode
+    from torch._guards import detect_fake_mode  # heavy: torch, loaded on first use
 
     a = torch.ops.aten
     g = gm.graph
@@ -494,11 +503,14 @@ def loss_graph_break(model) -> tuple[Any, Callable] | None:
     gradient instead of autograd's zeros for an unused output. A wrapped model (PEFT's) breaks in
     the transformers model it wraps."""
     try:
-        from transformers.loss.loss_utils import LOSS_MAPPING
-        from transformers.modeling_utils import PreTrainedModel
+        from transformers.loss.loss_utils import (
+            LOSS_MAPPING,  # heavy: transformers, loaded on first use
+        )
+        from transformers.modeling_utils import (
+            PreTrainedModel,  # heavy: transformers, loaded on first use
+        )
     except ImportError:
         return None
-    import inspect
 
     owner = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
     if owner is None or "_loss_function" in vars(owner):
@@ -514,8 +526,6 @@ def loss_graph_break(model) -> tuple[Any, Callable] | None:
 def _live_tensors(frame) -> list:
     """Tensors a frame's locals hold that its code reads after the current instruction (what dynamo
     returns from a graph that ends there: the live values)."""
-    import dis
-
     later = {i.argval for i in dis.get_instructions(frame.f_code)
              if i.offset > frame.f_lasti and i.opname.startswith(("LOAD_FAST", "LOAD_DEREF", "LOAD_CLOSURE"))}
     out: list = []
@@ -549,15 +559,17 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     ``trace_context``: the contexts the forward runs in during the simulated step (fake mode,
     CUDA emulation, autocast): the trace happens under them, outside the storage tracker.
     """
-    import sys
-
-    from torch._functorch.aot_autograd import aot_function
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
     import torch._inductor.lowering  # noqa: F401 - inductor's decompositions consult it (max-pool's), as compile_fx has it loaded
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.utils._pytree import tree_flatten
-
-    from ..core.errors import MemlensError
+    from torch._functorch.aot_autograd import (
+        aot_function,  # heavy: torch, loaded on first use
+    )
+    from torch._functorch.partitioners import (
+        min_cut_rematerialization_partition,  # heavy: torch, loaded on first use
+    )
+    from torch._inductor.decomposition import (
+        select_decomp_table,  # heavy: torch, loaded on first use
+    )
+    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     if not isinstance(batch, dict):
         raise MemlensError("--compile needs a dict batch (keyword inputs)", hint="return a dict batch from the factory")
@@ -659,8 +671,10 @@ def checkpoint_as_compiled(function, *args):
     partitioner recomputes them in backward, keeping what the region's inputs need
     (torch/_higher_order_ops/wrap.py ``tag_nodes``; torch 2.13 reaches the same tags through
     selective checkpointing)."""
-    import torch.fx.traceback as fx_traceback
-    from torch.utils.checkpoint import CheckpointPolicy
+    import torch.fx.traceback as fx_traceback  # heavy: torch, loaded on first use
+    from torch.utils.checkpoint import (
+        CheckpointPolicy,  # heavy: torch, loaded on first use
+    )
 
     gid = next(_AC_IDS)
     with fx_traceback.preserve_node_meta():

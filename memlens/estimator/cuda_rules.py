@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from ..core.gpus import gpu_facts
 from ..models.adapt import KNOWN, mark_known
 
 # CUDA autocast policies (aten/src/ATen/autocast_mode.cpp: AT_FORALL_LOWER_PRECISION_FP,
@@ -82,8 +83,6 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, 
     bench/results/raw/gpu_t5_sdpa_probe.json). cuDNN refuses a mask that requires grad; the
     memory-efficient kernel takes it and returns its gradient (measured: choice 2 on an H200).
     """
-    from ..core.gpus import gpu_facts
-
     facts = gpu if gpu is not None else gpu_facts(None)
     half = q.dtype in (torch.float16, torch.bfloat16)
     d = q.shape[-1]
@@ -356,8 +355,12 @@ def _real_host_draw(func, args, kwargs):
     (``torch.tensor`` of a number), so the model's Python branch on it runs as it does on CUDA
     (a fake draw's value cannot be read). On CUDA it is a host tensor; here its 0-dim block is
     counted for the moment it lives (512 bytes)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes
+    from torch._subclasses.fake_tensor import (
+        unset_fake_temporarily,  # heavy: torch, loaded on first use
+    )
+    from torch.utils._python_dispatch import (
+        _disable_current_modes,  # heavy: torch, loaded on first use
+    )
 
     with unset_fake_temporarily(), _disable_current_modes():
         value = func(*args, **kwargs).item()
@@ -369,7 +372,7 @@ def _inside_mode(mode, func, args, kwargs):
     projections and the SDPA call of nn.MultiheadAttention, as torchvision's ViT uses it) get
     CUDA's rules too. Its own torch-function check is answered "no" for this one call (the body
     would otherwise hand itself back to the mode); the builtins it calls still dispatch here."""
-    import torch.nn.functional as functional
+    import torch.nn.functional as functional  # heavy: torch, loaded on first use
 
     original = functional.has_torch_function
     functional.has_torch_function = lambda *a: False

@@ -33,11 +33,24 @@ from __future__ import annotations
 
 import copy
 import re
-from ..core.parallel import is_distributed
-from ..step.kinds import kind_for
 from dataclasses import dataclass
 
-from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, Tag, until_done
+from ..core.events import (
+    ALLOC,
+    FREE,
+    PHASE,
+    TAG,
+    Alloc,
+    EventLog,
+    Free,
+    Tag,
+    until_done,
+)
+from ..core.parallel import is_distributed
+from ..models import build as model_build  # a module: tests replace its _auto_class
+from ..models.build import quiet
+from ..models.source import ModelSource
+from ..step.kinds import kind_for
 
 SHALLOW = 3                # the two shallow models: SHALLOW and SHALLOW + 1 layers
 TEMPLATE = 1               # the layer that is copied (its neighbours are layers on both sides)
@@ -121,8 +134,6 @@ def why_not(spec, source) -> str | None:
 
 def shallow_source(source, layers: int):
     """``source`` with its config cut to ``layers`` layers (per-layer lists cut alike)."""
-    from ..models.source import ModelSource
-
     cfg = copy.deepcopy(source.config)
     n = cfg.num_hidden_layers
     for key, value in list(vars(cfg).items()):
@@ -134,7 +145,7 @@ def shallow_source(source, layers: int):
 
 def _the_stack(model, depth: int, what: str = ""):
     """(name, module) of the model's one ModuleList of ``depth`` layers of one class."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     found = [(name, mod) for name, mod in model.named_modules()
              if isinstance(mod, torch.nn.ModuleList) and len(mod) == depth and len({type(m) for m in mod}) == 1]
@@ -165,13 +176,11 @@ def layer_signature(layer) -> tuple:
 
 def check_layers_alike(source) -> None:
     """Build the full model on the meta device and check that every layer is built alike."""
-    import torch
-
-    from ..models.build import _auto_class, quiet
+    import torch  # heavy: torch, loaded on first use
 
     try:
         with quiet(), torch.device("meta"):
-            model = _auto_class(source.task).from_config(source.config)
+            model = model_build._auto_class(source.task).from_config(source.config)
     except Exception as e:  # noqa: BLE001 - the whole model's simulation builds it its own way, and says why it fails
         raise NotPeriodic(f"the full model cannot be built on the meta device ({type(e).__name__})") from None
     layers = _the_stack(model, source.config.num_hidden_layers, " in the full model")[1]

@@ -14,16 +14,19 @@ Peak = max(forward/backward peak, optimizer-step peak):
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
-from ..core.optimizers import optimizer_facts
-from ..core.parallel import is_distributed, sharding_of
 from dataclasses import dataclass
 
+from ..core.enums import Category
 from ..core.errors import MemlensError
+from ..core.gpus import gpu_facts
+from ..core.optimizers import optimizer_facts
+from ..core.parallel import is_distributed, sharding_of
 from ..core.result import Result
-from .result import finish
 from ..core.spec import TrainingSpec
+from ..models.build import build, default_seq_len, quiet
+from ..models.source import resolve
+from ..step.parallel.fsdp import find_blocks
+from .result import finish
 
 MiB = 1024 * 1024
 
@@ -50,11 +53,7 @@ class Term:
 
 
 def _counts(spec: TrainingSpec):
-    import torch
-
-    from ..models.build import build
-    from ..models.source import resolve
-    from ..models.build import quiet
+    import torch  # heavy: torch, loaded on first use
 
     if is_distributed(spec) and sharding_of(spec).name == "none":   # as the simulation says (memlens.step.parallel.base.check)
         raise MemlensError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
@@ -98,7 +97,6 @@ def _counts(spec: TrainingSpec):
         buf += b.numel() * b.element_size()
     block = 0
     if sharding_of(spec).shards_parameters:   # FSDP2 gathers one block's parameters whole (memlens.step.parallel.fsdp)
-        from ..step.parallel.fsdp import find_blocks
 
         block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in find_blocks(model)), default=p_bytes)
     return source, p_bytes, t_numel, t_bytes, buf, block
@@ -106,10 +104,6 @@ def _counts(spec: TrainingSpec):
 
 def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     """(forward/backward terms, optimizer-step terms, facts) of the closed form."""
-    from ..models.build import default_seq_len
-
-    from ..core.gpus import gpu_facts
-
     source, p_bytes, t_numel, t_bytes, buf, block = _counts(spec)
     ws = 2 * gpu_facts(spec.gpu).cublas_workspace_bytes  # one per handle: forward thread and autograd thread
     cfg = source.config
@@ -215,8 +209,6 @@ def _sharding_note(spec: TrainingSpec) -> str:
 
 def formula_estimate(spec: TrainingSpec) -> Result:
     """The closed-form estimate as a Result (method "formula")."""
-    from ..core.gpus import gpu_facts
-
     gpu = gpu_facts(spec.gpu)
     fb, opt, facts = formula_terms(spec)
     fb_total, opt_total = sum(t.bytes for t in fb), sum(t.bytes for t in opt)

@@ -30,13 +30,13 @@ by event.
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from ..core import progress as _progress
+from ..core.enums import Category
 from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
 
 
@@ -433,8 +433,6 @@ class Steps:
     turns both off. ``later_steps`` and ``later_micro_batches`` say what happened."""
 
     def __init__(self, tracker, step, params: list, *, why_not: str = "", label: str = ""):
-        from ..core import progress as _progress
-
         self.tracker, self.step, self.label, self._progress = tracker, step, label, _progress
         self.params = params
         self.k = step.spec.grad_accum

@@ -15,14 +15,20 @@ representatives; ranks between two simulated ones are reported as bounded by the
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
+import json
 import time
 from typing import Any
 
+from ..core.enums import Category
+from ..core.events import ALLOC, FREE, PHASE, TAG
 from ..core.gpus import gpu_facts, nccl_bytes
-from ..core.spec import TrainingSpec
+from ..core.ledger import CachingAllocatorModel, analyze, group_modules
 from ..core.result import Result
+from ..core.spec import TrainingSpec
+from ..models.source import resolve
+from ..step.parallel.ddp import HOLD_STALE_BUCKETS
+from ..step.parallel.fakepg import fake_process_group
+from ..step.parallel.fsdp import FSDPWrapper
 from .result import finish, simulation_facts
 
 TOP_MODULES = 40
@@ -36,9 +42,7 @@ STALE_CAUSE = ("DDP's first buckets, dropped when the Reducer rebuilds them at s
 def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2, stale_buckets: bool = True):
     """One rank of ``spec``'s job simulated in this process (a fake process group around it).
     ``stale_buckets`` False: DDP's old buckets are reaped before its rebuild (the expected case)."""
-    from .simulate import simulate
-    from ..step.parallel.ddp import HOLD_STALE_BUCKETS
-    from ..step.parallel.fakepg import fake_process_group
+    from .simulate import simulate  # heavy: imports torch
 
     token = HOLD_STALE_BUCKETS.set(stale_buckets)
     try:
@@ -57,9 +61,6 @@ def _held_stale(sim) -> bool:
 def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     """Per-rank peaks (allocated and reserved), the rank that peaks, each simulated rank's breakdown
     by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
-    from ..core.ledger import analyze, group_modules
-    from ..models.source import resolve
-
     t0 = time.perf_counter()
     source = source or resolve(spec.model)
     gpu = gpu_facts(spec.gpu)
@@ -201,9 +202,6 @@ def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]
     not: sharded parameters / gradients / optimizer states, gathered (unsharded) parameters and
     gradients, collective buffers, activations, temporaries. Returns (bytes of each term live at
     the peak, event ``index``; the most bytes of each term live at any moment), in allocator blocks."""
-    from ..core.events import ALLOC, FREE, PHASE, TAG
-    from ..core.ledger import CachingAllocatorModel
-
     final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
     term = _term_of(wrapper)
     a = CachingAllocatorModel()
@@ -234,8 +232,6 @@ def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]
 
 def _term_of(wrapper):
     """key, category -> the term it counts in (see :func:`peak_terms`)."""
-    from ..step.parallel.fsdp import FSDPWrapper
-
     gathered = getattr(wrapper, "unsharded_keys", set())
     gathered_grads = getattr(wrapper, "unsharded_grad_keys", set())
     sharded = isinstance(wrapper, FSDPWrapper)       # and Opacus' FSDP2Wrapper (ghost_fsdp)
@@ -268,9 +264,6 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
     physical batch) from the step's marks ``(run, physical batch, pass, event index)``: each one's
     peak (allocator blocks) and the terms live at it, the bytes live as it starts, and the FSDP2
     collectives the wrapper counted in it (first physical batch)."""
-    from ..core.events import ALLOC, FREE, PHASE, TAG
-    from ..core.ledger import CachingAllocatorModel
-
     later = [m[3] for m in marks if m[0] > 1]
     marks = [m for m in marks if m[0] == 1]
     if not marks:
@@ -334,6 +327,4 @@ def passes_note(passes: list[dict[str, Any]]) -> str:
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    import json
-
     return json.loads(json.dumps(d, default=str))

@@ -70,7 +70,7 @@ def simulation_result(sim, a) -> Result:
     if precision_of(spec).grad_scaler:
         r.notes.append(FP16_SKIPPED_STEPS)
     if spec.compile:
-        from .compiled import MODEL
+        from .compiled import MODEL  # heavy: imports torch
 
         r.data["compile_model"] = MODEL
         r.notes.append(f"--compile: {MODEL}.")

@@ -38,22 +38,32 @@ built-in models.
 """
 from __future__ import annotations
 
+import importlib
 import itertools
+import multiprocessing
 import os
 import sys
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from fractions import Fraction
+from functools import cached_property
 from math import lcm
 from typing import Any, Callable
 
 from ..core import progress
+from ..core import progress as _progress
+from ..core.errors import MemlensError
 from ..core.events import ALLOC, Alloc, EventLog, until_done
+from ..core.ledger import analyze
 from ..core.spec import TrainingSpec
+from ..models.source import resolve
+from . import depth
+from .depth import write_layers
+from .result import simulation_result
 
 SEQ_PAD = 128        # sequence lengths answered from one regime share their residue modulo this
 MAX_DEGREE = 2       # per axis
@@ -104,8 +114,6 @@ class Trace:
         """The log up to "done", ops by name (the trace's simulation keeps this one only)."""
         sim = self.sim
         if sim.log is None:
-            from .depth import write_layers
-
             shallow, stack, live, copies, sizes = sim.written
             log = write_layers(shallow, stack, live, copies, sizes=sizes)
         else:
@@ -404,16 +412,14 @@ def _warm(spec: TrainingSpec) -> None:
     """Before the workers are forked: import what every simulation of ``spec``'s model imports on
     first use (transformers' modeling code, peft, the fake-tensor machinery), once, so that each
     worker starts with it instead of importing it again."""
-    import importlib
-
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    import torch  # heavy: torch, loaded on first use
+    from torch._subclasses.fake_tensor import (
+        FakeTensorMode,  # heavy: torch, loaded on first use
+    )
 
     with FakeTensorMode():
         torch.empty(2) + 1                       # the dispatch path (it imports torch._dynamo on first use)
     try:
-        from ..models.source import resolve
-
         cfg = resolve(spec.model).config
         mt = getattr(cfg, "model_type", None)
         if mt:
@@ -426,8 +432,6 @@ def _warm(spec: TrainingSpec) -> None:
 
 
 def _worker_init() -> None:
-    from ..core import progress as _progress
-
     _progress._current.set(None)     # a worker never reports: the progress bar lives in the parent
 
 
@@ -448,11 +452,7 @@ def _simulate_in_worker(spec: TrainingSpec, checked: dict | None = None):
     parent writes it only if a replay needs it). With it, what the worker learnt of which steps'
     layers repeat (``depth.CHECKED``, given by the parent in ``checked``: a family checked in one
     worker is not checked again in another)."""
-    from ..core.errors import MemlensError
-    from ..core.ledger import analyze
-    from . import depth
-    from .result import simulation_result
-    from .simulate import simulate
+    from .simulate import simulate  # heavy: imports torch
 
     depth.CHECKED.update(checked or {})
     before = set(depth.CHECKED)
@@ -575,9 +575,6 @@ class ScalingEstimator:
 
     def _ensure_pool(self, spec: TrainingSpec) -> None:
         if self._pool is None:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
             _warm(spec)
             self._pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("fork"),
                                              initializer=_worker_init)
@@ -604,17 +601,13 @@ class ScalingEstimator:
         return fut
 
     def _start(self, spec: TrainingSpec) -> Future:
-        from ..core.errors import MemlensError
-
         if self.workers > 1:
-            from . import depth
-
             self._ensure_pool(spec)
             return self._pool.submit(_simulate_in_worker, spec, dict(depth.CHECKED))
         fut: Future = Future()
         try:
             if self._simulate is None:
-                from .simulate import simulate
+                from .simulate import simulate  # heavy: imports torch
 
                 fut.set_result(simulate(spec))
             else:
@@ -624,10 +617,6 @@ class ScalingEstimator:
         return fut
 
     def _finish(self, key: tuple, spec: TrainingSpec, x: Point, fut: Future, why: str):
-        from concurrent.futures.process import BrokenProcessPool
-
-        from ..core.errors import MemlensError
-
         if self.workers > 1 and not fut.done():
             progress.stage(f"{spec.describe()}: simulating (worker processes)")
         try:
@@ -636,8 +625,6 @@ class ScalingEstimator:
             sim = _ForkUnusable()
         result = None
         if isinstance(sim, _FromWorker):
-            from . import depth
-
             depth.CHECKED.update(sim.checked)
             sim, result = sim.sim, sim.result
         if isinstance(sim, _ForkUnusable):   # (or this process' autograd cannot run in a fork)
@@ -664,9 +651,6 @@ class ScalingEstimator:
     @staticmethod
     def _result(sim, scaling: dict, result=None):
         """The Result of ``sim`` (``result``: made already, in the worker that simulated it)."""
-        from ..core.ledger import analyze
-        from .result import simulation_result
-
         if result is not None:
             r = result
         else:
@@ -678,8 +662,6 @@ class ScalingEstimator:
     def prefetch(self, specs: list[TrainingSpec], on_done: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
         """Answer ``specs`` (all their simulations started at once with workers); errors are kept for
         when each spec is asked for. ``on_done(i, n, spec)`` after each."""
-        from ..core.errors import MemlensError
-
         specs = list(dict.fromkeys(specs))
         self.begin(specs)
         for i, s in enumerate(specs, 1):
@@ -693,8 +675,6 @@ class ScalingEstimator:
     def begin(self, specs: list[TrainingSpec]) -> None:
         """Start the simulations ``specs`` need (with workers; without, nothing) and return at once:
         the worker processes take them in this order, before anything asked for later."""
-        from ..core.errors import MemlensError
-
         if self.workers > 1:
             for s in dict.fromkeys(specs):
                 key, x = family_of(s)

@@ -7,29 +7,40 @@ memory differs from CUDA's; the ledger's allocator model turns the log into what
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
 import contextlib
+import os
+import sys
 import time
-from ..core.precision import precision_of
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from ..core import progress
+from ..core import progress, usercode
+from ..core.enums import Category
 from ..core.errors import MemlensError, sentences
-from ..core.gpus import gpu_facts
 from ..core.events import ALLOC, EventLog, canonical
+from ..core.gpus import gpu_facts
+from ..core.precision import precision_of
+from ..core.spec import TrainingSpec
+from ..core.tracker import (
+    OPTIMIZER_LABEL,
+    OUTSIDE_LABEL,
+    ROOT_LABEL,
+    ModuleScope,
+    StorageTracker,
+    pack_hook_for,
+    register_inputs,
+    register_model,
+    tag_optimizer_state,
+)
+from ..core.version import check_tested_versions
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
-from ..core.spec import TrainingSpec
 from ..step.prepare import prepare
-from . import cuda_rules, depth, periodic
-from ..core.tracker import (OPTIMIZER_LABEL, OUTSIDE_LABEL, ROOT_LABEL, ModuleScope, StorageTracker, pack_hook_for,
-                            register_inputs, register_model, tag_optimizer_state)
-from ..core.version import check_tested_versions
+from . import conv_workspaces, cuda_rules, depth, periodic
 
 check_tested_versions()   # one warning line when torch / transformers is outside the tested range
 
@@ -169,7 +180,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     model, fake = step.model, step.fake_mode
     _wrap_checkpoint_funcs(model, emulation)
     if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
-        from .compiled import compile_for_simulation
+        from .compiled import compile_for_simulation  # heavy: imports torch
 
         if step.step_fn is not None or step.plan.dp:
             raise MemlensError("--compile is simulated for a model's forward only, not with " +
@@ -213,7 +224,10 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
         if tracker.stopped is not None:
             raise tracker.stopped
 
-    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    from torch.nn.modules.module import (  # heavy: torch, loaded on first use
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
 
     hooks += [register_module_forward_pre_hook(stop), register_module_forward_hook(stop)]
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
@@ -254,8 +268,6 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
     notes = list(step.notes)
     if any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()):
-        from . import conv_workspaces
-
         if not conv_workspaces.calibrated(spec.gpu):
             # (calibrated by bench/gpu_generality_calibrate.py, group conv)
             notes.append(f"cuDNN convolution workspaces are not calibrated for {spec.gpu}: not counted")
@@ -274,7 +286,9 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
     """Re-enter the CUDA emulation when checkpointing recomputes a layer inside backward
     (torch function modes are not carried into the autograd engine)."""
-    from torch.overrides import _get_current_function_mode_stack
+    from torch.overrides import (
+        _get_current_function_mode_stack,  # heavy: torch, loaded on first use
+    )
 
     def wrap(orig):
         def checkpoint(function, *args, **kwargs):
@@ -285,7 +299,9 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None
                     return function(*a, **k)
 
             if emulation.rules.compile_trace:    # --compile's trace: the region as dynamo hands it to AOTAutograd
-                from .compiled import checkpoint_as_compiled
+                from .compiled import (
+                    checkpoint_as_compiled,  # heavy: imports torch  # heavy: imports torch  # heavy: imports torch
+                )
 
                 return checkpoint_as_compiled(run, *args)
             return orig(run, *args, **kwargs)
@@ -335,7 +351,9 @@ def _same_shapes(args, kwargs) -> bool:
     running it on fake tensors (an optimizer step runs a few of them over every parameter, about a
     fifth of a GPT-2 simulation): it would allocate nothing and change no metadata. Anything else
     (a DTensor, a broadcast, a kwarg) is run as usual."""
-    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.fake_tensor import (
+        FakeTensor,  # heavy: torch, loaded on first use
+    )
 
     if kwargs or not args or not isinstance(args[0], (list, tuple)):
         return False
@@ -461,8 +479,6 @@ class SimulationTracker(StorageTracker):
     def _conv_workspace(self, func, args, out) -> None:
         """cuDNN's workspace for one convolution call: allocated after the outputs, freed at the
         end of the call (estimator/conv_workspaces.py: measured per class)."""
-        from . import conv_workspaces
-
         fwd = func is torch.ops.aten.convolution.default
         x, w = (args[0], args[1]) if fwd else (args[1], args[2])
         groups = args[8] if fwd else args[9]
@@ -517,11 +533,6 @@ def _synthetic_batch_shortcuts():
     always match the image features, so these checks would pass on the GPU; on fake tensors they
     cannot be evaluated (and transformers' `is_tracing` would assume the worst and build masks).
     """
-    import os
-    from unittest import mock
-
-    import sys
-
     patches = [mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"})]
     mu = sys.modules.get("transformers.masking_utils")   # imported by the model's code if it uses it (not for plain torch models)
     if mu is not None and hasattr(mu, "find_packed_sequence_indices"):
@@ -533,9 +544,10 @@ def _synthetic_batch_shortcuts():
 
 
 def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    from ..core import usercode
+    from torch._subclasses.fake_tensor import (  # heavy: torch, loaded on first use
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
 
     name = type(e).__name__
     if "convert all Tensors to FakeTensors" in str(e):   # FakeTensorMode meets a tensor made before the simulation

@@ -43,6 +43,7 @@ from ..core.result import Result
 from ..core.units import fmt_bytes
 from ..measure.guard import free_cuda_cache, is_oom
 from ..measure.monitor import StepTrend
+from .fit import fit
 
 log = logging.getLogger("memlens.adaptive")
 
@@ -73,8 +74,8 @@ def batch_rows(batch: Any) -> int:
     >>> batch_rows({"input_ids": torch.zeros(6, 3), "labels": torch.zeros(6, 3)})
     6
     """
-    import torch
-    from torch.utils._pytree import tree_flatten
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     for t in tree_flatten(batch)[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -91,8 +92,8 @@ def slice_batch(batch: Any, start: int, stop: int, rows: int) -> Any:
     >>> b["x"].flatten().tolist(), b["scale"].item()
     ([2, 3], 2.0)
     """
-    import torch
-    from torch.utils._pytree import tree_map
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
 
     if start == 0 and stop == rows:
         return batch
@@ -304,7 +305,7 @@ class TrendGuard:
 def cuda_probe() -> tuple[int, int, int, int]:
     """(allocated now, running max allocated, reserved, what PyTorch could hold) on the current CUDA
     device; the last is reserved + free, capped by ``set_per_process_memory_fraction`` when one is set."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     free, total = torch.cuda.mem_get_info()
     reserved = torch.cuda.memory_reserved()
@@ -415,11 +416,9 @@ def adaptive_batch(optimizer, **kwargs) -> AdaptiveBatch:
 def _fit(spec, budget, target: int | None = None):
     """memlens.fit's answer for ``spec``. Without a budget: what PyTorch could hold on this GPU now
     (reserved + free, so a model already on the GPU is not counted twice; no context to take off)."""
-    from .fit import fit
-
     ctx = None
     if budget is None:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if torch.cuda.is_available():
             free, _ = torch.cuda.mem_get_info()
@@ -445,7 +444,7 @@ def start_from_fit(policy: MicroBatchPolicy, spec, budget, rows: int, fit_fn: Ca
 
 
 def _rng_state():
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     return torch.get_rng_state(), cuda
@@ -454,7 +453,7 @@ def _rng_state():
 def _set_rng(state) -> None:
     if state is None:
         return
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     cpu, cuda = state
     torch.set_rng_state(cpu)

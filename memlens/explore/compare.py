@@ -17,13 +17,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..core import progress as core_progress
+from ..core import techniques as tech
 from ..core.errors import MemlensError
+from ..core.fits import Budget, fits
 from ..core.result import Result
 from ..core.spec import TrainingSpec
-from ..core import techniques as tech
+from ..measure.trial import run_trial
+from ..report.plots import bytes_unit, legend_outside, pyplot
 from .core import CachedEstimator, predict_step_time
-from ..core.fits import Budget, fits
-
 
 DEFAULT_TECHNIQUES = tech.COMPARE_DEFAULT
 
@@ -105,8 +106,6 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
             row.update(estimated_peak_allocated_bytes=None, estimated_peak_reserved_bytes=None, estimate_error_message=e.message)
             first_error = first_error or e
         if measure:
-            from ..measure.trial import run_trial
-
             rec = (runner or run_trial)(s, device=device, steps=steps, timeout=timeout)
             row["status"] = rec["status"]
             row.update(measured_peak_allocated_bytes=rec.get("peak_allocated_bytes"), measured_peak_reserved_bytes=rec.get("peak_reserved_bytes"),
@@ -166,8 +165,6 @@ def _relative(rows: list[dict[str, Any]], measured: bool) -> None:
 
 def plot_compare(result: Result, path) -> None:
     """Bar chart of peak memory per technique (estimated and measured side by side), saving labelled."""
-    from ..report.plots import bytes_unit, legend_outside, pyplot
-
     plt = pyplot()
     rows = [r for r in result.data["rows"] if r.get("estimated_peak_allocated_bytes") or r.get("measured_peak_allocated_bytes")]
     names = [r["technique"] for r in rows]

@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import threading
 import time
-from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
+from .. import (
+    estimator as estimator_pkg,  # a module: its estimate is asked at call time (tests replace it)
+)
+from ..core.errors import MemlensError
 from ..core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, INTERCONNECT_BYTES_PER_S, gpu_facts
+from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from ..core.spec import TrainingSpec
+from ..estimator.scaling import FORKED_AUTOGRAD, ScalingEstimator, _ForkUnusable
 
 
 # ---------------------------------------------------------------- one estimate, reduced
@@ -55,7 +61,6 @@ class Point:
 
 from ..core.fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
 
-
 EstimateFn = Callable[[TrainingSpec], Any]   # spec -> memlens Result (or anything Point.from_result reads)
 
 
@@ -87,8 +92,6 @@ class CachedEstimator:
         self._lock = threading.Lock()
         self._inflight: dict[TrainingSpec, Future] = {}
         if fn is None and method == "simulate":
-            from ..estimator.scaling import ScalingEstimator
-
             self.scaler = ScalingEstimator()
 
     @staticmethod
@@ -133,8 +136,6 @@ class CachedEstimator:
     def known(self, spec: TrainingSpec, field_name: str = "batch_size") -> dict[int, float]:
         """What the fit rule needs (:func:`need_bytes`) of every spec estimated so far that differs
         from ``spec`` only in ``field_name``, by that field's value."""
-        from dataclasses import fields
-
         names = [f.name for f in fields(spec) if f.name != field_name]
         with self._lock:
             items = list(self.cache.items())
@@ -176,13 +177,7 @@ class CachedEstimator:
     def _elsewhere(self, spec: TrainingSpec):
         """A spec the replay does not serve (sharded: one simulation per rank that can differ): in a
         worker process beside the others when there are workers, else here."""
-        from concurrent.futures.process import BrokenProcessPool
-
-        from ..core.errors import MemlensError
-
         if self.scaler is not None and self.scaler.workers > 1 and self.method == "simulate":
-            from ..estimator.scaling import _ForkUnusable
-
             try:
                 r = self.scaler.submit(_simulated_point, spec).result()
             except BrokenProcessPool:      # a worker died (killed for memory?)
@@ -193,24 +188,19 @@ class CachedEstimator:
                 raise r
             else:
                 return r
-        from ..estimator import estimate
 
         with _ONE_AT_A_TIME:   # a rank's simulation owns the process' (fake) process group: one at a time
-            return estimate(spec, method=self.method)
+            return estimator_pkg.estimate(spec, method=self.method)
 
     def __call__(self, spec: TrainingSpec) -> Point:
         return self.raw(spec)
 
 
 def _simulated_point(spec: TrainingSpec):
-    """``estimate(spec)`` reduced to a Point, in a worker process (a MemlensError is returned, not raised;
+    """``memlens.estimator.estimate(spec)`` reduced to a Point, in a worker process (a MemlensError is returned, not raised;
     where autograd cannot run in a fork, the marker that says so: memlens.estimator.scaling)."""
-    from ..core.errors import MemlensError
-    from ..estimator import estimate
-    from ..estimator.scaling import FORKED_AUTOGRAD, _ForkUnusable
-
     try:
-        return Point.from_result(estimate(spec, method="simulate"))
+        return Point.from_result(estimator_pkg.estimate(spec, method="simulate"))
     except (MemlensError, RuntimeError) as e:
         if FORKED_AUTOGRAD in str(e):
             return _ForkUnusable()

@@ -12,20 +12,34 @@ allocated, reserved ~3%) and run-to-run allocator variation.
 """
 from __future__ import annotations
 
+import contextvars
+import inspect
 import time
-from ..core.parallel import is_distributed
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError, NoDeviceError, sentences
-from ..core.result import Result
-from ..core.spec import TrainingSpec
-
-from ..core.units import fmt_bytes
-from .core import CachedEstimator, fit_with_accumulation, largest_divisor_at_most
 from ..core.fits import RULE, Budget, need_bytes
 from ..core.gpus import gpu_facts, nccl_bytes
+from ..core.parallel import is_distributed
+from ..core.result import Result
+from ..core.spec import TrainingSpec
+from ..core.units import fmt_bytes
+from ..estimator.depth import depth_of
+from ..measure.guard import free_cuda_cache, is_oom
+from ..measure.trial import run_trial
+from ..models.checkpoint import find_blocks
+from ..models.source import resolve
+from .core import (
+    CachedEstimator,
+    fit_with_accumulation,
+    largest_divisor_at_most,
+    predict_step_time,
+)
+from .plan import make_plan
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
+
 
 def search_field(spec: TrainingSpec) -> str:
     """DP-SGD materializes ``physical_batch_size`` samples at once; everything else ``batch_size``."""
@@ -94,10 +108,6 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
     planned = None
     if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
-        import contextvars
-        from concurrent.futures import ThreadPoolExecutor
-
-        from .plan import make_plan
 
         est.start(base)    # fork the workers before any thread exists (memlens.estimator.scaling.ScalingEstimator.start)
         firsts = first_probes(base, cap)
@@ -147,8 +157,6 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         data.update(micro_batch_size=None, grad_accum=None, effective_batch_size=None, predicted_peak_bytes=None,
                     predicted_peak_allocated_bytes=None, batch1_peak_bytes=need_bytes(p1))
     if plan:
-        from .plan import make_plan
-
         entries = planned.result() if planned is not None else make_plan(spec, est, b.usable_bytes, target, gpus=gpus,
                                                                          field_name=f, progress=progress, prune=not full_plan)
         data["plan"] = [e.to_dict() for e in entries]
@@ -169,7 +177,7 @@ def require_verify_device(device: str) -> None:
     if not str(device).startswith("cuda"):
         raise MemlensError("--verify needs a CUDA device (CPU steps never run out of GPU memory)", hint="drop --verify, or run on a GPU")
     try:
-        import torch   # heavy: torch, loaded when a GPU is asked for
+        import torch  # heavy: torch, loaded when a GPU is asked for
         ok = torch.cuda.is_available()
     except ImportError:
         ok = False
@@ -181,7 +189,7 @@ def verify_fit(result: Result, spec: TrainingSpec, *, device: str = "cuda", time
                runner=None) -> dict[str, Any]:
     """Check ``fit``'s answer on this GPU with real steps (:func:`verify`), capped to the budget's share of
     the device; the findings are added to ``result.data["verify"]`` and returned."""
-    import torch   # heavy: torch, loaded when a GPU is asked for
+    import torch  # heavy: torch, loaded when a GPU is asked for
 
     require_verify_device(device)
     d = result.data
@@ -200,8 +208,6 @@ def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fracti
     Seeded by the estimate: seed+1 then seed (or seed+2): 2 trials when the estimate is exact or
     one below. ``memory_fraction`` caps the process (torch.cuda.set_per_process_memory_fraction).
     """
-    from ..measure.trial import run_trial
-
     if is_distributed(spec):
         raise MemlensError(f"--verify runs one process; a {spec.world_size}-GPU job runs under torchrun",
                            hint=f"measure it with `memlens profile --world-size {spec.world_size}` (launches torchrun)")
@@ -241,8 +247,6 @@ def fit_batch_size(train_step: Callable[[int], Any], *, spec: TrainingSpec | Non
         seed = find_max_batch_size(spec, b.usable_bytes, cap=cap).limit
     else:
         seed = start if start is not None else 1
-
-    from ..measure.guard import free_cuda_cache, is_oom
 
     def t(bs: int) -> bool:
         try:
@@ -286,10 +290,6 @@ def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, marg
     the recompute it adds: N/L of whole checkpointing's, memlens.explore.core.predict_step_time) and the line
     that applies it (``memlens.apply(model, {"checkpoint_layers": N})``).
     """
-    from ..estimator.depth import depth_of
-    from ..models.source import resolve
-    from .core import predict_step_time
-
     if spec.dp or spec.compile or is_distributed(spec) or spec.offload_optimizer:
         raise MemlensError("--least-recompute is for one GPU's plain or Trainer step: DP-SGD, --compile, several GPUs and "
                            "--offload-optimizer are not searched", hint="drop --dp / --compile / --world-size / --offload-optimizer")
@@ -385,9 +385,7 @@ def _line(points: dict, lo: int, hi: int, n: int, of: Callable) -> float:
 
 
 def _factory_blocks(spec: TrainingSpec, source) -> int | None:
-    import torch   # heavy: loaded when a factory's model is built
-
-    from ..models.checkpoint import find_blocks
+    import torch  # heavy: loaded when a factory's model is built
 
     try:
         with torch.device("meta"):
@@ -399,8 +397,6 @@ def _factory_blocks(spec: TrainingSpec, source) -> int | None:
 
 
 def _takes_spec(f) -> bool:
-    import inspect
-
     try:
         return len(inspect.signature(f).parameters) >= 1
     except (TypeError, ValueError):

@@ -21,17 +21,21 @@ checkpointing to a setting that fits, or 8 GPUs to a step one GPU runs, is then 
 """
 from __future__ import annotations
 
-from ..core.parallel import data_parallel_ranks, is_distributed
+import contextvars
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..core import progress as core_progress
-from ..core.errors import MemlensError
-from ..core.spec import TrainingSpec
-from .core import CachedEstimator, need_bytes, predict_step_time
 from ..core import techniques
-from .search import max_fitting_among
+from ..core.errors import MemlensError
+from ..core.parallel import data_parallel_ranks, is_distributed
+from ..core.spec import TrainingSpec
 from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
+from .core import CachedEstimator, need_bytes, predict_step_time
+from .search import max_fitting_among
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -284,8 +288,6 @@ class _PlanRun:
     entry that may be left out waits for the smaller entries that decide it, whatever the order."""
 
     def __init__(self, spec, cands, est, usable_bytes, target_batch, field_name, prune, reference):
-        from concurrent.futures import Future
-
         self.spec, self.cands, self.est = spec, cands, est
         self.usable, self.target, self.field = usable_bytes, target_batch, field_name
         self.prune, self.reference = prune, reference
@@ -345,10 +347,6 @@ def _entries_side_by_side(run: _PlanRun, progress) -> list[PlanEntry]:
     """The entries of every candidate, each in its own thread, so that the estimator's worker
     processes simulate for several candidates at once (the entries do not depend on the order; a
     thread per candidate, as an entry may wait for others)."""
-    import contextvars
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
     lock = threading.Lock()
     done = [0]
     cands = run.cands

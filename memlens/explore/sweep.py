@@ -19,6 +19,7 @@ a crash or a hang marks that cell and the sweep goes on.
 """
 from __future__ import annotations
 
+import csv
 import json
 import os
 import threading
@@ -29,11 +30,13 @@ from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
+from ..core.fits import Budget, fits
 from ..core.result import Result
 from ..core.spec import TrainingSpec
+from ..measure.trial import run_trial
+from ..report.plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times
 from .compare import technique_spec
 from .core import CachedEstimator, predict_step_time
-from ..core.fits import Budget, fits
 
 RESULTS = "results.jsonl"
 
@@ -176,7 +179,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     est = estimator or CachedEstimator()
     frac = None
     if measure and budget_bytes and device.startswith("cuda"):
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         frac = min(1.0, budget_bytes / torch.cuda.get_device_properties(0).total_memory)
     total = len(cells)
@@ -218,9 +221,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     if not measure and not done_before and errors and len(errors) == len(runnable):
         path.unlink(missing_ok=True)   # no cell could be estimated: the spec itself is wrong, said in one line
         raise errors[0]
-    run = runner
-    if run is None:
-        from ..measure.trial import run_trial as run
+    run = runner or run_trial
 
     def measure_cell(c: Cell, rec: dict[str, Any], cell_gpus: list[int] | None) -> None:
         kw: dict[str, Any] = {"gpus": cell_gpus} if cell_gpus is not None else {}
@@ -294,7 +295,7 @@ def check_gpu_list(gpus: list[int], world_sizes: set[int], measure: bool) -> Non
     if not gpus or len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
         raise MemlensError(f"--gpus {','.join(map(str, gpus))} must list distinct GPU indices", hint="e.g. --gpus 0,1,2,3")
     try:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
@@ -362,8 +363,6 @@ CSV_COLUMNS = ("key", "technique", "batch_size", "seq_len", "lora_rank", "physic
 
 
 def write_csv(result: Result, path) -> None:
-    import csv
-
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         w.writeheader()
@@ -386,8 +385,6 @@ def _groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 def plot_sweep(result: Result, out_dir) -> list[Path]:
     """heatmap_<group>.png (batch x seq, per technique / rank / physical batch), memory_vs_batch.png,
     timelines/<cell>.png for cells with a timeline. Returns the paths written."""
-    from ..report.plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times
-
     plt = pyplot()
     out_dir = Path(out_dir)
     rows = result.data["rows"]

@@ -32,7 +32,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..core.errors import MemlensError
+from ..core.fits import Budget, fits
+from ..core.units import fmt_bytes
 from ..measure.profiler import Profiler
+from ..report.profile_report import write_report
+from .hf_oom import start_oom_handling
+from .trainer_estimate import estimate_parts
 
 
 class MemlensCallback(TrainerCallback):
@@ -58,15 +64,10 @@ class MemlensCallback(TrainerCallback):
 
     def check_fit(self, model, args, train_dataloader) -> None:
         """Estimate the step and apply the fit rule; raise MemlensError when it does not fit."""
-        from ..core.errors import MemlensError
-        from ..core.units import fmt_bytes
-        from ..core.fits import Budget, fits
-        from .trainer_estimate import estimate_parts
-
         if train_dataloader is None:
             raise MemlensError("the fit check needs the Trainer's train dataloader", hint="train with a train_dataset")
         if self.fit_budget == "auto":
-            import torch
+            import torch  # heavy: torch, loaded on first use
 
             device = getattr(args, "device", None)
             if not torch.cuda.is_available() or getattr(device, "type", "cuda") != "cuda":
@@ -76,7 +77,7 @@ class MemlensCallback(TrainerCallback):
         self.estimate = estimate_parts(model, args, train_dataloader.dataset, train_dataloader.collate_fn, gpu=self.gpu)
         budget, context = self.fit_budget, None
         if budget == "auto":  # what this process may still use: free memory + its own reserved; its context is paid
-            import torch
+            import torch  # heavy: torch, loaded on first use
 
             free, _ = torch.cuda.mem_get_info()
             budget, context = int(free + torch.cuda.memory_reserved()), 0
@@ -93,8 +94,6 @@ class MemlensCallback(TrainerCallback):
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one
         o = self.oom_options
         if o["guard"] or o["adaptive"]:
-            from .hf_oom import start_oom_handling
-
             self.oom = start_oom_handling(o, model, optimizer)
         if not self.profile:
             return
@@ -126,6 +125,4 @@ class MemlensCallback(TrainerCallback):
             return
         self.result.data["integration"] = "transformers.Trainer"
         if self.out_dir is not None and getattr(state, "is_world_process_zero", True):
-            from ..report.profile_report import write_report
-
             write_report(self.result, self.out_dir)

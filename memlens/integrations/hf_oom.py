@@ -34,14 +34,20 @@ from typing import Any
 from ..core.errors import MemlensError
 from ..core.payloads import AdaptivePayload
 from ..core.result import Result
-from ..explore.adaptive import MicroBatchPolicy, SplitRunner, TrendGuard
+from ..explore.adaptive import (
+    MicroBatchPolicy,
+    SplitRunner,
+    TrendGuard,
+    batch_rows,
+    start_from_fit,
+)
 from ..measure.guard import Guard, guard_from_option, is_oom
 
 
 def find_trainer(start_depth: int = 2):
     """The ``transformers.Trainer`` whose callback is running (callbacks are not given it): the
     ``self`` of a calling frame."""
-    from transformers import Trainer
+    from transformers import Trainer  # heavy: transformers, loaded on first use
 
     frame = inspect.currentframe()
     try:
@@ -225,7 +231,9 @@ class TrainerOom:
             self._shift = bool(getattr(t, "_loss_shifts_labels", False))
             if not self._shift:
                 try:
-                    from transformers.loss.loss_utils import ForCausalLMLoss
+                    from transformers.loss.loss_utils import (
+                        ForCausalLMLoss,  # heavy: transformers, loaded on first use
+                    )
 
                     m = t.accelerator.unwrap_model(t.model)
                     m = getattr(getattr(m, "base_model", None), "model", m) if hasattr(m, "peft_config") else m
@@ -237,9 +245,7 @@ class TrainerOom:
 
     def _weight(self, part: Any) -> float:
         """A part's weight in a batch-averaged loss: its label tokens as the Trainer counts them, else rows."""
-        import torch
-
-        from ..explore.adaptive import batch_rows
+        import torch  # heavy: torch, loaded on first use
 
         labels = part.get("shift_labels") if isinstance(part, dict) else None
         if labels is None and isinstance(part, dict) and isinstance(part.get("labels"), torch.Tensor):
@@ -264,7 +270,6 @@ def start_oom_handling(options: dict, model, optimizer) -> TrainerOom:
     spec = options.get("spec")
     if oom.adaptive and spec is not None and options.get("micro_batch") is None:
         # start from the estimate: memlens.fit's largest micro-batch for one per-device batch
-        from ..explore.adaptive import start_from_fit
 
         rows = trainer.args.per_device_train_batch_size
         oom.start_fit = start_from_fit(oom.policy, spec.replace(batch_size=rows, grad_accum=1), None, rows)

@@ -22,6 +22,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..measure.guard import guard_from_option
+from ..report.profile_report import write_report
+from .lightning_oom import LightningOom
+
 try:
     from lightning.pytorch.callbacks import Callback
 except ImportError:  # the older package name
@@ -50,9 +54,6 @@ class MemlensCallback(Callback):
         opt = opts[0] if opts else None
         o = self.oom_options
         if o["guard"] or o["adaptive"]:
-            from ..measure.guard import guard_from_option
-            from .lightning_oom import LightningOom
-
             self.oom = LightningOom(trainer, pl_module, adaptive=bool(o["adaptive"]),
                                     guard=guard_from_option(o["guard"], pl_module, opt, o["spec"]), micro_batch=o["micro_batch"],
                                     min_micro_batch=o["min_micro_batch"], trend=o["trend"], lookahead=o["lookahead"]).install()
@@ -95,6 +96,4 @@ class MemlensCallback(Callback):
             return
         self.result.data["integration"] = "lightning.Trainer"
         if self.out_dir is not None and getattr(trainer, "is_global_zero", True):
-            from ..report.profile_report import write_report
-
             write_report(self.result, self.out_dir)

@@ -94,7 +94,7 @@ class LightningOom:
 
     # ------------------------------------------------------------ the wrapped training_step
     def _training_step(self, batch, *args, **kwargs):
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         self._rest = (args, kwargs)
         try:
@@ -106,7 +106,7 @@ class LightningOom:
         return torch.as_tensor(total).detach().clone().requires_grad_(True)
 
     def _forward_backward(self, micro, factor: float) -> Any:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         args, kwargs = self._rest
         out = self._orig(micro, *args, **kwargs)

@@ -37,10 +37,16 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from ..core.errors import SpecError
+from ..core.optimizers import HF_OPTIM_ALIASES
+from ..models.build import quiet
+from ..models.source import resolve
 
 # transformers 5.x TrainingArguments defaults (training_args.py), used when transformers cannot be imported
 _FALLBACK_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "bf16": False, "fp16": False,
@@ -51,9 +57,9 @@ _FALLBACK_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_s
 def trainer_defaults() -> dict[str, Any]:
     """Defaults of the installed transformers' TrainingArguments (the fields memlens reads)."""
     try:
-        from dataclasses import MISSING, fields
-
-        from transformers import TrainingArguments
+        from transformers import (
+            TrainingArguments,  # heavy: transformers, loaded on first use
+        )
     except ImportError:
         return dict(_FALLBACK_DEFAULTS)
     out = {}
@@ -86,8 +92,6 @@ def load_file(path: str | Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise SpecError(f"{p} is not valid JSON (line {e.lineno}: {e.msg})", hint="write it with TrainingArguments.to_json_string()") from None
     if data is None:
-        import yaml
-
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError:
@@ -108,9 +112,9 @@ def _check_known(d: dict[str, Any]) -> None:
     like a misspelling of one memlens reads. Other unknown names (fields of another transformers
     version, in a file written there) do not change one step's memory and are ignored."""
     try:
-        from dataclasses import fields
-
-        from transformers import TrainingArguments
+        from transformers import (
+            TrainingArguments,  # heavy: transformers, loaded on first use
+        )
 
         known = {f.name for f in fields(TrainingArguments)}
     except ImportError:
@@ -175,7 +179,6 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
         raise SpecError("reentrant gradient checkpointing (use_reentrant=True) is not modelled",
                         hint="memlens models transformers 5.x's default, use_reentrant=False")
     optim = str(getattr(a.get("optim"), "value", a.get("optim")))
-    from ..core.optimizers import HF_OPTIM_ALIASES
 
     if optim.lower() not in HF_OPTIM_ALIASES:
         raise SpecError(f"optim {optim!r} is not a Trainer optimizer memlens models", hint=f"use one of {', '.join(HF_OPTIM_ALIASES)}")
@@ -198,13 +201,10 @@ def weights_of_model(model: str) -> str:
     """The weights a Trainer user gets for ``model`` from ``from_pretrained`` (transformers 5:
     ``dtype="auto"``, the config's ``dtype``): fp32 | bf16 | fp16; fp32 when the config names none
     (memlens' built-in configs, factories)."""
-    from ..models.source import resolve
-
     try:
         cfg = resolve(model).config
     except Exception:  # noqa: BLE001 - the spec's own validation reports a bad model later
         return "fp32"
-    from ..models.build import quiet
 
     with quiet():   # transformers 5 warns that `torch_dtype` is deprecated (a stray line on stderr)
         dt = str(getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None) or "float32").replace("torch.", "")

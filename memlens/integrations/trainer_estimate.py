@@ -15,18 +15,21 @@ What the Trainer would do that this does not, refused in one line: a subclass's 
 """
 from __future__ import annotations
 
+import collections
 import copy
 import json
 from typing import Any
 
 from ..core.errors import MemlensError
+from ..core.spec import TrainingSpec
+from ..estimator import estimate
+from ..models.source import ModelSource
+from .trainer_args import spec_fields
 
 
 def weights_precision(model) -> str:
     """fp32 | bf16 | fp16: the dtype of the model's floating-point parameters (the most common one)."""
-    import collections
-
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     count: collections.Counter = collections.Counter()
     for p in model.parameters():
@@ -42,7 +45,7 @@ def meta_skeleton(model):
     """A deep copy of ``model`` whose tensors are meta tensors (same shape, dtype, requires_grad):
     no weight is copied, whatever device the model is on. Forward wrappers that accelerate may
     have installed on the instance are dropped (the Trainer's step adds its own)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     memo: dict[int, Any] = {}
     for mod in model.modules():
@@ -72,7 +75,7 @@ def sample_batch(trainer, batch_size: int) -> dict:
 
 def collate_meta(ds, collator, batch_size: int) -> dict:
     """``collator`` over the first ``batch_size`` samples of ``ds``, as meta tensors."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     if ds is None:
         raise MemlensError("the Trainer has no train_dataset", hint="pass train_dataset= to the Trainer (one batch is read)")
@@ -102,7 +105,7 @@ def collate_meta(ds, collator, batch_size: int) -> dict:
 
 def trainer_spec_and_source(trainer, gpu: str | None = None):
     """(TrainingSpec, ModelSource) of a Trainer's step."""
-    from transformers import Trainer
+    from transformers import Trainer  # heavy: transformers, loaded on first use
 
     if type(trainer).compute_loss is not Trainer.compute_loss or getattr(trainer, "compute_loss_func", None) is not None:
         raise MemlensError("the Trainer computes its own loss (a compute_loss override or compute_loss_func), which memlens does not run",
@@ -113,10 +116,6 @@ def trainer_spec_and_source(trainer, gpu: str | None = None):
 def spec_and_source(model, args, batch_of, gpu: str | None = None):
     """(TrainingSpec, ModelSource) from a model, its TrainingArguments and ``batch_of(batch_size)``
     returning one collated micro-batch of meta tensors."""
-    from ..core.spec import TrainingSpec
-    from ..models.source import ModelSource
-    from .trainer_args import spec_fields
-
     fields = spec_fields(json.loads(args.to_json_string()), weights_precision(model))
     name = f"trainer:{type(getattr(model, 'base_model', model)).__name__}"
     spec = TrainingSpec(model=name, **fields, **({"gpu": gpu} if gpu else {}))
@@ -131,8 +130,6 @@ def estimate_trainer(trainer, gpu: str | None = None, steps: int = 2):
     """Estimate ``trainer``'s training step (a Result, as :func:`memlens.estimate` returns).
 
     ``gpu``: the GPU the estimate is for (default h100; :mod:`memlens.core.gpus`)."""
-    from ..estimator import estimate
-
     spec, source = trainer_spec_and_source(trainer, gpu)
     return estimate(spec, steps=steps, source=source)
 
@@ -140,8 +137,6 @@ def estimate_trainer(trainer, gpu: str | None = None, steps: int = 2):
 def estimate_parts(model, args, dataset, collate_fn, gpu: str | None = None, steps: int = 2):
     """The same estimate from a model, its TrainingArguments, a dataset and a collate function
     (what the Trainer's callbacks see: ``train_dataloader.dataset`` / ``.collate_fn``)."""
-    from ..estimator import estimate
-
     spec, source = spec_and_source(model, args, lambda bs: collate_meta(dataset, collate_fn, bs), gpu)
     return estimate(spec, steps=steps, source=source)
 

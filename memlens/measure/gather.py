@@ -27,7 +27,7 @@ RANK_FIELDS = ("peak_phase", "peak_step", "device", "mode", "steps", "nvml", "ma
 def rank_info() -> tuple[int, int] | None:
     """(rank, world size) when this process is one rank of a job with several, else None."""
     try:
-        import torch.distributed as dist
+        import torch.distributed as dist  # heavy: torch, loaded on first use
     except ImportError:   # pragma: no cover - torch without distributed
         return None
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
@@ -80,7 +80,7 @@ def gather_profiles(result: Result, dst: int = 0) -> Result:
     info = rank_info()
     if info is None:
         return result
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch, loaded on first use
 
     rank, world = info
     result.data["rank"] = rank

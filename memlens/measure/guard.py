@@ -36,9 +36,9 @@ and temporaries are then one ``unclassified`` row.
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
+import bisect
 import functools
+import gc
 import os
 import pickle
 import time
@@ -47,11 +47,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..core.enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL
+from ..core.enums import INPUTS_LABEL, OPTIMIZER_LABEL, OUTSIDE_LABEL, Category
 from ..core.errors import MemlensError
 from ..core.payloads import GuardPayload
 from ..core.result import Result
-from .history import parse_moment
+from ..doctor.advice import measured_levers
+from ..doctor.oom import OomMessage, ProcessUse, _run_estimate, diagnose, what_fits
+from ..doctor.snapshot import allocation_site
+from ..report.guard_report import guard_html
+from .history import IntervalPeaks, parse_moment
 
 REPORT_JSON, REPORT_HTML, SNAPSHOT_PICKLE = "oom_report.json", "oom_report.html", "oom_snapshot.pickle"
 UNCLASSIFIED = "unclassified"       # history off: activations and temporaries not told apart
@@ -115,10 +119,6 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
     >>> b.by_category, b.total_bytes
     ({'parameters': 1024, 'activations': 512}, 1536)
     """
-    from ..doctor.snapshot import allocation_site
-
-    import bisect
-
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
     numbers = sorted(moments)
@@ -192,9 +192,6 @@ def build_report(cap: Capture, message: str = "", spec=None, estimate_fn: Callab
     """The guard's Result from one capture: live memory by category and module, the account and the
     diagnosis (:mod:`memlens.doctor`), and the levers that would fit (with ``spec``: estimated
     against the memory PyTorch could hold, by the one fit rule)."""
-    from ..doctor.oom import OomMessage, ProcessUse, diagnose
-    from ..doctor.advice import measured_levers
-
     live = classify_live_blocks(cap.snapshot, cap.device, cap.known, cap.moments, cap.step, cap.history)
     this = others = None
     if cap.processes is not None:
@@ -210,8 +207,6 @@ def build_report(cap: Capture, message: str = "", spec=None, estimate_fn: Callab
     levers: list[dict[str, Any]]
     notes: list[str] = []
     if spec is not None and reachable:
-        from ..doctor.oom import _run_estimate, what_fits
-
         try:
             levers = [asdict(o) for o in what_fits(spec, reachable, estimate_fn or _run_estimate)]
         except MemlensError as e:
@@ -245,8 +240,7 @@ class _Recorder:
     :data:`KEEP_STEPS` steps; the addresses of the last batch. Hooks hold no tensors."""
 
     def __init__(self, torch, device, model, optimizer, module_depth: int | None, history: bool, max_entries: int):
-        from ..core.tracker import StorageTracker
-        from .history import IntervalPeaks
+        from ..core.tracker import StorageTracker  # heavy: imports torch
 
         self.torch = torch
         self.model = model
@@ -311,7 +305,9 @@ class _Recorder:
     # hooks
     def _root_pre(self, mod, args, kwargs) -> None:
         torch = self.torch
-        from torch.utils._pytree import tree_flatten
+        from torch.utils._pytree import (
+            tree_flatten,  # heavy: torch, loaded on first use
+        )
 
         self.inputs = tuple(t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                             if isinstance(t, torch.Tensor) and t.device.type == self.device_type)
@@ -333,7 +329,9 @@ class _Recorder:
         if isinstance(out, torch.Tensor):
             flat = (out,)
         else:
-            from torch.utils._pytree import tree_flatten
+            from torch.utils._pytree import (
+                tree_flatten,  # heavy: torch, loaded on first use
+            )
 
             flat = tree_flatten(out)[0]
         seen: set[int] = set()
@@ -429,7 +427,7 @@ class Guard:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Guard":
         global _OBSERVER_ATTACHED
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if self._recorder is not None:
             return self
@@ -483,7 +481,7 @@ class Guard:
     # ------------------------------------------------------------ at the failure
     def _capture(self, device: int, alloc: int, total_or_allowed: int, device_free: int) -> None:
         """Called by the allocator's OOM observer (allocator lock released, GIL held): read the state."""
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if self._recorder is None or device != self._device_index:
             return
@@ -547,8 +545,6 @@ def guard_from_option(guard: bool | str | Path | Guard, model, optimizer, spec=N
 
 def write_guard_files(result: Result, snapshot: dict | None, out_dir: str | Path) -> list[Path]:
     """oom_report.json, oom_snapshot.pickle (the _dump_snapshot format), oom_report.html."""
-    from ..report.guard_report import guard_html
-
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     paths = [result.save(d / REPORT_JSON)]
@@ -564,7 +560,7 @@ def write_guard_files(result: Result, snapshot: dict | None, out_dir: str | Path
 def is_oom(e: BaseException) -> bool:
     """A CUDA (or any device) out-of-memory error."""
     try:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if isinstance(e, torch.OutOfMemoryError):
             return True
@@ -576,11 +572,9 @@ def is_oom(e: BaseException) -> bool:
 def free_cuda_cache() -> None:
     """After an OOM was caught (outside the except block, so its traceback's tensors are gone):
     collect garbage and hand the caching allocator's free blocks back."""
-    import gc
-
     gc.collect()
     try:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -612,7 +606,7 @@ def _model_device(model, torch):
 def _nvml_processes(torch, device: int) -> list[tuple[int, int]] | None:
     """(pid, used bytes) of every process on the GPU, from NVML (None when NVML cannot be read)."""
     try:
-        import pynvml
+        import pynvml  # optional: nvidia-ml-py (memlens[nvml])
 
         pynvml.nvmlInit()
         h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(device))

@@ -22,19 +22,17 @@ workspaces, the previous step's loss).
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
 import bisect
 import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from ..core.events import EventLog
-from ..core.ledger import round_size
-
 from ..core.enums import OPTIMIZER_LABEL as OPTIMIZER
 from ..core.enums import OUTSIDE_LABEL as OUTSIDE
+from ..core.enums import Category
+from ..core.events import EventLog
+from ..core.ledger import round_size
 
 META_PREFIX = "memlens:"
 _MOMENTS = itertools.count()   # moment numbers are unique in the process, so stale labels are older
@@ -193,7 +191,7 @@ class HistoryRecorder:
     """
 
     def __init__(self, torch, device, model=None, optimizer=None, moments: "IntervalPeaks | None" = None):
-        from ..core.tracker import StorageTracker
+        from ..core.tracker import StorageTracker  # heavy: imports torch
 
         self.torch = torch
         self.device = device
@@ -271,7 +269,10 @@ class HistoryRecorder:
     def start(self) -> None:
         """Record the start blocks, set the first moment and install the module hooks."""
         torch = self.torch
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        from torch.nn.modules.module import (  # heavy: torch, loaded on first use
+            register_module_forward_hook,
+            register_module_forward_pre_hook,
+        )
 
         blocks: dict[int, tuple[int, int, str, int]] = {}
 
@@ -342,7 +343,9 @@ class HistoryRecorder:
             if isinstance(out, torch.Tensor):
                 flat = (out,)
             else:
-                from torch.utils._pytree import tree_flatten
+                from torch.utils._pytree import (
+                    tree_flatten,  # heavy: torch, loaded on first use
+                )
 
                 flat = tree_flatten(out)[0]
             seen = set()

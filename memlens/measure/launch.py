@@ -16,13 +16,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from ..core.parallel import sharding_of
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError, NoDeviceError
-from ..core.spec import TrainingSpec
+from ..core.parallel import sharding_of
 from ..core.result import Result
+from ..core.spec import TrainingSpec
+from ..estimator import estimate
+from ..models.source import resolve
+from ..step.parallel import check
 
 
 def check_gpus(world_size: int, device: str = "cuda", gpus: list[int] | None = None) -> None:
@@ -30,7 +33,7 @@ def check_gpus(world_size: int, device: str = "cuda", gpus: list[int] | None = N
     if device != "cuda":
         return
     try:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
@@ -122,8 +125,6 @@ def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, 
     if dev == "cpu" and sharding_of(spec).family != "ddp":
         raise MemlensError("--device cpu runs gloo, which FSDP2's collectives on CPU tensors are not measured with",
                            hint="use --sharding ddp on the CPU, or a GPU machine")
-    from ..models.source import resolve
-    from ..step.parallel import check
 
     resolve(spec.model)            # a bad --model is the first thing to say
     check(spec, fake=False)
@@ -153,8 +154,6 @@ def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, 
 
 def compare_ranks(spec: TrainingSpec, measured: Result) -> dict[str, Any]:
     """The per-rank estimate beside each measured rank (peak allocated and reserved)."""
-    from ..estimator import estimate
-
     try:
         est = estimate(spec)
     except MemlensError as e:

@@ -32,6 +32,8 @@ from typing import Callable
 
 from ..core.errors import MemlensError, NoDeviceError
 from ..core.units import fmt_bytes, parse_bytes
+from ..report.doctor_plots import _pyplot, _save
+from ..report.plots import bytes_unit, legend_outside, time_unit
 
 
 @dataclass
@@ -73,7 +75,7 @@ class Alert:
 
 def top_tensors(n: int = 5, device: str = "cuda") -> list[TensorInfo]:
     """The ``n`` largest live tensors on ``device`` type ("cuda", "cpu"), each storage counted once."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     seen: set[tuple[str, int]] = set()
     out: list[TensorInfo] = []
@@ -154,7 +156,7 @@ class Monitor:
 
     # ------------------------------------------------------------ sampling
     def _cuda_sampler(self) -> Callable[[], tuple[int, int]]:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if not torch.cuda.is_available():
             raise NoDeviceError("Monitor needs CUDA to read torch.cuda memory",
@@ -228,8 +230,6 @@ class Monitor:
     def plot(self, path: str | Path) -> Path:
         """PNG of allocated and reserved over time, with the threshold and the alerts."""
         # the renderers (and matplotlib behind them) load only when a plot is asked for
-        from ..report.doctor_plots import _pyplot, _save
-        from ..report.plots import bytes_unit, legend_outside, time_unit
 
         plt = _pyplot()
         hist = list(self.history)

@@ -21,6 +21,7 @@ The backend is a small protocol so that everything above it runs without a GPU:
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -48,7 +49,7 @@ class PynvmlBackend:
 
     def __init__(self) -> None:
         try:
-            import pynvml
+            import pynvml  # optional: nvidia-ml-py (memlens[nvml])
         except ImportError:
             raise NoDeviceError("nvidia-ml-py is not installed, so NVML cannot be read",
                                 hint="pip install 'memlens[nvml]' (needs an NVIDIA driver)") from None
@@ -241,8 +242,6 @@ class Watcher:
 
     def __init__(self, backend: NvmlBackend, only: list[int] | None = None, window_s: float = 60.0,
                  warn_fraction: float = 0.90, warn_seconds: float = 600.0, clock=None):
-        import time
-
         self.backend = backend
         self.only = only
         self.window_s = window_s

@@ -39,18 +39,20 @@ storage bytes *are* the figures ("allocated" = bytes of live tensor storages; re
 """
 from __future__ import annotations
 
-from ..core.enums import Category
-
 import contextlib
 import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..core.enums import OPTIMIZER_LABEL, OUTSIDE_LABEL
+from ..core.enums import OPTIMIZER_LABEL, OUTSIDE_LABEL, Category
 from ..core.errors import MemlensError, NoDeviceError
-from ..core.tracker import register_inputs, register_model, tag_optimizer_state
+from ..core.events import EventLog
+from ..core.ledger import round_size
 from ..core.result import Result
+from ..core.tracker import register_inputs, register_model, tag_optimizer_state
+from .gather import gather_profiles, rank_info
+from .history import HistoryRecorder, IntervalPeaks
 from .result import build_result
 
 MODES = ("phases", "full", "ledger")
@@ -96,7 +98,7 @@ class _CudaMeter:
     kind = "cuda"
 
     def __init__(self, device):
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         self.torch = torch
         self.device = device
@@ -136,8 +138,6 @@ class _LedgerMeter:
 
 
 def _counting_log():
-    from ..core.events import EventLog
-
     class CountingLog(EventLog):
         """An EventLog that also keeps the live byte count and its peak (raw storage bytes)."""
 
@@ -191,7 +191,7 @@ class Profiler:
                  spec: dict | None = None, optimizer_hooks: bool = True, gather: bool | None = None):
         if mode not in MODES:
             raise MemlensError(f"profile mode {mode!r} is not one of {', '.join(MODES)}", hint="use mode='phases', 'full' or 'ledger'")
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         self.torch = torch
         self.model = model
@@ -253,8 +253,6 @@ class Profiler:
         if self._ledger_on:
             self._start_ledger()
         if self.device_type == "cuda":
-            from .history import HistoryRecorder, IntervalPeaks
-
             self.intervals = IntervalPeaks(torch, self.device, max_entries=self.snapshot_max_entries,
                                            stacks=self.record_snapshot)
             self.intervals.start()
@@ -296,7 +294,6 @@ class Profiler:
         self._close_steps()
         self._running = False
         self._result = self._build_result()
-        from .gather import gather_profiles, rank_info
 
         info = rank_info()
         if info is not None:   # one rank of a job: say which; rank 0 gathers every rank's result (a collective)
@@ -435,14 +432,18 @@ class Profiler:
         if self.tracker is not None:
             self._tag_inputs((args, kwargs))
         if self.history is not None:
-            from torch.utils._pytree import tree_flatten
+            from torch.utils._pytree import (
+                tree_flatten,  # heavy: torch, loaded on first use
+            )
 
             self.history.observe(Category.INPUTS, tree_flatten((args, kwargs))[0])
 
     def _on_forward_post(self, module, args, out):
         if not self.torch.is_grad_enabled():
             return
-        from torch.utils._pytree import tree_flatten
+        from torch.utils._pytree import (
+            tree_flatten,  # heavy: torch, loaded on first use
+        )
 
         seen = set()
         prof = self
@@ -473,7 +474,11 @@ class Profiler:
     # ledger --------------------------------------------------------------
     def _start_ledger(self) -> None:
         torch = self.torch
-        from ..core.tracker import ModuleScope, StorageTracker, pack_hook_for
+        from ..core.tracker import (  # heavy: imports torch
+            ModuleScope,
+            StorageTracker,
+            pack_hook_for,
+        )
 
         if self.log is None:
             self.log = _counting_log()
@@ -487,7 +492,6 @@ class Profiler:
             tag_optimizer_state(tr, self.optimizer, register=True)
         if self.device_type == "cuda":
             torch.cuda.synchronize(self.device)
-            from ..core.ledger import round_size
 
             untracked = torch.cuda.memory_allocated(self.device) - sum(round_size(n) for n in self.log._sizes.values())
             self.extra["untracked_at_start_bytes"] = int(untracked)
@@ -519,7 +523,7 @@ def profile(model=None, optimizer=None, **kwargs) -> Profiler:
 # ---------------------------------------------------------------- helpers
 
 def _resolve_device(device, model):
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     if device is None and model is not None:
         try:

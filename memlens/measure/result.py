@@ -2,22 +2,24 @@
 NVML and torch.profiler tables (verb "profile")."""
 from __future__ import annotations
 
-from ..core.enums import Category
-
 import os
 from typing import Any
 
+from ..core.components import by_component
+from ..core.enums import MEASURED_PHASES, Category
 from ..core.errors import MemlensError
+from ..core.ledger import RawSizes, analyze, round_size
 from ..core.result import Result
-from ..core.enums import MEASURED_PHASES
-
+from ..doctor.snapshot import summarize_snapshot, validate_snapshot
+from ..doctor.stats import analyze_memory_stats
+from .nvml import open_backend, process_used_bytes
 
 UNATTRIBUTED = "unattributed"
 
 
 def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.profiler.Profiler
     """Everything the profiler saw, as one Result (verb "profile")."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     snaps = prof.setup_snapshots + prof.snapshots
     after_start = [s for s in snaps if s.phase != "start"]
@@ -70,8 +72,6 @@ def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.prof
     by_category: dict[str, int] = {}
     by_module: list[dict[str, Any]] = []
     if prof.log is not None:
-        from ..core.ledger import RawSizes, analyze, round_size
-
         view = analyze(prof.log, sizer=RawSizes(round_size if cuda else (lambda n: n)), stop_at_done=False)
         by_category = {k: v for k, v in view.by_category.items() if v or k in (Category.PARAMETERS, Category.GRADIENTS, Category.OPTIMIZER_STATE, Category.ACTIVATIONS, Category.TEMPORARIES, Category.INPUTS)}
         untracked = prof.extra.get("untracked_at_start_bytes", 0)
@@ -94,7 +94,6 @@ def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.prof
         data["lora_bytes_at_peak"] = sum(r["bytes"] for r in lora)
         data["by_operation"] = {ph: view.by_phase_allocated.get(ph, 0) for ph in ("start", *MEASURED_PHASES)
                                 if ph != "clip" or ph in view.by_phase_allocated}   # clip: DP-SGD only
-        from ..core.components import by_component
 
         data["by_component"] = by_component(by_module)
         if not cuda:
@@ -124,8 +123,6 @@ def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.prof
         data["theoretical_param_bytes"] = sum(p.numel() * p.element_size() for p in params)
         data["buffer_bytes"] = sum(b.numel() * b.element_size() for b in prof.model.buffers())
     if cuda:
-        from ..doctor.stats import analyze_memory_stats
-
         st = analyze_memory_stats(prof.meter.stats())
         data["allocator"] = {
             "reserved_unallocated_bytes": st.reserved_unallocated_bytes,
@@ -148,8 +145,6 @@ def build_result(prof: Any) -> Result:   # prof: a finished memlens.measure.prof
     if prof.torch_prof is not None:
         data["torch_profiler"] = torch_profiler_tables(prof.torch_prof, cuda)
     if prof.memory_snapshot is not None:
-        from ..doctor.snapshot import summarize_snapshot, validate_snapshot
-
         s = summarize_snapshot(validate_snapshot(prof.memory_snapshot))
         data["memory_snapshot"] = {"allocated_bytes": s.allocated_bytes, "reserved_bytes": s.reserved_bytes,
                                    "inactive_split_bytes": s.inactive_split_bytes, "trace_entries": s.trace_entries,
@@ -169,8 +164,6 @@ def _nvml_this_process() -> dict[str, Any]:
     """NVML's used memory for this process (what nvidia-smi shows: reserved + CUDA context + libraries)."""
     label = "NVML per-process used memory, as nvidia-smi shows it: PyTorch's reserved memory plus the CUDA context and libraries"
     try:
-        from .nvml import open_backend, process_used_bytes
-
         be = open_backend()
     except MemlensError as e:
         return {"available": False, "reason": e.message, "label": label}

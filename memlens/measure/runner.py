@@ -10,13 +10,17 @@ physical batch's forward / backward / clip and the logical step's optimizer are 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Callable
 
-from ..core.enums import CATEGORIES
+from ..core.enums import CATEGORIES, MEASURED_PHASES
 from ..core.errors import MemlensError, NoDeviceError
-from ..core.result import Result
-from ..core.enums import MEASURED_PHASES
 from ..core.parallel import is_distributed
+from ..core.result import Result
+from ..estimator import estimate
+from ..models.build import quiet
+from ..models.source import resolve
+from ..step import prepare
 from .launch import profile_distributed
 from .profiler import Profiler, _resolve_device
 
@@ -38,16 +42,12 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
     >>> from memlens.core.spec import TrainingSpec
     >>> r, _ = profile_spec(TrainingSpec(model="tests.measure.profile_models:tiny_mlp"), steps=2, device="cpu")  # doctest: +SKIP
     """
-    import torch
-
-    from ..models.build import quiet
-    from ..step import prepare
+    import torch  # heavy: torch, loaded on first use
 
     if steps < 1:
         raise MemlensError(f"--steps must be at least 1, got {steps}", hint="e.g. --steps 3")
     if warmup < 0:
         raise MemlensError(f"--warmup must be 0 or more, got {warmup}", hint="e.g. --warmup 1")
-    from ..models.source import resolve
 
     source = resolve(spec.model)   # a bad --model is the first thing to say
     if device is None:
@@ -148,7 +148,7 @@ def profile_job(spec, *, steps: int = 3, warmup: int = 1, device: str | None = N
 
 
 def _opacus_version() -> str:
-    import opacus
+    import opacus  # optional: opacus (memlens[dp])
 
     return opacus.__version__
 
@@ -176,8 +176,6 @@ class SetupMeter:
     while the stages run, the profiler's CPU figures."""
 
     def __init__(self, torch, dev):
-        import time
-
         self.torch = torch
         self.dev = dev
         self.cuda = dev.type == "cuda"
@@ -188,8 +186,8 @@ class SetupMeter:
 
     def __enter__(self) -> "SetupMeter":
         if not self.cuda:
-            from ..core.tracker import StorageTracker
-            from .profiler import _counting_log
+            from ..core.tracker import StorageTracker  # heavy: imports torch
+            from .profiler import _counting_log  # heavy: imports torch
 
             self.log = _counting_log()
             self.tracker = StorageTracker(self.log, device_type="cpu")
@@ -224,7 +222,7 @@ class SetupMeter:
 
     def snapshots(self) -> list:
         """The readings as profiler Snapshots (step 0), times in seconds before the profiler started."""
-        from .profiler import Snapshot
+        from .profiler import Snapshot  # heavy: imports torch
 
         t_end = self._time()
         return [Snapshot(x["label"], 0, x["phase"], x["t"] - t_end, int(x["allocated"]), int(x["reserved"]),
@@ -253,8 +251,6 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
 
     >>> # rows: {"name", "estimated_bytes", "measured_bytes", "error"}  (error = (est - meas) / meas)
     """
-    from ..estimator import estimate
-
     try:
         est = estimate(spec)
     except MemlensError as e:

@@ -34,11 +34,13 @@ import os
 import subprocess
 import sys
 import time
-from ..core.parallel import is_distributed
 from typing import Any
 
 from ..core.errors import sentences
+from ..core.parallel import is_distributed
 from ..core.spec import TrainingSpec
+from ..step import prepare
+from .launch import job_trial
 
 MARK = "MEMLENS_TRIAL "
 
@@ -50,9 +52,7 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
     The model is built by memlens' builder with weights from ``torch.manual_seed(seed)`` and trained by
     memlens' prepared step (``memlens.step.prepare``), the code ``estimate`` simulates.
     """
-    import torch
-
-    from ..step import prepare
+    import torch  # heavy: torch, loaded on first use
 
     cuda = device.startswith("cuda")
     dev = torch.device(device)
@@ -118,7 +118,7 @@ def measure(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, memory_
 
 def _cpu_ledger(step, spec: TrainingSpec):
     """The profiler in its CPU ledger mode over a prepared step (as `memlens profile --device cpu` runs it)."""
-    from .profiler import Profiler
+    from .profiler import Profiler  # heavy: imports torch
 
     dp = step.dp
     if dp is not None and dp.functorch_layers:   # functorch cannot run under the ledger's saved-tensor hooks
@@ -132,9 +132,9 @@ def _cpu_ledger(step, spec: TrainingSpec):
 
 def _measure_detailed(spec: TrainingSpec, dev, steps: int, rec: dict[str, Any]) -> dict[str, Any]:
     """The steps under memlens' profiler (full mode): the peak and its breakdown per category, phase and component."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
-    from .runner import profile_spec
+    from .runner import profile_spec  # heavy: imports torch
 
     cuda = dev.type == "cuda"
     try:
@@ -183,8 +183,6 @@ def run_trial(spec: TrainingSpec, *, device: str = "cuda", steps: int = 3, timeo
     ``gpus``: the GPUs the trial may see (CUDA_VISIBLE_DEVICES). A spec for several GPUs runs under
     torchrun, one process per GPU (:func:`memlens.measure.launch.job_trial`; every rank's peaks)."""
     if is_distributed(spec):
-        from .launch import job_trial
-
         return job_trial(spec, steps=steps, timeout=timeout, memory_fraction=memory_fraction, gpus=gpus)
     req = {"spec": spec.to_dict(), "device": device, "steps": steps, "memory_fraction": memory_fraction, "seed": seed,
            "detailed": detailed}

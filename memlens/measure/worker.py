@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import sys
 import traceback
 from pathlib import Path
+
+from ..core.spec import TrainingSpec
+from .gather import merge_profiles
+from .nvml import open_backend, process_used_bytes
 
 
 def _record(out: Path, rank: int, rec: dict) -> None:
@@ -28,10 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     req = json.loads(Path(argv[0]).read_text())
     out = Path(req["exchange"])
-    import torch
-    import torch.distributed as dist
-
-    from ..core.spec import TrainingSpec
+    import torch  # heavy: torch, loaded on first use
+    import torch.distributed as dist  # heavy: torch, loaded on first use
 
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -49,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = TrainingSpec.from_dict(req["spec"])
     status = "ok"
     try:
-        from .runner import profile_spec
+        from .runner import profile_spec  # heavy: imports torch
 
         dev = f"cuda:{local}" if cuda else "cpu"
         result, artifacts = profile_spec(spec, steps=int(req.get("steps", 3)), warmup=int(req.get("warmup", 1)), device=dev,
@@ -67,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
                 result.data.setdefault("nvml", {})["before_process_group_bytes"] = req_nvml0
         snap = artifacts.get("memory_snapshot")
         if snap is not None:
-            import pickle
 
             with open(out / f"memory_snapshot_rank{rank}.pickle", "wb") as f:
                 pickle.dump(snap, f)
@@ -85,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(3)
-    from .gather import merge_profiles
 
     mine = json.loads((out / f"rank{rank}.json").read_text())["result"]
     got = [None] * dist.get_world_size() if rank == 0 else None
@@ -101,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
 def _nvml_used() -> int | None:
     """NVML used memory of this process (None where the driver does not say)."""
     try:
-        from .nvml import open_backend, process_used_bytes
-
         be = open_backend()
     except Exception:  # noqa: BLE001 - no NVML: no figure
         return None

@@ -2,6 +2,7 @@
 ``--freeze`` and LoRA (peft) applied to a built model."""
 from __future__ import annotations
 
+import collections
 import fnmatch
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -41,7 +42,7 @@ def mark_known(t, what: str = "nonnegative"):
 
 
 def torch_dtype(name: str):
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     return getattr(torch, name)
 
@@ -69,8 +70,10 @@ def default_lora_targets(model) -> list[str] | None:
     """LoRA targets for a transformers model whose model_type peft has no default for (OLMoE,
     other new MoE models): its attention projections; None where peft has a default (or no
     config, or a VLM, which :func:`apply_lora` handles)."""
-    import torch   # torch and peft: heavy, loaded when a model is built with LoRA
-    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    import torch  # torch and peft: heavy, loaded when a model is built with LoRA
+    from peft.utils.constants import (
+        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS,  # heavy: peft, loaded on first use
+    )
 
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) in PEFT_DEFAULTS or hasattr(cfg, "vision_config"):
@@ -81,7 +84,7 @@ def default_lora_targets(model) -> list[str] | None:
 
 def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
     """peft's LoRA on ``model``: ``spec.lora_targets``, else ``targets`` (:func:`default_lora_targets`), else peft's default."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # heavy: peft, loaded on first use
 
     targets: Any = list(spec.lora_targets) if spec.lora_targets else targets
     mcfg = getattr(model, "config", None)      # None for a plain nn.Module from a factory
@@ -132,9 +135,7 @@ def _check_rank(model, rank: int) -> None:
 def adaptable_modules(model) -> list[str]:
     """Names of the modules peft's LoRA can adapt (Linear, Embedding, Conv1d/2d/3d, transformers' Conv1D),
     as --lora-targets takes them (the last part of the name), most frequent first."""
-    import collections
-
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     kinds = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
     count: collections.Counter = collections.Counter()

@@ -5,16 +5,29 @@ profiler (on a real device with random weights), so both run exactly the same tr
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import logging
+import sys
 from typing import Any
 
+from ..core import usercode
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
+from .adapt import (  # noqa: F401 - re-exported
+    Built,
+    adaptable_modules,
+    apply_freeze,
+    apply_lora,
+    default_lora_targets,
+    mark_known,
+    torch_dtype,
+)
 from .checkpoint import checkpoint_blocks
-from .adapt import Built, adaptable_modules, apply_freeze, apply_lora, default_lora_targets, mark_known, torch_dtype  # noqa: F401 - re-exported
 from .source import ModelSource
+from .vision import build_vision_module
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224   # ImageNet crops, for configs that do not name an image size (ResNet, RegNet)
@@ -34,8 +47,6 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
     if source.kind == "module":
         return _build_module(spec, source)
     if source.kind in ("timm", "torchvision"):
-        from .vision import build_vision_module
-
         return build_vision_module(spec, source, device)
     if spec.target_len is not None and source.task not in SEQ2SEQ_TASKS:
         raise SpecError(f"--target-len is for encoder-decoder models; {source.name} trains {source.task}",
@@ -53,7 +64,7 @@ PADDED_TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq")
 
 # ---------------------------------------------------------------- Hugging Face models
 def _auto_class(task: str):
-    import transformers as tf
+    import transformers as tf  # heavy: transformers, loaded on first use
 
     return {
         "causal-lm": tf.AutoModelForCausalLM,
@@ -68,10 +79,7 @@ def _auto_class(task: str):
 
 
 def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
-    import contextlib
-    import copy
-
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     config = copy.deepcopy(source.config)
     length_notes = _check_lengths(spec, source)
@@ -121,7 +129,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
                       "the attention projections, as peft's default for Llama-like attention (--lora-targets names others)",)
         model = apply_lora(model, spec, targets)
     if spec.qlora:
-        from .quant import quantize_frozen_linears
+        from .quant import quantize_frozen_linears  # heavy: imports torch
 
         quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16,
                                 bias_dtype=torch.float32 if spec.kbit_prep else None)
@@ -137,7 +145,9 @@ def prepare_for_kbit(model, name: str) -> None:
     ``prepare_model_for_kbit_training``): set here, since memlens puts its 4-bit stand-ins in after LoRA
     (:func:`memlens.models.quant.quantize_frozen_linears`); the linear weights peft casts to fp32 here
     are the ones those stand-ins replace, so what stays in fp32 is what stays outside 4-bit on a GPU."""
-    from peft import prepare_model_for_kbit_training   # heavy: loaded for --kbit-prep only
+    from peft import (
+        prepare_model_for_kbit_training,  # heavy: loaded for --kbit-prep only
+    )
 
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise SpecError(f"--kbit-prep enables gradient checkpointing, which {name} does not support in transformers",
@@ -171,9 +181,7 @@ def supports_sdpa(cls, config) -> bool:
 def _module_class_names(model_cls) -> list[str]:
     """Names of the classes defined in the modeling module of ``model_cls`` (a cheap look for
     attention modules in models that support no SDPA yet)."""
-    import sys
-
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     mod = sys.modules.get(model_cls.__module__)
     return [n for n, v in vars(mod).items() if isinstance(v, type) and issubclass(v, torch.nn.Module)
@@ -264,7 +272,7 @@ def image_tokens(source: ModelSource) -> int:
 
 def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
     """One synthetic micro-batch for the task. Returns (batch dict, seq_len, image_size)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     B = spec.batch_size
     cfg = source.config
@@ -337,7 +345,7 @@ def padding_mask(fraction: float, B: int, L: int, dev: dict):
     A mask with zeros makes transformers build its 4D attention mask (masking_utils: the causal
     mask is skipped only when every token is real), and SDPA with a mask cannot run flash
     attention (memlens.estimator.cuda_rules.sdpa_backend)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     n = min(max(1, round(fraction * L)), L - 1)
     mask = torch.ones(B, L, dtype=torch.long, **dev)
@@ -353,9 +361,7 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
     (a callable of two parameters whose first is named ``model``, or marked ``step.memlens_step = True``).
     A dict batch reaches ``forward`` only through the entries its signature takes (all of them
     when it takes ``**kwargs``); the rest (labels...) are for the loss function."""
-    import contextlib
-
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     fn = source.factory
     try:
@@ -378,8 +384,6 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
     step = third if third is not None and is_step_callable(third) else None
     loss_fn = None if step is not None else third
     if third is not None:
-        from ..core import usercode
-
         usercode.register(third, "step function" if step is not None else "loss function", source.name)
     forward_keys = None
     if step is None:

@@ -25,7 +25,9 @@ from ..core.spec import parse_checkpoint_layers
 
 def _is_hf_layer(m) -> bool:
     try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
+        from transformers.modeling_layers import (
+            GradientCheckpointingLayer,  # heavy: transformers, loaded on first use
+        )
     except ImportError:       # transformers is optional for plain PyTorch models
         return False
     return isinstance(m, GradientCheckpointingLayer)
@@ -34,7 +36,7 @@ def _is_hf_layer(m) -> bool:
 def find_blocks(model) -> tuple[str, Any]:
     """(name, list) of the model's block stack: the ModuleList/Sequential of transformers layers, else the one
     of one class holding the most parameters. Refused in one line when there is none, or several alike."""
-    import torch   # heavy: loaded when a model is built (models/build.py imports this module at its top)
+    import torch  # heavy: loaded when a model is built (models/build.py imports this module at its top)
 
     found = []
     for name, mod in model.named_modules():
@@ -80,8 +82,8 @@ def chosen_indices(choice: Any, n: int, label: str = "the model") -> list[int]:
 
 
 def _wrap(block) -> None:
-    import torch   # heavy (see find_blocks)
-    from torch.utils.checkpoint import checkpoint
+    import torch  # heavy (see find_blocks)
+    from torch.utils.checkpoint import checkpoint  # heavy: torch, loaded on first use
 
     if getattr(block, "_memlens_forward", None) is not None:
         return
@@ -114,7 +116,7 @@ def checkpoint_blocks(model, choice: Any) -> list[str]:
         if _is_hf_layer(block):
             block.gradient_checkpointing = i in keep
             if i in keep and getattr(block, "_gradient_checkpointing_func", None) is None:
-                from torch.utils.checkpoint import checkpoint   # heavy (see find_blocks)
+                from torch.utils.checkpoint import checkpoint  # heavy (see find_blocks)
 
                 block._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
         elif i in keep:

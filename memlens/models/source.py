@@ -7,15 +7,23 @@ constructor on the meta device; optional extras), or ``package.module:factory`` 
 """
 from __future__ import annotations
 
+import difflib
 import importlib
+import importlib.util
 import json
+import logging
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+from urllib.parse import urlparse
 
+from ..core import usercode
 from ..core.errors import ModelSourceError, sentences
+from ..core.quiet import silenced
+from ..core.usercode import first_line, last_user_frame
 from . import registry
 
 TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq", "speech-seq2seq", "image-classification", "clip",
@@ -81,8 +89,12 @@ def _download_config(repo_id: str) -> dict:
     or no connection to the Hub within 2 s), else the error says there is no network, before any
     of huggingface_hub's retries."""
     try:
-        from huggingface_hub import hf_hub_download
-        from huggingface_hub import utils as hf_errors   # the error classes, exported there by old and new versions
+        from huggingface_hub import (
+            hf_hub_download,  # heavy: huggingface_hub, loaded on first use
+        )
+        from huggingface_hub import (
+            utils as hf_errors,  # the error classes, exported there by old and new versions
+        )
     except ImportError:  # pragma: no cover - transformers depends on it
         raise ModelSourceError("huggingface_hub is not installed", hint="pip install huggingface_hub") from None
     what = f"cannot download the config of {repo_id}"
@@ -118,9 +130,6 @@ def _short(e: BaseException) -> str:
 
 def _hub_unreachable(timeout: float = 2.0) -> str | None:
     """Why the Hub cannot be reached (DNS, refused, timeout), or None when a TCP connection opens."""
-    import socket
-    from urllib.parse import urlparse
-
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
     try:
@@ -132,15 +141,11 @@ def _hub_unreachable(timeout: float = 2.0) -> str | None:
 
 def _hub_quiet():
     """No log lines or warnings of huggingface_hub (retries, symlink notes) while config.json is fetched."""
-    import logging
-
-    from ..core.quiet import silenced
-
     return silenced("huggingface_hub", logging.CRITICAL)
 
 
 def _config_from_dict(cfg: dict, label: str):
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # heavy: transformers, loaded on first use
 
     cfg = dict(cfg)
     model_type = cfg.pop("model_type", None)
@@ -221,7 +226,9 @@ def _source_from_config_dict(cfg: dict, name: str, kind: str) -> ModelSource:
 
 def infer_task(config) -> str:
     """The training task for a transformers config (from `architectures`, else the model type)."""
-    from transformers.models.auto import modeling_auto as ma
+    from transformers.models.auto import (
+        modeling_auto as ma,  # heavy: transformers, loaded on first use
+    )
 
     mt = config.model_type
     # encoder-decoders first: transformers also maps e.g. whisper and bart to a decoder-only ForCausalLM
@@ -255,8 +262,6 @@ def infer_task(config) -> str:
 def _vision_library_source(lib: str, name: str) -> ModelSource:
     """``timm:NAME`` / ``torchvision:NAME``: checked against the library's own model list (the
     library is an optional extra: `pip install memlens[vision]`)."""
-    import importlib.util
-
     if not name:
         raise ModelSourceError(f"{lib}: needs a model name", hint=f"e.g. --model {lib}:resnet50")
     if importlib.util.find_spec(lib) is None:
@@ -268,8 +273,6 @@ def _vision_library_source(lib: str, name: str) -> ModelSource:
         raise ModelSourceError(f"{lib} is installed but cannot be imported ({type(e).__name__}: {str(e).splitlines()[0][:120]})",
                                hint=f"install a {lib} build that matches torch {_torch_version()}") from None
     if name not in names:
-        import difflib
-
         close = difflib.get_close_matches(name, names, n=3)
         raise ModelSourceError(f"{lib} has no model {name!r}",
                                hint=(f"did you mean {', '.join(close)}? " if close else "") + f"see {lib}'s model list")
@@ -278,16 +281,16 @@ def _vision_library_source(lib: str, name: str) -> ModelSource:
 
 def _library_models(lib: str) -> list[str]:
     if lib == "timm":
-        import timm
+        import timm  # optional: timm (memlens[vision])
 
         return list(timm.list_models())
-    import torchvision
+    import torchvision  # optional: torchvision (memlens[vision])
 
     return list(torchvision.models.list_models(module=torchvision.models))
 
 
 def _torch_version() -> str:
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     return torch.__version__
 
@@ -301,7 +304,6 @@ def _factory_source(target: str) -> ModelSource:
     except ImportError as e:
         raise ModelSourceError(f"cannot import {mod_name!r} for factory {target!r} ({e})", hint="make the module importable (PYTHONPATH) and write it as pkg.module:function") from None
     except Exception as e:  # noqa: BLE001 - the user's module fails as it is imported: theirs, with its last frame
-        from ..core.usercode import first_line, last_user_frame
 
         where = f"{os.path.basename(e.filename)}:{e.lineno}" if isinstance(e, SyntaxError) and e.filename else last_user_frame(e)
         raise ModelSourceError(f"importing your module {mod_name!r} for factory {target!r} raised {type(e).__name__}: "
@@ -310,7 +312,6 @@ def _factory_source(target: str) -> ModelSource:
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise ModelSourceError(f"{mod_name!r} has no callable {fn_name!r}", hint="the factory is `def fn(spec) -> (model, batch)`")
-    from ..core import usercode
 
     usercode.register_file(getattr(mod, "__file__", None), target)   # its failures are the user's (core/usercode.py)
     usercode.register(fn, "factory", target)

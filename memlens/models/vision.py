@@ -15,6 +15,7 @@ from typing import Any
 
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.spec import TrainingSpec
+from .adapt import Built, apply_freeze, apply_lora, torch_dtype
 from .checkpoint import checkpoint_blocks
 from .source import ModelSource
 
@@ -26,10 +27,10 @@ def construct(source: ModelSource):
     lib, _, name = source.name.partition(":")
     try:
         if lib == "timm":
-            import timm
+            import timm  # optional: timm (memlens[vision])
 
             return timm.create_model(name, pretrained=False)
-        import torchvision
+        import torchvision  # optional: torchvision (memlens[vision])
 
         return torchvision.models.get_model(name, weights=None)
     except ModelSourceError:
@@ -61,7 +62,7 @@ def num_classes(model) -> int:
 
 
 def cross_entropy(out, batch):
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # heavy: torch, loaded on first use
 
     logits = out[0] if isinstance(out, (tuple, list)) else out
     return F.cross_entropy(logits, batch["labels"])
@@ -69,9 +70,7 @@ def cross_entropy(out, batch):
 
 def build_vision_module(spec: TrainingSpec, source: ModelSource, device: Any):
     """Model (dtype, freezing, checkpointing, LoRA applied) and its ``{"x", "labels"}`` batch."""
-    import torch
-
-    from .adapt import Built, apply_freeze, apply_lora, torch_dtype
+    import torch  # heavy: torch, loaded on first use
 
     ctx = torch.device(device) if device is not None else contextlib.nullcontext()
     dtype = torch_dtype(spec.param_dtype)

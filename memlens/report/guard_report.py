@@ -15,6 +15,7 @@ from __future__ import annotations
 from ..core.payloads import GuardPayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
+from ..doctor.account import Account
 from .profile_report import _CSS, _e, _table
 
 
@@ -32,8 +33,6 @@ def guard_html(result: Result) -> str:
     if d.evidence:
         p.append(_table(["evidence", "bytes"], [[k, f(v)] for k, v in d.evidence.items()]))
     if d.account:
-        from ..doctor.account import Account
-
         rows = [[label, f(n), what] for label, n, what in Account(**d.account).lines() if n is not None]
         p.append("<h2>The GPU at the failure</h2>" + _table(["", "bytes", "what"], rows))
     total = d.allocated_bytes or sum(result.by_category.values()) or 1

@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..core.components import COMPONENTS
 from .plots import heatmap, legend_outside, pyplot, relative_times
 
 GIB = 2**30
@@ -183,8 +184,6 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
 
 
 def _detailed_plots(plt, rows, out: Path, model: str, what: str) -> list[Path]:
-    from ..core.components import COMPONENTS
-
     det = [r for r in rows if r.get("detail")]
     written = []
     labels = [str(r["config"]) for r in det]

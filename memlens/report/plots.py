@@ -1,11 +1,13 @@
 """PNG renderings of a Result (matplotlib, Agg backend; the `viz` extra)."""
 from __future__ import annotations
 
-from ..core.units import bytes_unit  # noqa: F401 - the pictures' unit, shared with core.notebook
-
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any, Sequence
+
+from ..core.errors import MemlensError
+from ..core.units import bytes_unit  # noqa: F401 - the pictures' unit, shared with core.notebook
 
 _PHASE_COLOURS = {"setup": "#95a5a6", "forward": "#3498db", "backward": "#e67e22", "optimizer": "#27ae60", "end": "#7f8c8d"}
 
@@ -16,8 +18,6 @@ PLOTS_SKIPPED = ("PNG plots skipped: matplotlib is not installed (pip install 'm
 
 def have_matplotlib() -> bool:
     """Is matplotlib importable? (PNG renderings are optional: the `viz` extra.)"""
-    import importlib.util
-
     return importlib.util.find_spec("matplotlib") is not None
 
 
@@ -130,7 +130,7 @@ def heatmap(fig, ax, cells: dict, xs: Sequence, ys: Sequence, *, budget_bytes: i
     largest value or the budget, or to ``top_bytes`` (one scale for several panels). Returns the colourbar.
     """
     import matplotlib.patches as mpatches  # matplotlib: optional (the viz extra); only loaded to draw
-    import numpy as np
+    import numpy as np  # heavy: numpy, loaded on first use
 
     values = [v for (st, v) in cells.values() if v]
     top = top_bytes or max(values + ([budget_bytes] if budget_bytes else []) + [1])
@@ -168,12 +168,11 @@ def heatmap(fig, ax, cells: dict, xs: Sequence, ys: Sequence, *, budget_bytes: i
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or one clear line if matplotlib is missing."""
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib (memlens[viz])
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: matplotlib (memlens[viz])
     except ImportError:
-        from ..core.errors import MemlensError
 
         raise MemlensError("plots need matplotlib", hint="pip install 'memlens[viz]', or drop --out") from None
     return plt

@@ -15,11 +15,13 @@ import base64
 import csv
 import html
 import io
+import pickle
 from pathlib import Path
 
-from ..core.units import fmt_bytes
 from ..core.result import Result
-from .plots import bytes_unit, legend_outside
+from ..core.units import fmt_bytes
+from . import plots as plots_mod  # a module: have_matplotlib is asked at call time
+from .plots import bytes_unit, legend_outside, skip_plots
 from .plots import pyplot as _pyplot
 
 COLUMNS = ("index", "label", "step", "phase", "t_s", "allocated_bytes", "reserved_bytes", "peak_allocated_bytes")
@@ -145,9 +147,7 @@ def _wanted(result: Result) -> list[str]:
 
 def render_pngs(result: Result) -> dict[str, bytes]:
     """PNG bytes of every plot that has data, by file name ({} without matplotlib)."""
-    from .plots import have_matplotlib
-
-    if not have_matplotlib():
+    if not plots_mod.have_matplotlib():
         return {}
     plt = _pyplot()
     out = {}
@@ -162,14 +162,10 @@ def render_pngs(result: Result) -> dict[str, bytes]:
 
 def write_report(result: Result, out_dir: str | Path, memory_snapshot: dict | None = None) -> list[Path]:
     """Write result.json, timeline.csv, the PNGs and report.html into ``out_dir``; return the paths."""
-    import pickle
-
-    from .plots import have_matplotlib, skip_plots
-
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     pngs = render_pngs(result)
-    if not have_matplotlib():
+    if not plots_mod.have_matplotlib():
         skip_plots(result, _wanted(result))
     paths = [result.save(d / "result.json")]
     (d / "timeline.csv").write_text(timeline_csv(result))

@@ -9,7 +9,7 @@ from ..models.adapt import KNOWN, mark_known
 
 def materialize_on_fake(model, fake_mode):
     """Swap every meta tensor of a model for a fake CPU tensor of the same shape (ties kept)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     memo: dict[int, Any] = {}
     cpu = torch.device("cpu")
@@ -40,8 +40,8 @@ def materialize_on_fake(model, fake_mode):
 
 def fake_batch(batch: Any, fake_mode) -> Any:
     """The batch's meta tensors as fake CPU tensors (one tensor used twice stays one)."""
-    import torch
-    from torch.utils._pytree import tree_map
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
 
     memo: dict[int, Any] = {}
 
@@ -57,15 +57,15 @@ def fake_batch(batch: Any, fake_mode) -> Any:
 
 
 def tensors(obj) -> list:
-    import torch
-    from torch.utils._pytree import tree_flatten
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 def to_device(batch, dev):
-    import torch
-    from torch.utils._pytree import tree_map
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
 
     return tree_map(lambda t: _keep_known(t, t.to(dev)) if isinstance(t, torch.Tensor) and t.device != dev else t, batch)
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
+from .optim import clip_gradients
+
 PhaseHook = Callable[[str], None]
 
 
@@ -83,7 +85,7 @@ def shifted_logits(out, batch, fp32: bool):
 
 def criterion_loss(fp32: bool) -> Callable:
     """``loss_fn(out, batch)`` of ``--loss criterion`` / ``criterion-fp32``: cross-entropy on the shifted logits."""
-    import torch   # heavy: torch, loaded on first use
+    import torch  # heavy: torch, loaded on first use
 
     def loss_fn(out, batch):
         x, target = shifted_logits(out, batch, fp32)
@@ -110,7 +112,7 @@ def outputs_to_fp32(out):
     """What accelerate's ``convert_outputs_to_fp32`` does to a forward's outputs under mixed
     precision (accelerate/utils/operations.py ``convert_to_fp32``): every fp16/bf16 tensor in a
     (nested) dict, tuple or list is replaced by ``.float()``; other objects are left alone."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     if isinstance(out, torch.Tensor):
         return out.float() if out.dtype in (torch.float16, torch.bfloat16) else out
@@ -189,8 +191,6 @@ def optimizer_step(optimizer, *, model=None, max_grad_norm: float | None = None,
     ``scaler.step`` or ``optimizer.step``, then ``zero_grad(set_to_none=True)``) and the "end"
     mark. The estimator runs it alone for a step whose forward and backward it wrote from the
     first step's (memlens.estimator.periodic)."""
-    from .optim import clip_gradients
-
     on_phase("optimizer")
     clip_gradients(model, max_grad_norm, scaler, optimizer)
     if scaler is not None:

@@ -63,11 +63,11 @@ def param_groups(spec: TrainingSpec, model) -> list[dict]:
 def trainer_decay_parameter_names(model) -> list[str]:
     """``Trainer.get_decay_parameter_names`` of the installed transformers (it reads only the model)."""
     try:
-        from transformers import Trainer
+        from transformers import Trainer  # heavy: transformers, loaded on first use
 
         return list(Trainer.get_decay_parameter_names(None, model))
     except Exception:  # noqa: BLE001 - older transformers: the rule it had (no bias, no LayerNorm)
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         out = []
         for mname, mod in model.named_modules():
@@ -79,7 +79,7 @@ def trainer_decay_parameter_names(model) -> list[str]:
 
 def embedding_weights(model) -> set[int]:
     """ids of ``nn.Embedding`` weights (the Trainer optimizes them in 32 bits under bitsandbytes 8-bit)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     return {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
 
@@ -90,7 +90,7 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
     ``simulate``: fake CPU tensors stand for CUDA ones (foreach where torch picks it on CUDA;
     stand-ins for bitsandbytes).
     """
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     groups = param_groups(spec, model)
     name = spec.optimizer
@@ -117,7 +117,9 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
         # _default_to_fused_or_foreach (torch/optim/_adafactor.py; measured on an H100)
         return torch.optim.Adafactor(groups, lr=1e-2)
     if name == "adafactor-hf":
-        from transformers.optimization import Adafactor
+        from transformers.optimization import (
+            Adafactor,  # heavy: transformers, loaded on first use
+        )
 
         # what the Trainer's optim="adafactor" builds (transformers/trainer_optimizer.py _get_adafactor)
         return Adafactor(groups, lr=LR, scale_parameter=False, relative_step=False)
@@ -126,7 +128,9 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
         fp32 = embedding_weights(model) if spec.hf_trainer else set()
         if not simulate:
             return _bnb_adamw8bit(groups, paged, fp32, model)
-        from ..models.quant import AdamW8bitSim  # heavy: imports torch; memory-faithful stand-in (bitsandbytes needs a GPU)
+        from ..models.quant import (
+            AdamW8bitSim,  # heavy: imports torch; memory-faithful stand-in (bitsandbytes needs a GPU)
+        )
 
         return AdamW8bitSim(groups, lr=LR, paged=paged, fp32_params=fp32)
     raise AssertionError(name)
@@ -134,14 +138,14 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
 
 def _bnb_adamw8bit(groups, paged: bool, fp32_params: set[int], model):
     try:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # optional: bitsandbytes (GPU)
     except ImportError:
         raise SpecError("--optimizer adamw-8bit needs bitsandbytes on a GPU", hint="pip install bitsandbytes") from None
     cls = bnb.optim.PagedAdamW8bit if paged else bnb.optim.AdamW8bit
     opt = cls(groups, lr=LR)
     if fp32_params:
         manager = bnb.optim.GlobalOptimManager.get_instance()
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         for m in model.modules():
             if isinstance(m, torch.nn.Embedding):
@@ -154,7 +158,7 @@ def clip_gradients(model, max_norm: float | None, scaler=None, optimizer=None) -
     when a GradScaler is in use, as accelerate's ``Accelerator.clip_grad_norm_`` does
     (unscale_gradients, then torch's clip: ``_foreach_norm`` per (device, dtype), one stacked total
     norm, ``_foreach_mul_`` by the clamped coefficient)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     if not max_norm:
         return

@@ -19,6 +19,7 @@ sweep / fit and the profiler ask the plan rather than the spec's fields.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,7 +106,6 @@ def _refuse_for_source(spec: TrainingSpec, source) -> None:
     if task == "factory":
         if source.kind != "factory":   # a model built elsewhere (a Trainer's): memlens makes its batch
             return
-        import inspect
 
         try:
             takes_spec = len(inspect.signature(source.factory).parameters) >= 1

@@ -30,6 +30,7 @@ What is applied, in order:
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -39,12 +40,12 @@ from ..core.spec import TrainingSpec, checkpoint_layers_text
 from ..core.units import fmt_bytes
 from ..models.build import build, quiet
 from ..models.source import resolve as resolve_source
-from .optim import make_optimizer
-from .parallel import wrapper_for
-from .plan import StepPlan, resolve
 from .fake import fake_batch, materialize_on_fake, tensors, to_device
 from .kinds.opacus import describe, make_private
 from .loop import PhaseHook, criterion_loss, optimizer_step, train_step
+from .optim import make_optimizer
+from .parallel import wrapper_for
+from .plan import StepPlan, resolve
 
 
 @dataclass
@@ -109,7 +110,7 @@ def build_for_sharding(spec: TrainingSpec, source, wrapper):
     tied again, as ``from_pretrained`` does, so the rank holds one copy as the simulation does
     (measured on 2 x H200 before this: +5 x the embedding shard per rank on Llama-3.2-1B).
     """
-    import torch   # heavy: loaded when a step is built
+    import torch  # heavy: loaded when a step is built
 
     with wrapper.build_context(), quiet():
         built = build(spec, source)
@@ -130,7 +131,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     random weights on ``device``. ``autocast`` / ``scaler`` override the precision's own (the
     estimator passes its CUDA emulation). ``load_on_cpu`` builds on the CPU and moves the model,
     recording the load figures in ``.load``."""
-    import torch   # heavy: loaded when a step is built
+    import torch  # heavy: loaded when a step is built
 
     source = source or resolve_source(spec.model)
     plan = resolve(spec, fake=fake, source=source)
@@ -142,7 +143,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if seed is not None:
         torch.manual_seed(seed)
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch._subclasses.fake_tensor import (
+            FakeTensorMode,  # heavy: torch, loaded on first use
+        )
 
         fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=False)
         with torch.device("meta"), quiet():
@@ -164,7 +167,6 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
             load["before_allocated_bytes"] = torch.cuda.memory_allocated(dev)
-        import time
 
         load["t0"] = time.perf_counter()
         built = build_for_sharding(spec, source, wrapper)
@@ -177,7 +179,6 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         if cuda:
             torch.cuda.synchronize(dev)
             load["before_allocated_bytes"] = torch.cuda.memory_allocated(dev)
-        import time
 
         t0 = time.perf_counter()
         with quiet():
@@ -291,8 +292,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 def _cast_factory(model, batch, dtype):
     """fp16/bf16 weights for a factory's model (transformers models are built in the dtype): its
     floating parameters and buffers, and the batch's floating tensors to match."""
-    import torch
-    from torch.utils._pytree import tree_map
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
 
     model = model.to(dtype)
     batch = tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, batch)
@@ -302,7 +303,7 @@ def _cast_factory(model, batch, dtype):
 def amp_setup(spec: TrainingSpec, device) -> tuple[Callable[[], Any], Any]:
     """(autocast context factory, GradScaler or None) for a spec's precision on ``device``:
     autocast for amp-*, a GradScaler for amp-fp16 on CUDA."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     dev = torch.device(device)
     if spec.autocast_dtype:
@@ -318,9 +319,7 @@ def amp_setup(spec: TrainingSpec, device) -> tuple[Callable[[], Any], Any]:
 
 def _load_figures(p: PreparedStep) -> None:
     """What loading the model, batch and optimizer took on the device vs the parameters' own bytes."""
-    import time
-
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     load = p.load
     cuda = p.device.type == "cuda"

@@ -48,6 +48,7 @@ Ghost clipping's backward phase holds two passes; :attr:`DPStep.passes` marks wh
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,7 +67,7 @@ GHOST_TASKS = ("causal-lm", "masked-lm", "image-classification", "factory")
 def require_opacus():
     """The opacus module, or one clear line saying how to install it."""
     try:
-        import opacus
+        import opacus  # optional: opacus (memlens[dp])
     except ImportError:
         raise MemlensError("--dp runs Opacus (DP-SGD), which is not installed", hint="pip install 'memlens[dp]'") from None
     version = tuple(int(x) for x in opacus.__version__.split("+")[0].split(".")[:3] if x.isdigit())
@@ -100,8 +101,8 @@ class Gather:
         self.n = n
 
     def __call__(self, indices: list[int]) -> Any:
-        import torch
-        from torch.utils._pytree import tree_map
+        import torch  # heavy: torch, loaded on first use
+        from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
 
         idx = [int(i) for i in indices]
         lo, hi = idx[0], idx[-1] + 1
@@ -124,8 +125,8 @@ class Gather:
 
     @staticmethod
     def to_device(batch: Any, device) -> Any:
-        import torch
-        from torch.utils._pytree import tree_map
+        import torch  # heavy: torch, loaded on first use
+        from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
 
         memo: dict[int, Any] = {}
 
@@ -165,7 +166,7 @@ def _hf_per_sample_loss(criterion, task: str, out, batch):
     sequence classification), per sample, through Opacus' DPLossFastGradientClipping ``criterion``:
     logits upcast to fp32, labels shifted for causal LMs (padded with -100), flattened, then
     cross-entropy per token reduced per sample (``shape=(B, T)``)."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     logits = out.logits
     labels = batch["labels"]
@@ -241,8 +242,6 @@ class DPStep:
         """Every physical batch: forward, backward (two passes under ghost clipping), the DP
         optimizer's step ("clip": clip and accumulate; on the last physical batch also noise, then
         "optimizer": the wrapped optimizer's update), zero_grad. Returns the last loss (None on fake tensors)."""
-        import warnings
-
         self._on_phase = on_phase
         self.runs += 1
         with warnings.catch_warnings():
@@ -377,15 +376,15 @@ class DPStep:
 
 
 def _tensors(batch) -> list:
-    import torch
-    from torch.utils._pytree import tree_flatten
+    import torch  # heavy: torch, loaded on first use
+    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
 
 
 def _deepcopy_as_clone():
-    import torch
-    from torch.overrides import TorchFunctionMode
+    import torch  # heavy: torch, loaded on first use
+    from torch.overrides import TorchFunctionMode  # heavy: torch, loaded on first use
 
     class DeepcopyAsClone(TorchFunctionMode):
         """``copy.deepcopy(tensor)`` as ``tensor.clone()``: the same new storage, in the same fake mode."""
@@ -431,13 +430,16 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
     ``DifferentiallyPrivateDistributedDataParallel``, with the rank's own logical batch: Opacus picks
     ``DistributedDPOptimizer`` from the module type."""
     require_opacus()
-    import warnings
 
-    import torch
-    from opacus import PrivacyEngine
-    from opacus.utils.batch_memory_manager import BatchMemoryManager
-    from opacus.validators.errors import UnsupportedModuleError
-    from torch.utils._pytree import tree_flatten
+    import torch  # heavy: torch, loaded on first use
+    from opacus import PrivacyEngine  # optional: opacus (memlens[dp])
+    from opacus.utils.batch_memory_manager import (
+        BatchMemoryManager,  # optional: opacus (memlens[dp])
+    )
+    from opacus.validators.errors import (
+        UnsupportedModuleError,  # optional: opacus (memlens[dp])
+    )
+    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     first = next((t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     if first is None:
@@ -490,8 +492,13 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
 def functorch_layers(model, mode: str) -> list[str]:
     """Types of trainable layers Opacus has no grad (or, for ghost, norm) sampler for: it computes their
     per-sample gradients with functorch (``torch.func.vmap(grad(...))`` over a meta-device copy)."""
-    from opacus.grad_sample import GradSampleModule, GradSampleModuleFastGradientClipping
-    from opacus.utils.module_utils import trainable_modules
+    from opacus.grad_sample import (  # optional: opacus (memlens[dp])
+        GradSampleModule,
+        GradSampleModuleFastGradientClipping,
+    )
+    from opacus.utils.module_utils import (
+        trainable_modules,  # optional: opacus (memlens[dp])
+    )
 
     known = set(GradSampleModule.GRAD_SAMPLERS)
     if mode.startswith("ghost"):
@@ -500,7 +507,7 @@ def functorch_layers(model, mode: str) -> list[str]:
 
 
 def _is_fsdp(model) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # heavy: torch, loaded on first use
 
     return isinstance(model, FSDPModule)
 
@@ -524,7 +531,7 @@ def describe(step: DPStep) -> str:
 
 
 def _version() -> str:
-    import opacus
+    import opacus  # optional: opacus (memlens[dp])
 
     return opacus.__version__
 

@@ -53,7 +53,7 @@ def wrapper_for(spec: TrainingSpec, *, fake: bool) -> Wrapper | None:
     if not is_distributed(spec):
         return None
     check(spec, fake=fake)
-    import torch.distributed as dist   # heavy: torch loaded when a rank is wrapped
+    import torch.distributed as dist  # heavy: torch loaded when a rank is wrapped
 
     if not dist.is_available() or not dist.is_initialized():
         how = ("`memlens estimate --world-size N` simulates each rank" if not fake else "run it inside memlens.step.parallel.fakepg.fake_process_group")

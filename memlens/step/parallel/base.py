@@ -137,7 +137,7 @@ class Streams:
     namer: Any = None                 # stream object -> name (None: "stream <id>")
 
     def current(self) -> int:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         s = torch.cpu.current_stream()
         i = self.ids.get(id(s))
@@ -152,7 +152,7 @@ class Streams:
 
 
 def _default_stream():
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     return torch.cpu._default_cpu_stream
 

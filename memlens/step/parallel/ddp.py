@@ -49,15 +49,17 @@ allocator (see :mod:`memlens.core.gpus`, ``nccl_bytes``).
 """
 from __future__ import annotations
 
-from ...core.enums import Category
-
 import collections
 import contextlib
 import contextvars
+import inspect
 import sys
 from typing import Any
 
+from ...core.enums import Category
 from ...core.spec import TrainingSpec
+from ..fake import materialize_on_fake
+from ..optim import make_optimizer
 from .base import RankGroup, Wrapper
 
 MiB = 1 << 20
@@ -71,7 +73,7 @@ MAX_IN_FLIGHT = 2                           # comm.cpp broadcast_coalesced: "max
 
 def first_bucket_bytes() -> int:
     """``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch, loaded on first use
 
     return int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", MiB))
 
@@ -86,7 +88,7 @@ def bucket_caps(spec: TrainingSpec) -> tuple[int, int]:
 def assign_buckets(tensors: list, limits: list[int], order: list[int] | None = None) -> list[list[int]]:
     """PyTorch's own ``_compute_bucket_assignment_by_size`` (reads shapes and dtypes only, so it runs
     on fake tensors). ``order``: tensor indices in the order given (the rebuild passes ready order)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch, loaded on first use
 
     if order is None:
         idx, _ = dist._compute_bucket_assignment_by_size(tensors, limits, [False] * len(tensors))
@@ -109,7 +111,7 @@ class SimulatedReducer:
     """What DDP's Reducer allocates, on fake tensors (see the module docstring)."""
 
     def __init__(self, model, spec: TrainingSpec):
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -139,7 +141,7 @@ class SimulatedReducer:
         return t
 
     def _broadcast_coalesced(self, tensors: list) -> None:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if not tensors:
             return
@@ -155,7 +157,7 @@ class SimulatedReducer:
         in_flight.clear()
 
     def _allocate(self, bucket_indices: list[list[int]]) -> None:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         self.buckets, self.views = [], {}
         sizes = []
@@ -173,7 +175,7 @@ class SimulatedReducer:
 
     def construct(self, tracker) -> None:
         """DDP's constructor, inside the tracker: shape check, module-state broadcast, first buckets."""
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         self.tracker = tracker
         meta = self._comm(torch.empty(2 * sum(p.dim() for p in self.params), dtype=torch.int64))
@@ -184,7 +186,7 @@ class SimulatedReducer:
 
     # -- hooks
     def _pre_forward(self, module, args):
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         if not torch.is_grad_enabled() or self.tracker is None:
             return None
@@ -197,7 +199,7 @@ class SimulatedReducer:
         return None
 
     def _rebuild(self) -> None:
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         order = list(self.ready_order)
         new = assign_buckets(self.params, [self.first_cap, self.cap], order)
@@ -244,13 +246,13 @@ class DDPWrapper(Wrapper):
 
     def wrap(self, model, *, device, fake_mode=None):
         if self.fake:
-            from ..fake import materialize_on_fake
-
             model = materialize_on_fake(model, fake_mode)
             self.reducer = SimulatedReducer(model, self.spec)
             self.reducer.hold_stale = self.holds_stale_buckets and HOLD_STALE_BUCKETS.get()
             return model
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.nn.parallel import (
+            DistributedDataParallel,  # heavy: torch, loaded on first use
+        )
 
         kw: dict[str, Any] = {"gradient_as_bucket_view": self.spec.gradient_as_bucket_view}
         if self.spec.bucket_cap_mb is not None:
@@ -283,11 +285,9 @@ class Zero1Wrapper(DDPWrapper):
         self.loads: list[int] = []
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
-        import inspect
-
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        from ..optim import make_optimizer
+        from torch.distributed.optim import (
+            ZeroRedundancyOptimizer,  # heavy: torch, loaded on first use
+        )
 
         plain = make_optimizer(spec, model, simulate=simulate)
         cls = type(plain)

@@ -29,11 +29,14 @@ run as is here, on fake tensors under the fake process group for an estimate:
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections import Counter
 
 from ...core.errors import SpecError
 from ...core.spec import TrainingSpec
+from ..optim import make_optimizer
 from .fsdp import FSDPWrapper
+
 
 def tied_parameters(model) -> list[str]:
     """Names of parameters held by more than one module (tied embeddings)."""
@@ -65,7 +68,9 @@ class DPFSDPWrapper(FSDPWrapper):
             raise SpecError(f"ghost_fsdp does not support tied parameters ({', '.join(tied[:2])}): Opacus refuses "
                             "parameter tying with FSDP", hint="use a model with untied embeddings, or --sharding ddp")
         FSDP2Wrapper(model, mp_policy=mp)
-        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp import (
+            FSDPModule,  # heavy: torch, loaded on first use
+        )
 
         return [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
 
@@ -79,8 +84,6 @@ class DPFSDPWrapper(FSDPWrapper):
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
         """The spec's optimizer over the DTensor parameters: make_private checks that the optimizer's
         parameters are the module's, and FSDPOptimizerFastGradientClipping works on the DTensors."""
-        from ..optim import make_optimizer
-
         return make_optimizer(spec, model, simulate=simulate)
 
     def inner(self, model):
@@ -93,8 +96,6 @@ class DPFSDPWrapper(FSDPWrapper):
         of the first physical batch of step 1: FSDP2's own ``foreach_all_gather`` / ``foreach_reduce``
         calls (an unshard of a group already gathered does not all-gather; a group without
         gradients, frozen layers, does not reduce-scatter)."""
-        import importlib
-
         dp = getattr(step, "dp", None)
         pg = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
         with super().simulation(tracker, step):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 
 from ...core.spec import TrainingSpec
+from ..fake import materialize_on_fake
 from .base import RankGroup, Wrapper
 
 
@@ -38,11 +39,11 @@ class DPDDPWrapper(Wrapper):
                             "(no gradient buckets; per-parameter all-reduce in the DP optimizer; noise on rank 0)")
 
     def wrap(self, model, *, device, fake_mode=None):
-        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+        from opacus.distributed import (
+            DifferentiallyPrivateDistributedDataParallel,  # optional: opacus (memlens[dp])
+        )
 
         if self.fake:
-            from ..fake import materialize_on_fake
-
             model = materialize_on_fake(model, fake_mode)
             with fake_mode:
                 return DifferentiallyPrivateDistributedDataParallel(model)

@@ -23,14 +23,16 @@ from ...core.errors import MemlensError
 def fake_process_group(rank: int, world_size: int):
     """Initialize the default process group as rank ``rank`` of ``world_size`` (fake backend), and
     destroy it on exit. Refused when this process already runs a real process group."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # heavy: torch, loaded on first use
 
     if not dist.is_available():
         raise MemlensError("this PyTorch build has no torch.distributed", hint="install a PyTorch build with distributed support")
     if dist.is_initialized():
         raise MemlensError("a per-rank estimate runs its own fake process group, and this process already has one",
                            hint="call memlens.estimate before torch.distributed.init_process_group (or in another process)")
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,  # heavy: torch, loaded on first use
+    )
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

@@ -31,11 +31,15 @@ a fake process group (torch/distributed/fsdp/_fully_shard/, torch 2.x):
 """
 from __future__ import annotations
 
-from ...core.enums import Category
-
 import contextlib
+import importlib
 import math
+
+from ...core.enums import Category
+from ...core.errors import SpecError
 from ...core.spec import TrainingSpec
+from ..fake import materialize_on_fake
+from ..optim import make_optimizer
 from .base import RankGroup, Streams, Wrapper
 
 _FSDP = "torch.distributed.fsdp._fully_shard"
@@ -46,7 +50,7 @@ def find_blocks(model) -> list:
     else the elements of its largest ``nn.ModuleList`` (a model without one is wrapped whole).
     A module whose parameter is tied to one outside it (BERT's word embeddings and its MLM decoder)
     stays with the root, as FSDP2 requires tied parameters in one group."""
-    import torch
+    import torch  # heavy: torch, loaded on first use
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     names = set(getattr(base, "_no_split_modules", None) or ())
@@ -76,8 +80,10 @@ def find_blocks(model) -> list:
 
 def mixed_precision(spec: TrainingSpec):
     """FSDP2's MixedPrecisionPolicy for a spec's precision (amp-bf16: bf16 compute, fp32 reduce)."""
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    import torch  # heavy: torch, loaded on first use
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,  # heavy: torch, loaded on first use
+    )
 
     if spec.precision == "amp-bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -122,17 +128,20 @@ class FSDPWrapper(Wrapper):
     def build_context(self):
         """Real device: parameters on the meta device, buffers real (accelerate's init_empty_weights)."""
         try:
-            from accelerate import init_empty_weights
+            from accelerate import (
+                init_empty_weights,  # heavy: accelerate, loaded on first use
+            )
         except ImportError:
-            from ...core.errors import SpecError
 
             raise SpecError("running FSDP2 on a device builds each rank's model with accelerate's init_empty_weights, "
                             "and accelerate (which peft installs) is missing", hint="pip install accelerate") from None
         return init_empty_weights(include_buffers=False)
 
     def wrap(self, model, *, device, fake_mode=None):
-        import torch
-        from torch.distributed.device_mesh import init_device_mesh
+        import torch  # heavy: torch, loaded on first use
+        from torch.distributed.device_mesh import (
+            init_device_mesh,  # heavy: torch, loaded on first use
+        )
 
         for p in model.parameters():
             if p.requires_grad:
@@ -143,15 +152,12 @@ class FSDPWrapper(Wrapper):
         try:
             blocks = self.shard(model, mesh, mp)
         except (ValueError, NotImplementedError, AssertionError, RuntimeError) as e:
-            from ...core.errors import SpecError
 
             msg = (str(e).splitlines() or [type(e).__name__])[0][:200]
             raise SpecError(f"FSDP2 fully_shard refuses this model: {msg}", hint="use --sharding ddp or zero1") from None
         self.facts.update(blocks=len(blocks), block_class=type(blocks[0]).__name__ if blocks else None,
                           reshard_after_forward=self.raf, mixed_precision=self.spec.precision == "amp-bf16")
         if self.fake:
-            from ..fake import materialize_on_fake
-
             allow = fake_mode.allow_non_fake_inputs
             fake_mode.allow_non_fake_inputs = True      # to_empty reads the meta shards' shapes
             try:
@@ -175,7 +181,9 @@ class FSDPWrapper(Wrapper):
 
     def shard(self, model, mesh, mp) -> list:
         """``fully_shard`` on every block, then the root; returns the blocks."""
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import (
+            fully_shard,  # heavy: torch, loaded on first use
+        )
 
         blocks = find_blocks(model)
         for b in blocks:
@@ -189,11 +197,9 @@ class FSDPWrapper(Wrapper):
         runs the same foreach kernels on the local shards (states of the local shape, temporaries
         alike), so the memory is the same, and the simulation skips DTensor's per-op sharding
         propagation (a third of the simulated step for an 8B model)."""
-        from ..optim import make_optimizer
-
         if not simulate:
             return make_optimizer(spec, model, simulate=False)
-        import torch
+        import torch  # heavy: torch, loaded on first use
 
         sharded = [p for p in model.parameters() if p.requires_grad]
         local = [torch.nn.Parameter(p._local_tensor, requires_grad=True) for p in sharded]
@@ -232,8 +238,6 @@ class FSDPWrapper(Wrapper):
         """Inside the tracker: FSDP2's unshard, copy-out and post-backward allocate "communication"
         charged to their group's module, storage resizes become frees and allocations, gathered
         gradients are tagged, and every allocation carries its CUDA stream."""
-        import importlib
-
         pg = importlib.import_module(f"{_FSDP}._fsdp_param_group")
         fp = importlib.import_module(f"{_FSDP}._fsdp_param")
         group_cls = pg.FSDPParamGroup
@@ -330,7 +334,7 @@ def _shards_already_padded(model) -> None:
     """``to_empty`` re-padded every local shard (``reset_sharded_param``), so lazy init has nothing
     to redo. On a device lazy init sees that by comparing data pointers; fake tensors have none,
     and FSDP2 would pad the uneven shards a second time, in the first forward."""
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # heavy: torch, loaded on first use
 
     for m in model.modules():
         if isinstance(m, FSDPModule):
