@@ -15,9 +15,7 @@ import sys
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
 from ..explore.compare import compare, parse_techniques, plot_compare
-from ..report import (
-    plots as plots_mod,  # a module: have_matplotlib is asked at call time
-)
+from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.plots import skip_plots
 from .common import (
     add_output_args,
@@ -81,12 +79,8 @@ def _pct(x) -> str:
 
 
 def render(result) -> None:
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
+    from rich.table import Table  # rich: tables only, not for --json
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -133,8 +127,6 @@ def render(result) -> None:
 
 
 if __name__ == "__main__":
-    from .main import (
-        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
-    )
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
     sys.exit(main(["compare", *sys.argv[1:]]))

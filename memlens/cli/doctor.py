@@ -27,9 +27,7 @@ from ..doctor.log import doctor_log, read_text
 from ..doctor.oom import diagnose_oom
 from ..doctor.snapshot import doctor_snapshot
 from ..doctor.stats import doctor_stats
-from ..report import (
-    plots as plots_mod,  # a module: have_matplotlib is asked at call time
-)
+from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.doctor_plots import plot_log, plot_snapshot
 from ..report.plots import skip_plots
 from .common import (
@@ -145,17 +143,13 @@ def _stats(args):
 # ---------------------------------------------------------------- rendering
 
 def _console():
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
 
     return Console(soft_wrap=False)
 
 
 def _kv_table(rows, title=None):
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
 
     t = Table(title=title, show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
@@ -203,9 +197,7 @@ def _account_lines(acc: dict) -> list:
 
 
 def _render_estimate(c, est) -> None:
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
 
     c.print(f"\n[bold]Estimate of your configuration[/bold]: peak allocated {fmt_bytes(est['estimated_peak_allocated_bytes'])}"
             + (f", budget on this GPU {fmt_bytes(est['budget_bytes'])}" if est.get("budget_bytes") is not None else ""))
@@ -260,9 +252,7 @@ def _render_log(result) -> None:
 
 
 def _render_snapshot(result) -> None:
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
 
     c = _console()
     d: DoctorSnapshotPayload = result.data
@@ -325,8 +315,6 @@ RENDER = {"oom": _render_oom, "log": _render_log, "snapshot": _render_snapshot, 
 
 
 if __name__ == "__main__":
-    from .main import (
-        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
-    )
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
     sys.exit(main(["doctor", *sys.argv[1:]]))

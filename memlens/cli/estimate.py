@@ -14,9 +14,7 @@ from ..core.gpus import GPUS
 from ..core.units import fmt_bytes
 from ..estimator import estimate
 from ..models import registry
-from ..report import (
-    plots as plots_mod,  # a module: have_matplotlib is asked at call time
-)
+from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.plots import skip_plots, timeline_png
 from ..report.profile_report import timeline_csv
 from ..report.table import print_memory
@@ -82,8 +80,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    from .main import (
-        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
-    )
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
     sys.exit(main(["estimate", *sys.argv[1:]]))

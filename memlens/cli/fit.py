@@ -124,12 +124,8 @@ def _least_recompute(args: argparse.Namespace, spec, context) -> int:
 
 def render_recompute(result) -> None:
     """The least recompute: the answer, none / N / all side by side, and the line that applies it."""
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
+    from rich.table import Table  # rich: tables only, not for --json
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -162,12 +158,8 @@ def render_recompute(result) -> None:
 
 def render(result) -> None:
     """The answer and the plan as rich tables."""
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
+    from rich.table import Table  # rich: tables only, not for --json
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -212,8 +204,6 @@ def render(result) -> None:
 
 
 if __name__ == "__main__":
-    from .main import (
-        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
-    )
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
     sys.exit(main(["fit", *sys.argv[1:]]))

@@ -88,12 +88,8 @@ class _progress:
     def __enter__(self):
         if not self.on:
             return None
-        from rich.console import (
-            Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-        )
-        from rich.progress import (
-            Progress,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-        )
+        from rich.console import Console  # rich: tables only, not for --json
+        from rich.progress import Progress  # rich: tables only, not for --json
 
         self.bar = Progress(console=Console(stderr=True), transient=True)
         self.bar.start()
@@ -106,18 +102,14 @@ class _progress:
 
 
 def _console():
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
 
     return Console(soft_wrap=False)
 
 
 def render(result) -> None:
     """The terminal summary of a profile Result."""
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
 
     c = _console()
     d = result.data

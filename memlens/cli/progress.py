@@ -73,10 +73,8 @@ class ProgressBar:
         with self._lock:
             if self._closed or self._bar is not None:
                 return
-            from rich.console import (
-                Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-            )
-            from rich.progress import (  # heavy enough: rich, loaded only when a table is printed (not for --json)
+            from rich.console import Console  # rich: tables only, not for --json
+            from rich.progress import (  # rich: tables only, not for --json
                 BarColumn,
                 MofNCompleteColumn,
                 Progress,

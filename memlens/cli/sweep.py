@@ -29,9 +29,7 @@ from ..core.units import fmt_bytes, parse_bytes
 from ..explore.compare import parse_techniques
 from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
 from ..models.source import resolve
-from ..report import (
-    plots as plots_mod,  # a module: have_matplotlib is asked at call time
-)
+from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.opacus_files import write_opacus_files
 from ..report.plots import skip_plots
 from .common import (
@@ -189,12 +187,8 @@ def _lines(done: int, total: int, key: str, rec) -> None:
 
 
 def render(result) -> None:
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
+    from rich.table import Table  # rich: tables only, not for --json
 
     c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
     d = result.data
@@ -220,8 +214,6 @@ def render(result) -> None:
 
 
 if __name__ == "__main__":
-    from .main import (
-        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
-    )
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
     sys.exit(main(["sweep", *sys.argv[1:]]))

@@ -46,9 +46,7 @@ def run(args: argparse.Namespace, sleep=time.sleep) -> int:
     live = None
     try:
         if not args.json and count != 1 and sys.stdout.isatty():
-            from rich.live import (
-                Live,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-            )
+            from rich.live import Live  # rich: tables only, not for --json
 
             live = Live(auto_refresh=False)
             live.start()
@@ -99,9 +97,7 @@ def _result(sample) -> Result:
 
 
 def _table(sample):
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
 
     t = Table(title=f"GPU memory (NVML used), t={sample['time_s']:.0f}s", box=None)
     for col in ("gpu", "name / process", "used", "total", "used %", "trend / risk"):
@@ -117,16 +113,12 @@ def _table(sample):
 
 
 def _print(sample) -> None:
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
 
     Console(soft_wrap=False).print(_table(sample))
 
 
 if __name__ == "__main__":
-    from .main import (
-        main,  # parses, then runs this verb through run_verb (one-line errors, exit 2)
-    )
+    from .main import main  # parses, then runs this verb through run_verb (one-line errors, exit 2)
 
     sys.exit(main(["watch", *sys.argv[1:]]))

@@ -20,9 +20,7 @@ _ITEM = torch.ops.aten._local_scalar_dense.default
 
 
 def _is_fake(t) -> bool:
-    from torch._subclasses.fake_tensor import (
-        FakeTensor,  # heavy: torch, loaded on first use
-    )
+    from torch._subclasses.fake_tensor import FakeTensor  # heavy: torch, loaded on first use
 
     return isinstance(_local(t), FakeTensor)
 

@@ -201,9 +201,7 @@ def _verdict(msg: OomMessage, acc) -> tuple[str, list[str], dict[str, int]]:
 def _run_estimate(spec) -> Result:
     """The estimator's seam (monkeypatched in tests): ``memlens.estimator.estimate(spec)``."""
     try:
-        from ..estimator import (
-            estimate,  # optional: an installation without the estimator diagnoses messages alone
-        )
+        from ..estimator import estimate  # optional: an installation without the estimator diagnoses messages alone
     except ImportError:
         raise MemlensError("the estimator is not available in this installation",
                            hint="drop the --model flags to diagnose the message alone") from None

@@ -68,9 +68,7 @@ class CompiledForSimulation(torch.nn.Module):
         self._keys = keys
 
     def forward(self, **kwargs):
-        from torch.utils._pytree import (
-            tree_unflatten,  # heavy: torch, loaded on first use
-        )
+        from torch.utils._pytree import tree_unflatten  # heavy: torch, loaded on first use
 
         outs, loss = self._fn(self._params, [kwargs[k] for k in self._keys])
         it = iter(outs)
@@ -503,12 +501,8 @@ def loss_graph_break(model) -> tuple[Any, Callable] | None:
     gradient instead of autograd's zeros for an unused output. A wrapped model (PEFT's) breaks in
     the transformers model it wraps."""
     try:
-        from transformers.loss.loss_utils import (
-            LOSS_MAPPING,  # heavy: transformers, loaded on first use
-        )
-        from transformers.modeling_utils import (
-            PreTrainedModel,  # heavy: transformers, loaded on first use
-        )
+        from transformers.loss.loss_utils import LOSS_MAPPING  # heavy: transformers, loaded on first use
+        from transformers.modeling_utils import PreTrainedModel  # heavy: transformers, loaded on first use
     except ImportError:
         return None
 
@@ -560,15 +554,9 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     CUDA emulation, autocast): the trace happens under them, outside the storage tracker.
     """
     import torch._inductor.lowering  # noqa: F401 - inductor's decompositions consult it (max-pool's), as compile_fx has it loaded
-    from torch._functorch.aot_autograd import (
-        aot_function,  # heavy: torch, loaded on first use
-    )
-    from torch._functorch.partitioners import (
-        min_cut_rematerialization_partition,  # heavy: torch, loaded on first use
-    )
-    from torch._inductor.decomposition import (
-        select_decomp_table,  # heavy: torch, loaded on first use
-    )
+    from torch._functorch.aot_autograd import aot_function  # heavy: torch, loaded on first use
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # heavy: torch, loaded on first use
+    from torch._inductor.decomposition import select_decomp_table  # heavy: torch, loaded on first use
     from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     if not isinstance(batch, dict):
@@ -672,9 +660,7 @@ def checkpoint_as_compiled(function, *args):
     (torch/_higher_order_ops/wrap.py ``tag_nodes``; torch 2.13 reaches the same tags through
     selective checkpointing)."""
     import torch.fx.traceback as fx_traceback  # heavy: torch, loaded on first use
-    from torch.utils.checkpoint import (
-        CheckpointPolicy,  # heavy: torch, loaded on first use
-    )
+    from torch.utils.checkpoint import CheckpointPolicy  # heavy: torch, loaded on first use
 
     gid = next(_AC_IDS)
     with fx_traceback.preserve_node_meta():

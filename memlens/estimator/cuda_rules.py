@@ -355,12 +355,8 @@ def _real_host_draw(func, args, kwargs):
     (``torch.tensor`` of a number), so the model's Python branch on it runs as it does on CUDA
     (a fake draw's value cannot be read). On CUDA it is a host tensor; here its 0-dim block is
     counted for the moment it lives (512 bytes)."""
-    from torch._subclasses.fake_tensor import (
-        unset_fake_temporarily,  # heavy: torch, loaded on first use
-    )
-    from torch.utils._python_dispatch import (
-        _disable_current_modes,  # heavy: torch, loaded on first use
-    )
+    from torch._subclasses.fake_tensor import unset_fake_temporarily  # heavy: torch, loaded on first use
+    from torch.utils._python_dispatch import _disable_current_modes  # heavy: torch, loaded on first use
 
     with unset_fake_temporarily(), _disable_current_modes():
         value = func(*args, **kwargs).item()

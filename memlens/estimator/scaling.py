@@ -413,9 +413,7 @@ def _warm(spec: TrainingSpec) -> None:
     first use (transformers' modeling code, peft, the fake-tensor machinery), once, so that each
     worker starts with it instead of importing it again."""
     import torch  # heavy: torch, loaded on first use
-    from torch._subclasses.fake_tensor import (
-        FakeTensorMode,  # heavy: torch, loaded on first use
-    )
+    from torch._subclasses.fake_tensor import FakeTensorMode  # heavy: torch, loaded on first use
 
     with FakeTensorMode():
         torch.empty(2) + 1                       # the dispatch path (it imports torch._dynamo on first use)

@@ -286,9 +286,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
     """Re-enter the CUDA emulation when checkpointing recomputes a layer inside backward
     (torch function modes are not carried into the autograd engine)."""
-    from torch.overrides import (
-        _get_current_function_mode_stack,  # heavy: torch, loaded on first use
-    )
+    from torch.overrides import _get_current_function_mode_stack  # heavy: torch, loaded on first use
 
     def wrap(orig):
         def checkpoint(function, *args, **kwargs):
@@ -299,9 +297,7 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None
                     return function(*a, **k)
 
             if emulation.rules.compile_trace:    # --compile's trace: the region as dynamo hands it to AOTAutograd
-                from .compiled import (
-                    checkpoint_as_compiled,  # heavy: imports torch  # heavy: imports torch  # heavy: imports torch
-                )
+                from .compiled import checkpoint_as_compiled  # heavy: imports torch  # heavy: imports torch  # heavy: imports torch
 
                 return checkpoint_as_compiled(run, *args)
             return orig(run, *args, **kwargs)
@@ -351,9 +347,7 @@ def _same_shapes(args, kwargs) -> bool:
     running it on fake tensors (an optimizer step runs a few of them over every parameter, about a
     fifth of a GPT-2 simulation): it would allocate nothing and change no metadata. Anything else
     (a DTensor, a broadcast, a kwarg) is run as usual."""
-    from torch._subclasses.fake_tensor import (
-        FakeTensor,  # heavy: torch, loaded on first use
-    )
+    from torch._subclasses.fake_tensor import FakeTensor  # heavy: torch, loaded on first use
 
     if kwargs or not args or not isinstance(args[0], (list, tuple)):
         return False

@@ -17,9 +17,7 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable
 
-from .. import (
-    estimator as estimator_pkg,  # a module: its estimate is asked at call time (tests replace it)
-)
+from .. import estimator as estimator_pkg  # a module: its estimate is asked at call time (tests replace it)
 from ..core.errors import MemlensError
 from ..core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, INTERCONNECT_BYTES_PER_S, gpu_facts
 from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of

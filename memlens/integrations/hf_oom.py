@@ -231,9 +231,7 @@ class TrainerOom:
             self._shift = bool(getattr(t, "_loss_shifts_labels", False))
             if not self._shift:
                 try:
-                    from transformers.loss.loss_utils import (
-                        ForCausalLMLoss,  # heavy: transformers, loaded on first use
-                    )
+                    from transformers.loss.loss_utils import ForCausalLMLoss  # heavy: transformers, loaded on first use
 
                     m = t.accelerator.unwrap_model(t.model)
                     m = getattr(getattr(m, "base_model", None), "model", m) if hasattr(m, "peft_config") else m

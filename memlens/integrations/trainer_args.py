@@ -57,9 +57,7 @@ _FALLBACK_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_s
 def trainer_defaults() -> dict[str, Any]:
     """Defaults of the installed transformers' TrainingArguments (the fields memlens reads)."""
     try:
-        from transformers import (
-            TrainingArguments,  # heavy: transformers, loaded on first use
-        )
+        from transformers import TrainingArguments  # heavy: transformers, loaded on first use
     except ImportError:
         return dict(_FALLBACK_DEFAULTS)
     out = {}
@@ -112,9 +110,7 @@ def _check_known(d: dict[str, Any]) -> None:
     like a misspelling of one memlens reads. Other unknown names (fields of another transformers
     version, in a file written there) do not change one step's memory and are ignored."""
     try:
-        from transformers import (
-            TrainingArguments,  # heavy: transformers, loaded on first use
-        )
+        from transformers import TrainingArguments  # heavy: transformers, loaded on first use
 
         known = {f.name for f in fields(TrainingArguments)}
     except ImportError:

@@ -305,9 +305,7 @@ class _Recorder:
     # hooks
     def _root_pre(self, mod, args, kwargs) -> None:
         torch = self.torch
-        from torch.utils._pytree import (
-            tree_flatten,  # heavy: torch, loaded on first use
-        )
+        from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
         self.inputs = tuple(t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
                             if isinstance(t, torch.Tensor) and t.device.type == self.device_type)
@@ -329,9 +327,7 @@ class _Recorder:
         if isinstance(out, torch.Tensor):
             flat = (out,)
         else:
-            from torch.utils._pytree import (
-                tree_flatten,  # heavy: torch, loaded on first use
-            )
+            from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
             flat = tree_flatten(out)[0]
         seen: set[int] = set()

@@ -343,9 +343,7 @@ class HistoryRecorder:
             if isinstance(out, torch.Tensor):
                 flat = (out,)
             else:
-                from torch.utils._pytree import (
-                    tree_flatten,  # heavy: torch, loaded on first use
-                )
+                from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
                 flat = tree_flatten(out)[0]
             seen = set()

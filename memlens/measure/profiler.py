@@ -432,18 +432,14 @@ class Profiler:
         if self.tracker is not None:
             self._tag_inputs((args, kwargs))
         if self.history is not None:
-            from torch.utils._pytree import (
-                tree_flatten,  # heavy: torch, loaded on first use
-            )
+            from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
             self.history.observe(Category.INPUTS, tree_flatten((args, kwargs))[0])
 
     def _on_forward_post(self, module, args, out):
         if not self.torch.is_grad_enabled():
             return
-        from torch.utils._pytree import (
-            tree_flatten,  # heavy: torch, loaded on first use
-        )
+        from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
         seen = set()
         prof = self

@@ -71,9 +71,7 @@ def default_lora_targets(model) -> list[str] | None:
     other new MoE models): its attention projections; None where peft has a default (or no
     config, or a VLM, which :func:`apply_lora` handles)."""
     import torch  # torch and peft: heavy, loaded when a model is built with LoRA
-    from peft.utils.constants import (
-        TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS,  # heavy: peft, loaded on first use
-    )
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS  # heavy: peft, loaded on first use
 
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) in PEFT_DEFAULTS or hasattr(cfg, "vision_config"):

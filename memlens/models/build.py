@@ -145,9 +145,7 @@ def prepare_for_kbit(model, name: str) -> None:
     ``prepare_model_for_kbit_training``): set here, since memlens puts its 4-bit stand-ins in after LoRA
     (:func:`memlens.models.quant.quantize_frozen_linears`); the linear weights peft casts to fp32 here
     are the ones those stand-ins replace, so what stays in fp32 is what stays outside 4-bit on a GPU."""
-    from peft import (
-        prepare_model_for_kbit_training,  # heavy: loaded for --kbit-prep only
-    )
+    from peft import prepare_model_for_kbit_training  # heavy: loaded for --kbit-prep only
 
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise SpecError(f"--kbit-prep enables gradient checkpointing, which {name} does not support in transformers",

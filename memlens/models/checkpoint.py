@@ -25,9 +25,7 @@ from ..core.spec import parse_checkpoint_layers
 
 def _is_hf_layer(m) -> bool:
     try:
-        from transformers.modeling_layers import (
-            GradientCheckpointingLayer,  # heavy: transformers, loaded on first use
-        )
+        from transformers.modeling_layers import GradientCheckpointingLayer  # heavy: transformers, loaded on first use
     except ImportError:       # transformers is optional for plain PyTorch models
         return False
     return isinstance(m, GradientCheckpointingLayer)

@@ -89,12 +89,8 @@ def _download_config(repo_id: str) -> dict:
     or no connection to the Hub within 2 s), else the error says there is no network, before any
     of huggingface_hub's retries."""
     try:
-        from huggingface_hub import (
-            hf_hub_download,  # heavy: huggingface_hub, loaded on first use
-        )
-        from huggingface_hub import (
-            utils as hf_errors,  # the error classes, exported there by old and new versions
-        )
+        from huggingface_hub import hf_hub_download  # heavy: huggingface_hub, loaded on first use
+        from huggingface_hub import utils as hf_errors  # the error classes, exported there by old and new versions
     except ImportError:  # pragma: no cover - transformers depends on it
         raise ModelSourceError("huggingface_hub is not installed", hint="pip install huggingface_hub") from None
     what = f"cannot download the config of {repo_id}"
@@ -226,9 +222,7 @@ def _source_from_config_dict(cfg: dict, name: str, kind: str) -> ModelSource:
 
 def infer_task(config) -> str:
     """The training task for a transformers config (from `architectures`, else the model type)."""
-    from transformers.models.auto import (
-        modeling_auto as ma,  # heavy: transformers, loaded on first use
-    )
+    from transformers.models.auto import modeling_auto as ma  # heavy: transformers, loaded on first use
 
     mt = config.model_type
     # encoder-decoders first: transformers also maps e.g. whisper and bart to a decoder-only ForCausalLM

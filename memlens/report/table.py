@@ -13,12 +13,8 @@ def _pct(part: int, whole: int | None) -> str:
 
 def memory_tables(result: Any, top_modules: int = 12):
     """The rich renderables for an estimate/profile Result: headline, categories, phases, modules."""
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
-    from rich.text import (
-        Text,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
+    from rich.text import Text  # rich: tables only, not for --json
 
     d = result.to_dict() if hasattr(result, "to_dict") else result
     peak = d.get("peak_allocated_bytes")
@@ -104,9 +100,7 @@ def memory_tables(result: Any, top_modules: int = 12):
 
 def _ranks_table(d: dict):
     """One row per simulated (or measured) rank: its peaks and what nvidia-smi would show."""
-    from rich.table import (
-        Table,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.table import Table  # rich: tables only, not for --json
 
     t = Table(title=f"per rank ({d.get('sharding')} over {d.get('world_size')} GPUs: {d.get('strategy', '')})", title_justify="left")
     for col in ("ranks", "peak allocated", "peak reserved", "nvidia-smi", "peak phase", "largest terms at the peak"):
@@ -142,9 +136,7 @@ def _describe(spec: dict) -> str:
 
 
 def print_memory(result: Any, top_modules: int = 12) -> None:
-    from rich.console import (
-        Console,  # heavy enough: rich, loaded only when a table is printed (not for --json)
-    )
+    from rich.console import Console  # rich: tables only, not for --json
 
     console = Console()
     for r in memory_tables(result, top_modules):

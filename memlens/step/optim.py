@@ -117,9 +117,7 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
         # _default_to_fused_or_foreach (torch/optim/_adafactor.py; measured on an H100)
         return torch.optim.Adafactor(groups, lr=1e-2)
     if name == "adafactor-hf":
-        from transformers.optimization import (
-            Adafactor,  # heavy: transformers, loaded on first use
-        )
+        from transformers.optimization import Adafactor  # heavy: transformers, loaded on first use
 
         # what the Trainer's optim="adafactor" builds (transformers/trainer_optimizer.py _get_adafactor)
         return Adafactor(groups, lr=LR, scale_parameter=False, relative_step=False)
@@ -128,9 +126,7 @@ def make_optimizer(spec: TrainingSpec, model, simulate: bool = False):
         fp32 = embedding_weights(model) if spec.hf_trainer else set()
         if not simulate:
             return _bnb_adamw8bit(groups, paged, fp32, model)
-        from ..models.quant import (
-            AdamW8bitSim,  # heavy: imports torch; memory-faithful stand-in (bitsandbytes needs a GPU)
-        )
+        from ..models.quant import AdamW8bitSim  # heavy: imports torch; memory-faithful stand-in (bitsandbytes needs a GPU)
 
         return AdamW8bitSim(groups, lr=LR, paged=paged, fp32_params=fp32)
     raise AssertionError(name)

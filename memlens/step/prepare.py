@@ -143,9 +143,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if seed is not None:
         torch.manual_seed(seed)
     if fake:
-        from torch._subclasses.fake_tensor import (
-            FakeTensorMode,  # heavy: torch, loaded on first use
-        )
+        from torch._subclasses.fake_tensor import FakeTensorMode  # heavy: torch, loaded on first use
 
         fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=False)
         with torch.device("meta"), quiet():

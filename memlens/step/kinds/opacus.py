@@ -433,12 +433,8 @@ def make_private(spec, model, optimizer, batch, *, device, fake: bool, task: str
 
     import torch  # heavy: torch, loaded on first use
     from opacus import PrivacyEngine  # optional: opacus (memlens[dp])
-    from opacus.utils.batch_memory_manager import (
-        BatchMemoryManager,  # optional: opacus (memlens[dp])
-    )
-    from opacus.validators.errors import (
-        UnsupportedModuleError,  # optional: opacus (memlens[dp])
-    )
+    from opacus.utils.batch_memory_manager import BatchMemoryManager  # optional: opacus (memlens[dp])
+    from opacus.validators.errors import UnsupportedModuleError  # optional: opacus (memlens[dp])
     from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     first = next((t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor) and t.dim() > 0), None)
@@ -496,9 +492,7 @@ def functorch_layers(model, mode: str) -> list[str]:
         GradSampleModule,
         GradSampleModuleFastGradientClipping,
     )
-    from opacus.utils.module_utils import (
-        trainable_modules,  # optional: opacus (memlens[dp])
-    )
+    from opacus.utils.module_utils import trainable_modules  # optional: opacus (memlens[dp])
 
     known = set(GradSampleModule.GRAD_SAMPLERS)
     if mode.startswith("ghost"):

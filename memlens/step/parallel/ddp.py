@@ -250,9 +250,7 @@ class DDPWrapper(Wrapper):
             self.reducer = SimulatedReducer(model, self.spec)
             self.reducer.hold_stale = self.holds_stale_buckets and HOLD_STALE_BUCKETS.get()
             return model
-        from torch.nn.parallel import (
-            DistributedDataParallel,  # heavy: torch, loaded on first use
-        )
+        from torch.nn.parallel import DistributedDataParallel  # heavy: torch, loaded on first use
 
         kw: dict[str, Any] = {"gradient_as_bucket_view": self.spec.gradient_as_bucket_view}
         if self.spec.bucket_cap_mb is not None:
@@ -285,9 +283,7 @@ class Zero1Wrapper(DDPWrapper):
         self.loads: list[int] = []
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
-        from torch.distributed.optim import (
-            ZeroRedundancyOptimizer,  # heavy: torch, loaded on first use
-        )
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # heavy: torch, loaded on first use
 
         plain = make_optimizer(spec, model, simulate=simulate)
         cls = type(plain)

@@ -68,9 +68,7 @@ class DPFSDPWrapper(FSDPWrapper):
             raise SpecError(f"ghost_fsdp does not support tied parameters ({', '.join(tied[:2])}): Opacus refuses "
                             "parameter tying with FSDP", hint="use a model with untied embeddings, or --sharding ddp")
         FSDP2Wrapper(model, mp_policy=mp)
-        from torch.distributed.fsdp import (
-            FSDPModule,  # heavy: torch, loaded on first use
-        )
+        from torch.distributed.fsdp import FSDPModule  # heavy: torch, loaded on first use
 
         return [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
 

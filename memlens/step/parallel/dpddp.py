@@ -39,9 +39,7 @@ class DPDDPWrapper(Wrapper):
                             "(no gradient buckets; per-parameter all-reduce in the DP optimizer; noise on rank 0)")
 
     def wrap(self, model, *, device, fake_mode=None):
-        from opacus.distributed import (
-            DifferentiallyPrivateDistributedDataParallel,  # optional: opacus (memlens[dp])
-        )
+        from opacus.distributed import DifferentiallyPrivateDistributedDataParallel  # optional: opacus (memlens[dp])
 
         if self.fake:
             model = materialize_on_fake(model, fake_mode)

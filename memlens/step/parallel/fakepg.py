@@ -30,9 +30,7 @@ def fake_process_group(rank: int, world_size: int):
     if dist.is_initialized():
         raise MemlensError("a per-rank estimate runs its own fake process group, and this process already has one",
                            hint="call memlens.estimate before torch.distributed.init_process_group (or in another process)")
-    from torch.testing._internal.distributed.fake_pg import (
-        FakeStore,  # heavy: torch, loaded on first use
-    )
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # heavy: torch, loaded on first use
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:

@@ -81,9 +81,7 @@ def find_blocks(model) -> list:
 def mixed_precision(spec: TrainingSpec):
     """FSDP2's MixedPrecisionPolicy for a spec's precision (amp-bf16: bf16 compute, fp32 reduce)."""
     import torch  # heavy: torch, loaded on first use
-    from torch.distributed.fsdp import (
-        MixedPrecisionPolicy,  # heavy: torch, loaded on first use
-    )
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # heavy: torch, loaded on first use
 
     if spec.precision == "amp-bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -128,9 +126,7 @@ class FSDPWrapper(Wrapper):
     def build_context(self):
         """Real device: parameters on the meta device, buffers real (accelerate's init_empty_weights)."""
         try:
-            from accelerate import (
-                init_empty_weights,  # heavy: accelerate, loaded on first use
-            )
+            from accelerate import init_empty_weights  # heavy: accelerate, loaded on first use
         except ImportError:
 
             raise SpecError("running FSDP2 on a device builds each rank's model with accelerate's init_empty_weights, "
@@ -139,9 +135,7 @@ class FSDPWrapper(Wrapper):
 
     def wrap(self, model, *, device, fake_mode=None):
         import torch  # heavy: torch, loaded on first use
-        from torch.distributed.device_mesh import (
-            init_device_mesh,  # heavy: torch, loaded on first use
-        )
+        from torch.distributed.device_mesh import init_device_mesh  # heavy: torch, loaded on first use
 
         for p in model.parameters():
             if p.requires_grad:
@@ -181,9 +175,7 @@ class FSDPWrapper(Wrapper):
 
     def shard(self, model, mesh, mp) -> list:
         """``fully_shard`` on every block, then the root; returns the blocks."""
-        from torch.distributed.fsdp import (
-            fully_shard,  # heavy: torch, loaded on first use
-        )
+        from torch.distributed.fsdp import fully_shard  # heavy: torch, loaded on first use
 
         blocks = find_blocks(model)
         for b in blocks:
