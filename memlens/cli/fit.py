@@ -92,16 +92,7 @@ def run(args: argparse.Namespace) -> int:
                            f"{fmt_bytes(d['usable_bytes'])} usable of the {fmt_bytes(d['budget_bytes'])} budget", hint=hint)
     if args.verify:
         verify_fit(result, spec, device=args.device, timeout=args.timeout, steps=args.steps)
-    od = out_dir(args)
-    if od is not None:
-        result.save(od / "result.json")
-    if args.json:
-        emit_json(result)
-    else:
-        render(result)
-        if od is not None:
-            print(f"written to {od}/")
-    return 0
+    return _emit(args, result, render)
 
 
 def _least_recompute(args: argparse.Namespace, spec, context) -> int:
@@ -110,13 +101,18 @@ def _least_recompute(args: argparse.Namespace, spec, context) -> int:
                            hint="drop --verify / --target-batch / --method with --least-recompute")
     with ProgressBar("fit", enabled=not args.json):
         result = least_recompute(spec, args.budget, margin=_margin(args.margin), context_bytes=context)
+    return _emit(args, result, render_recompute)
+
+
+def _emit(args: argparse.Namespace, result, render_fn) -> int:
+    """result.json under --out, then the JSON or the tables."""
     od = out_dir(args)
     if od is not None:
         result.save(od / "result.json")
     if args.json:
         emit_json(result)
     else:
-        render_recompute(result)
+        render_fn(result)
         if od is not None:
             print(f"written to {od}/")
     return 0
