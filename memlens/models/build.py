@@ -129,10 +129,13 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
                       "the attention projections, as peft's default for Llama-like attention (--lora-targets names others)",)
         model = apply_lora(model, spec, targets)
     if spec.qlora:
-        from .quant import quantize_frozen_linears  # heavy: imports torch
+        from .quant import quantize_frozen_linears, unquantized_note  # heavy: imports torch
 
         quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16,
                                 bias_dtype=torch.float32 if spec.kbit_prep else None)
+        left = unquantized_note(model)
+        if left:
+            notes += (left,)
     return model, notes
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.units import fmt_bytes
+
 NF4_BLOCK = 64
 DOUBLE_QUANT_BLOCK = 256
 OPT8_MIN_SIZE = 4096
@@ -69,6 +71,26 @@ class Linear4bitSim(torch.nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.to(inp_dtype)
+
+
+def unquantized_note(model) -> str | None:
+    """What bitsandbytes' 4-bit loading leaves in 16/32 bits besides embeddings, norms and lm_head: frozen weights
+    that are no nn.Linear, such as the fused expert tensors of Mixtral/OLMoE-style MoE layers (an
+    ``nn.Parameter`` of shape experts x out x in, which ``replace_with_bnb_linear`` does not touch)."""
+    big: dict[str, int] = {}
+    for mname, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding, Linear4bitSim)) or "norm" in type(mod).__name__.lower():
+            continue
+        for pname, p in mod.named_parameters(recurse=False):
+            if not p.requires_grad and p.dim() >= 2 and p.is_floating_point():
+                kind = type(mod).__name__
+                big[kind] = big.get(kind, 0) + p.numel() * p.element_size()
+    if not big:
+        return None
+    total = sum(big.values())
+    what = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(big.items(), key=lambda kv: -kv[1]))
+    return (f"--qlora: bitsandbytes quantizes nn.Linear layers only; {fmt_bytes(total)} of frozen weights in other "
+            f"modules stay in their dtype ({what}; e.g. fused MoE experts), as they do on a GPU")
 
 
 def quantize_frozen_linears(model, compute_dtype: torch.dtype, bias_dtype: torch.dtype | None = None) -> int:
