@@ -23,10 +23,11 @@ from memlens.core.spec import TrainingSpec  # noqa: E402
 GiB = 2**30
 MiB = 2**20
 LOGICAL = 4
-GRID = [  # (world size, sequence, physical batch): 6 points (each estimate takes 1-2 minutes here, see the .md)
+GRID = [  # (world size, sequence, physical batch): 8 points
     (2, 128, 1), (4, 128, 1), (8, 128, 1),          # world size at the smallest step
     (2, 512, 1),                                    # sequence
     (2, 128, 4),                                    # physical batch = logical batch (one physical batch)
+    (2, 256, 2), (4, 256, 2),                       # the middle of the grid
     (8, 512, 4),                                    # the largest activations, sharded 8 ways
 ]
 TERMS = [  # (column, term names summed)

@@ -557,4 +557,7 @@ def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:
         return MemlensError(f"{spec.model}: the step has a data-dependent op that cannot be simulated ({name})",
                             hint="use --method formula for this model")
     msg = sentences(e) or name
+    if "TorchScript interpreter" in str(e):   # torch.jit.script'ed model code (DeBERTa-v2 before transformers 5.24)
+        return MemlensError(f"simulating {spec.model} failed: its model code runs TorchScript functions, which fake tensors "
+                            "cannot run", hint="upgrade transformers (5.24 runs them as Python), or use --method formula")
     return MemlensError(f"simulating {spec.model} failed: {name}: {msg}", hint="try --method formula, or rerun with --debug")
