@@ -54,6 +54,7 @@ from typing import Any, Callable
 
 from ...core.enums import Category
 from ...core.errors import MemlensError, SpecError
+from ...core.precision import precision_of
 from ..loop import held_part, loss_of, shifted_logits
 
 PER_SAMPLE = Category.PER_SAMPLE_GRADIENTS.value
@@ -409,8 +410,8 @@ def check_spec(spec, task: str) -> None:
     if spec.grad_checkpointing:
         raise SpecError("--grad-checkpointing with --dp: Opacus' hooks see each checkpointed layer's forward twice "
                         "(the recomputation) and lose its per-sample gradients", hint="drop --grad-checkpointing")
-    if spec.precision == "amp-fp16":
-        raise SpecError("--precision amp-fp16 with --dp: GradScaler does not unscale Opacus' per-sample gradients",
+    if precision_of(spec).grad_scaler:
+        raise SpecError(f"--precision {spec.precision} with --dp: GradScaler does not unscale Opacus' per-sample gradients",
                         hint="use --precision amp-bf16 or bf16")
     if spec.grad_sample_mode == "ghost" and task not in GHOST_TASKS:
         raise SpecError(f"--grad-sample-mode ghost needs a per-sample loss, which memlens builds for {', '.join(GHOST_TASKS[:-1])} "

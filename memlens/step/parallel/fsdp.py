@@ -37,6 +37,7 @@ import math
 
 from ...core.enums import Category
 from ...core.errors import SpecError
+from ...core.parallel import sharding_of
 from ...core.spec import TrainingSpec
 from ..fake import materialize_on_fake
 from ..optim import make_optimizer
@@ -91,7 +92,7 @@ def mixed_precision(spec: TrainingSpec):
 def reshard_after_forward(spec: TrainingSpec) -> bool | int:
     if spec.reshard_after_forward is not None:
         return spec.reshard_after_forward
-    return spec.sharding != "zero2"
+    return sharding_of(spec).reshard_after_forward
 
 
 def local_rows(dim0: int, world_size: int, rank: int) -> int:
