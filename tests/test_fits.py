@@ -43,22 +43,6 @@ def test_no_caller_builds_a_budget_by_hand():
     assert hand == []
 
 
-class _Trend:
-    """A StepTrend stand-in: a fixed prediction."""
-
-    def __init__(self, pred, slope):
-        self.pred, self.s = pred, slope
-
-    def record(self, *a):
-        pass
-
-    def predicted_peak(self, lookahead):
-        return self.pred
-
-    def slope(self):
-        return self.s
-
-
 def test_the_rule_reads_reserved_plus_context_at_the_byte():
     # usable = budget - context - margin; a step fits when its peak reserved is at most that
     b = Budget.make(16 * GiB, context_bytes=740 * MiB)
