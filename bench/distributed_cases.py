@@ -5,7 +5,7 @@ LoRA on an 8B-shaped Llama; an 8B Llama with checkpointing), a GPT-2 and a Llama
 
 def cases(world_size: int) -> list[tuple[str, dict]]:
     n = world_size
-    d = dict(world_size=n)
+    d = {"world_size": n}
     return [
         ("ddp-gpt2-fp32-b4-L512", dict(model="gpt2", batch_size=4, seq_len=512, sharding="ddp", **d)),
         ("ddp-gpt2-ampbf16-b8-L512", dict(model="gpt2", batch_size=8, seq_len=512, precision="amp-bf16", sharding="ddp", **d)),
@@ -24,7 +24,27 @@ def cases(world_size: int) -> list[tuple[str, dict]]:
                                                     sharding="fsdp", **d)),
         ("fsdp-llama8b-bf16-ckpt-b1-L2048", dict(model="llama-3.1-8b", batch_size=1, seq_len=2048, precision="bf16",
                                                   grad_checkpointing=True, sharding="fsdp", **d)),
-        # DP-SGD over DPDDP (needs opacus on the GPU machine: pip install .whl/opacus-*.whl --no-deps)
+    ]
+
+
+UNTIED_1B = "bench/opacus_configs/llama-1b-untied"   # Llama-3.2-1B's shape with an untied lm_head (as the 8B)
+
+
+def dp_cases(world_size: int) -> list[tuple[str, dict]]:
+    """DP-SGD per rank (issue 27; needs opacus on the GPU machine): Opacus ghost clipping under FSDP2 (FSDP2Wrapper,
+    grad_sample_mode ghost_fsdp) with LoRA r16 on q,v of a 1B-shaped and the 8B untied Llama, bf16, with one
+    physical batch (physical = logical) and with BatchMemoryManager (physical < logical); DPDDP hooks and ghost."""
+    d = {"world_size": world_size, "dp": True, "precision": "bf16", "lora_rank": 16}
+    fsdp = dict(sharding="fsdp", grad_sample_mode="ghost", **d)
+    return [
+        ("ghostfsdp-llama1bu-lora16-b4-pb4-L256", dict(model=UNTIED_1B, batch_size=4, physical_batch_size=4, seq_len=256, **fsdp)),
+        ("ghostfsdp-llama1bu-lora16-b8-pb8-L512", dict(model=UNTIED_1B, batch_size=8, physical_batch_size=8, seq_len=512, **fsdp)),
+        ("ghostfsdp-llama1bu-lora16-b8-pb2-L512-bmm", dict(model=UNTIED_1B, batch_size=8, physical_batch_size=2, seq_len=512, **fsdp)),
+        ("ghostfsdp-llama8b-lora16-b4-pb4-L256", dict(model="llama-3.1-8b", batch_size=4, physical_batch_size=4, seq_len=256, **fsdp)),
+        ("ghostfsdp-llama8b-lora16-b4-pb1-L512-bmm", dict(model="llama-3.1-8b", batch_size=4, physical_batch_size=1, seq_len=512, **fsdp)),
+        ("ghostfsdp-llama8b-lora16-b8-pb2-L256-bmm", dict(model="llama-3.1-8b", batch_size=8, physical_batch_size=2, seq_len=256, **fsdp)),
         ("dpddp-llama1b-lora16-bf16-b8-pb4-L256", dict(model="llama-3.2-1b", batch_size=8, physical_batch_size=4, seq_len=256,
-                                                        precision="bf16", lora_rank=16, dp=True, sharding="ddp", **d)),
+                                                        sharding="ddp", **d)),
+        ("dpddp-ghost-llama1b-lora16-b8-pb4-L256", dict(model="llama-3.2-1b", batch_size=8, physical_batch_size=4, seq_len=256,
+                                                         sharding="ddp", grad_sample_mode="ghost", **d)),
     ]

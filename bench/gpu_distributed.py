@@ -142,7 +142,7 @@ def run_case(out_dir: Path, name: str, fields: dict, world_size: int) -> dict:
     t = time.time()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}", __file__, "--rank", str(req)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=CASE_TIMEOUT, env=env, cwd=ROOT)
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=CASE_TIMEOUT, env=env, cwd=ROOT)
         rc, tail = p.returncode, [ln for ln in p.stderr.splitlines() if ln.strip()][-3:]
     except subprocess.TimeoutExpired:
         rc, tail = "timeout", []
@@ -157,22 +157,32 @@ def run_case(out_dir: Path, name: str, fields: dict, world_size: int) -> dict:
     return rec
 
 
-def profile_run(out_dir: Path, world_size: int) -> None:
-    """`memlens profile --world-size N` once (the lane-per-rank report), and a screenshot if Chromium is here."""
-    d = out_dir / "profile_fsdp"
-    cmd = [sys.executable, "-m", "memlens.cli.main", "profile", "--model", "llama-3.2-1b", "--batch-size", "4", "--seq-len", "1024",
-           "--precision", "amp-bf16", "--world-size", str(world_size), "--sharding", "fsdp", "--steps", "2", "--out", str(d),
-           "--compare-estimate"]
+PROFILES = {  # name: the profile command's flags (one run each under torchrun; report.html with a lane per rank)
+    "profile_fsdp": ["--model", "llama-3.2-1b", "--batch-size", "4", "--seq-len", "1024", "--precision", "amp-bf16",
+                     "--sharding", "fsdp"],
+    # issue 27: the source profiler's scenario, Opacus ghost clipping under FSDP2 with BatchMemoryManager
+    "profile_dp_ghost_fsdp_8b": ["--model", "llama-3.1-8b", "--dp", "--grad-sample-mode", "ghost", "--batch-size", "4",
+                                 "--physical-batch-size", "2", "--seq-len", "512", "--lora-rank", "16", "--precision", "bf16",
+                                 "--sharding", "fsdp"],
+}
+
+
+def profile_run(out_dir: Path, world_size: int, name: str) -> None:
+    """`memlens profile --world-size N` once, and a screenshot if Chromium is here (else it is taken where the report lands)."""
+    d = out_dir / name
+    cmd = [sys.executable, "-m", "memlens.cli.main", "profile", *PROFILES[name], "--world-size", str(world_size), "--steps", "2",
+           "--out", str(d), "--compare-estimate"]
     t = time.time()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                       env=dict(os.environ, PYTHONPATH=ROOT, COLUMNS="160"))
-    (out_dir / "profile_fsdp_cli_output.txt").write_text(p.stdout + p.stderr)
-    print(f"memlens profile --world-size {world_size}: rc={p.returncode} {time.time() - t:.0f}s", flush=True)
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]),
+                                COLUMNS="160"))
+    (out_dir / f"{name}_cli_output.txt").write_text(" ".join(cmd[2:]) + "\n" + p.stdout + p.stderr)
+    print(f"memlens profile {name} --world-size {world_size}: rc={p.returncode} {time.time() - t:.0f}s", flush=True)
     chrome = next((shutil.which(c) for c in ("chromium", "chromium-browser", "google-chrome", "chrome") if shutil.which(c)), None)
     if chrome and (d / "report.html").exists():
         subprocess.run([chrome, "--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,2400",
-                        f"--screenshot={out_dir / 'profile_fsdp_report.png'}", f"file://{d / 'report.html'}"],
-                       capture_output=True, timeout=120)
+                        f"--screenshot={out_dir / (name + '_report.png')}", f"file://{d / 'report.html'}"],
+                       check=False, capture_output=True, timeout=120)
 
 
 def main() -> None:
@@ -187,10 +197,10 @@ def main() -> None:
         world_size = int(args[i + 1])
         del args[i:i + 2]
     out.mkdir(parents=True, exist_ok=True)
-    from bench.distributed_cases import cases
-
     import torch
     import transformers
+
+    from bench.distributed_cases import cases, dp_cases
 
     env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0),
            "gpus": torch.cuda.device_count(), "total_memory": torch.cuda.get_device_properties(0).total_memory,
@@ -200,15 +210,24 @@ def main() -> None:
     if torch.cuda.device_count() < world_size:
         sys.exit(f"needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
     rows = []
-    for name, fields in cases(world_size):
-        if args and not any(a in name for a in args):
-            continue
+    profiles = [a for a in args if a in PROFILES]
+    args = [a for a in args if a not in PROFILES]
+
+    def run(name, fields):
         rec = run_case(out, name, fields, world_size)
         rows.append(rec)
         peaks = " ".join(f"r{r['rank']}={r.get('max_allocated', 0) / 2**30:.3f}" for r in rec["ranks"])
         print(f"{name:40s} {rec['wall_s']:5.0f}s {peaks} {rec.get('error', '')}", flush=True)
-    if not args:
-        profile_run(out, world_size)
+
+    dp = dp_cases(world_size)     # DP-SGD first (issue 27), then its profile, then the other per-rank cases
+    for name, fields in dp:
+        if not args or any(a in name for a in args):
+            run(name, fields)
+    for name in profiles or ([] if args else list(PROFILES)[::-1]):
+        profile_run(out, world_size, name)
+    for name, fields in cases(world_size):
+        if not args or any(a in name for a in args):
+            run(name, fields)
     print("\ncase | rank | max allocated GiB | max reserved GiB | NVML GiB | NCCL MiB")
     for rec in rows:
         for r in rec["ranks"]:
