@@ -286,7 +286,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     return sim
 
 
-def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker: "SimulationTracker | None" = None) -> None:
+def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker: SimulationTracker | None = None) -> None:
     """Re-enter the CUDA emulation when checkpointing recomputes a layer inside backward
     (torch function modes are not carried into the autograd engine), and tell ``tracker`` the ops it
     then sees are recomputed. Under selective checkpointing torch's own dispatch mode sits above the
@@ -324,7 +324,7 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker
             mod._gradient_checkpointing_func = w
 
 
-def _wrap_offload(model, tracker: "SimulationTracker") -> None:
+def _wrap_offload(model, tracker: SimulationTracker) -> None:
     """The simulation's ``save_on_cpu`` for offloaded blocks (models/checkpoint.py sets ``_memlens_offload``).
 
     Fake tensors all live on the CPU, where torch's would keep each saved tensor as it is (``.cpu()`` of a CPU
