@@ -42,6 +42,10 @@ COMMANDS = {
         (RUN, f"estimate --model {TINY_GPT2} --batch-size 2 --seq-len 64 --precision amp-bf16 --compile"),
     "fit --model gpt2 --seq-len 512 --batch-size 32 --budget 16GiB":
         (RUN, f"fit --model {TINY_GPT2} --seq-len 512 --batch-size 32 --budget 600MiB --context 0"),
+    "estimate --model gpt2 --batch-size 2 --seq-len 128 --precision amp-bf16 --grad-checkpointing --checkpoint-policy selective":
+        (RUN, None),
+    "estimate --model gpt2 --batch-size 2 --seq-len 128 --precision amp-bf16 --checkpoint-layers 6 --offload-activations 6,7":
+        (RUN, None),
     "fit --model llama-3.1-8b --lora-rank 16 --precision bf16 --batch-size 8 --seq-len 2048 --budget 80GiB --least-recompute":
         (RUN, f"fit --model {TINY_LLAMA} --lora-rank 16 --precision bf16 --batch-size 8 --seq-len 512 --budget 100MiB "
              "--least-recompute --context 0 --margin 0"),

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..core.errors import NoDeviceError, SpecError
 from ..core.spec import (
     ATTENTION,
+    CHECKPOINT_POLICIES,
     GRAD_SAMPLE_MODES,
     LOSSES,
     OPTIMIZERS,
@@ -55,6 +56,12 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--grad-checkpointing", action="store_const", const=True, help="recompute activations in backward")
     g.add_argument("--checkpoint-layers", metavar="all|N|I,J,...",
                    help="checkpoint only some blocks: the first N, or these block indices (0-based); all = --grad-checkpointing")
+    g.add_argument("--checkpoint-policy", choices=CHECKPOINT_POLICIES,
+                   help="how checkpointed blocks recompute: full = their whole forward (default); selective = keep matmul, "
+                        "attention and conv outputs, recompute the rest (torch's selective activation checkpointing)")
+    g.add_argument("--offload-activations", dest="offload_layers", metavar="all|N|I,J,...",
+                   help="blocks whose saved activations go to pinned host memory in forward and come back in backward "
+                        "(torch.autograd.graph.save_on_cpu): all, the first N, or these block indices")
     g.add_argument("--attn", choices=ATTENTION, help="attention implementation (default sdpa)")
     g.add_argument("--optimizer", metavar="NAME", help=f"{' | '.join(OPTIMIZERS)} (default adamw = torch's foreach AdamW); "
                    "Trainer optim names (adamw_torch_fused, adafactor, adamw_bnb_8bit, ...) are accepted")
@@ -121,6 +128,7 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
 
 SPEC_FLAG_FIELDS = (
     "model", "batch_size", "seq_len", "image_size", "images_per_sample", "precision", "grad_checkpointing", "checkpoint_layers",
+    "checkpoint_policy", "offload_layers",
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",

@@ -122,6 +122,8 @@ class EstimatePayload(Payload):
     later_micro_batches: str | None = UNSET       # accumulation: "2..k written from micro-batch 1", "3..k written from micro-batch 2" or "simulated"
     later_layers: str | None = UNSET              # a deep stack: "written from 3 and 4 layers" or "simulated (why)"
     scaling: dict | None = UNSET                  # answers over many sizes: "simulated" (why) or "replayed" (estimator.scaling)
+    activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
+                                                  # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
 
 
 @dataclass

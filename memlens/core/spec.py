@@ -31,6 +31,7 @@ PRECISIONS = PRECISION_NAMES
 ATTENTION = ("sdpa", "eager")
 SHARDING = SHARDING_NAMES
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
+CHECKPOINT_POLICIES = ("full", "selective")
 # how the loss is computed (causal LMs): the model's own from labels, or the user's criterion on the shifted
 # logits, logits[:, :-1].reshape(-1, V) against labels[:, 1:], in the logits' dtype or upcast with .float()
 LOSSES = ("model", "criterion", "criterion-fp32")   # Opacus' own names (make_private's grad_sample_mode)
@@ -50,6 +51,10 @@ class TrainingSpec:
     grad_checkpointing: bool = False
     checkpoint_layers: int | tuple[int, ...] | None = None  # which blocks are checkpointed: the first N, or these
                                         # indices (0-based); None: all with grad_checkpointing ("all" and 0 normalize to that)
+    checkpoint_policy: str = "full"     # CHECKPOINT_POLICIES: "full" recomputes a checkpointed block's whole forward; "selective"
+                                        # keeps its matmul/attention/conv outputs and recomputes the rest (models/checkpoint.py)
+    offload_layers: int | tuple[int, ...] | str | None = None  # blocks whose saved tensors go to pinned host memory
+                                        # (save_on_cpu): "all", the first N or these indices; None/0: none
     attn: str = "sdpa"
     optimizer: str = "adamw"
     lora_rank: int | None = None
@@ -91,6 +96,7 @@ class TrainingSpec:
     def __post_init__(self):
         _check_int(self, "batch_size", 1)
         _check_checkpoint_layers(self)
+        _check_activation_plan(self)
         _check_int(self, "images_per_sample", 1)
         _check_int(self, "grad_accum", 1)
         _check_int(self, "world_size", 1)
@@ -208,11 +214,12 @@ class TrainingSpec:
         d = asdict(self)
         for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("use_cache", None), ("lora_dropout", 0.0),
                               ("pad_fraction", 0.0), ("kbit_prep", False),
-                              ("checkpoint_layers", None)):
+                              ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None)):
             if d[name] == default:     # absent unless set
                 del d[name]
-        if isinstance(d.get("checkpoint_layers"), tuple):
-            d["checkpoint_layers"] = list(d["checkpoint_layers"])
+        for k in ("checkpoint_layers", "offload_layers"):
+            if isinstance(d.get(k), tuple):
+                d[k] = list(d[k])
         for k in ("lora_targets", "freeze"):
             if d[k] is not None:
                 d[k] = list(d[k])
@@ -273,7 +280,10 @@ class TrainingSpec:
             parts.append(f"img={self.image_size}")
         parts.append(self.precision)
         if self.grad_checkpointing:
-            parts.append("ckpt" + ("" if self.checkpoint_layers is None else f"={checkpoint_layers_text(self.checkpoint_layers)}"))
+            parts.append("ckpt" + ("" if self.checkpoint_layers is None else f"={checkpoint_layers_text(self.checkpoint_layers)}")
+                         + ("-selective" if self.checkpoint_policy == "selective" else ""))
+        if self.offload_layers is not None:
+            parts.append(f"offload={checkpoint_layers_text(self.offload_layers)}")
         if self.attn != "sdpa":
             parts.append(self.attn)
         parts.append(self.optimizer)
@@ -363,9 +373,47 @@ def parse_checkpoint_layers(value: Any) -> int | tuple[int, ...] | None:
     return tuple(sorted(set(value)))
 
 
-def checkpoint_layers_text(value: int | tuple[int, ...]) -> str:
-    """How a spec names its checkpointed blocks: "8" (the first 8) or "[0,2,5]"."""
-    return str(value) if isinstance(value, int) else "[" + ",".join(map(str, value)) + "]"
+def checkpoint_layers_text(value: int | tuple[int, ...] | str) -> str:
+    """How a spec names its checkpointed (or offloaded) blocks: "8" (the first 8), "[0,2,5]" or "all"."""
+    return value if isinstance(value, str) else str(value) if isinstance(value, int) else "[" + ",".join(map(str, value)) + "]"
+
+
+def parse_offload_layers(value: Any) -> int | tuple[int, ...] | str | None:
+    """``offload_layers`` from a flag or YAML, parsed as ``checkpoint_layers``: "all", the first N, or indices;
+    None, 0 or [] is none.
+
+    >>> parse_offload_layers("all"), parse_offload_layers("2"), parse_offload_layers("3,1"), parse_offload_layers(0)
+    ('all', 2, (1, 3), None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return "all"
+    try:
+        v = parse_checkpoint_layers(value)
+    except SpecError:
+        raise SpecError(f"offload-activations must be all, a number of blocks or a list of block indices, got {value!r}",
+                        hint="e.g. --offload-activations 4 (the first 4 blocks) or --offload-activations 0,2") from None
+    return None if v == 0 or v == () else v
+
+
+def _check_activation_plan(spec: TrainingSpec) -> None:
+    """``checkpoint_policy`` and ``offload_layers``: valid, and consistent with checkpointing."""
+    _check_choice("checkpoint-policy", spec.checkpoint_policy, CHECKPOINT_POLICIES)
+    if spec.checkpoint_policy != "full" and not spec.grad_checkpointing:
+        raise SpecError(f"--checkpoint-policy {spec.checkpoint_policy} without checkpointing: it says how checkpointed blocks "
+                        "recompute", hint="add --grad-checkpointing or --checkpoint-layers N")
+    v = parse_offload_layers(spec.offload_layers)
+    object.__setattr__(spec, "offload_layers", v)
+    if v is None or not spec.grad_checkpointing:
+        return
+    ck = spec.checkpoint_layers
+    both = (v == "all" or ck is None or (isinstance(v, int) and isinstance(ck, int) and min(v, ck) > 0)
+            or set(range(v) if isinstance(v, int) else v) & set(range(ck) if isinstance(ck, int) else ck))
+    if both:
+        raise SpecError("a block both checkpointed and offloaded: checkpoint keeps only the block's inputs, held by its own "
+                        "frame, not through saved_tensors_hooks, so save_on_cpu would offload nothing",
+                        hint="offload blocks that are not checkpointed, e.g. --checkpoint-layers 0,1 --offload-activations 2,3")
 
 
 def _check_checkpoint_layers(spec: TrainingSpec) -> None:

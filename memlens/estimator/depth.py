@@ -120,6 +120,8 @@ def why_not(spec, source) -> str | None:
         return "several GPUs, DP-SGD or --compile"
     if spec.checkpoint_layers is not None:   # normalized: None is all or none (memlens.core.spec)
         return "checkpointing some layers (--checkpoint-layers) makes the layers differ"
+    if spec.offload_layers not in (None, "all"):
+        return "offloading some layers (--offload-activations) makes the layers differ"
     if any(re.search(r"\d", p) for p in tuple(spec.freeze or ()) + tuple(spec.lora_targets or ())):
         return "a --freeze or --lora-targets pattern names layers by number"
     cfg = source.config

@@ -8,6 +8,8 @@ from ..core.ledger import group_modules
 from ..core.parallel import is_distributed
 from ..core.precision import precision_of
 from ..core.result import Result
+from ..core.spec import checkpoint_layers_text
+from ..core.units import fmt_bytes
 
 # measured on an H100 (bench/gpu_fp16_steps.py): torchvision's ResNet-50 from random weights skipped
 # steps 1-3 (scale 65536, 32768, 16384) and first stepped at step 4
@@ -66,6 +68,10 @@ def simulation_result(sim, a) -> Result:
             **({"later_layers": sim.later_layers} if sim.later_layers else {}),
         },
     )
+    plan = activation_plan(sim)
+    if plan is not None:
+        r.data["activation_plan"] = plan
+        r.notes.append(plan["summary"])
     r.notes.extend(sim.notes)
     if precision_of(spec).grad_scaler:
         r.notes.append(FP16_SKIPPED_STEPS)
@@ -75,6 +81,43 @@ def simulation_result(sim, a) -> Result:
         r.data["compile_model"] = MODEL
         r.notes.append(f"--compile: {MODEL}.")
     return finish(r, spec)
+
+
+def activation_plan(sim) -> dict | None:
+    """What checkpointing and activation offload cost one micro-batch, as the simulation counted it
+    (:attr:`memlens.estimator.simulate.SimulationTracker.costs`): the ops a checkpointed block runs again in backward
+    (torch's non-reentrant checkpoint stops once the tensors backward needs are back, so a block's last ops are not
+    rerun; under the selective policy the matmul/attention/conv outputs come from its cache), their FLOPs
+    at the GPU's matmul rate plus their output bytes written and as many read at its memory bandwidth; and the
+    bytes save_on_cpu copies to host memory in forward and back in backward, each way at the GPU's PCIe rate."""
+    spec = sim.spec
+    if not spec.grad_checkpointing and spec.offload_layers is None:
+        return None
+    c = {k: int(v) for k, v in (sim.costs or {}).items()}
+    gpu = gpu_facts(spec.gpu)
+    rate = 1e12 * (gpu.matmul_tflops_fp32 if spec.precision == "fp32" else gpu.matmul_tflops_half)
+    plan: dict = {"per": "micro-batch"}
+    words = []
+    if spec.grad_checkpointing:
+        blocks = "all" if spec.checkpoint_layers is None else checkpoint_layers_text(spec.checkpoint_layers)
+        sec = c.get("recompute_flops", 0) / rate + 2 * c.get("recompute_bytes", 0) / (gpu.dram_gbps * 1e9)
+        plan["checkpoint"] = {"blocks": blocks, "policy": spec.checkpoint_policy, "recomputed_ops": c.get("recompute_ops", 0),
+                              "recompute_flops": c.get("recompute_flops", 0), "recompute_bytes": c.get("recompute_bytes", 0),
+                              "recompute_seconds": round(sec, 6)}
+        words.append(f"{spec.checkpoint_policy} checkpointing of blocks {blocks} recomputes {c.get('recompute_ops', 0)} ops "
+                      f"({c.get('recompute_flops', 0) / 1e9:.3g} GFLOP, {fmt_bytes(c.get('recompute_bytes', 0))} written) per "
+                      f"micro-batch, about {sec * 1e3:.3g} ms on the {gpu.name}")
+    if spec.offload_layers is not None:
+        nbytes = c.get("offload_bytes", 0)
+        each = nbytes / gpu.pcie_bytes_per_s
+        plan["offload"] = {"blocks": checkpoint_layers_text(spec.offload_layers), "tensors": c.get("offload_tensors", 0),
+                           "host_bytes": nbytes, "parameter_copy_bytes": c.get("offload_parameter_bytes", 0),
+                           "transfer_seconds_each_way": round(each, 6), "transfer_seconds": round(2 * each, 6)}
+        words.append(f"offloading blocks {checkpoint_layers_text(spec.offload_layers)} moves {fmt_bytes(nbytes)} of saved "
+                     f"tensors to pinned host memory per micro-batch ({fmt_bytes(c.get('offload_parameter_bytes', 0))} of it copies "
+                     f"of weights, which stay on the GPU too) and back in backward: {each * 1e3:.3g} ms each way over PCIe")
+    plan["summary"] = "; ".join(words) + " (activation_plan)."
+    return plan
 
 
 def finish(result: Result, spec) -> Result:

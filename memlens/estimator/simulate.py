@@ -70,6 +70,7 @@ class Simulation:
     later_layers: str = ""       # a stack of many layers: "written from 3 and 4 layers" or "simulated (why)"
     written: Any = None          # with later_layers written: (shallow log, its Stack, its live layers, copies,
     #                              sizes), what ``log`` was written from (depth.write_layers): a worker sends this
+    costs: dict = field(default_factory=dict)  # one micro-batch's recompute and offload counts (SimulationTracker.costs)
 
 
 class _FakeGradScaler:
@@ -159,7 +160,8 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * params,
                       b.trainable_count + grow * trainable, b.attention, time.perf_counter() - t0, notes=b.notes,
                       applied=b.applied, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
-                      later_layers=how, written=written)
+                      later_layers=how, written=written,
+                      costs={k: v * n // shallow for k, v in b.costs.items()})   # all in the blocks, alike
 
 
 def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool, layers: int | None = None) -> Simulation:
@@ -178,7 +180,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     step = prepare(spec, fake=True, source=source, autocast=autocast,
                    scaler=_FakeGradScaler() if precision_of(spec).grad_scaler else None)
     model, fake = step.model, step.fake_mode
-    _wrap_checkpoint_funcs(model, emulation)
+    _wrap_checkpoint_funcs(model, emulation, tracker)
+    _wrap_offload(model, tracker)
     if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
         from .compiled import compile_for_simulation  # heavy: imports torch
 
@@ -277,24 +280,33 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
                      "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
     sim = Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
                      attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper,
-                     later_steps=runner.later_steps, later_micro_batches=runner.micro)
+                     later_steps=runner.later_steps, later_micro_batches=runner.micro, costs=dict(tracker.costs))
     if stack is not None:
         sim.stack, sim.live_layers, sim.spanning = stack, tracker.live_layers, tracker.spanning
     return sim
 
 
-def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None:
+def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker: SimulationTracker | None = None) -> None:
     """Re-enter the CUDA emulation when checkpointing recomputes a layer inside backward
-    (torch function modes are not carried into the autograd engine)."""
+    (torch function modes are not carried into the autograd engine), and tell ``tracker`` the ops it
+    then sees are recomputed. Under selective checkpointing torch's own dispatch mode sits above the
+    tracker: the ops whose outputs it kept are answered from its cache and never reach the tracker."""
     from torch.overrides import _get_current_function_mode_stack  # heavy: torch, loaded on first use
 
     def wrap(orig):
         def checkpoint(function, *args, **kwargs):
             def run(*a, **k):
-                if any(m is emulation for m in _get_current_function_mode_stack()):
-                    return function(*a, **k)
-                with emulation:
-                    return function(*a, **k)
+                again = tracker is not None and tracker.phase == "backward"
+                if again:
+                    tracker.recomputing = True
+                try:
+                    if any(m is emulation for m in _get_current_function_mode_stack()):
+                        return function(*a, **k)
+                    with emulation:
+                        return function(*a, **k)
+                finally:
+                    if again:
+                        tracker.recomputing = False
 
             if emulation.rules.compile_trace:    # --compile's trace: the region as dynamo hands it to AOTAutograd
                 from .compiled import checkpoint_as_compiled  # heavy: imports torch  # heavy: imports torch  # heavy: imports torch
@@ -310,6 +322,38 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation") -> None
             w = wrap(fn)
             w._memlens = True
             mod._gradient_checkpointing_func = w
+
+
+def _wrap_offload(model, tracker: SimulationTracker) -> None:
+    """The simulation's ``save_on_cpu`` for offloaded blocks (models/checkpoint.py sets ``_memlens_offload``).
+
+    Fake tensors all live on the CPU, where torch's would keep each saved tensor as it is (``.cpu()`` of a CPU
+    tensor is itself). On CUDA its pack copies each saved tensor into a new pinned host tensor (not device
+    memory: made here unaccounted), so autograd holds no device tensor (the original is freed when nothing
+    else holds it), and each unpack in backward is ``.to(device, non_blocking=True)``: a new device tensor,
+    alive while the backward node that asked for it runs. A tensor saved twice is copied twice, as torch does,
+    and parameters saved by their ops (a linear's weight) are copied too."""
+    def pack(t):
+        muted, tracker.muted = tracker.muted, True
+        try:
+            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout)
+            host.copy_(t)
+        finally:
+            tracker.muted = muted
+        tracker.count_offload(t, host.numel() * host.element_size())
+        return host
+
+    def unpack(host):
+        back = host.clone()
+        tracker.retag(back, Category.ACTIVATIONS)
+        return back
+
+    def context():
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    for mod in model.modules():
+        if getattr(mod, "_memlens_offload", None) is not None:
+            mod._memlens_offload = context
 
 
 _GEMMS = None
@@ -375,6 +419,10 @@ def _same_shapes(args, kwargs) -> bool:
 # forward and backward, two steps: a Mamba-130m config took 454 s), whose memory is not that of
 # the fused CUDA kernel the real run uses when its package (mamba-ssm) is installed.
 FORWARD_OPS_LIMIT = 1000
+# what SimulationTracker.costs counts: ops a checkpointed block runs again in backward, their matmul/attention/conv
+# FLOPs (torch.utils.flop_counter's formulas) and output bytes; saved tensors offloaded to host memory, their bytes
+# and the part that are copies of parameters (which stay on the device besides)
+COST_KEYS = ("recompute_ops", "recompute_flops", "recompute_bytes", "offload_tensors", "offload_bytes", "offload_parameter_bytes")
 
 
 class SimulationTracker(StorageTracker):
@@ -397,6 +445,10 @@ class SimulationTracker(StorageTracker):
         self.model = None                         # for naming a module that runs too many ops
         self.ops_limit: int | None = FORWARD_OPS_LIMIT  # None: a compiled graph (thousands of ops by design, no loop)
         self.live_layers: dict | None = None      # key -> layer of allocations outside forward and backward (depth.py)
+        # one micro-batch's (step 1's first forward and backward) recompute and offload counts (estimator/result.py)
+        self.costs: dict[str, int] = dict.fromkeys(COST_KEYS, 0)
+        self.recomputing = False                  # inside a checkpointed block's recomputation (_wrap_checkpoint_funcs)
+        self._passes = {"forward": 0, "backward": 0}
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:
@@ -447,7 +499,33 @@ class SimulationTracker(StorageTracker):
     def set_phase(self, name: str, step: int) -> None:
         if name == "forward":
             self._forward_ops = {}
+        if name in self._passes and step == 1:
+            self._passes[name] += 1
         super().set_phase(name, step)
+
+    def _first(self, phase: str) -> bool:
+        return self.step == 1 and self._passes[phase] == 1
+
+    def count_offload(self, t, nbytes: int) -> None:
+        """A saved tensor packed to host memory (the simulation's save_on_cpu)."""
+        if self._first("forward"):
+            self.costs["offload_bytes"] += nbytes
+            self.costs["offload_tensors"] += 1
+            if self._category.get(self.key_of(t)) == Category.PARAMETERS:
+                self.costs["offload_parameter_bytes"] += nbytes
+
+    def _count_recompute(self, func, args, kwargs, out, first_new: int) -> None:
+        from torch.utils.flop_counter import flop_registry  # heavy: torch, loaded on first use
+
+        c = self.costs
+        c["recompute_ops"] += 1
+        f = flop_registry.get(getattr(func, "_overloadpacket", None))
+        if f is not None:
+            c["recompute_flops"] += int(f(*args, **(kwargs or {}), out_val=out))
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+            key = self.key_of(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key >= first_new:     # a new storage written (not a view or an alias)
+                c["recompute_bytes"] += t.untyped_storage().nbytes()
 
     def _too_many_ops(self) -> MemlensError:
         label = self.log.modules[self.module] if 0 <= self.module < len(self.log.modules) else "?"
@@ -499,6 +577,8 @@ class SimulationTracker(StorageTracker):
                 return None
         first_new = self._next
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.recomputing and self._first("backward"):
+            self._count_recompute(func, args, kwargs, out, first_new)
         if self.live_layers is not None and self._next > first_new and self.phase not in ("forward", "backward"):
             self._label_outputs(args, out, first_new)
         if self.phase == "forward" and self.ops_limit is not None:

@@ -267,7 +267,7 @@ def recompute_spec(spec: TrainingSpec, n: int, layers: int, all_flag: bool = Tru
     deep stack is written from shallow models, or with ``all_flag`` False --checkpoint-layers L, memlens wrapping
     the blocks itself, as a factory's model needs; in between: simulated whole, memlens.estimator.depth)."""
     if n <= 0:
-        return spec.replace(checkpoint_layers=None, grad_checkpointing=False)
+        return spec.replace(checkpoint_layers=None, grad_checkpointing=False, checkpoint_policy="full")
     if n >= layers and all_flag:
         return spec.replace(checkpoint_layers=None, grad_checkpointing=True)
     return spec.replace(checkpoint_layers=n)

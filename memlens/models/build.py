@@ -25,7 +25,7 @@ from .adapt import (  # noqa: F401 - re-exported
     mark_known,
     torch_dtype,
 )
-from .checkpoint import checkpoint_blocks
+from .checkpoint import checkpoint_blocks, checkpoint_kwargs, offload_blocks
 from .source import ModelSource
 from .vision import build_vision_module
 
@@ -119,9 +119,11 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
     if spec.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False):
             raise SpecError(f"{source.name} does not support gradient checkpointing in transformers", hint="drop --grad-checkpointing")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(spec.checkpoint_policy))
         if spec.checkpoint_layers is not None:   # some layers: the others' own switch off (models/checkpoint.py)
-            checkpoint_blocks(model, spec.checkpoint_layers)
+            checkpoint_blocks(model, spec.checkpoint_layers, spec.checkpoint_policy)
+    if spec.offload_layers is not None:          # save_on_cpu around the chosen blocks (models/checkpoint.py)
+        offload_blocks(model, spec.offload_layers)
     if spec.lora_rank:
         targets = None if spec.lora_targets else default_lora_targets(model)
         if targets:
@@ -392,7 +394,12 @@ def _build_factory(spec: TrainingSpec, source: ModelSource, device: Any) -> Buil
     model.train()
     apply_freeze(model, spec.freeze)
     if spec.checkpoint_layers is not None:   # the factory checkpoints all blocks or none itself (spec.grad_checkpointing)
-        checkpoint_blocks(model, spec.checkpoint_layers)
+        checkpoint_blocks(model, spec.checkpoint_layers, spec.checkpoint_policy)
+    elif spec.checkpoint_policy != "full":
+        raise SpecError(f"--checkpoint-policy {spec.checkpoint_policy} with --grad-checkpointing: factory {source.name} "
+                        "checkpoints its blocks itself, with its own policy", hint="name the blocks: --checkpoint-layers N (all N of them)")
+    if spec.offload_layers is not None:
+        offload_blocks(model, spec.offload_layers)
     if spec.lora_rank:
         model = apply_lora(model, spec)
     return Built(model, batch, loss_fn, forward_keys=forward_keys, step=step)
@@ -407,11 +414,13 @@ def _build_module(spec: TrainingSpec, source: ModelSource) -> Built:
     if spec.grad_checkpointing:
         if not getattr(model, "supports_gradient_checkpointing", False) and not hasattr(model, "gradient_checkpointing_enable"):
             raise SpecError(f"{source.name} does not support gradient checkpointing", hint="turn gradient_checkpointing off")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(spec.checkpoint_policy))
         if spec.checkpoint_layers is not None:
-            checkpoint_blocks(model, spec.checkpoint_layers)
+            checkpoint_blocks(model, spec.checkpoint_layers, spec.checkpoint_policy)
         if hasattr(model, "enable_input_require_grads") and any(not p.requires_grad for p in model.parameters()):
             model.enable_input_require_grads()   # what peft-wrapped Trainer runs do for checkpointing
+    if spec.offload_layers is not None:
+        offload_blocks(model, spec.offload_layers)
     return Built(model, batch)
 
 

@@ -12,6 +12,17 @@ share one class: a decoder's layers, a ViT's blocks). How a block is checkpointe
   ``torch.utils.checkpoint.checkpoint(forward, ..., use_reentrant=False)`` through the same
   ``_gradient_checkpointing_func`` attribute (the simulation re-enters its CUDA emulation there),
   in training with gradients on, as transformers' layers do; module hooks stay outside.
+
+The checkpoint policy (``checkpoint_policy``): "full" recomputes a checkpointed block's whole forward in
+backward; "selective" passes ``context_fn = create_selective_checkpoint_contexts(selective_policy)``, so the
+outputs of the matmul, attention and convolution ops (:data:`SELECTIVE_SAVE_OPS`) are kept (MUST_SAVE) and
+everything else is recomputed (PREFER_RECOMPUTE): torchtitan's "selective op" activation checkpointing.
+
+Activation offload (``offload_layers``): a chosen block's forward runs under
+``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (pinned only where CUDA is available): every tensor
+autograd saves in it (parameters too) is copied to host memory in forward and back to the device, one copy
+per use, in backward. A block is checkpointed or offloaded, never both: a checkpointed block saves its
+tensors through checkpoint's own hooks, which take the place of save_on_cpu's, so it would offload nothing.
 """
 from __future__ import annotations
 
@@ -20,7 +31,7 @@ from functools import partial
 from typing import Any
 
 from ..core.errors import MemlensError, SpecError
-from ..core.spec import parse_checkpoint_layers
+from ..core.spec import parse_checkpoint_layers, parse_offload_layers
 
 
 def _is_hf_layer(m) -> bool:
@@ -59,18 +70,18 @@ def find_blocks(model) -> tuple[str, Any]:
     return found[0][0], found[0][1]
 
 
-def chosen_indices(choice: Any, n: int, label: str = "the model") -> list[int]:
+def chosen_indices(choice: Any, n: int, label: str = "the model", flag: str = "checkpoint-layers") -> list[int]:
     """The block indices a checkpoint_layers choice names, in a stack of ``n`` blocks.
 
     >>> chosen_indices("all", 4), chosen_indices(2, 4), chosen_indices([3, 1], 4), chosen_indices(0, 4)
     ([0, 1, 2, 3], [0, 1], [1, 3], [])
     """
-    v = parse_checkpoint_layers(choice)
+    v = parse_checkpoint_layers(None if choice == "all" else choice)
     if v is None:
         return list(range(n))
     if isinstance(v, int):
         if v > n:
-            raise SpecError(f"checkpoint-layers {v} is more than the {n} blocks of {label}", hint=f"use at most {n} (or all)")
+            raise SpecError(f"{flag} {v} is more than the {n} blocks of {label}", hint=f"use at most {n} (or all)")
         return list(range(v))
     bad = [i for i in v if i >= n]
     if bad:
@@ -79,70 +90,182 @@ def chosen_indices(choice: Any, n: int, label: str = "the model") -> list[int]:
     return list(v)
 
 
-def _wrap(block) -> None:
+# ---------------------------------------------------------------- the selective policy (one place)
+# aten ops whose outputs selective checkpointing keeps: matmuls, attention kernels, convolutions (the costly ops to
+# recompute); every other op (norms, activations, dropout, elementwise) is recomputed in backward
+SELECTIVE_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu", "convolution")
+_SAVE_PACKETS: set = set()
+
+
+def selective_policy(ctx, func, *args, **kwargs):
+    """The selective checkpoint policy: MUST_SAVE for :data:`SELECTIVE_SAVE_OPS`, PREFER_RECOMPUTE otherwise."""
     import torch  # heavy (see find_blocks)
+    from torch.utils.checkpoint import CheckpointPolicy  # heavy: torch, loaded on first use
+
+    if not _SAVE_PACKETS:
+        _SAVE_PACKETS.update(getattr(torch.ops.aten, n) for n in SELECTIVE_SAVE_OPS if hasattr(torch.ops.aten, n))
+    return CheckpointPolicy.MUST_SAVE if getattr(func, "_overloadpacket", None) in _SAVE_PACKETS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context():
+    """``context_fn`` of torch's checkpoint for selective checkpointing (a fresh pair of modes per call)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts  # heavy: torch, loaded on first use
+
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+def checkpoint_kwargs(policy: str = "full") -> dict:
+    """Keyword arguments of ``torch.utils.checkpoint.checkpoint`` for a policy (also what
+    ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` takes)."""
+    if policy not in ("full", "selective"):
+        raise SpecError(f"checkpoint policy {policy!r} is not full or selective", hint="use 'full' or 'selective'")
+    return {"use_reentrant": False, **({"context_fn": selective_context} if policy == "selective" else {})}
+
+
+def checkpoint_function(policy: str = "full"):
     from torch.utils.checkpoint import checkpoint  # heavy: torch, loaded on first use
 
-    if getattr(block, "_memlens_forward", None) is not None:
+    return partial(checkpoint, **checkpoint_kwargs(policy))
+
+
+def offload_context():
+    """What an offloaded block's forward runs under: save_on_cpu, pinned where CUDA is available."""
+    import torch  # heavy (see find_blocks)
+
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+
+
+# ---------------------------------------------------------------- wrapping blocks
+def _set_forward(block, *, checkpoint: bool, offload: bool) -> None:
+    """Give ``block`` (on the instance) a forward that checkpoints it (``_gradient_checkpointing_func``) or runs it
+    under ``_memlens_offload()`` in training with gradients on; neither: its own forward back."""
+    import torch  # heavy (see find_blocks)
+
+    if getattr(block, "_memlens_base_forward", None) is not None:
+        del block.forward
+    block._memlens_base_forward = block._memlens_forward = block._memlens_offload = None
+    if not (checkpoint or offload):
         return
     forward = block.forward
-    block._memlens_forward = forward
-    block._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    block._memlens_base_forward = forward
+    if checkpoint:
+        block._memlens_forward = forward
+    else:
+        block._memlens_offload = offload_context
 
-    def forward_checkpointed(*args, **kwargs):
-        if block.training and torch.is_grad_enabled():
-            return block._gradient_checkpointing_func(forward, *args, **kwargs)
-        return forward(*args, **kwargs)
+    def wrapped(*args, **kwargs):
+        if not (block.training and torch.is_grad_enabled()):
+            return forward(*args, **kwargs)
+        if block._memlens_offload is not None:
+            with block._memlens_offload():
+                return forward(*args, **kwargs)
+        return block._gradient_checkpointing_func(forward, *args, **kwargs)
 
-    block.forward = forward_checkpointed
-
-
-def _unwrap(block) -> None:
-    if getattr(block, "_memlens_forward", None) is not None:
-        del block.forward
-        block._memlens_forward = None
+    block.forward = wrapped
 
 
-def checkpoint_blocks(model, choice: Any) -> list[str]:
-    """Checkpoint the blocks ``choice`` names ("all", the first N, or indices) and no others; the names of the
-    blocks checkpointed."""
+def _checkpointed(block) -> bool:
+    return bool(getattr(block, "gradient_checkpointing", False)) if _is_hf_layer(block) else \
+        getattr(block, "_memlens_forward", None) is not None
+
+
+def _offloaded(block) -> bool:
+    return getattr(block, "_memlens_offload", None) is not None
+
+
+def _names(label: str, idx) -> list[str]:
+    return [f"{label}.{i}" if label else str(i) for i in sorted(idx)]
+
+
+def checkpoint_blocks(model, choice: Any, policy: str = "full") -> list[str]:
+    """Checkpoint the blocks ``choice`` names ("all", the first N, or indices) with ``policy`` and no others; the
+    names of the blocks checkpointed."""
     label, blocks = find_blocks(model)
     keep = set(chosen_indices(choice, len(blocks), label or type(model).__name__))
-    done = []
+    _check_apart(keep, {i for i, b in enumerate(blocks) if _offloaded(b)}, label)
+    func = checkpoint_function(policy)
     for i, block in enumerate(blocks):
-        name = f"{label}.{i}" if label else str(i)
         if _is_hf_layer(block):
             block.gradient_checkpointing = i in keep
-            if i in keep and getattr(block, "_gradient_checkpointing_func", None) is None:
-                from torch.utils.checkpoint import checkpoint  # heavy (see find_blocks)
-
-                block._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
-        elif i in keep:
-            _wrap(block)
+            if i in keep and (getattr(block, "_gradient_checkpointing_func", None) is None or policy != "full"):
+                block._gradient_checkpointing_func = func
         else:
-            _unwrap(block)
-        if i in keep:
-            done.append(name)
-    return done
+            if i in keep:
+                block._gradient_checkpointing_func = func
+            if i in keep or getattr(block, "_memlens_forward", None) is not None:
+                _set_forward(block, checkpoint=i in keep, offload=False)
+    return _names(label, keep)
 
 
-PLAN_KEYS = ("checkpoint_layers",)
+def offload_blocks(model, choice: Any) -> list[str]:
+    """Run the blocks ``choice`` names ("all", the first N, or indices; None: none) under save_on_cpu, and no others;
+    the names of the blocks offloaded. Refused in one line for a block that is checkpointed."""
+    label, blocks = find_blocks(model)
+    keep = set() if choice is None else set(chosen_indices(choice, len(blocks), label or type(model).__name__, flag="offload-activations"))
+    _check_apart({i for i, b in enumerate(blocks) if _checkpointed(b)}, keep, label)
+    for i, block in enumerate(blocks):
+        if i in keep or _offloaded(block):
+            _set_forward(block, checkpoint=False, offload=i in keep)
+    return _names(label, keep)
 
 
-def apply(model, plan: dict | Any) -> list[str]:
-    """Apply a plan to a Hugging Face or plain PyTorch model, without editing its code; the names of the blocks
-    checkpointed (``[]``: none).
+def _check_apart(checkpointed: set, offloaded: set, label: str) -> None:
+    both = sorted(checkpointed & offloaded)
+    if both:
+        raise SpecError(f"block {_names(label, both[:1])[0]} would be both checkpointed and offloaded: checkpoint saves its "
+                        "tensors through its own hooks, in place of save_on_cpu's, so nothing would be offloaded",
+                        hint="offload blocks that are not checkpointed")
+
+
+PLAN_KEYS = ("checkpoint_layers", "checkpoint_policy", "offload_layers")
+
+
+class Applied(list):
+    """What :func:`apply` did: the list of the blocks checkpointed (as before offload and policies), plus
+    ``policy`` ("full" / "selective", None: checkpointing untouched) and ``offloaded`` (the blocks under save_on_cpu)."""
+
+    def __init__(self, checkpointed, policy: str | None = None, offloaded=()):
+        super().__init__(checkpointed)
+        self.policy = policy
+        self.offloaded = list(offloaded)
+
+    def to_dict(self) -> dict:
+        return {"checkpointed": list(self), "checkpoint_policy": self.policy, "offloaded": self.offloaded}
+
+
+def refuse_plan(spec) -> None:
+    """Refuse, in one line, a spec whose step cannot take a block plan (selective checkpointing or offload)."""
+    if spec.checkpoint_policy == "full" and spec.offload_layers is None:
+        return
+    what = "--checkpoint-policy selective" if spec.checkpoint_policy != "full" else "--offload-activations"
+    if spec.compile:
+        raise SpecError(f"{what} with --compile: the compiled graph's own partition decides what is saved", hint=f"drop {what} or --compile")
+    if spec.dp and (spec.grad_sample_mode or "hooks") == "hooks":
+        raise SpecError(f"{what} with --dp hooks: Opacus' per-sample gradient hooks need every layer's activations as they are",
+                        hint=f"drop {what}, or use --grad-sample-mode ghost")
+
+
+def apply(model, plan: dict | Any) -> Applied:
+    """Apply a plan to a Hugging Face or plain PyTorch model, without editing its code; what it did (an
+    :class:`Applied`: the list of the blocks checkpointed, ``[]`` none, with ``.policy`` and ``.offloaded``).
 
     ``plan``: ``{"checkpoint_layers": N}`` (the first N blocks, as ``memlens fit --least-recompute`` prints it),
-    a list of block indices, or "all"; or a Result of ``memlens fit --least-recompute`` (its plan). A transformers
-    model is switched on as ``gradient_checkpointing_enable(use_reentrant=False)`` does, then the layers not
-    chosen are switched off (so the chosen layers run exactly as under whole checkpointing, the others as
-    without it); any other model's chosen blocks get their forward wrapped in
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+    a list of block indices, or "all", with ``"checkpoint_policy": "selective"`` (keep matmul/attention/conv
+    outputs, recompute the rest) and ``"offload_layers"`` (blocks whose saved tensors go to host memory,
+    parsed alike); or a Result of ``memlens fit --least-recompute`` (its plan). A key left out leaves that
+    part of the model as it is. A transformers model is switched on as
+    ``gradient_checkpointing_enable(use_reentrant=False)`` does, then the layers not chosen are switched off
+    (so the chosen layers run exactly as under whole checkpointing, the others as without it); any other
+    model's chosen blocks get their forward wrapped in ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``.
+    Everything is checked before the model changes.
 
     >>> import memlens                                               # doctest: +SKIP
     >>> memlens.apply(model, {"checkpoint_layers": 12})              # doctest: +SKIP
     ['model.layers.0', ..., 'model.layers.11']
+    >>> memlens.apply(model, {"checkpoint_layers": [0, 1], "checkpoint_policy": "selective", "offload_layers": [2, 3]}).offloaded  # doctest: +SKIP
+    ['model.layers.2', 'model.layers.3']
     """
     data = getattr(plan, "data", plan)
     if isinstance(data, Mapping) and isinstance(data.get("recompute_plan"), dict):   # a fit --least-recompute Result (or its JSON)
@@ -156,11 +279,32 @@ def apply(model, plan: dict | Any) -> list[str]:
     if unknown:
         raise MemlensError(f"plan key {unknown[0]!r} is not one memlens applies ({', '.join(PLAN_KEYS)})",
                            hint="memlens.apply(model, {'checkpoint_layers': 8})")
-    if "checkpoint_layers" not in plan:
-        return []
-    choice = plan["checkpoint_layers"]
+    if not plan:
+        return Applied([])
     label, blocks = find_blocks(model)
-    keep = chosen_indices(choice, len(blocks), label or type(model).__name__)   # refused before anything changes
-    if keep and _is_hf_layer(blocks[0]) and hasattr(model, "gradient_checkpointing_enable"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return checkpoint_blocks(model, keep)
+    where = label or type(model).__name__
+    policy = plan.get("checkpoint_policy", "full")
+    checkpoint_kwargs(policy)                                           # refused before anything changes
+    if "checkpoint_layers" in plan:
+        keep = chosen_indices(plan["checkpoint_layers"], len(blocks), where)
+    else:
+        keep = [i for i, b in enumerate(blocks) if _checkpointed(b)]
+        if "checkpoint_policy" in plan and policy != "full" and not keep:
+            raise SpecError(f"checkpoint_policy {policy!r} without checkpointed blocks: it says how they recompute",
+                            hint="add 'checkpoint_layers' to the plan")
+    if "offload_layers" in plan:
+        off_choice = parse_offload_layers(plan["offload_layers"])
+        off = [] if off_choice is None else chosen_indices(off_choice, len(blocks), where, flag="offload-activations")
+    else:
+        off = [i for i, b in enumerate(blocks) if _offloaded(b)]
+    _check_apart(set(keep), set(off), label)
+    for i, b in enumerate(blocks):          # offload off first where it goes, so a block can change from one to the other
+        if _offloaded(b) and i not in off:
+            _set_forward(b, checkpoint=False, offload=False)
+    done = None
+    if "checkpoint_layers" in plan or "checkpoint_policy" in plan:
+        if keep and _is_hf_layer(blocks[0]) and hasattr(model, "gradient_checkpointing_enable"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(policy))
+        done = checkpoint_blocks(model, keep, policy)
+    offloaded = offload_blocks(model, off) if "offload_layers" in plan else _names(label, off)
+    return Applied(done if done is not None else _names(label, keep), policy if done is not None else None, offloaded)

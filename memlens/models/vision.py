@@ -16,7 +16,7 @@ from typing import Any
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.spec import TrainingSpec
 from .adapt import Built, apply_freeze, apply_lora, torch_dtype
-from .checkpoint import checkpoint_blocks
+from .checkpoint import checkpoint_blocks, offload_blocks
 from .source import ModelSource
 
 DEFAULT_IMAGE_SIZE = 224
@@ -82,12 +82,15 @@ def build_vision_module(spec: TrainingSpec, source: ModelSource, device: Any):
         batch = {"x": torch.randn(spec.batch_size, 3, S, S, dtype=dtype), "labels": torch.randint(0, n, (spec.batch_size,))}
     model.train()
     apply_freeze(model, spec.freeze)
-    if spec.checkpoint_layers is not None:   # some blocks: wrapped one by one (models/checkpoint.py)
-        checkpoint_blocks(model, spec.checkpoint_layers)
+    if spec.checkpoint_layers is not None or (spec.grad_checkpointing and spec.checkpoint_policy != "full"):
+        # some blocks, or all with a policy timm's own switch has not: wrapped one by one (models/checkpoint.py)
+        checkpoint_blocks(model, spec.checkpoint_layers, spec.checkpoint_policy)
     elif spec.grad_checkpointing:
         if not hasattr(model, "set_grad_checkpointing"):
             raise SpecError(f"{source.name} has no gradient checkpointing switch", hint="drop --grad-checkpointing (timm models have one)")
         model.set_grad_checkpointing(True)
+    if spec.offload_layers is not None:
+        offload_blocks(model, spec.offload_layers)
     if spec.lora_rank:
         if not spec.lora_targets:
             raise SpecError("LoRA on a timm/torchvision model needs --lora-targets", hint="name its linear/conv modules, e.g. --lora-targets qkv,proj")

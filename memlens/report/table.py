@@ -44,6 +44,8 @@ def memory_tables(result: Any, top_modules: int = 12):
         head.append(f"peak reached in the {d['peak_phase']} phase" + (f" of step {d['peak_step']}" if d.get("peak_step") else ""))
         if d.get("attention_backends"):
             head.append(f"; attention kernel: {', '.join(d['attention_backends'])}")
+    if (d.get("activation_plan") or {}).get("summary"):   # checkpointing / offload: what it recomputes and moves
+        head.append("\n" + d["activation_plan"]["summary"].removesuffix(" (activation_plan)."))
     out.append(head)
 
     if d.get("ranks"):

@@ -209,8 +209,11 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.freeze:
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
-        applied.append("gradient checkpointing" + ("" if spec.checkpoint_layers is None else
-                                                   f" of blocks {checkpoint_layers_text(spec.checkpoint_layers)}"))
+        applied.append(("selective " if spec.checkpoint_policy == "selective" else "") + "gradient checkpointing"
+                       + ("" if spec.checkpoint_layers is None else f" of blocks {checkpoint_layers_text(spec.checkpoint_layers)}")
+                       + (" (matmul, attention and conv outputs kept, the rest recomputed)" if spec.checkpoint_policy == "selective" else ""))
+    if spec.offload_layers is not None:
+        applied.append(f"activation offload (save_on_cpu, pinned) of blocks {checkpoint_layers_text(spec.offload_layers)}")
     if source.kind != "factory":
         applied.append(f"attention {spec.attn}")
     if spec.use_cache is not None and source.kind != "factory":

@@ -42,7 +42,7 @@ APPLIED = {
     "lora_rank": ("gpt2", 8), "freeze": ("gpt2", ("wte",)), "grad_accum": ("gpt2", 2),
     "gpu": ("gpt2", "a100-80gb"), "hf_trainer": ("gpt2", True), "compile": ("gpt2", True),
     "loss": ("gpt2", "criterion-fp32"), "keep_outputs": ("gpt2", True), "pad_fraction": ("gpt2", 0.25),
-    "checkpoint_layers": ("gpt2", 1), "use_cache": ("gpt2", False),
+    "checkpoint_layers": ("gpt2", 1), "use_cache": ("gpt2", False), "offload_layers": ("gpt2", 1),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
     "target_len": ("gpt2", 16, "target"),
@@ -66,6 +66,7 @@ WITH_OTHERS = {  # fields that only mean something with another one
     "grad_sample_mode": ("gpt2", {"dp": True, "lora_rank": 8}, "ghost"),
     "max_grad_norm": ("gpt2", {"dp": True, "lora_rank": 8}, 0.5),
     "noise_multiplier": ("gpt2", {"dp": True, "lora_rank": 8}, 0.3),
+    "checkpoint_policy": ("gpt2", {"grad_checkpointing": True}, "selective"),
 }
 
 
