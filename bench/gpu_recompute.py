@@ -24,10 +24,30 @@ BASES = {
     "llama1b-full-bf16-b4-L2048": (dict(model="llama-3.2-1b", precision="bf16", batch_size=4, seq_len=2048), 16),
     "vit-ampbf16-b256": (dict(model="vit-base-patch16-224", precision="amp-bf16", batch_size=256), 12),
 }
+# issue 26: four steps whose budget lies between checkpointing nothing and every block (fields, blocks, budget); the plan
+# `memlens fit --least-recompute` gives for each (bench/recompute_plans.py -> raw/recompute_plans.json) runs beside
+# none, all blocks (full policy), all blocks (selective policy) and a quarter of the blocks offloaded (save_on_cpu)
+PLAN_BASES = {
+    "p-llama8b-lora16-bf16-b2-L2048": (dict(model="llama-3.1-8b", lora_rank=16, precision="bf16", batch_size=2, seq_len=2048), 32,
+                                       "40GiB"),
+    "p-llama1b-full-bf16-b4-L2048": (dict(model="llama-3.2-1b", precision="bf16", batch_size=4, seq_len=2048), 16, "30GiB"),
+    "p-vitl-ampbf16-b128": (dict(model="vit-large-patch16-224", precision="amp-bf16", batch_size=128), 24, "20GiB"),
+    "p-llava7b-lora16-bf16-b4-L1024": (dict(model="llava-1.5-7b", lora_rank=16, precision="bf16", batch_size=4, seq_len=1024), 32,
+                                       "32GiB"),
+}
+PLANS = os.path.join(ROOT, "bench", "results", "raw", "recompute_plans.json")
 
 
 def cases() -> list[tuple[str, dict]]:
     out = []
+    plans = json.load(open(PLANS)) if os.path.exists(PLANS) else {}
+    for name, (fields, layers, _) in PLAN_BASES.items():      # the plans first, then what they are weighed against
+        if (plans.get(name) or {}).get("spec"):
+            out.append((f"{name}-plan", plans[name]["spec"]))
+        out.append((f"{name}-selective", {**fields, "checkpoint_layers": layers, "checkpoint_policy": "selective"}))
+        out.append((f"{name}-offload{layers // 4}", {**fields, "offload_layers": layers // 4}))
+        out.append((f"{name}-none", fields))
+        out.append((f"{name}-all", {**fields, "checkpoint_layers": layers}))
     for name, (fields, layers) in BASES.items():
         for n in (0, layers // 2, layers):
             out.append((f"{name}-ckpt{n}of{layers}", {**fields, **({"checkpoint_layers": n} if n else {})}))
@@ -40,7 +60,7 @@ def run_case(fields: dict) -> dict:
     from memlens.core.spec import TrainingSpec
     from memlens.step import prepare
 
-    spec = TrainingSpec(**fields)
+    spec = TrainingSpec.from_dict(fields)
     step = prepare(spec, device=torch.device("cuda"), seed=0)
     step.run()
     torch.cuda.synchronize()

@@ -130,26 +130,33 @@ def render_recompute(result) -> None:
     head = f"[bold]{result.spec['model']}[/bold] micro-batch {d['batch_size']}: "
     if n is None:
         head += f"[red]does not fit even with all {L} blocks checkpointed[/red]"
-    elif n == 0:
+    elif not rp["apply"].get("checkpoint_layers") and not rp["apply"].get("offload_layers") if rp.get("apply") else True:
         head += "fits without checkpointing"
     else:
-        head += f"checkpoint the first [bold]{n}[/bold] of {L} blocks (+{rp['added_step_seconds']:.3f} s per step predicted)"
+        what = [f"checkpoint the first [bold]{n}[/bold] of {L} blocks" + ("" if rp["checkpoint_policy"] == "full" else
+                                                                         f" ({rp['checkpoint_policy']})")] if n else []
+        if rp.get("offload_layers"):
+            what.append(f"offload [bold]{rp['offload_layers']}[/bold] more to host memory")
+        full = rp.get("full_checkpointing_added_seconds") or 0
+        share = f", {rp['added_step_seconds'] / full:.0%} of checkpointing all {L}" if full else ""
+        head += " and ".join(what) + f" (+{rp['added_step_seconds'] * 1e3:.1f} ms per micro-batch predicted{share})"
     c.print(head)
     c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
-            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} simulations "
-            f"(N = {', '.join(str(p['checkpoint_layers']) for p in rp['probes'])}), {d['seconds']} s")
+            f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} simulations, "
+            f"{d['seconds']} s")
     t = Table(title_justify="left")
-    for col in ("checkpointed", "fits", "need", "peak reserved", "peak allocated", "step (pred.)", "recompute", "flags"):
-        t.add_column(col, justify="left" if col in ("checkpointed", "flags") else "right", no_wrap=True)
+    for col in ("plan", "fits", "need", "peak reserved", "peak allocated", "added (pred.)", "flags"):
+        t.add_column(col, justify="left" if col in ("plan", "flags") else "right", no_wrap=True)
     for r in rp["rows"]:
         t.add_row(r["name"], "yes" if r["fits"] else "[red]no[/red]", fmt_bytes(r["need_bytes"]), fmt_bytes(r["predicted_peak_bytes"]),
-                  fmt_bytes(r["predicted_peak_allocated_bytes"]), f"{r['predicted_step_seconds']:.3f} s",
-                  f"+{r['recompute_seconds']:.3f} s", r["flags"] or "-")
+                  fmt_bytes(r["predicted_peak_allocated_bytes"]), f"+{r['added_seconds'] * 1e3:.1f} ms", r["flags"] or "-")
     c.print(t)
-    if n:
+    if rp.get("apply") and (rp["apply"].get("checkpoint_layers") or rp["apply"].get("offload_layers")):
         c.print(f"apply it: {rp['code']}")
     elif n is None:
         c.print("[dim]a smaller --batch-size (memlens fit without --least-recompute finds the largest) or a larger GPU[/dim]")
+    if not rp.get("offload_weighed"):
+        c.print("[dim]activation offload not weighed: it costs more per byte freed than recomputing on this GPU[/dim]")
 
 
 def render(result) -> None:

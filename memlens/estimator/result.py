@@ -88,14 +88,16 @@ def activation_plan(sim) -> dict | None:
     (:attr:`memlens.estimator.simulate.SimulationTracker.costs`): the ops a checkpointed block runs again in backward
     (torch's non-reentrant checkpoint stops once the tensors backward needs are back, so a block's last ops are not
     rerun; under the selective policy the matmul/attention/conv outputs come from its cache), their FLOPs
-    at the GPU's matmul rate plus their output bytes written and as many read at its memory bandwidth; and the
+    at the GPU's dense peak (data sheet) plus their output bytes written and as many read at its memory bandwidth; and the
     bytes save_on_cpu copies to host memory in forward and back in backward, each way at the GPU's PCIe rate."""
     spec = sim.spec
     if not spec.grad_checkpointing and spec.offload_layers is None:
         return None
     c = {k: int(v) for k, v in (sim.costs or {}).items()}
     gpu = gpu_facts(spec.gpu)
-    rate = 1e12 * (gpu.matmul_tflops_fp32 if spec.precision == "fp32" else gpu.matmul_tflops_half)
+    # a roofline figure: recomputed matmuls at the data sheet's dense peak, their outputs written and read at its DRAM
+    # bandwidth (a lower bound: kernels reach part of either); host copies at the registry's effective PCIe rate
+    rate = 1e12 * (gpu.peak_tflops_fp32 if spec.precision == "fp32" else gpu.peak_tflops_half)
     plan: dict = {"per": "micro-batch"}
     words = []
     if spec.grad_checkpointing:

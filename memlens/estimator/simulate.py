@@ -309,7 +309,7 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker
                         tracker.recomputing = False
 
             if emulation.rules.compile_trace:    # --compile's trace: the region as dynamo hands it to AOTAutograd
-                from .compiled import checkpoint_as_compiled  # heavy: imports torch  # heavy: imports torch  # heavy: imports torch
+                from .compiled import checkpoint_as_compiled  # heavy: imports torch
 
                 return checkpoint_as_compiled(run, *args)
             return orig(run, *args, **kwargs)

@@ -44,6 +44,7 @@ class Point:
     timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
     by_component: tuple = field(default=(), compare=False)  # attention / mlp / embedding / norm / lora ... at the peak
     peak_rank: int | None = None        # several GPUs: the rank whose peak this is
+    activation_plan: dict | None = field(default=None, compare=False)  # checkpointing / offload costs (estimator/result.py)
 
     @classmethod
     def from_result(cls, r) -> "Point":
@@ -54,7 +55,8 @@ class Point:
         return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
-                   timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"))
+                   timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"),
+                   activation_plan=d.get("activation_plan"))
 
 
 from ..core.fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)

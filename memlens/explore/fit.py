@@ -35,7 +35,6 @@ from .core import (
     CachedEstimator,
     fit_with_accumulation,
     largest_divisor_at_most,
-    predict_step_time,
 )
 from .plan import make_plan
 from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
@@ -262,33 +261,80 @@ def fit_batch_size(train_step: Callable[[int], Any], *, spec: TrainingSpec | Non
 
 
 # ---------------------------------------------------------------- the least recompute
-def recompute_spec(spec: TrainingSpec, n: int, layers: int, all_flag: bool = True) -> TrainingSpec:
-    """``spec`` with its first ``n`` of ``layers`` blocks checkpointed (0: none; all: --grad-checkpointing, whose
-    deep stack is written from shallow models, or with ``all_flag`` False --checkpoint-layers L, memlens wrapping
-    the blocks itself, as a factory's model needs; in between: simulated whole, memlens.estimator.depth)."""
+POLICIES = ("full", "selective")   # checkpoint policies the search weighs (models/checkpoint.py)
+
+
+def recompute_spec(spec: TrainingSpec, n: int, layers: int, all_flag: bool = True, policy: str = "full",
+                   offload: int = 0) -> TrainingSpec:
+    """``spec`` with its first ``n`` of ``layers`` blocks checkpointed under ``policy`` and the ``offload`` blocks after
+    them run under save_on_cpu (0: none; all: --grad-checkpointing, whose deep stack is written from shallow models, or
+    with ``all_flag`` False --checkpoint-layers L, memlens wrapping the blocks itself, as a factory's model needs; in
+    between: simulated whole, memlens.estimator.depth)."""
     if n <= 0:
-        return spec.replace(checkpoint_layers=None, grad_checkpointing=False, checkpoint_policy="full")
-    if n >= layers and all_flag:
-        return spec.replace(checkpoint_layers=None, grad_checkpointing=True)
-    return spec.replace(checkpoint_layers=n)
+        s = spec.replace(checkpoint_layers=None, grad_checkpointing=False, checkpoint_policy="full")
+    elif n >= layers and all_flag:
+        s = spec.replace(checkpoint_layers=None, grad_checkpointing=True, checkpoint_policy=policy)
+    else:
+        s = spec.replace(checkpoint_layers=n, checkpoint_policy=policy)
+    if offload > 0:
+        s = s.replace(offload_layers=offload if n <= 0 else tuple(range(n, n + offload)))
+    elif s.offload_layers is not None:
+        s = s.replace(offload_layers=None)
+    return s
 
 
-def apply_line(n: int) -> str:
+def apply_plan_of(n: int, policy: str = "full", offload: int = 0) -> dict[str, Any]:
+    """The memlens.apply plan of a least-recompute answer."""
+    plan: dict[str, Any] = {"checkpoint_layers": n}
+    if n and policy != "full":
+        plan["checkpoint_policy"] = policy
+    if offload:
+        plan["offload_layers"] = offload if n == 0 else list(range(n, n + offload))
+    return plan
+
+
+def apply_line(n: int | dict, policy: str = "full", offload: int = 0) -> str:
     """The one line of code that applies a least-recompute answer."""
-    return f'memlens.apply(model, {{"checkpoint_layers": {n}}})'
+    plan = n if isinstance(n, dict) else apply_plan_of(n, policy, offload)
+    body = ", ".join(f'"{k}": {v!r}' for k, v in plan.items()).replace("'", '"')
+    return f"memlens.apply(model, {{{body}}})"
+
+
+def _flags(key: tuple, layers: int, all_flag: bool) -> str:
+    policy, n, m = key
+    out = []
+    if n:
+        out.append("--grad-checkpointing" if n == layers and all_flag else f"--checkpoint-layers {n}")
+        if policy != "full":
+            out.append(f"--checkpoint-policy {policy}")
+    if m:
+        out.append(f"--offload-activations {m if n == 0 else ','.join(str(i) for i in range(n, n + m))}")
+    return " ".join(out)
+
+
+def _added_seconds(p) -> float:
+    """What a point's checkpointing and offload add to one micro-batch (its activation_plan: recompute at the roofline,
+    host copies both ways)."""
+    ap = getattr(p, "activation_plan", None) or {}
+    return float((ap.get("checkpoint") or {}).get("recompute_seconds", 0.0)) + float((ap.get("offload") or {}).get("transfer_seconds", 0.0))
 
 
 def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, margin: float | int | str | None = None,
                     context_bytes: int | None = None, estimator: CachedEstimator | None = None, layers: int | None = None) -> Result:
-    """The fewest blocks to checkpoint (the first N of the model's L) for ``spec``'s micro-batch to fit ``budget``.
+    """The plan with the least added step time that fits ``budget``: how many blocks to checkpoint (the first N of the
+    model's L), under which policy (full, or selective: matmul/attention outputs kept, the rest recomputed), and how
+    many of the next blocks to offload to host memory (save_on_cpu).
 
-    Peak memory falls as N grows (each checkpointed block keeps only its input), so N is found by bisection
-    between none (N = 0) and all (N = L), each answer a full simulation: none and all side by side, then the
-    pair (g - 1, g) at the line through them (the secant) guesses the crossing, then the bracket is cut in
-    thirds, two probes at a time, until the fitting N and N - 1 that does not are both simulated. The Result's
-    ``data["recompute_plan"]`` holds the answer, the rows none / N / all (peaks, fit, predicted step time and
-    the recompute it adds: N/L of whole checkpointing's, memlens.explore.core.predict_step_time) and the line
-    that applies it (``memlens.apply(model, {"checkpoint_layers": N})``).
+    Each policy's peak falls about linearly in N (blocks are alike), its added time rises linearly. The ends are
+    simulated first (none; all L blocks under each policy), giving each technique's bytes saved and seconds added per
+    block (the simulation's own recompute FLOPs/bytes and host copies, memlens.estimator.result.activation_plan).
+    Offload is weighed only where it can be cheaper per byte than recomputing: a block offloaded frees at most the
+    bytes it sends to the host, each sent and fetched back, so its cost per byte freed is at least 2 / the PCIe rate;
+    then all L blocks offloaded are simulated too. The cheapest mix by that line is then settled exactly for its
+    policy: N is bisected between none (does not fit) and all (fits), starting at the pair where the line crosses the
+    budget, then the bracket cut in thirds, until the fitting N and N - 1 that does not are both simulated (with the
+    offloaded blocks, each answer checked by its own simulation). ``data["recompute_plan"]`` holds the answer, the
+    rows (peaks, fit, seconds added per micro-batch), the probes and the line that applies it.
     """
     if spec.dp or spec.compile or is_distributed(spec) or spec.offload_optimizer:
         raise MemlensError("--least-recompute is for one GPU's plain or Trainer step: DP-SGD, --compile, several GPUs and "
@@ -299,6 +345,9 @@ def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, marg
     if layers is None:
         source = resolve(spec.model)
         layers = depth_of(source)
+        text = getattr(getattr(source, "config", None), "text_config", None)
+        if layers is None and text is not None and isinstance(getattr(text, "num_hidden_layers", None), int):
+            layers, all_flag = text.num_hidden_layers, False   # a VLM: its language model's layers (the largest stack)
         if layers is None and source.kind == "factory":   # a factory's model, built on the meta device: its block stack
             layers, all_flag = _factory_blocks(spec, source), False
     if not layers:
@@ -307,81 +356,125 @@ def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, marg
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
     t0 = time.perf_counter()
     est = estimator or CachedEstimator(method="simulate")
-    points: dict[int, Any] = {}
+    points: dict[tuple, Any] = {}
+    gpu = gpu_facts(spec.gpu)
 
-    def probe(ns) -> None:
-        ns = [n for n in dict.fromkeys(ns) if n not in points]
-        specs = [recompute_spec(spec, n, layers, all_flag) for n in ns]
+    def key(policy: str, n: int, m: int = 0) -> tuple:
+        return ("full" if n == 0 else policy, n, m)
+
+    def probe(keys) -> None:
+        keys = [k for k in dict.fromkeys(keys) if k not in points]
+        specs = [recompute_spec(spec, k[1], layers, all_flag, k[0], k[2]) for k in keys]
         if getattr(est, "workers", 1) > 1 and len(specs) > 1:
             est.prefetch(specs)                      # side by side in the worker processes
-        for n, s in zip(ns, specs):
-            points[n] = est(s)
+        for k, s in zip(keys, specs):
+            points[k] = est(s)
 
-    def fits_(n: int) -> bool:
-        return need_bytes(points[n]) <= b.usable_bytes
+    def fits_(k: tuple) -> bool:
+        return need_bytes(points[k]) <= b.usable_bytes
 
-    probe([0, layers])
-    if fits_(0):
-        answer: int | None = 0
-    elif not fits_(layers):
-        answer = None
+    none = key("full", 0)
+    ends = {p: key(p, layers) for p in POLICIES}
+    probe([none, *ends.values()])
+    # per block: bytes saved and seconds added, from the simulated ends
+    saved = {p: (need_bytes(points[none]) - need_bytes(points[k])) / layers for p, k in ends.items()}
+    cost = {p: _added_seconds(points[k]) / layers for p, k in ends.items()}
+    cheapest = min((cost[p] / saved[p] for p in POLICIES if saved[p] > 0), default=float("inf"))
+    offload = 2 / gpu.pcie_bytes_per_s < cheapest     # the bound: offload can be cheaper per byte than recomputing
+    if offload:
+        probe([key("full", 0, layers)])
+        k = key("full", 0, layers)
+        saved["offload"] = (need_bytes(points[none]) - need_bytes(points[k])) / layers
+        cost["offload"] = _added_seconds(points[k]) / layers
+
+    def line_need(policy: str, n: int, m: int) -> float:
+        return need_bytes(points[none]) - n * saved[policy] - m * saved.get("offload", 0.0)
+
+    answer: tuple | None = None
+    if fits_(none):
+        answer = none
     else:
-        lo, hi = 0, layers                           # lo does not fit, hi fits
-        secant = True
-        while hi - lo > 1:
-            if secant:        # the pair where the need (the fit rule's: peak reserved), linear in N, crosses the budget
-                g = next((n for n in range(lo + 1, hi) if _line(points, lo, hi, n, need_bytes) <= b.usable_bytes), hi)
-                guesses = [g - 1, g]
-            else:             # the secant's pair fell on one side: the bracket in thirds
+        # the cheapest (policy, N, M) by the line, then N settled exactly for that policy and M
+        options = []
+        for p in POLICIES:
+            if not fits_(ends[p]) and not offload:
+                continue
+            for m in (range(layers + 1) if offload else (0,)):
+                n = next((n for n in range(layers - m + 1) if line_need(p, n, m) <= b.usable_bytes), None)
+                if n is not None and (n or m):
+                    options.append((n * cost[p] + m * cost.get("offload", 0.0), p, n, m))
+        options.sort()
+        for _, p, guess_n, m in options[:3]:
+            top = key(p, layers - m, m)
+            probe([top])
+            if not fits_(top):
+                continue
+            lo, hi = -1, layers - m                  # lo does not fit (or is below 0), hi fits
+            base = key(p, 0, m)
+            probe([base])
+            if fits_(base):
+                hi = 0
+            else:
+                lo = 0
+            guesses = [guess_n - 1, guess_n]
+            while hi - lo > 1:
+                probe([key(p, n, m) for n in guesses if lo < n < hi])
+                for k in sorted(points):
+                    if k[2] == m and (k[0] == p or k[1] == 0) and lo < k[1] < hi:
+                        if fits_(k):
+                            hi = k[1]
+                        else:
+                            lo = k[1]
                 span = hi - lo
                 guesses = [lo + max(1, span // 3), lo + max(1, (2 * span) // 3)]
-            probe([n for n in guesses if lo < n < hi])
-            for n in sorted(points):
-                if lo < n < hi:
-                    if fits_(n):
-                        hi = n
-                    else:
-                        lo = n
-            secant = not secant     # a secant pair that did not close the bracket: thirds next, then the secant again
-        answer = hi
-    rows = []
+            answer = key(p, hi, m)
+            break                                     # the cheapest option by the line that fits at all
 
-    def row(name: str, n: int) -> dict[str, Any]:
-        p = points[n]
-        s = recompute_spec(spec, n, layers, all_flag)
-        t = predict_step_time(s, p, layers=layers)
-        return {"name": name, "checkpoint_layers": n, "layers": layers, "fits": fits_(n), "need_bytes": need_bytes(p),
-                "predicted_peak_bytes": p.peak_reserved_bytes, "predicted_peak_allocated_bytes": p.peak_allocated_bytes,
-                "predicted_step_seconds": t.seconds, "recompute_seconds": t.parts.get("recompute", 0.0),
-                "flags": "" if n == 0 else "--grad-checkpointing" if n == layers and all_flag else f"--checkpoint-layers {n}"}
+    def row(name: str, k: tuple) -> dict[str, Any]:
+        p = points[k]
+        return {"name": name, "checkpoint_layers": k[1], "checkpoint_policy": k[0], "offload_layers": k[2], "layers": layers,
+                "fits": fits_(k), "need_bytes": need_bytes(p), "predicted_peak_bytes": p.peak_reserved_bytes,
+                "predicted_peak_allocated_bytes": p.peak_allocated_bytes, "added_seconds": round(_added_seconds(p), 6),
+                "activation_plan": p.activation_plan, "flags": _flags(k, layers, all_flag)}
 
-    rows.append(row("none", 0))
-    if answer is not None and 0 < answer < layers:
-        rows.append(row(f"first {answer} of {layers}", answer))
-    rows.append(row(f"all {layers}", layers))
-    plan: dict[str, Any] = {"layers": layers, "checkpoint_layers": answer, "fits": answer is not None, "rows": rows,
-                            "probes": [{"checkpoint_layers": n, "need_bytes": need_bytes(points[n]), "fits": fits_(n)}
-                                       for n in sorted(points)]}
+    def label(k: tuple) -> str:
+        p, n, m = k
+        what = [] if n == 0 else [f"{'all' if n == layers else f'first {n} of'} {layers}" + ("" if p == "full" else f" {p}")]
+        if m:
+            what.append(f"offload {m}")
+        return ", ".join(what) or "none"
+
+    rows = [row("none", none)] + [row(label(k), k) for k in ends.values()]
+    if offload:
+        rows.append(row(label(key("full", 0, layers)), key("full", 0, layers)))
+    if answer is not None and answer not in [none, *ends.values(), key("full", 0, layers)]:
+        rows.insert(1, row(label(answer), answer))
+    plan: dict[str, Any] = {"layers": layers, "checkpoint_layers": None if answer is None else answer[1],
+                            "checkpoint_policy": None if answer is None else answer[0],
+                            "offload_layers": None if answer is None else answer[2], "fits": answer is not None, "rows": rows,
+                            "offload_weighed": offload,
+                            "per_block": {k: {"bytes_saved": int(saved[k]), "seconds_added": round(cost[k], 6)} for k in saved},
+                            "probes": [{"checkpoint_layers": k[1], "checkpoint_policy": k[0], "offload_layers": k[2],
+                                        "need_bytes": need_bytes(points[k]), "fits": fits_(k)} for k in sorted(points)]}
     if answer is not None:
-        plan.update(apply={"checkpoint_layers": answer}, code=apply_line(answer),
-                    flags=next(r["flags"] for r in rows if r["checkpoint_layers"] == answer))
-        base = rows[0]["predicted_step_seconds"]
-        plan["added_step_seconds"] = next(r["predicted_step_seconds"] for r in rows if r["checkpoint_layers"] == answer) - base
+        ap = apply_plan_of(answer[1], answer[0], answer[2])
+        plan.update(apply=ap, code=apply_line(ap), flags=_flags(answer, layers, all_flag),
+                    added_step_seconds=round(_added_seconds(points[answer]), 6),
+                    full_checkpointing_added_seconds=round(_added_seconds(points[ends["full"]]), 6))
     seconds = round(time.perf_counter() - t0, 2)
     notes = [f"fits: {RULE}: {b.describe()}",
-             "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time): checkpointing N of "
-             "L blocks recomputes N/L of the forward"]
+             "added seconds per micro-batch from the simulation's own counts (activation_plan): recomputed matmul FLOPs at "
+             f"the {gpu.name}'s dense peak plus recomputed bytes at its DRAM bandwidth (a roofline bound), offloaded bytes "
+             "both ways at its PCIe rate"]
+    if not offload:
+        notes.append("activation offload not weighed: a block offloaded frees at most the bytes it sends to the host, each "
+                     f"sent and fetched back over PCIe ({gpu.pcie_bytes_per_s / 1e9:.0f} GB/s), which costs more per byte than "
+                     "recomputing here")
     best = points[answer] if answer is not None else None
     data: dict[str, Any] = {"recompute_plan": plan, **b.to_dict(), "batch_size": spec.batch_size, "estimate_calls": len(points),
                             "seconds": seconds, "estimator": est.stats(), "method": "simulate"}
     return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=best.peak_allocated_bytes if best else None,
                   peak_reserved_bytes=best.peak_reserved_bytes if best else None, notes=notes, data=data)
-
-
-def _line(points: dict, lo: int, hi: int, n: int, of: Callable) -> float:
-    """``of`` at ``n`` on the line through the bracket's two simulated ends."""
-    a, b = of(points[lo]), of(points[hi])
-    return a + (b - a) * (n - lo) / (hi - lo)
 
 
 def _factory_blocks(spec: TrainingSpec, source) -> int | None:

@@ -43,7 +43,8 @@ def _is_hf_layer(m) -> bool:
 
 
 def find_blocks(model) -> tuple[str, Any]:
-    """(name, list) of the model's block stack: the ModuleList/Sequential of transformers layers, else the one
+    """(name, list) of the model's block stack: the ModuleList/Sequential of transformers layers (of several, a VLM's
+    vision tower and language model or an encoder and a decoder, the one holding the most parameters), else the one
     of one class holding the most parameters. Refused in one line when there is none, or several alike."""
     import torch  # heavy: loaded when a model is built (models/build.py imports this module at its top)
 
@@ -53,11 +54,11 @@ def find_blocks(model) -> tuple[str, Any]:
             params = sum(p.numel() for p in mod.parameters())
             if params:
                 found.append((name, mod, params, _is_hf_layer(mod[0])))
-    hf = [f for f in found if f[3]]
-    if len(hf) > 1:
-        raise MemlensError(f"the model has {len(hf)} stacks of transformers layers ({', '.join(f[0] for f in hf)}): which "
-                           "blocks a number names is ambiguous", hint="checkpoint all of them (--grad-checkpointing)")
-    if hf:
+    hf = sorted((f for f in found if f[3]), key=lambda f: -f[2])
+    if len(hf) > 1 and hf[1][2] == hf[0][2]:
+        raise MemlensError(f"the model has {len(hf)} stacks of transformers layers of the same size ({hf[0][0]}, {hf[1][0]}): "
+                           "which blocks a number names is ambiguous", hint="checkpoint all of them (--grad-checkpointing)")
+    if hf:   # several (a VLM's vision tower and language model, an encoder and a decoder): the one with the most parameters
         return hf[0][0], hf[0][1]
     found = [f for f in found if not any(g is not f and f[0].startswith(g[0] + ".") and g[2] >= f[2] for g in found)]
     if not found:
@@ -186,6 +187,11 @@ def checkpoint_blocks(model, choice: Any, policy: str = "full") -> list[str]:
     keep = set(chosen_indices(choice, len(blocks), label or type(model).__name__))
     _check_apart(keep, {i for i, b in enumerate(blocks) if _offloaded(b)}, label)
     func = checkpoint_function(policy)
+    if parse_checkpoint_layers(choice) is not None:     # a subset of this stack: transformers layers of other stacks off
+        inside = {id(b) for b in blocks}
+        for m in model.modules():
+            if _is_hf_layer(m) and id(m) not in inside:
+                m.gradient_checkpointing = False
     for i, block in enumerate(blocks):
         if _is_hf_layer(block):
             block.gradient_checkpointing = i in keep
