@@ -23,6 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..core.gpus import gpu_facts
 from ..models.adapt import KNOWN, mark_known
+from ..models.checkpoint import kernel_outputs
 
 # CUDA autocast policies (aten/src/ATen/autocast_mode.cpp: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by the Python names of the calls that reach them.
@@ -144,14 +145,15 @@ class FusedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, backend):
         B, H, L, _ = q.shape
-        out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
         dev = q.device
-        if backend == "efficient":
-            stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
-            rng = ()
-        else:
-            stats = torch.empty(B, H, L, dtype=torch.float32, device=dev)
-            rng = (torch.empty((), dtype=torch.int64, device=dev), torch.empty((), dtype=torch.int64, device=dev))
+        with kernel_outputs:          # one aten op's outputs on the GPU: selective checkpointing keeps them
+            out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
+            if backend == "efficient":
+                stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
+                rng = ()
+            else:
+                stats = torch.empty(B, H, L, dtype=torch.float32, device=dev)
+                rng = (torch.empty((), dtype=torch.int64, device=dev), torch.empty((), dtype=torch.int64, device=dev))
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             attn_mask = torch.empty(attn_mask.shape, dtype=q.dtype, device=dev)  # additive mask
         ctx.backend = backend

@@ -83,6 +83,14 @@ def simulation_result(sim, a) -> Result:
     return finish(r, spec)
 
 
+# Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
+# TorchDispatchModes (caching in forward, replaying in recompute), host work the GPU waits on: measured on an H100
+# host (bench/results/recompute_plan_accuracy.md, all blocks selective on an 8B LoRA, a 1B, ViT-L and LLaVA-7B): 12-30
+# us per recomputed op beyond the roofline, median 22. Under torch.compile this cost vanishes (compiled steps refuse
+# the policy here).
+SAC_HOST_SECONDS_PER_OP = 22e-6
+
+
 def activation_plan(sim) -> dict | None:
     """What checkpointing and activation offload cost one micro-batch, as the simulation counted it
     (:attr:`memlens.estimator.simulate.SimulationTracker.costs`): the ops a checkpointed block runs again in backward
@@ -103,6 +111,8 @@ def activation_plan(sim) -> dict | None:
     if spec.grad_checkpointing:
         blocks = "all" if spec.checkpoint_layers is None else checkpoint_layers_text(spec.checkpoint_layers)
         sec = c.get("recompute_flops", 0) / rate + 2 * c.get("recompute_bytes", 0) / (gpu.dram_gbps * 1e9)
+        if spec.checkpoint_policy == "selective":     # eager SAC: every op through torch's Python dispatch modes
+            sec += c.get("recompute_ops", 0) * SAC_HOST_SECONDS_PER_OP
         plan["checkpoint"] = {"blocks": blocks, "policy": spec.checkpoint_policy, "recomputed_ops": c.get("recompute_ops", 0),
                               "recompute_flops": c.get("recompute_flops", 0), "recompute_bytes": c.get("recompute_bytes", 0),
                               "recompute_seconds": round(sec, 6)}

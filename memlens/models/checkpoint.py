@@ -100,14 +100,34 @@ SELECTIVE_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flas
 _SAVE_PACKETS: set = set()
 
 
+class _KernelOutputs:
+    """Set while the simulation allocates the outputs of a fused kernel it stands in for (the CUDA attention kernel's
+    output, softmax statistics and RNG state, memlens.estimator.cuda_rules.FusedAttention): on the GPU those are the
+    outputs of one aten attention op, which the policy keeps, so its stand-in's allocations are kept too."""
+
+    depth = 0
+
+    def __enter__(self):
+        _KernelOutputs.depth += 1
+
+    def __exit__(self, *exc):
+        _KernelOutputs.depth -= 1
+
+
+kernel_outputs = _KernelOutputs()
+
+
 def selective_policy(ctx, func, *args, **kwargs):
-    """The selective checkpoint policy: MUST_SAVE for :data:`SELECTIVE_SAVE_OPS`, PREFER_RECOMPUTE otherwise."""
+    """The selective checkpoint policy: MUST_SAVE for :data:`SELECTIVE_SAVE_OPS` (and a simulated kernel's outputs,
+    :data:`kernel_outputs`), PREFER_RECOMPUTE otherwise."""
     import torch  # heavy (see find_blocks)
     from torch.utils.checkpoint import CheckpointPolicy  # heavy: torch, loaded on first use
 
     if not _SAVE_PACKETS:
         _SAVE_PACKETS.update(getattr(torch.ops.aten, n) for n in SELECTIVE_SAVE_OPS if hasattr(torch.ops.aten, n))
-    return CheckpointPolicy.MUST_SAVE if getattr(func, "_overloadpacket", None) in _SAVE_PACKETS else CheckpointPolicy.PREFER_RECOMPUTE
+    if _KernelOutputs.depth or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_context():
