@@ -46,8 +46,8 @@ COMMANDS = {
         (RUN, None),
     "estimate --model gpt2 --batch-size 2 --seq-len 128 --precision amp-bf16 --checkpoint-layers 6 --offload-activations 6,7":
         (RUN, None),
-    "fit --model llama-3.1-8b --lora-rank 16 --precision bf16 --batch-size 8 --seq-len 2048 --budget 80GiB --least-recompute":
-        (RUN, f"fit --model {TINY_LLAMA} --lora-rank 16 --precision bf16 --batch-size 8 --seq-len 512 --budget 100MiB "
+    "fit --model llama-3.1-8b --lora-rank 16 --precision bf16 --batch-size 2 --seq-len 2048 --budget 40GiB --least-recompute":
+        (RUN, f"fit --model {TINY_LLAMA} --lora-rank 16 --precision bf16 --batch-size 2 --seq-len 512 --budget 73MiB "
              "--least-recompute --context 0 --margin 0"),
     "compare --model gpt2-medium --batch-size 1 --seq-len 128 --measure --out cmp/":
         (PARSE, "--measure runs real steps on a GPU"),
@@ -135,7 +135,7 @@ def _words(s: str) -> str:
     return " ".join(s.translate(_BOX).split())
 
 
-_NUMBER = re.compile(r"^[~+\-]?\d[\d.,]*(%|x|s)?$")
+_NUMBER = re.compile(r"^[~+\-]?\d[\d.,]*(%|x|s|})?\)?$")   # 12, +3.5%, 2x, 8.9s, 10}) (a number closing a dict in code)
 
 
 def skeleton(line: str, model: str | None = None) -> list[str]:

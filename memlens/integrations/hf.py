@@ -35,6 +35,7 @@ from transformers import TrainerCallback
 from ..core.errors import MemlensError
 from ..core.fits import Budget, fits
 from ..core.units import fmt_bytes
+from ..models.checkpoint import apply, plan_of
 from ..measure.profiler import Profiler
 from ..report.profile_report import write_report
 from .hf_oom import start_oom_handling
@@ -47,8 +48,12 @@ class MemlensCallback(TrainerCallback):
     def __init__(self, mode: str = "phases", out_dir: str | Path | None = None, device: Any = None, *,
                  profile: bool = True, fit_budget: str | int | None = None, gpu: str | None = None, guard: Any = False,
                  adaptive: bool = False, micro_batch: int | None = None, min_micro_batch: int = 1, trend: bool = True,
-                 lookahead: int = 20, spec: Any = None, trainer: Any = None):
+                 lookahead: int = 20, spec: Any = None, trainer: Any = None, apply_plan: Any = None):
         self.mode = mode
+        # a memlens.apply plan (a dict, a `fit --least-recompute` Result or its result.json), applied to the model at
+        # train begin; checked now
+        self.apply_plan = None if apply_plan is None else plan_of(apply_plan)
+        self.applied = None
         self.out_dir = out_dir
         self.device = device
         self.fit_budget = fit_budget
@@ -89,6 +94,8 @@ class MemlensCallback(TrainerCallback):
                                     "gradient_checkpointing / bf16 (`memlens fit` finds the largest batch that fits)")
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.apply_plan is not None:
+            self.applied = apply(model, self.apply_plan)
         if self.fit_budget is not None:
             self.check_fit(model, args, kwargs.get("train_dataloader"))
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps the torch one

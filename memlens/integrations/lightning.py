@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..measure.guard import guard_from_option
+from ..models.checkpoint import apply, plan_of
 from ..report.profile_report import write_report
 from .lightning_oom import LightningOom
 
@@ -39,8 +40,12 @@ class MemlensCallback(Callback):
 
     def __init__(self, mode: str = "phases", out_dir: str | Path | None = None, *, profile: bool = True,
                  guard=False, adaptive: bool = False, micro_batch: int | None = None, min_micro_batch: int = 1,
-                 trend: bool = True, lookahead: int = 20, spec=None):
+                 trend: bool = True, lookahead: int = 20, spec=None, apply_plan=None):
         self.mode = mode
+        # a memlens.apply plan (a dict, a `fit --least-recompute` Result or its result.json), applied to the
+        # LightningModule when training starts; checked now
+        self.apply_plan = None if apply_plan is None else plan_of(apply_plan)
+        self.applied = None
         self.out_dir = out_dir
         self.profile = profile
         self.profiler: Profiler | None = None
@@ -50,6 +55,8 @@ class MemlensCallback(Callback):
         self.oom = None   # lightning_oom.LightningOom while training, with guard= or adaptive=True
 
     def on_train_start(self, trainer, pl_module):
+        if self.apply_plan is not None:
+            self.applied = apply(pl_module, self.apply_plan)
         opts = trainer.optimizers
         opt = opts[0] if opts else None
         o = self.oom_options

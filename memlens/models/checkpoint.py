@@ -26,7 +26,10 @@ tensors through checkpoint's own hooks, which take the place of save_on_cpu's, s
 """
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from functools import partial
 from typing import Any
 
@@ -273,6 +276,30 @@ def refuse_plan(spec) -> None:
                         hint=f"drop {what}, or use --grad-sample-mode ghost")
 
 
+def plan_of(plan: dict | Any) -> dict:
+    """The plan mapping of ``plan``: a mapping of PLAN_KEYS, a ``memlens fit --least-recompute`` Result, its JSON
+    dict, or the path of its result.json; refused in one line otherwise (before any model changes)."""
+    if isinstance(plan, (str, os.PathLike)):
+        try:
+            plan = json.loads(Path(plan).read_text())
+        except (OSError, ValueError) as e:
+            raise MemlensError(f"cannot read a plan from {plan}: {e}",
+                               hint="give the result.json of `memlens fit --least-recompute --out DIR`, or a dict") from None
+    data = getattr(plan, "data", plan)
+    if isinstance(data, Mapping) and isinstance(data.get("recompute_plan"), dict):   # a fit --least-recompute Result (or its JSON)
+        plan = data["recompute_plan"].get("apply")
+        if plan is None:
+            raise MemlensError("this fit found no number of checkpointed blocks that fits", hint="a smaller batch or a larger GPU")
+    if not isinstance(plan, dict):
+        raise MemlensError(f"a plan is a mapping such as {{'checkpoint_layers': 8}}, got {type(plan).__name__}",
+                           hint="memlens.apply(model, {'checkpoint_layers': 8})")
+    unknown = [k for k in plan if k not in PLAN_KEYS]
+    if unknown:
+        raise MemlensError(f"plan key {unknown[0]!r} is not one memlens applies ({', '.join(PLAN_KEYS)})",
+                           hint="memlens.apply(model, {'checkpoint_layers': 8})")
+    return plan
+
+
 def apply(model, plan: dict | Any) -> Applied:
     """Apply a plan to a Hugging Face or plain PyTorch model, without editing its code; what it did (an
     :class:`Applied`: the list of the blocks checkpointed, ``[]`` none, with ``.policy`` and ``.offloaded``).
@@ -293,18 +320,7 @@ def apply(model, plan: dict | Any) -> Applied:
     >>> memlens.apply(model, {"checkpoint_layers": [0, 1], "checkpoint_policy": "selective", "offload_layers": [2, 3]}).offloaded  # doctest: +SKIP
     ['model.layers.2', 'model.layers.3']
     """
-    data = getattr(plan, "data", plan)
-    if isinstance(data, Mapping) and isinstance(data.get("recompute_plan"), dict):   # a fit --least-recompute Result (or its JSON)
-        plan = data["recompute_plan"].get("apply")
-        if plan is None:
-            raise MemlensError("this fit found no number of checkpointed blocks that fits", hint="a smaller batch or a larger GPU")
-    if not isinstance(plan, dict):
-        raise MemlensError(f"a plan is a mapping such as {{'checkpoint_layers': 8}}, got {type(plan).__name__}",
-                           hint="memlens.apply(model, {'checkpoint_layers': 8})")
-    unknown = [k for k in plan if k not in PLAN_KEYS]
-    if unknown:
-        raise MemlensError(f"plan key {unknown[0]!r} is not one memlens applies ({', '.join(PLAN_KEYS)})",
-                           hint="memlens.apply(model, {'checkpoint_layers': 8})")
+    plan = plan_of(plan)
     if not plan:
         return Applied([])
     label, blocks = find_blocks(model)

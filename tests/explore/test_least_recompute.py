@@ -21,23 +21,41 @@ def needs():
     return [need_bytes(estimate(recompute_spec(SPEC, n, 4, all_flag=False))) for n in range(5)]
 
 
+@pytest.fixture(scope="module")
+def selective():
+    """(need, added seconds) of the first n blocks under the selective policy, every n simulated."""
+    out = []
+    for n in range(5):
+        r = estimate(recompute_spec(SPEC, n, 4, all_flag=False, policy="selective"))
+        out.append((need_bytes(r), (r.data.get("activation_plan") or {}).get("checkpoint", {}).get("recompute_seconds", 0.0)))
+    return out
+
+
 def test_needs_fall_with_n(needs):
     # the last block's activations are recomputed at once in backward, where the step peaks: no saving there
     assert needs[0] > needs[1] > needs[2] > needs[3] == needs[4]
 
 
 @pytest.mark.parametrize("n", range(4))
-def test_answer_is_brute_force(needs, n):
+def test_answer_is_brute_force(needs, selective, n):
     budget = needs[n] + (needs[n - 1] - needs[n]) // 2 if n else needs[0] + 1    # between N and N - 1
     r = least_recompute(SPEC, budget, context_bytes=0, margin=0, layers=4)
     rp = r.data["recompute_plan"]
-    assert rp["checkpoint_layers"] == min(k for k in range(5) if needs[k] <= budget) == n
-    assert rp["code"] == f'memlens.apply(model, {{"checkpoint_layers": {n}}})'
-    assert [row["name"] for row in rp["rows"]] == ["none"] + ([f"first {n} of 4"] if 0 < n < 4 else []) + ["all 4"]
+    # every (policy, N) simulated: the answer is the one that fits with the least added time
+    options = [(0.0, "full", 0)] if needs[0] <= budget else []
+    full_cost = rp["per_block"]["full"]["seconds_added"]
+    options += [(k * full_cost, "full", k) for k in range(1, 5) if needs[k] <= budget]
+    options += [(selective[k][1], "selective", k) for k in range(1, 5) if selective[k][0] <= budget]
+    best = min(options, key=lambda o: (round(o[0], 9), o[2]))
+    assert (rp["checkpoint_policy"], rp["checkpoint_layers"]) == best[1:]
+    if best[1] == "full":
+        assert rp["checkpoint_layers"] == min(k for k in range(5) if needs[k] <= budget) == n
+        assert rp["code"] == f'memlens.apply(model, {{"checkpoint_layers": {n}}})'
+    assert rp["rows"][0]["name"] == "none" and {"all 4", "all 4 selective"} <= {row["name"] for row in rp["rows"]}
     for p in rp["probes"]:                                 # every answer a full simulation
-        assert p["need_bytes"] == needs[p["checkpoint_layers"]]
-    times = [row["recompute_seconds"] for row in rp["rows"]]
-    assert times == sorted(times) and times[0] == 0
+        want = needs if p["checkpoint_policy"] == "full" else [x[0] for x in selective]
+        assert p["need_bytes"] == want[p["checkpoint_layers"]]
+    assert not rp["offload_weighed"]          # offload costs more per byte freed than recomputing on an H100
 
 
 def test_nothing_fits(needs):
@@ -66,3 +84,14 @@ def test_apply_takes_the_result(needs):
     r = least_recompute(SPEC, needs[2] + 1, context_bytes=0, margin=0, layers=4)
     model = blocks()[0]
     assert memlens.apply(model, r) == ["blocks.0", "blocks.1"]
+
+
+def test_apply_takes_the_saved_result(needs, tmp_path):
+    import memlens
+    from tests.tiny_models import blocks
+
+    r = least_recompute(SPEC, needs[2] + 1, context_bytes=0, margin=0, layers=4)
+    path = r.save(tmp_path / "result.json")                  # what `fit --least-recompute --out DIR` writes
+    model = blocks()[0]
+    want = r.data["recompute_plan"]["apply"]["checkpoint_layers"]
+    assert list(memlens.apply(model, str(path))) == [f"blocks.{i}" for i in range(want)]
