@@ -125,3 +125,21 @@ def test_cli_bad_input_exits_2_with_one_line(args, words):
     assert p.returncode == 2, p.stderr[-2000:]
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING: transformers")]
     assert words in p.stderr and len([ln for ln in lines if ln.lower().startswith(("error", "memlens"))]) <= 1, p.stderr
+
+
+def test_ghost_fsdp_shards_on_the_simulation_mesh_on_a_gpu_machine(monkeypatch):
+    """Opacus' FSDP2Wrapper calls fully_shard without a mesh; its default is a mesh on the machine's accelerator (CUDA
+    on a GPU machine, where `profile --compare-estimate` simulates): the simulation's own mesh must be used."""
+    import importlib
+
+    mod = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+    names = [n for n in ("_init_default_mesh", "_init_default_fully_shard_mesh") if hasattr(mod, n)]
+    assert names
+
+    def accelerator_mesh(*a, **k):
+        raise AssertionError("fully_shard made its default (accelerator) mesh")
+
+    for n in names:
+        monkeypatch.setattr(mod, n, accelerator_mesh)
+    r = estimate_ranks(_spec())
+    assert r.peak_allocated_bytes > 0

@@ -35,7 +35,7 @@ from collections import Counter
 from ...core.errors import SpecError
 from ...core.spec import TrainingSpec
 from ..optim import make_optimizer
-from .fsdp import FSDPWrapper
+from .fsdp import FSDPWrapper, default_mesh
 
 
 def tied_parameters(model) -> list[str]:
@@ -67,7 +67,8 @@ class DPFSDPWrapper(FSDPWrapper):
         if tied:
             raise SpecError(f"ghost_fsdp does not support tied parameters ({', '.join(tied[:2])}): Opacus refuses "
                             "parameter tying with FSDP", hint="use a model with untied embeddings, or --sharding ddp")
-        FSDP2Wrapper(model, mp_policy=mp)
+        with default_mesh(mesh):      # Opacus calls fully_shard without a mesh: ours, not the accelerator's
+            FSDP2Wrapper(model, mp_policy=mp)
         from torch.distributed.fsdp import FSDPModule  # heavy: torch, loaded on first use
 
         return [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]

@@ -358,3 +358,20 @@ def _init_values(model) -> None:
 
 
 __all__ = ["FSDPWrapper", "find_blocks", "mixed_precision", "local_rows", "track_storage_resizes"]
+
+
+@contextlib.contextmanager
+def default_mesh(mesh):
+    """``fully_shard`` called without a mesh (Opacus' FSDP2Wrapper) takes ``mesh``: its default is a mesh on the
+    machine's accelerator (``torch._C._get_accelerator()``), CUDA on a GPU machine even while the simulation shards
+    fake CPU tensors (``Unhandled FakeTensor Device Propagation ... cpu, cuda:0``)."""
+    mod = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+    names = [n for n in ("_init_default_mesh", "_init_default_fully_shard_mesh") if hasattr(mod, n)]
+    saved = {n: getattr(mod, n) for n in names}
+    try:
+        for n in names:
+            setattr(mod, n, lambda *a, **k: mesh)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
