@@ -78,11 +78,13 @@ def main() -> None:
             e = by_rank[m["rank"]]
             ea = e.get("peak_allocated_bytes") or e["peak_allocated_bytes_between"][1]
             er = e.get("peak_reserved_bytes") or e["peak_reserved_bytes_between"][1]
+            wr = (e.get("worst_case") or {}).get("peak_reserved_bytes")
             wc = (e.get("worst_case") or {}).get("peak_allocated_bytes")
             # DDP: memlens gives the expected peak and the worst case apart (old gradient buckets alive until NCCL's
             # watchdog reaps step 1's work, a race): the measured rank is compared with the one it landed on
             landed = "worst case" if wc and abs(wc - m["max_allocated"]) < abs(ea - m["max_allocated"]) else "expected"
             ec = wc if landed == "worst case" else ea
+            er = wr if landed == "worst case" and wr else er
             row = {"name": rec["name"], "rank": m["rank"], "simulated_rank": e.get("rank"),
                    "measured_peak_allocated": m["max_allocated"], "estimated_peak_allocated": ec,
                    "estimated_expected_peak_allocated": ea, "estimated_worst_case_peak_allocated": wc, "landed_on": landed,
@@ -103,7 +105,7 @@ def main() -> None:
         mine = [w for w in rows if w["name"] == rec["name"]]
         worst = max(mine, key=lambda w: w["measured_peak_allocated"])
         err = worst.get("ran_untied_error_pct", worst["error_pct"])
-        cases.append({"name": rec["name"], "estimate_seconds": round(dt, 1), "peak_rank": r.data["peak_rank"],
+        cases.append({"name": rec["name"], "run": rec.get("run"), "estimate_seconds": round(dt, 1), "peak_rank": r.data["peak_rank"],
                       "measured_worst_rank": worst["rank"], "measured_worst_peak_allocated": worst["measured_peak_allocated"],
                       "worst_rank_error_pct": err, "untied_run": ran is not None})
     errs = [abs(r.get("ran_untied_error_pct", r["error_pct"])) for r in rows]
@@ -149,6 +151,10 @@ def main() -> None:
                     "ProcessGroupNCCL's watchdog reaps step 1's Works, a race; memlens gives the expected peak (reaped "
                     "first) and that worst case apart, and each rank is compared with the one it landed on (column "
                     "\"landed on\").\n\n")
+        older = [c["name"] for c in cases if (c.get("run") or "").startswith("earlier")]
+        if older:
+            f.write(f"Not re-measured in the latest run (device time): {', '.join(older)}; their records are an earlier "
+                    "session's, estimated at the current code.\n\n")
         if errs:
             f.write(f"{summary['cases']} cases, {len(rows)} ranks; peak allocated: median |error| {summary['median_abs_error_pct']:.2f}%, "
                     f"max {summary['max_abs_error_pct']:.2f}%, {summary['within_5pct']}/{len(rows)} within 5%; reserved: median "
