@@ -55,7 +55,8 @@ def test_nccl_bytes_measured_nearest_or_unknown():
     assert nccl_bytes("h200", 2) == gpus.NCCL_MEASURED[("h200", 2)]
     b, src = nccl_bytes("h200", 4)
     assert b == 960495616 and "measured at world size 2, not 4" in src
-    assert nccl_bytes("h100", 2)[0] is None and "not measured for h100" in nccl_bytes("h100", 2)[1]
+    assert nccl_bytes("h100", 2)[0] == 966787072 and "2 x NVIDIA H100" in nccl_bytes("h100", 2)[1]
+    assert nccl_bytes("a100-80gb", 2)[0] is None and "not measured for a100-80gb" in nccl_bytes("a100-80gb", 2)[1]
 
 
 def test_unknown_gpu_is_one_error():

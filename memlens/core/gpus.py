@@ -150,6 +150,8 @@ INTERCONNECT_BYTES_PER_S = 100e9
 # (gpu, world size) -> (bytes per rank, where it was measured). Filled from bench/results/distributed_accuracy.json
 # (the second item is shown to users: no internal paths there).
 NCCL_MEASURED: dict[tuple[str, int], tuple[int, str]] = {
+    ("h100", 2): (966787072, "measured on 2 x NVIDIA H100 80GB HBM3, NCCL 2.28.9, torch 2.11.0+cu130: "
+                             "median over 40 ranks of 20 cases (916-928 MiB), bench/results/distributed_accuracy.md"),
     ("h200", 2): (960495616, "measured on 2 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
                              "median over 24 ranks of 12 cases (912-922 MiB)"),
 }
