@@ -8,16 +8,10 @@ import torch
 
 from memlens.core.errors import MemlensError
 
+from tests.integrations.token_data import TokenDataset
+
 transformers = pytest.importorskip("transformers")
 
-
-class _DS(torch.utils.data.Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 def _train(tmp_path, name, **cb_kwargs):
@@ -31,7 +25,7 @@ def _train(tmp_path, name, **cb_kwargs):
                                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                                           optim="adamw_torch", disable_tqdm=True)
     cb = MemlensCallback(profile=False, **cb_kwargs)
-    transformers.Trainer(model=model, args=args, train_dataset=_DS(), callbacks=[cb]).train()
+    transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[cb]).train()
     return model, cb
 
 

@@ -4,16 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integrations.token_data import TokenDataset
+
 transformers = pytest.importorskip("transformers")
 
-
-class _DS(torch.utils.data.Dataset):
-    def __len__(self):
-        return 8
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 @pytest.mark.parametrize("mode", ["phases", "full"])
@@ -27,7 +21,7 @@ def test_trainer_callback(tmp_path, mode):
                                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                                           optim="adamw_torch", disable_tqdm=True)
     cb = MemlensCallback(mode=mode, out_dir=tmp_path / "prof")
-    transformers.Trainer(model=model, args=args, train_dataset=_DS(), callbacks=[cb]).train()
+    transformers.Trainer(model=model, args=args, train_dataset=TokenDataset(), callbacks=[cb]).train()
     r = cb.result
     assert r.verb == "profile" and r.data["integration"] == "transformers.Trainer"
     labels = [s["label"] for s in r.data["snapshots"]]

@@ -4,16 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.integrations.token_data import TokenDataset
+
 transformers = pytest.importorskip("transformers")
 
-
-class _DS(torch.utils.data.Dataset):
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
 
 
 def test_auto_budget_on_the_cpu_says_it_needs_cuda(tmp_path):
@@ -25,7 +19,7 @@ def test_auto_budget_on_the_cpu_says_it_needs_cuda(tmp_path):
                                           logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
                                           disable_tqdm=True)
     cb = MemlensCallback(profile=False, fit_budget="auto")
-    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(cfg), args=args, train_dataset=_DS(), callbacks=[cb])
+    trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(cfg), args=args, train_dataset=TokenDataset(4), callbacks=[cb])
     with pytest.raises(MemlensError) as e:
         trainer.train()
     assert str(e.value) == ('fit_budget="auto" reads the free memory of the CUDA device the Trainer trains on, '
