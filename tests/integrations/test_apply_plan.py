@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from memlens.core.errors import MemlensError
-
 from tests.integrations.token_data import TokenDataset
 
 transformers = pytest.importorskip("transformers")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.integrations.token_data import TokenDataset
 
