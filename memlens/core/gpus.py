@@ -16,8 +16,8 @@ dispatch rules, not measured here).
 ('h100', ['a100-40gb', 'a100-80gb', 'a10g'])
 >>> gpu_facts("t4").dram_gbps, gpu_facts("t4").pcie_gbps, gpu_facts("t4").pcie_bytes_per_s / 1e9
 (320.0, 16.0, 5.0)
->>> nccl_bytes("h200", 2)[0] // 2**20, nccl_bytes("h100", 2)[0]
-(916, None)
+>>> nccl_bytes("h200", 2)[0] // 2**20, nccl_bytes("h100", 2)[0] // 2**20, nccl_bytes("l4", 2)[0]
+(916, 922, None)
 """
 from __future__ import annotations
 
