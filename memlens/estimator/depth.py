@@ -46,7 +46,7 @@ from ..core.events import (
     Tag,
     until_done,
 )
-from ..core.parallel import is_distributed
+from ..core.parallel import is_distributed, sharding_of
 from ..models import build as model_build  # a module: tests replace its _auto_class
 from ..models.build import quiet
 from ..models.source import ModelSource
@@ -116,7 +116,10 @@ def why_not(spec, source) -> str | None:
         return "no num_hidden_layers in the config"
     if n < MIN_LAYERS:
         return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
-    if is_distributed(spec) or not kind_for(spec).layers_written:
+    if is_distributed(spec) and (sharding_of(spec).family != "fsdp" or spec.dp):
+        # DDP's buckets and ZeRO-1's optimizer shards are cut by bytes over the whole model, not per layer
+        return "several GPUs (DDP, ZeRO-1 or DP-SGD), DP-SGD or --compile"
+    if not kind_for(spec).layers_written:
         return "several GPUs, DP-SGD or --compile"
     if spec.checkpoint_layers is not None:   # normalized: None is all or none (memlens.core.spec)
         return "checkpointing some layers (--checkpoint-layers) makes the layers differ"
@@ -334,10 +337,11 @@ def _spanning(log: EventLog, spanning: set) -> list:
 
 
 def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template: int = TEMPLATE,
-                 sizes: dict | None = None) -> EventLog:
+                 sizes: dict | None = None, keys: dict | None = None) -> EventLog:
     """The log of the same step with ``copies`` more layers, copies of layer ``template``, up to
     "done" (``sizes``: key -> size with the new layers, of allocations made from every layer's
-    tensors)."""
+    tensors). ``keys``, if given, is filled with (copy, key of the template's storage) -> the
+    copy's key (the storages of the template's own events keep their keys)."""
     if copies < 1:
         raise ValueError("copies must be >= 1")
     d, t, k = stack.depth, template, copies
@@ -372,7 +376,7 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
                 for m in run:
                     out.module_id(stack.rename(names[m], t + c))
 
-    fresh: dict = {}
+    fresh: dict = {} if keys is None else keys
     next_key = [max((ev[1] for ev in log.events if ev[0] == ALLOC and isinstance(ev[1], int)), default=-1) + 1]
 
     def copy_key(c, key):

@@ -134,12 +134,13 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     if known is None:
         depth.check_layers_alike(source)
     shallow = depth.SHALLOW + 1
+    copied: dict = {}      # (copy, key) -> the copy's key, for a multi-GPU wrapper's own key sets
     b = _simulate(spec, depth.shallow_source(source, shallow), steps, True, layers=shallow)
     grow = n - shallow
     if known is not None and not b.spanning:
         depth.check_middle(b.log, b.stack, b.live_layers)
         written = (b.log, b.stack, b.live_layers, grow, None)
-        log = depth.write_layers(*written[:4])
+        log = depth.write_layers(*written[:4], keys=copied)
         how = f"written from {shallow} layers (the rule checked on {depth.SHALLOW} and {shallow} layers at another size)"
         params, trainable = known
     else:
@@ -149,17 +150,31 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
             if canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != canonical(b.log):
                 raise depth.NotPeriodic(f"the {shallow}-layer log written from {depth.SHALLOW} layers differs from its simulation")
             written = (b.log, b.stack, b.live_layers, grow, sizes_b)
-            log = depth.write_layers(*written[:4], sizes=sizes_b)
+            log = depth.write_layers(*written[:4], sizes=sizes_b, keys=copied)
         except depth.NotPeriodic as e:
             depth.CHECKED[family] = str(e)
             raise
         params, trainable = b.param_count - a.param_count, b.trainable_count - a.trainable_count
         depth.CHECKED[family] = (params, trainable)
         how = f"written from {depth.SHALLOW} and {shallow} layers"
+    if b.wrapper is not None:
+        _grow_wrapper(b.wrapper, copied, n)
     return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * params,
                       b.trainable_count + grow * trainable, b.attention, time.perf_counter() - t0, notes=b.notes,
-                      applied=b.applied, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
+                      applied=b.applied, wrapper=b.wrapper, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
                       later_layers=how, written=written)
+
+
+def _grow_wrapper(wrapper, copied: dict, layers: int) -> None:
+    """A rank's wrapper (FSDP2: memlens.estimator.depth.why_not) from the shallow model, made the whole
+    model's: the storages it marks (gathered parameters and gradients) include the written layers'
+    copies of them, and it counts the whole model's blocks."""
+    for name in ("unsharded_keys", "unsharded_grad_keys"):
+        marked = getattr(wrapper, name, None)
+        if marked is not None:
+            marked.update(new for (_, key), new in copied.items() if key in marked)
+    if "blocks" in getattr(wrapper, "facts", {}):
+        wrapper.facts["blocks"] = layers
 
 
 def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool, layers: int | None = None) -> Simulation:
