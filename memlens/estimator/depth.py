@@ -68,7 +68,7 @@ def family(spec, source, steps: int) -> tuple:
     every layer runs the same ops at any size, in every micro-batch, so whether the layers repeat
     does not change with them (what the model does outside its layers is checked once per family)."""
     d = spec.to_dict()
-    for k in ("batch_size", "seq_len", "image_size", "target_len", "grad_accum"):
+    for k in ("batch_size", "seq_len", "image_size", "target_len", "grad_accum", "physical_batch_size"):
         d.pop(k, None)
     config = getattr(source, "_memlens_config", None)
     if config is None:   # the config as resolved: preparing a step sets some of its fields
@@ -118,9 +118,10 @@ def why_not(spec, source) -> str | None:
         return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
     if is_distributed(spec) and (sharding_of(spec).family != "fsdp" or spec.dp):
         # DDP's buckets and ZeRO-1's optimizer shards are cut by bytes over the whole model, not per layer
-        return "several GPUs (DDP, ZeRO-1 or DP-SGD), DP-SGD or --compile"
-    if not kind_for(spec).layers_written:
-        return "several GPUs, DP-SGD or --compile"
+        return "several GPUs with DDP, ZeRO-1 or DP-SGD (FSDP2's ranks are written)"
+    kind = kind_for(spec)
+    if not kind.layers_written:
+        return "--compile" if kind.name == "compiled" else f"the {kind.name} step kind"
     if spec.checkpoint_layers is not None:   # normalized: None is all or none (memlens.core.spec)
         return "checkpointing some layers (--checkpoint-layers) makes the layers differ"
     if any(re.search(r"\d", p) for p in tuple(spec.freeze or ()) + tuple(spec.lora_targets or ())):
@@ -286,7 +287,7 @@ def _absorb(owner: list, events: list, key_layer: dict) -> None:
         y = owner[s0]
         if (y is not None and owner[s2] == y and owner[s1] is not None and owner[s1] != y and phase[s0] == phase[s1] == phase[s2]
                 and phase[s1] not in _POSITIONAL and all(events[q][0] in (FREE, TAG) for q in range(s1, e1))
-                and events[s1 - 1][0] == ALLOC and events[e1][0] == ALLOC):
+                and events[e1][0] == ALLOC):
             for q in range(s1, e1):
                 owner[q] = y
 
@@ -413,7 +414,7 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
     def emit(evs, lay, c):
         """Write the events ``evs`` (of source layer ``lay``) as copy ``c`` of them (0: themselves, renumbered)."""
         at = new(lay) if c == 0 else t + c
-        grown = sizes if sizes and lay is None else None
+        grown = sizes if sizes and c == 0 else None     # (its keys: the allocations made from every layer's tensors)
         for ev in evs:
             kind = ev[0]
             if kind == ALLOC:

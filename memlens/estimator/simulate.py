@@ -412,6 +412,7 @@ class SimulationTracker(StorageTracker):
         self.model = None                         # for naming a module that runs too many ops
         self.ops_limit: int | None = FORWARD_OPS_LIMIT  # None: a compiled graph (thousands of ops by design, no loop)
         self.live_layers: dict | None = None      # key -> layer of allocations outside forward and backward (depth.py)
+        self.layer_hint = None                    # a tensor whose layer an allocation made from no tensor takes (layer_from)
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:
@@ -423,6 +424,16 @@ class SimulationTracker(StorageTracker):
         self._key_layers: dict = {}
         self._module_layers: list = []
         self._scanned = 0
+
+    @contextlib.contextmanager
+    def layer_from(self, t):
+        """Allocations made from no tensor inside (``torch.zeros(shape)``, ``torch.normal(size=...)``) take the
+        layer of ``t``: Opacus' noise for a parameter is made from its shape alone."""
+        old, self.layer_hint = self.layer_hint, t
+        try:
+            yield
+        finally:
+            self.layer_hint = old
 
     def _layer_of(self, t) -> int | None:
         if not isinstance(t, torch.Tensor):
@@ -440,21 +451,28 @@ class SimulationTracker(StorageTracker):
         self._scanned = len(evs)
         return self._key_layers.get(key)
 
-    def _label_outputs(self, args, out, first_new: int) -> None:
+    def _label_outputs(self, args, out, first_new: int, spans_only: bool = False) -> None:
+        """``spans_only`` (backward, where an allocation's layer is its module's): only mark a tensor made from
+        a list with an entry per layer (Opacus' ghost clipping stacks every layer's per-sample norms in backward)."""
         outs = out if isinstance(out, (list, tuple)) else (out,)
         first = args[0] if args else None
-        per_item = isinstance(first, (list, tuple)) and len(first) == len(outs)
+        if spans_only and not isinstance(first, (list, tuple)):
+            return
+        per_item = isinstance(first, (list, tuple)) and len(first) == len(outs) and not spans_only
         common, spans = None, False
         if not per_item:
-            found = {self._layer_of(a) for a in tree_flatten(args)[0]} - {None}
+            flat = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+            found = {self._layer_of(a) for a in flat} - {None}
             common = found.pop() if len(found) == 1 else None
             spans = len(found) > 1 and isinstance(first, (list, tuple))
+            if not flat and self.layer_hint is not None:     # made from no tensor: the hint's layer (layer_from)
+                common = self._layer_of(self.layer_hint)
         for i, o in enumerate(outs):
             key = self.key_of(o) if isinstance(o, torch.Tensor) else None
             if key is None or key < first_new:
                 continue
             lay = self._layer_of(first[i]) if per_item else common
-            if lay is not None:
+            if lay is not None and not spans_only:
                 self.live_layers[key] = self._key_layers[key] = lay
             elif spans:    # one tensor from a list over every layer (clip_grad_norm_'s stack of norms)
                 self.spanning.add(key)
@@ -514,8 +532,8 @@ class SimulationTracker(StorageTracker):
                 return None
         first_new = self._next
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.live_layers is not None and self._next > first_new and self.phase not in ("forward", "backward"):
-            self._label_outputs(args, out, first_new)
+        if self.live_layers is not None and self._next > first_new and self.phase != "forward":
+            self._label_outputs(args, out, first_new, spans_only=self.phase == "backward")
         if self.phase == "forward" and self.ops_limit is not None:
             n = self._forward_ops.get(self.module, 0) + 1
             self._forward_ops[self.module] = n

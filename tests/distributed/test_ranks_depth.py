@@ -59,4 +59,4 @@ def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes
 @pytest.mark.parametrize("sharding", ["ddp", "zero1"])
 def test_ddp_and_zero1_ranks_are_simulated_whole(tmp_path, sharding):
     model = deep(tmp_path)
-    assert depth.why_not(TrainingSpec(model=model, world_size=2, sharding=sharding), resolve(model)).startswith("several GPUs")
+    assert depth.why_not(TrainingSpec(model=model, world_size=2, sharding=sharding), resolve(model)).startswith("several GPUs with DDP")
