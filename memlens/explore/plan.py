@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core import techniques
 from ..core.errors import MemlensError
-from ..core.parallel import data_parallel_ranks, is_distributed
+from ..core.parallel import data_parallel_ranks
 from ..core.spec import TrainingSpec
 from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
 from .core import CachedEstimator, need_bytes, predict_step_time
@@ -174,7 +174,7 @@ def _reference_slope(est: CachedEstimator, spec: TrainingSpec, field_name: str, 
     target (fit's own first probes, shared by every entry: waited for if still running), else
     through the two farthest batch sizes >= 2 estimated of it so far. The first guess of a setting
     that has one probe of its own."""
-    if field_name == "batch_size" and per_gpu > 2 and not is_distributed(spec):
+    if field_name == "batch_size" and per_gpu > 2:
         try:
             a, c = (need_bytes(est(spec.replace(grad_accum=1, batch_size=b))) for b in (2, per_gpu))
         except MemlensError:

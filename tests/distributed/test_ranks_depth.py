@@ -38,7 +38,8 @@ def _comparable(r) -> dict:
     {"world_size": 8, "sharding": "zero2", "precision": "bf16", "grad_accum": 3},
     {"world_size": 4, "sharding": "fsdp", "precision": "amp-bf16"},
     {"world_size": 3, "sharding": "zero3", "precision": "bf16", "lora_rank": 4},       # uneven shards: ranks 0 and 2
-], ids=["zero2", "zero2-accum3", "fsdp-amp", "zero3-lora-uneven"])
+    {"world_size": 8, "sharding": "zero2", "precision": "bf16", "optimizer": "adafactor"},   # a per-parameter loop
+], ids=["zero2", "zero2-accum3", "fsdp-amp", "zero3-lora-uneven", "zero2-adafactor"])
 def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes):
     model = deep(tmp_path)
     spec = TrainingSpec(model=model, batch_size=2, seq_len=32, **changes)
