@@ -172,7 +172,9 @@ def render(result) -> None:
             f"(predicted peak reserved {fmt_bytes(d['predicted_peak_bytes'])}, allocated {fmt_bytes(d['predicted_peak_allocated_bytes'])})")
     c.print(f"budget {fmt_bytes(d['budget_bytes'])} ({d['budget_source']}) - CUDA context {fmt_bytes(d['context_bytes'])} "
             f"- margin {fmt_bytes(d['margin_bytes'])} = {fmt_bytes(d['usable_bytes'])} usable; {d['estimate_calls']} estimates"
-            + (f" ({d['estimator']['simulations']} simulated, {d['estimator']['replays']} replayed)" if "simulations" in d.get("estimator", {}) else "")
+            + (f" ({d['estimator']['simulations']} simulated, {d['estimator']['replays']} replayed"
+               + (f", {d['estimator']['per_rank']} simulated per rank" if d["estimator"].get("per_rank") else "") + ")"
+               if "simulations" in d.get("estimator", {}) else "")
             + f", {d.get('seconds', d['estimate_seconds'])} s")
     if dp and d.get("micro_batch_size"):
         k = -(-d["target_batch"] // d["micro_batch_size"])

@@ -46,7 +46,7 @@ from ..core.events import (
     Tag,
     until_done,
 )
-from ..core.parallel import is_distributed
+from ..core.parallel import is_distributed, sharding_of
 from ..models import build as model_build  # a module: tests replace its _auto_class
 from ..models.build import quiet
 from ..models.source import ModelSource
@@ -68,7 +68,7 @@ def family(spec, source, steps: int) -> tuple:
     every layer runs the same ops at any size, in every micro-batch, so whether the layers repeat
     does not change with them (what the model does outside its layers is checked once per family)."""
     d = spec.to_dict()
-    for k in ("batch_size", "seq_len", "image_size", "target_len", "grad_accum"):
+    for k in ("batch_size", "seq_len", "image_size", "target_len", "grad_accum", "physical_batch_size"):
         d.pop(k, None)
     config = getattr(source, "_memlens_config", None)
     if config is None:   # the config as resolved: preparing a step sets some of its fields
@@ -116,8 +116,12 @@ def why_not(spec, source) -> str | None:
         return "no num_hidden_layers in the config"
     if n < MIN_LAYERS:
         return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
-    if is_distributed(spec) or not kind_for(spec).layers_written:
-        return "several GPUs, DP-SGD or --compile"
+    if is_distributed(spec) and (sharding_of(spec).family != "fsdp" or spec.dp):
+        # DDP's buckets and ZeRO-1's optimizer shards are cut by bytes over the whole model, not per layer
+        return "several GPUs with DDP, ZeRO-1 or DP-SGD (FSDP2's ranks are written)"
+    kind = kind_for(spec)
+    if not kind.layers_written:
+        return "--compile" if kind.name == "compiled" else f"the {kind.name} step kind"
     if spec.checkpoint_layers is not None:   # normalized: None is all or none (memlens.core.spec)
         return "checkpointing some layers (--checkpoint-layers) makes the layers differ"
     if spec.offload_layers not in (None, "all"):
@@ -285,7 +289,7 @@ def _absorb(owner: list, events: list, key_layer: dict) -> None:
         y = owner[s0]
         if (y is not None and owner[s2] == y and owner[s1] is not None and owner[s1] != y and phase[s0] == phase[s1] == phase[s2]
                 and phase[s1] not in _POSITIONAL and all(events[q][0] in (FREE, TAG) for q in range(s1, e1))
-                and events[s1 - 1][0] == ALLOC and events[e1][0] == ALLOC):
+                and events[e1][0] == ALLOC):
             for q in range(s1, e1):
                 owner[q] = y
 
@@ -336,10 +340,11 @@ def _spanning(log: EventLog, spanning: set) -> list:
 
 
 def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template: int = TEMPLATE,
-                 sizes: dict | None = None) -> EventLog:
+                 sizes: dict | None = None, keys: dict | None = None) -> EventLog:
     """The log of the same step with ``copies`` more layers, copies of layer ``template``, up to
     "done" (``sizes``: key -> size with the new layers, of allocations made from every layer's
-    tensors)."""
+    tensors). ``keys``, if given, is filled with (copy, key of the template's storage) -> the
+    copy's key (the storages of the template's own events keep their keys)."""
     if copies < 1:
         raise ValueError("copies must be >= 1")
     d, t, k = stack.depth, template, copies
@@ -374,7 +379,7 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
                 for m in run:
                     out.module_id(stack.rename(names[m], t + c))
 
-    fresh: dict = {}
+    fresh: dict = {} if keys is None else keys
     next_key = [max((ev[1] for ev in log.events if ev[0] == ALLOC and isinstance(ev[1], int)), default=-1) + 1]
 
     def copy_key(c, key):
@@ -411,7 +416,7 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
     def emit(evs, lay, c):
         """Write the events ``evs`` (of source layer ``lay``) as copy ``c`` of them (0: themselves, renumbered)."""
         at = new(lay) if c == 0 else t + c
-        grown = sizes if sizes and lay is None else None
+        grown = sizes if sizes and c == 0 else None     # (its keys: the allocations made from every layer's tensors)
         for ev in evs:
             kind = ev[0]
             if kind == ALLOC:

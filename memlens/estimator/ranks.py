@@ -138,6 +138,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         "gpu": gpu.to_dict(),
         "wrapper": _jsonable(sim.wrapper.facts),
         **simulation_facts(sim, a),
+        **({"later_layers": sim.later_layers} if sim.later_layers else {}),
         "simulate_seconds": round(time.perf_counter() - t0, 3),
     }
     return finish(Result(verb="estimate", spec=spec.to_dict(), peak_allocated_bytes=a.peak_allocated_bytes,

@@ -135,12 +135,13 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     if known is None:
         depth.check_layers_alike(source)
     shallow = depth.SHALLOW + 1
+    copied: dict = {}      # (copy, key) -> the copy's key, for a multi-GPU wrapper's own key sets
     b = _simulate(spec, depth.shallow_source(source, shallow), steps, True, layers=shallow)
     grow = n - shallow
     if known is not None and not b.spanning:
         depth.check_middle(b.log, b.stack, b.live_layers)
         written = (b.log, b.stack, b.live_layers, grow, None)
-        log = depth.write_layers(*written[:4])
+        log = depth.write_layers(*written[:4], keys=copied)
         how = f"written from {shallow} layers (the rule checked on {depth.SHALLOW} and {shallow} layers at another size)"
         params, trainable = known
     else:
@@ -150,18 +151,32 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
             if canonical(depth.write_layers(a.log, a.stack, a.live_layers, 1, sizes=sizes_a)) != canonical(b.log):
                 raise depth.NotPeriodic(f"the {shallow}-layer log written from {depth.SHALLOW} layers differs from its simulation")
             written = (b.log, b.stack, b.live_layers, grow, sizes_b)
-            log = depth.write_layers(*written[:4], sizes=sizes_b)
+            log = depth.write_layers(*written[:4], sizes=sizes_b, keys=copied)
         except depth.NotPeriodic as e:
             depth.CHECKED[family] = str(e)
             raise
         params, trainable = b.param_count - a.param_count, b.trainable_count - a.trainable_count
         depth.CHECKED[family] = (params, trainable)
         how = f"written from {depth.SHALLOW} and {shallow} layers"
+    if b.wrapper is not None:
+        _grow_wrapper(b.wrapper, copied, n)
     return Simulation(log, spec, source, b.seq_len, b.image_size, b.param_count + grow * params,
                       b.trainable_count + grow * trainable, b.attention, time.perf_counter() - t0, notes=b.notes,
-                      applied=b.applied, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
+                      applied=b.applied, wrapper=b.wrapper, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
                       later_layers=how, written=written,
                       costs={k: v * n // shallow for k, v in b.costs.items()})   # all in the blocks, alike
+
+
+def _grow_wrapper(wrapper, copied: dict, layers: int) -> None:
+    """A rank's wrapper (FSDP2: memlens.estimator.depth.why_not) from the shallow model, made the whole
+    model's: the storages it marks (gathered parameters and gradients) include the written layers'
+    copies of them, and it counts the whole model's blocks."""
+    for name in ("unsharded_keys", "unsharded_grad_keys"):
+        marked = getattr(wrapper, name, None)
+        if marked is not None:
+            marked.update(new for (_, key), new in copied.items() if key in marked)
+    if "blocks" in getattr(wrapper, "facts", {}):
+        wrapper.facts["blocks"] = layers
 
 
 def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool, layers: int | None = None) -> Simulation:
@@ -449,6 +464,7 @@ class SimulationTracker(StorageTracker):
         self.costs: dict[str, int] = dict.fromkeys(COST_KEYS, 0)
         self.recomputing = False                  # inside a checkpointed block's recomputation (_wrap_checkpoint_funcs)
         self._passes = {"forward": 0, "backward": 0}
+        self.layer_hint = None                    # a tensor whose layer an allocation made from no tensor takes (layer_from)
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:
@@ -460,6 +476,16 @@ class SimulationTracker(StorageTracker):
         self._key_layers: dict = {}
         self._module_layers: list = []
         self._scanned = 0
+
+    @contextlib.contextmanager
+    def layer_from(self, t):
+        """Allocations made from no tensor inside (``torch.zeros(shape)``, ``torch.normal(size=...)``) take the
+        layer of ``t``: Opacus' noise for a parameter is made from its shape alone."""
+        old, self.layer_hint = self.layer_hint, t
+        try:
+            yield
+        finally:
+            self.layer_hint = old
 
     def _layer_of(self, t) -> int | None:
         if not isinstance(t, torch.Tensor):
@@ -477,21 +503,28 @@ class SimulationTracker(StorageTracker):
         self._scanned = len(evs)
         return self._key_layers.get(key)
 
-    def _label_outputs(self, args, out, first_new: int) -> None:
+    def _label_outputs(self, args, out, first_new: int, spans_only: bool = False) -> None:
+        """``spans_only`` (backward, where an allocation's layer is its module's): only mark a tensor made from
+        a list with an entry per layer (Opacus' ghost clipping stacks every layer's per-sample norms in backward)."""
         outs = out if isinstance(out, (list, tuple)) else (out,)
         first = args[0] if args else None
-        per_item = isinstance(first, (list, tuple)) and len(first) == len(outs)
+        if spans_only and not isinstance(first, (list, tuple)):
+            return
+        per_item = isinstance(first, (list, tuple)) and len(first) == len(outs) and not spans_only
         common, spans = None, False
         if not per_item:
-            found = {self._layer_of(a) for a in tree_flatten(args)[0]} - {None}
+            flat = [a for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)]
+            found = {self._layer_of(a) for a in flat} - {None}
             common = found.pop() if len(found) == 1 else None
             spans = len(found) > 1 and isinstance(first, (list, tuple))
+            if not flat and self.layer_hint is not None:     # made from no tensor: the hint's layer (layer_from)
+                common = self._layer_of(self.layer_hint)
         for i, o in enumerate(outs):
             key = self.key_of(o) if isinstance(o, torch.Tensor) else None
             if key is None or key < first_new:
                 continue
             lay = self._layer_of(first[i]) if per_item else common
-            if lay is not None:
+            if lay is not None and not spans_only:
                 self.live_layers[key] = self._key_layers[key] = lay
             elif spans:    # one tensor from a list over every layer (clip_grad_norm_'s stack of norms)
                 self.spanning.add(key)
@@ -579,8 +612,8 @@ class SimulationTracker(StorageTracker):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if self.recomputing and self._first("backward"):
             self._count_recompute(func, args, kwargs, out, first_new)
-        if self.live_layers is not None and self._next > first_new and self.phase not in ("forward", "backward"):
-            self._label_outputs(args, out, first_new)
+        if self.live_layers is not None and self._next > first_new and self.phase != "forward":
+            self._label_outputs(args, out, first_new, spans_only=self.phase == "backward")
         if self.phase == "forward" and self.ops_limit is not None:
             n = self._forward_ops.get(self.module, 0) + 1
             self._forward_ops[self.module] = n

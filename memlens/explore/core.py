@@ -87,6 +87,7 @@ class CachedEstimator:
         self._fn = fn
         self.cache: dict[TrainingSpec, Point] = {}
         self.calls = 0
+        self.per_rank = 0          # estimates of sharded specs (one simulation per rank that can differ; no replay)
         self.seconds = 0.0
         self.scaler = None
         self._lock = threading.Lock()
@@ -125,6 +126,8 @@ class CachedEstimator:
         out: dict[str, Any] = {"estimates": self.calls, "seconds": round(self.seconds, 2)}
         if self.scaler is not None:
             out.update(self.scaler.stats())
+        if self.per_rank:
+            out["per_rank"] = self.per_rank
         return out
 
     def start(self, spec: TrainingSpec) -> None:
@@ -159,6 +162,9 @@ class CachedEstimator:
                 r = self.scaler.estimate(spec)
             elif self._fn is None:
                 r = self._elsewhere(spec)
+                if is_distributed(spec):
+                    with self._lock:
+                        self.per_rank += 1
             else:
                 r = self._fn(spec)
             with self._lock:

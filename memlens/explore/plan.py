@@ -30,7 +30,7 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core import techniques
 from ..core.errors import MemlensError
-from ..core.parallel import data_parallel_ranks, is_distributed
+from ..core.parallel import data_parallel_ranks
 from ..core.spec import TrainingSpec
 from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
 from .core import CachedEstimator, need_bytes, predict_step_time
@@ -174,7 +174,7 @@ def _reference_slope(est: CachedEstimator, spec: TrainingSpec, field_name: str, 
     target (fit's own first probes, shared by every entry: waited for if still running), else
     through the two farthest batch sizes >= 2 estimated of it so far. The first guess of a setting
     that has one probe of its own."""
-    if field_name == "batch_size" and per_gpu > 2 and not is_distributed(spec):
+    if field_name == "batch_size" and per_gpu > 2:
         try:
             a, c = (need_bytes(est(spec.replace(grad_accum=1, batch_size=b))) for b in (2, per_gpu))
         except MemlensError:
@@ -263,7 +263,10 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     run = _PlanRun(spec, cands, est, usable_bytes, target_batch, field_name, prune and field_name == "batch_size",
                    reference or spec.replace(grad_accum=1, batch_size=target_batch))
     workers = getattr(est, "workers", 1)
+    # the baseline: the target as given, at its full micro-batch (whether or not it fits)
+    base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
     if workers > 1 and len(cands) > 1:
+        getattr(est, "begin", lambda specs: None)([base])   # queued now in the workers, not alone after every entry
         entries = _entries_side_by_side(run, progress)
     else:
         # one at a time: a candidate after the smaller ones it may be left out for
@@ -274,8 +277,6 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
             core_progress.advance(i, len(cands), f"plan: {c.name}")
             done[c.name] = run.entry(c)
         entries = [done[c.name] for c in cands]
-    # the baseline: the target as given, at its full micro-batch (whether or not it fits)
-    base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
     try:
         bt = predict_step_time(base, est(base)).seconds
     except MemlensError:

@@ -75,10 +75,12 @@ def max_fitting_budget(value: Callable[[int], float], budget: float, *, cap: int
         upper = hi if hi is not None else cap + 1
         nxt = None
         if i < 4:
-            # line through the two probes nearest the boundary (lo and hi, or lo and the one below)
+            # line through the two probes nearest the boundary (lo and hi, or lo and the one below, not
+            # its neighbour if another is: the allocator's rounding tilts a line through neighbours)
             pts = sorted(seen)
             a = lo
-            c = hi if hi is not None else max((x for x in pts if x < lo), default=None)
+            c = hi if hi is not None else max((x for x in pts if x < lo - 1), default=None) or max(
+                (x for x in pts if x < lo), default=None)
             if c is not None and c != a and seen[a] != seen[c]:
                 slope = (seen[c] - seen[a]) / (c - a)
                 if slope > 0:

@@ -70,7 +70,8 @@ def test_the_estimate_says_how_the_layers_were_made(tmp_path):
 
 @pytest.mark.parametrize("spec_changes, config_changes, reason", [
     ({"freeze": ("h.0.",)}, {}, "a --freeze or --lora-targets pattern names layers by number"),
-    ({"dp": True}, {}, "several GPUs, DP-SGD or --compile"),
+    ({"world_size": 2, "sharding": "ddp"}, {}, "several GPUs with DDP, ZeRO-1 or DP-SGD (FSDP2's ranks are written)"),
+    ({"compile": True}, {}, "--compile"),
     ({}, {"layer_types": ["full_attention"] * 6 + ["sliding_attention"] * 6},
      "the config's layer_types differs from layer to layer"),
 ])

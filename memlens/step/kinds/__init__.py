@@ -56,7 +56,7 @@ def _run_dp(step, on_phase):
 _KINDS: list[StepKind] = [
     # Opacus' loops take the loss outside the model, from outputs they hold: `logits = model(x).logits`
     # (measured on an H100: bench/results/raw/gpu_dp_gap_probe.jsonl)
-    StepKind("dp", lambda s: s.dp, _check_dp, _run_dp, layers_written=False,
+    StepKind("dp", lambda s: s.dp, _check_dp, _run_dp,
              title="DP-SGD (Opacus make_private + BatchMemoryManager)", keeps_outputs=True),
     StepKind("compiled", lambda s: s.compile, _refuse_compiled, layers_written=False, title="torch.compile'd model"),
     StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),

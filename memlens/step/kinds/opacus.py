@@ -48,6 +48,7 @@ Ghost clipping's backward phase holds two passes; :attr:`DPStep.passes` marks wh
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -271,7 +272,7 @@ class DPStep:
                 on_phase("clip")
                 self._pass("clip")
                 self._tag(self._per_sample_tensors(), PER_SAMPLE)
-                with self._fake_deepcopy():
+                with self._fake_deepcopy(), self._noise_layers():
                     self.optimizer.step()          # the last physical batch enters "optimizer" through the hook
                 self._tag([t for p in self._params() for t in (p.grad, getattr(p, "summed_grad", None)) if t is not None],
                           GRADIENTS)
@@ -375,12 +376,52 @@ class DPStep:
     def _fake_deepcopy(self):
         return _deepcopy_as_clone() if self.fake else contextlib.nullcontext()
 
+    def _noise_layers(self):
+        """On fake tensors, with an observer that places allocations in layers (the estimate's tracker, for
+        memlens.estimator.depth): Opacus' noise for a parameter, made from its shape alone, is placed in
+        the parameter's layer. Nothing else changes: Opacus' own ``_generate_noise`` runs."""
+        layer_from = getattr(self.observer, "layer_from", None)
+        if not self.fake or layer_from is None:
+            return contextlib.nullcontext()
+        return _noise_from_reference(layer_from)
+
 
 def _tensors(batch) -> list:
     import torch  # heavy: torch, loaded on first use
     from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     return [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _noise_from_reference(layer_from):
+    """Opacus' ``_generate_noise(std, reference, ...)`` run inside ``layer_from(reference)``, in every
+    optimizer module that calls it."""
+
+
+    mods = []
+    for name in ("optimizer", "optimizer_fast_gradient_clipping", "fsdpoptimizer_fast_gradient_clipping", "ddpoptimizer"):
+        try:
+            m = importlib.import_module(f"opacus.optimizers.{name}")
+        except ImportError:
+            continue
+        if hasattr(m, "_generate_noise"):
+            mods.append(m)
+    saved = [(m, m._generate_noise) for m in mods]
+
+    def make(fn):
+        def generate(std, reference, *a, **k):
+            with layer_from(reference):
+                return fn(std, reference, *a, **k)
+        return generate
+
+    for m, fn in saved:
+        m._generate_noise = make(fn)
+    try:
+        yield
+    finally:
+        for m, fn in saved:
+            m._generate_noise = fn
 
 
 def _deepcopy_as_clone():

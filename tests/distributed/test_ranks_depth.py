@@ -1,0 +1,63 @@
+"""An FSDP2 rank of a deep model has its layers written from 3- and 4-layer models (memlens.estimator.depth),
+as one GPU's step does: the per-rank estimate is the whole model's simulation to the byte (every rank's peaks,
+categories, phases, terms and timeline), while DDP and ZeRO-1, whose buckets and optimizer shards are cut by
+bytes over the whole model, stay simulated whole."""
+import json
+from pathlib import Path
+
+import pytest
+
+from memlens.core.spec import TrainingSpec
+from memlens.estimator import depth
+from memlens.estimator.ranks import estimate_ranks
+from memlens.models.source import resolve
+
+LLAMA = Path(__file__).parent.parent / "fixtures" / "models" / "tiny-llama" / "config.json"
+
+
+def deep(tmp_path, layers: int = 12) -> str:
+    cfg = json.loads(LLAMA.read_text())
+    cfg["num_hidden_layers"] = layers
+    path = tmp_path / f"deep-llama-{layers}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _comparable(r) -> dict:
+    d = dict(r.data)
+    for k in ("simulate_seconds", "estimate_seconds", "later_layers", "scaling", "seconds"):
+        d.pop(k, None)
+    d["ranks"] = [{k: v for k, v in e.items() if k != "simulate_seconds"} for e in d["ranks"]]
+    return {"peak_allocated_bytes": r.peak_allocated_bytes, "peak_reserved_bytes": r.peak_reserved_bytes,
+            "by_category": r.by_category, "by_phase": r.by_phase, "by_module": r.by_module, "timeline": r.timeline,
+            "data": json.loads(json.dumps(d, default=str))}
+
+
+@pytest.mark.parametrize("changes", [
+    {"world_size": 8, "sharding": "zero2", "precision": "bf16"},
+    {"world_size": 8, "sharding": "zero2", "precision": "bf16", "grad_accum": 3},
+    {"world_size": 4, "sharding": "fsdp", "precision": "amp-bf16"},
+    {"world_size": 3, "sharding": "zero3", "precision": "bf16", "lora_rank": 4},       # uneven shards: ranks 0 and 2
+    {"world_size": 8, "sharding": "zero2", "precision": "bf16", "optimizer": "adafactor"},   # a per-parameter loop
+], ids=["zero2", "zero2-accum3", "fsdp-amp", "zero3-lora-uneven", "zero2-adafactor"])
+def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes):
+    model = deep(tmp_path)
+    spec = TrainingSpec(model=model, batch_size=2, seq_len=32, **changes)
+    assert depth.why_not(spec, resolve(model)) is None
+    depth.CHECKED.clear()
+    fast = estimate_ranks(spec)
+    assert "written from" in fast.data["later_layers"], fast.data["later_layers"]
+    fast2 = estimate_ranks(spec.replace(batch_size=3))        # a later size of the family: from 4 layers, checked
+    assert fast2.data["later_layers"].startswith("written from 4 layers"), fast2.data["later_layers"]
+    monkeypatch.setattr(depth, "why_not", lambda spec, source: "whole (the test's reference)")
+    whole = estimate_ranks(spec)
+    whole2 = estimate_ranks(spec.replace(batch_size=3))
+    assert whole.data["later_layers"].startswith("simulated")
+    assert _comparable(fast) == _comparable(whole)
+    assert _comparable(fast2) == _comparable(whole2)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "zero1"])
+def test_ddp_and_zero1_ranks_are_simulated_whole(tmp_path, sharding):
+    model = deep(tmp_path)
+    assert depth.why_not(TrainingSpec(model=model, world_size=2, sharding=sharding), resolve(model)).startswith("several GPUs with DDP")

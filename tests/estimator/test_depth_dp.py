@@ -1,0 +1,45 @@
+"""DP-SGD (Opacus, hooks and ghost clipping) writes a deep stack's layers from 3- and 4-layer models
+(memlens.estimator.depth): the log of the whole model simulated, event for event, and so its estimate
+to the byte, at several physical batches of one logical batch (the family is checked once)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from memlens.core.events import canonical
+from memlens.core.spec import TrainingSpec
+from memlens.estimator import depth
+from memlens.estimator.simulate import _simulate, simulate
+from memlens.models.source import resolve
+
+pytest.importorskip("opacus")
+
+LLAMA = Path(__file__).parent.parent / "fixtures" / "models" / "tiny-llama" / "config.json"
+
+
+def deep(tmp_path, layers: int = 12) -> str:
+    cfg = json.loads(LLAMA.read_text())
+    cfg["num_hidden_layers"] = layers
+    path = tmp_path / f"deep-llama-{layers}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("changes, written", [
+    ({"grad_sample_mode": "hooks", "precision": "bf16"}, True),
+    ({"grad_sample_mode": "ghost", "precision": "bf16"}, True),    # per-sample norms stacked over every layer in backward
+    # autocast under Opacus: the check on 3 and 4 layers fails, so the whole model is simulated (the same answer)
+    ({"grad_sample_mode": "hooks", "precision": "amp-bf16", "loss": "criterion-fp32"}, False),
+], ids=["hooks-bf16", "ghost-bf16", "hooks-amp-criterion"])
+def test_dp_layers_written_equal_the_whole_model(tmp_path, changes, written):
+    model = deep(tmp_path)
+    src = resolve(model)
+    depth.CHECKED.clear()
+    for physical in (3, 8, 2):       # 3 of 8: a smaller last physical batch; 8: one; 2: the family checked already
+        spec = TrainingSpec(model=model, batch_size=8, physical_batch_size=physical, seq_len=32, dp=True, lora_rank=4, **changes)
+        assert depth.why_not(spec, src) is None
+        fast = simulate(spec, src)
+        whole = _simulate(spec, src, 2, True)
+        assert fast.later_layers.startswith("written from" if written else "simulated ("), fast.later_layers
+        assert canonical(fast.log) == canonical(whole.log)
+        assert (fast.param_count, fast.trainable_count) == (whole.param_count, whole.trainable_count)
