@@ -263,10 +263,10 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     run = _PlanRun(spec, cands, est, usable_bytes, target_batch, field_name, prune and field_name == "batch_size",
                    reference or spec.replace(grad_accum=1, batch_size=target_batch))
     workers = getattr(est, "workers", 1)
-    # the baseline: the target as given, at its full micro-batch (whether or not it fits)
+    # the baseline: the target as given, at its full micro-batch (whether or not it fits); its step time needs the
+    # parameter counts only, which the reference's estimate has (same model): no simulation of its own
     base = spec.replace(batch_size=target_batch, grad_accum=1) if field_name == "batch_size" else spec
     if workers > 1 and len(cands) > 1:
-        getattr(est, "begin", lambda specs: None)([base])   # queued now in the workers, not alone after every entry
         entries = _entries_side_by_side(run, progress)
     else:
         # one at a time: a candidate after the smaller ones it may be left out for
@@ -278,7 +278,7 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
             done[c.name] = run.entry(c)
         entries = [done[c.name] for c in cands]
     try:
-        bt = predict_step_time(base, est(base)).seconds
+        bt = predict_step_time(base, run._reference_point()).seconds
     except MemlensError:
         bt = None
     return rank_entries(entries, bt)
