@@ -13,6 +13,7 @@ from memlens.core.errors import MemlensError, SpecError
 from memlens.core.gpus import gpu_facts
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
+from tests.models.checkpoint_support import lm_loss_and_grads, loss_and_grads, tiny_llama
 from tests.tiny_models import blocks
 
 # tests.tiny_models.blocks: 4 blocks of Linear(64->256) -> GELU -> Linear(256->64), a 16 x 64 fp32 batch.
@@ -61,13 +62,6 @@ def test_offloaded_tensors_come_back_in_backward():
     assert r.by_phase["backward"]["peak_allocated_bytes"] > 0 and r.data["activation_plan"]["offload"]["tensors"] == 19
 
 
-def _loss_and_grads(model, x):
-    model.zero_grad()
-    loss = model(x).sum()
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("plan", [
     {"checkpoint_layers": "all", "checkpoint_policy": "selective"},
     {"offload_layers": "all"},
@@ -80,27 +74,17 @@ def test_apply_leaves_loss_and_grads_unchanged(plan):
     done = memlens.apply(wrapped, plan)
     assert done.offloaded == (["blocks.0", "blocks.1", "blocks.2", "blocks.3"] if plan.get("offload_layers") == "all"
                               else [f"blocks.{i}" for i in plan.get("offload_layers", [])])
-    (l0, g0), (l1, g1) = _loss_and_grads(model, x), _loss_and_grads(wrapped, x)
+    (l0, g0), (l1, g1) = loss_and_grads(model, x), loss_and_grads(wrapped, x)
     assert torch.allclose(l0, l1) and all(torch.allclose(a, b) for a, b in zip(g0, g1))
 
 
 def test_apply_hf_selective_and_offload():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).train()
+    model = tiny_llama()
     wrapped = copy.deepcopy(model)
     done = memlens.apply(wrapped, {"checkpoint_layers": 2, "checkpoint_policy": "selective", "offload_layers": [2, 3]})
     assert done == ["model.layers.0", "model.layers.1"] and done.offloaded == ["model.layers.2", "model.layers.3"]
     ids = torch.randint(0, 64, (2, 16))
-    outs = []
-    for m in (model, wrapped):
-        m.zero_grad()
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        outs.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+    outs = [lm_loss_and_grads(m, ids) for m in (model, wrapped)]
     assert torch.allclose(outs[0][0], outs[1][0])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(outs[0][1], outs[1][1]))
 

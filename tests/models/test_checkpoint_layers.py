@@ -13,6 +13,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 from memlens.estimator.depth import why_not
 from memlens.models.checkpoint import checkpoint_blocks
+from tests.models.checkpoint_support import lm_loss_and_grads, loss_and_grads, tiny_llama
 from tests.tiny_models import blocks
 
 # tests.tiny_models.blocks: 4 blocks of Linear(64->256), GELU, Linear(256->64) on a 16 x 64 fp32 batch. A block
@@ -37,13 +38,6 @@ def test_all_equals_grad_checkpointing():
     assert a.spec["grad_checkpointing"] is True and "checkpoint_layers" not in a.spec
 
 
-def _loss_and_grads(model, x):
-    model.zero_grad()
-    loss = model(x).sum()
-    loss.backward()
-    return loss.detach(), [p.grad.clone() for p in model.parameters()]
-
-
 def test_wrapping_leaves_loss_and_grads_unchanged():
     torch.manual_seed(0)
     model, x, _ = blocks()
@@ -51,30 +45,20 @@ def test_wrapping_leaves_loss_and_grads_unchanged():
     names = memlens.apply(wrapped, {"checkpoint_layers": [1, 3]})
     assert names == ["blocks.1", "blocks.3"]
     assert [getattr(b, "_memlens_forward", None) is not None for b in wrapped.blocks] == [False, True, False, True]
-    l0, g0 = _loss_and_grads(model, x)
-    l1, g1 = _loss_and_grads(wrapped, x)
+    l0, g0 = loss_and_grads(model, x)
+    l1, g1 = loss_and_grads(wrapped, x)
     assert torch.equal(l0, l1) and all(torch.equal(a, b) for a, b in zip(g0, g1))
     assert memlens.apply(wrapped, {"checkpoint_layers": 0}) == []       # undone
     assert all(getattr(b, "_memlens_forward", None) is None for b in wrapped.blocks)
 
 
 def test_hf_layers_switched_one_by_one():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(cfg).train()
+    model = tiny_llama()
     wrapped = copy.deepcopy(model)
     assert memlens.apply(wrapped, {"checkpoint_layers": 2}) == ["model.layers.0", "model.layers.1"]
     assert [layer.gradient_checkpointing for layer in wrapped.model.layers] == [True, True, False, False]
     ids = torch.randint(0, 64, (2, 16))
-    outs = []
-    for m in (model, wrapped):
-        m.zero_grad()
-        loss = m(input_ids=ids, labels=ids).loss
-        loss.backward()
-        outs.append((loss.detach(), [p.grad.clone() for p in m.parameters()]))
+    outs = [lm_loss_and_grads(m, ids) for m in (model, wrapped)]
     assert torch.equal(outs[0][0], outs[1][0])
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(outs[0][1], outs[1][1]))
 
