@@ -146,7 +146,7 @@ class FusedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, attn_mask, backend):
         B, H, L, _ = q.shape
         dev = q.device
-        with kernel_outputs:          # one aten op's outputs on the GPU: selective checkpointing keeps them
+        with kernel_outputs():        # one aten op's outputs on the GPU: selective checkpointing keeps them
             out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
             if backend == "efficient":
                 stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)

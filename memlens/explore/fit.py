@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -296,8 +297,7 @@ def apply_plan_of(n: int, policy: str = "full", offload: int = 0) -> dict[str, A
 def apply_line(n: int | dict, policy: str = "full", offload: int = 0) -> str:
     """The one line of code that applies a least-recompute answer."""
     plan = n if isinstance(n, dict) else apply_plan_of(n, policy, offload)
-    body = ", ".join(f'"{k}": {v!r}' for k, v in plan.items()).replace("'", '"')
-    return f"memlens.apply(model, {{{body}}})"
+    return f"memlens.apply(model, {json.dumps(plan)})"
 
 
 def _flags(key: tuple, layers: int, all_flag: bool) -> str:

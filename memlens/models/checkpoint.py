@@ -26,11 +26,13 @@ tensors through checkpoint's own hooks, which take the place of save_on_cpu's, s
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from collections.abc import Mapping
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from ..core.errors import MemlensError, SpecError
@@ -103,21 +105,19 @@ SELECTIVE_SAVE_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flas
 _SAVE_PACKETS: set = set()
 
 
-class _KernelOutputs:
-    """Set while the simulation allocates the outputs of a fused kernel it stands in for (the CUDA attention kernel's
+_kernel = threading.local()     # .depth: inside kernel_outputs() on this thread (fits run simulations in threads)
+
+
+@contextlib.contextmanager
+def kernel_outputs():
+    """While the simulation allocates the outputs of a fused kernel it stands in for (the CUDA attention kernel's
     output, softmax statistics and RNG state, memlens.estimator.cuda_rules.FusedAttention): on the GPU those are the
-    outputs of one aten attention op, which the policy keeps, so its stand-in's allocations are kept too."""
-
-    depth = 0
-
-    def __enter__(self):
-        _KernelOutputs.depth += 1
-
-    def __exit__(self, *exc):
-        _KernelOutputs.depth -= 1
-
-
-kernel_outputs = _KernelOutputs()
+    outputs of one aten attention op, which the selective policy keeps, so its stand-in's allocations are kept too."""
+    _kernel.depth = getattr(_kernel, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _kernel.depth -= 1
 
 
 def selective_policy(ctx, func, *args, **kwargs):
@@ -128,7 +128,7 @@ def selective_policy(ctx, func, *args, **kwargs):
 
     if not _SAVE_PACKETS:
         _SAVE_PACKETS.update(getattr(torch.ops.aten, n) for n in SELECTIVE_SAVE_OPS if hasattr(torch.ops.aten, n))
-    if _KernelOutputs.depth or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
+    if getattr(_kernel, "depth", 0) or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
