@@ -382,8 +382,8 @@ def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, marg
     cheapest = min((cost[p] / saved[p] for p in POLICIES if saved[p] > 0), default=float("inf"))
     offload = 2 / gpu.pcie_bytes_per_s < cheapest     # the bound: offload can be cheaper per byte than recomputing
     if offload:
-        probe([key("full", 0, layers)])
         k = key("full", 0, layers)
+        probe([k])
         saved["offload"] = (need_bytes(points[none]) - need_bytes(points[k])) / layers
         cost["offload"] = _added_seconds(points[k]) / layers
 
