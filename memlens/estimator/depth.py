@@ -22,7 +22,9 @@ Each event's layer is its allocation's module's layer (the optimizer's allocatio
 of the parameter they were computed from); a free or tag in the forward or backward belongs to
 where it happens (the layer of the last allocation before it), elsewhere to the storage's layer.
 A tensor made from a list with an entry per layer (``clip_grad_norm_``'s stack of norms) grows by
-the bytes per layer measured between the two shallow models.
+the bytes per layer measured between the two shallow models; a later spec of the family takes them
+from its own list (one layer's entries' bytes, recorded as the tensor is made) where the family's
+check showed the two equal (:func:`grows_as_recorded`).
 
 The check on 3 and 4 layers is made once per :func:`family` (the step at any size and
 accumulation); a later spec of the family is written from its 4-layer simulation alone, its
@@ -320,7 +322,7 @@ def _tokens(log: EventLog, stack: Stack, key_layer: dict) -> tuple[dict, dict]:
     return place, back
 
 
-def grown_sizes(log_a: EventLog, spanning_a: set, log_b: EventLog, spanning_b: set, copies: int) -> tuple[dict, dict]:
+def grown_sizes(log_a: EventLog, spanning_a: dict, log_b: EventLog, spanning_b: dict, copies: int) -> tuple[dict, dict]:
     """Sizes, with one layer more (of ``log_a``'s keys) and with ``copies`` layers more (of
     ``log_b``'s), of the allocations made from a list with an entry per layer. Each grows by its
     size in ``log_b`` (one layer more) less its size in ``log_a``: the list gains one layer's
@@ -334,7 +336,22 @@ def grown_sizes(log_a: EventLog, spanning_a: set, log_b: EventLog, spanning_b: s
     return ({k: size + g for (k, _, size), g in zip(a, per)}, {k: size + copies * g for (k, _, size), g in zip(b, per)})
 
 
-def _spanning(log: EventLog, spanning: set) -> list:
+def grows_as_recorded(log_a: EventLog, spanning_a: dict, log_b: EventLog, spanning_b: dict) -> bool:
+    """Whether each allocation made from every layer's tensors grew from the 3- to the 4-layer model by
+    the bytes the simulation recorded for one layer's entries (the same in both): then a later spec of
+    the family sizes them from its 4-layer simulation alone (:func:`recorded_sizes`). Call after
+    :func:`grown_sizes` (the two lists alike)."""
+    return all(spanning_a[ka] is not None and spanning_a[ka] == spanning_b[kb] == sb - sa
+               for (ka, _, sa), (kb, _, sb) in zip(_spanning(log_a, spanning_a), _spanning(log_b, spanning_b)))
+
+
+def recorded_sizes(log: EventLog, spanning: dict, copies: int) -> dict:
+    """Sizes, with ``copies`` layers more, of the allocations made from every layer's tensors, each grown by
+    the bytes the simulation recorded for one layer's entries (shown to hold for the family: :func:`grows_as_recorded`)."""
+    return {k: size + copies * spanning[k] for k, _, size in _spanning(log, spanning)}
+
+
+def _spanning(log: EventLog, spanning: dict) -> list:
     """(key, what allocated it, size) of the allocations made from every layer's tensors, in order."""
     return [(ev[1], (ev[3], ev[5], str(ev[6]), ev[8]), ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
 

@@ -138,12 +138,13 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
     copied: dict = {}      # (copy, key) -> the copy's key, for a multi-GPU wrapper's own key sets
     b = _simulate(spec, depth.shallow_source(source, shallow), steps, True, layers=shallow)
     grow = n - shallow
-    if known is not None and not b.spanning:
+    if known is not None and (not b.spanning or known[2] and None not in b.spanning.values()):
         depth.check_middle(b.log, b.stack, b.live_layers)
-        written = (b.log, b.stack, b.live_layers, grow, None)
-        log = depth.write_layers(*written[:4], keys=copied)
+        sizes = depth.recorded_sizes(b.log, b.spanning, grow) if b.spanning else None
+        written = (b.log, b.stack, b.live_layers, grow, sizes)
+        log = depth.write_layers(*written[:4], sizes=sizes, keys=copied)
         how = f"written from {shallow} layers (the rule checked on {depth.SHALLOW} and {shallow} layers at another size)"
-        params, trainable = known
+        params, trainable = known[:2]
     else:
         a = _simulate(spec, depth.shallow_source(source, depth.SHALLOW), steps, True, layers=depth.SHALLOW)
         try:
@@ -156,7 +157,7 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
             depth.CHECKED[family] = str(e)
             raise
         params, trainable = b.param_count - a.param_count, b.trainable_count - a.trainable_count
-        depth.CHECKED[family] = (params, trainable)
+        depth.CHECKED[family] = (params, trainable, depth.grows_as_recorded(a.log, a.spanning, b.log, b.spanning))
         how = f"written from {depth.SHALLOW} and {shallow} layers"
     if b.wrapper is not None:
         _grow_wrapper(b.wrapper, copied, n)
@@ -472,7 +473,8 @@ class SimulationTracker(StorageTracker):
         is computed from (a foreach op's i-th output: its first list's i-th tensor's)."""
         self.stack = stack
         self.live_layers = {}
-        self.spanning: set = set()     # keys of tensors made from a list with an entry per layer
+        # keys of tensors made from a list with an entry per layer -> the bytes one layer's entries add (or None)
+        self.spanning: dict = {}
         self._key_layers: dict = {}
         self._module_layers: list = []
         self._scanned = 0
@@ -527,7 +529,23 @@ class SimulationTracker(StorageTracker):
             if lay is not None and not spans_only:
                 self.live_layers[key] = self._key_layers[key] = lay
             elif spans:    # one tensor from a list over every layer (clip_grad_norm_'s stack of norms)
-                self.spanning.add(key)
+                self.spanning[key] = self._bytes_per_layer(first, o)
+
+    def _bytes_per_layer(self, entries, out: torch.Tensor) -> int | None:
+        """The bytes of ``out`` (made from the list ``entries``) that one layer's entries account for: where
+        ``out`` holds each entry's elements once (``torch.stack``, ``torch.cat``) and every layer of the
+        stack has entries of the same number of elements; else None (:func:`.depth.grows_as_recorded`)."""
+        if not all(isinstance(e, torch.Tensor) for e in entries) or sum(e.numel() for e in entries) != out.numel() \
+                or out.untyped_storage().nbytes() != out.numel() * out.element_size():
+            return None
+        per: dict[int, int] = {}
+        for e in entries:
+            lay = self._layer_of(e)
+            if lay is not None:
+                per[lay] = per.get(lay, 0) + e.numel()
+        if set(per) != set(range(self.stack.depth)) or len(set(per.values())) != 1:
+            return None
+        return per[0] * out.element_size()
 
     def set_phase(self, name: str, step: int) -> None:
         if name == "forward":

@@ -209,7 +209,7 @@ def test_workers_share_what_they_checked(tmp_path):
     first = _simulate_in_worker(TrainingSpec(model=model, batch_size=2, seq_len=32))
     assert first.sim.later_layers == "written from 3 and 4 layers"
     (family, per_layer), = first.checked.items()
-    assert per_layer == (49984, 49984)                 # parameters of one tiny GPT-2 block, all trainable
+    assert per_layer == (49984, 49984, True)           # parameters of one tiny GPT-2 block, all trainable (no list over layers)
     depth.CHECKED.pop(family)                          # as in another worker that has not seen it
     second = _simulate_in_worker(TrainingSpec(model=model, batch_size=4, seq_len=32), first.checked)
     assert second.sim.later_layers == "written from 4 layers (the rule checked on 3 and 4 layers at another size)"
@@ -263,3 +263,18 @@ def test_a_worker_sends_the_shallow_log_and_its_result(tmp_path):
     for s, r in answers.items():
         if r.data["scaling"]["answer"] == "replayed" or s.batch_size == 5:
             assert comparable(r) == comparable(estimate(s)), s.describe()
+
+
+def test_a_list_over_every_layer_grows_as_recorded_only_where_shown():
+    """A tensor stacked from every layer's entries (per-sample norms, 16 bytes a layer): a later spec
+    sizes it from its own list only where the 3- and 4-layer models grew by what was recorded."""
+    from memlens.core.events import Alloc
+
+    def log(nbytes: int) -> EventLog:
+        return EventLog(events=[Alloc(ALLOC, 7, nbytes, "dp_per_sample", -1, "clip", "aten.stack.default")])
+
+    a, b = log(3 * 16 + 8), log(4 * 16 + 8)       # 8 bytes from outside the stack
+    assert depth.grows_as_recorded(a, {7: 16}, b, {7: 16})
+    assert depth.recorded_sizes(b, {7: 16}, 28) == {7: 32 * 16 + 8}
+    assert not depth.grows_as_recorded(a, {7: 12}, b, {7: 12})     # recorded 12, grew 16
+    assert not depth.grows_as_recorded(a, {7: None}, b, {7: None})  # not a concatenation of its entries
