@@ -51,6 +51,7 @@ class StorageTracker(TorchDispatchMode):
         self._next = 0
         self.stream_of: Any = None           # () -> CUDA stream id of the next allocation (None: always 0)
         self.muted = False                   # True: ops run unaccounted (stand-ins for storages already logged)
+        self._host: dict[int, Any] = {}      # id(storage) -> storage: on the host in the real run, never logged (on_host)
 
     # ---------------------------------------------------------------- registration
     @staticmethod
@@ -130,6 +131,14 @@ class StorageTracker(TorchDispatchMode):
         self._category[key] = category
         self.log.tag(key, category)
 
+    def on_host(self, tensors) -> None:
+        """Storages that the real run keeps on the host (DP-SGD's dataset, the logical batch its data loader
+        gathers physical batches from): never logged, whatever op first shows them to the mode."""
+        for t in tensors:
+            st = _local(t).untyped_storage()
+            if id(st) not in self._keys:
+                self._host[id(st)] = st
+
     def release(self, t: torch.Tensor) -> None:
         """Stop accounting a storage that lives off the device (e.g. optimizer step counters)."""
         key = self.key_of(t)
@@ -177,7 +186,7 @@ class StorageTracker(TorchDispatchMode):
                 continue
             st = t.untyped_storage()
             sid = id(st)
-            if sid in self._keys:
+            if sid in self._keys or sid in self._host:
                 continue
             nbytes = st.nbytes()
             if nbytes == 0:

@@ -433,10 +433,14 @@ class Steps:
     turns both off. ``later_steps`` and ``later_micro_batches`` say what happened."""
 
     def __init__(self, tracker, step, params: list, *, why_not: str = "", label: str = ""):
+        from .periodic_dp import DPFirstStep
+
         self.tracker, self.step, self.label, self._progress = tracker, step, label, _progress
         self.params = params
         self.k = step.spec.grad_accum
-        self.first = FirstStep(tracker, params) if not why_not else None
+        dp = getattr(step, "dp", None)
+        self.first = FirstStep(tracker, params) if not why_not and dp is None else None
+        self.dp_first = DPFirstStep(tracker, dp) if not why_not and dp is not None else None
         self.later: Repeat | str = why_not
         self.micro = "simulated" if self.k >= 2 else ""
         self._watch: MicroBatches | None = None
@@ -455,6 +459,11 @@ class Steps:
             if self.later.run(n, self.tracker, self.step, on_phase):
                 return
             self.later = "a stand-in for a gradient or the loss cannot be made"
+        if n > 1 and self.dp_first is not None and not isinstance(self.later, str):
+            self._progress.stage(f"{self.label}: step {n} physical batches before the last written from step 1")
+            if self.later.run(n, self.tracker, self.step.dp, on_phase):
+                return
+            self.later = "a stand-in for a summed gradient, held output or loss cannot be made"
         self._watch = MicroBatches(self.tracker, self.k, self.params) if self.first is not None else None
         try:
             last = self.step.run(on_phase)
@@ -469,8 +478,13 @@ class Steps:
             self._watch = None
         if n == 1 and self.first is not None:
             self.later = self.first.plan(*loss_of(self.tracker, last))
+        if n == 1 and self.dp_first is not None:
+            self.later = self.dp_first.plan()
         del last                              # as the loop drops the loss the step returned
 
     @property
     def later_steps(self) -> str:
-        return "written from step 1" if isinstance(self.later, Repeat) else f"simulated ({self.later})"
+        if not isinstance(self.later, str):
+            return "written from step 1" if isinstance(self.later, Repeat) else \
+                "physical batches before the last written from step 1"
+        return f"simulated ({self.later})"

@@ -229,6 +229,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     if step.dp is None:
         register_inputs(tracker, step.batch)
     else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices
+        tracker.on_host(t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor))
         step.dp.observer = tracker
     params = list(model.parameters())
 
@@ -253,8 +254,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
                     "clip": log.module_id(OPTIMIZER_LABEL), "optimizer": log.module_id(OPTIMIZER_LABEL)}
 
     wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
-    why_not = ("repeat=False" if not repeat else "DP-SGD hooks keep state" if step.dp is not None
-               else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
+    why_not = ("repeat=False" if not repeat else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
                else "--compile runs the compiled graph" if spec.compile else "")
     runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)
     try:

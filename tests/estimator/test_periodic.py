@@ -74,11 +74,6 @@ def test_three_steps():
     assert canonical(fast.log) == canonical(full.log)
 
 
-def test_dp_sgd_simulates_step_two():
-    r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="sgd", dp=True))
-    assert r.data["later_steps"] == "simulated (DP-SGD hooks keep state)"
-
-
 class Caching(torch.nn.Module):
     """Keeps a tensor made in forward until the next forward replaces it (a module cache):
     it outlives step 1, so step 2 cannot be written from step 1."""
@@ -143,8 +138,11 @@ def test_a_copied_gradient_makes_micro_batch_two_simulated():
     assert three.later_micro_batches == "3..3 written from micro-batch 2"
 
 
-def test_dp_sgd_steps_are_simulated():
-    """Opacus' hooks keep state between steps: step 2 is simulated in full (physical batches are
-    Opacus' BatchMemoryManager's, which --grad-accum may not be combined with)."""
+def test_dp_sgd_steps_say_how_they_were_made():
+    """DP-SGD's step 2 is written by memlens.estimator.periodic_dp (tests/estimator/test_periodic_dp.py):
+    its physical batches before the last, where there are several (BatchMemoryManager's, which
+    --grad-accum may not be combined with)."""
     r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="sgd", dp=True, batch_size=8, physical_batch_size=4))
-    assert r.data["later_steps"] == "simulated (DP-SGD hooks keep state)"
+    assert r.data["later_steps"] == "physical batches before the last written from step 1"
+    r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="sgd", dp=True))
+    assert r.data["later_steps"] == "simulated (one physical batch per step)"

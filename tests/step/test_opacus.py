@@ -278,7 +278,8 @@ def test_repeated_physical_batches_are_simulated_once(monkeypatch, mode):
     spec = dp(batch_size=11, physical_batch_size=2, seq_len=32, grad_sample_mode=mode)   # 2, 2, (2, 2, 2), 1
     short = estimate(spec)
 
-    def every(self):
+    def every(self, resume=None):
+        assert resume is None           # unwatched, so step 2 is simulated too (memlens.estimator.periodic_dp)
         for i, idx in enumerate(self.loader.batch_sampler, 1):
             yield i, self.gather(idx)
 

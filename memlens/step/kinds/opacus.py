@@ -95,8 +95,9 @@ class SampleIndices:
 
 class Gather:
     """The collate function: the samples ``indices`` of the host batch, as new tensors (one per
-    tensor of the batch: ``labels`` that is ``input_ids`` stays one tensor). On fake tensors the
-    new tensor stands for the device copy; on a real device :meth:`to_device` copies it over."""
+    tensor of the batch: ``labels`` that is ``input_ids`` stays one tensor; a tensor that is not per
+    sample is copied whole). On fake tensors the new tensor stands for the device copy (the dataset
+    itself is on the host: never counted); on a real device :meth:`to_device` copies it over."""
 
     def __init__(self, batch: Any, n: int):
         self.batch = batch
@@ -112,8 +113,12 @@ class Gather:
         memo: dict[int, Any] = {}
 
         def take(t):
-            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % self.n:
+            if not isinstance(t, torch.Tensor):
                 return t
+            if t.dim() == 0 or t.shape[0] % self.n:       # not per sample: a copy all the same (the data loader's)
+                if id(t) not in memo:
+                    memo[id(t)] = t.clone()
+                return memo[id(t)]
             if id(t) not in memo:
                 k = t.shape[0] // self.n     # rows per sample (VLMs: images per sample)
                 if contiguous:
@@ -210,6 +215,10 @@ class DPStep:
     current_pass: str = ""            # "forward", "backward 1", "backward 2" (ghost clipping's re-weighted pass), "clip"
     runs: int = 0                     # optimizer steps run so far
     passes: list = field(default_factory=list)   # (run, physical batch, pass, event index in the observer's log)
+    # on fake tensors: told ("batch", i) before physical batch i is gathered and ("held", i) before its outputs
+    # replace the held ones (memlens.estimator.periodic writes later steps from the first with it)
+    watch: Callable[[str, int], None] | None = None
+    last_loss: Any = None             # the last physical batch's loss (detached) while the step runs
     _on_phase: Callable[[str], None] = field(default=lambda name: None, repr=False)
 
     @property
@@ -221,42 +230,50 @@ class DPStep:
     def n_physical(self) -> int:
         return -(-self.logical_batch // self.physical_batch)
 
-    def physical_batches(self):
+    def physical_batches(self, resume: tuple[int, Callable[[], None]] | None = None):
         """The physical batches of one logical batch, from BatchMemoryManager's sampler.
 
         On fake tensors a physical batch that is neither the first two nor the last, and has the
         size of the one before, is not re-run: it starts from the state the one before left
         (``summed_grad`` accumulated, the step skipped) and allocates the same, so memory repeats.
-        Its skip signal is consumed as its ``optimizer.step()`` would have."""
+        Its skip signal is consumed as its ``optimizer.step()`` would have. ``resume`` (fake tensors):
+        (i, install): the batches before i were written into the log by the caller; their skip
+        signals are consumed, then ``install()`` puts the state they leave in place, and batch i runs."""
         if self.fake:
             k, prev = self.n_physical, None
             for i, idx in enumerate(self.loader.batch_sampler, 1):
-                if 2 < i < k and len(idx) == prev:
+                if resume is not None and i < resume[0] or 2 < i < k and len(idx) == prev:
                     self.optimizer._check_skip_next_step()
+                    self.optimizer._is_last_step_skipped = True
+                    prev = len(idx)
                     continue
+                if resume is not None and i == resume[0]:
+                    resume[1]()
                 prev = len(idx)
+                if self.watch is not None:
+                    self.watch("batch", i)
                 yield i, self.gather(idx)
         else:
             for i, b in enumerate(self.loader, 1):
                 yield i, self.gather.to_device(b, self.device)
 
-    def run(self, on_phase: Callable[[str], None] = lambda name: None):
+    def run(self, on_phase: Callable[[str], None] = lambda name: None, resume: tuple[int, Callable[[], None]] | None = None):
         """Every physical batch: forward, backward (two passes under ghost clipping), the DP
         optimizer's step ("clip": clip and accumulate; on the last physical batch also noise, then
-        "optimizer": the wrapped optimizer's update), zero_grad. Returns the last loss (None on fake tensors)."""
+        "optimizer": the wrapped optimizer's update), zero_grad. Returns the last loss (None on fake
+        tensors). ``resume``: see :meth:`physical_batches`."""
         self._on_phase = on_phase
         self.runs += 1
         with warnings.catch_warnings():
             # PyTorch's note that a module hook fires on outputs when no input needs a gradient (a
             # frozen embedding before the first adapter): what Opacus relies on, not a problem
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            return self._run(on_phase)
+            return self._run(on_phase, resume)
 
-    def _run(self, on_phase):
-        last = None
+    def _run(self, on_phase, resume):
         try:
             k = self.n_physical
-            for i, batch in self.physical_batches():
+            for i, batch in self.physical_batches(resume):
                 self.physical = (i, k)
                 self._tag(_tensors(batch), INPUTS)
                 on_phase("forward")
@@ -267,7 +284,7 @@ class DPStep:
                 self._pass("backward 1")
                 with self._second_pass_marked():
                     loss.backward()
-                last = loss.detach()
+                self.last_loss = loss.detach()
                 del loss
                 on_phase("clip")
                 self._pass("clip")
@@ -282,6 +299,7 @@ class DPStep:
         finally:
             self._on_phase = lambda name: None
             self.physical = (0, 0)
+            last, self.last_loss = self.last_loss, None
         if last is None or self.fake:
             return None
         return last
@@ -317,6 +335,8 @@ class DPStep:
     def _loss(self, batch):
         out = self._forward(batch)
         if self.keep_outputs:      # the user's `logits = model(x).logits`: the previous physical batch's go now
+            if self.watch is not None:
+                self.watch("held", self.physical[0])
             self.held[:] = [held_part(out, self.loss_fn)]
         return self._loss_from(out, batch)
 
