@@ -38,31 +38,9 @@ import torch
 from ..core import progress as _progress
 from ..core.enums import Category
 from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
-
-
-@dataclass
-class _Meta:
-    """What a stand-in needs to be: a storage of ``nbytes`` seen as (size, stride, offset, dtype)."""
-
-    size: tuple
-    stride: tuple
-    offset: int
-    dtype: Any
-    nbytes: int
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> "_Meta":
-        return cls(tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
-
-    def make(self) -> torch.Tensor | None:
-        """A new tensor (in the ambient fake mode) with a storage of exactly ``nbytes``; None if none can be."""
-        item = self.dtype.itemsize
-        if self.nbytes % item:
-            return None
-        base = torch.empty(self.nbytes // item, dtype=self.dtype)
-        t = base if (self.size, self.stride, self.offset) == (tuple(base.shape), tuple(base.stride()), 0) else \
-            base.as_strided(self.size, self.stride, self.offset)
-        return t if t.untyped_storage().nbytes() == self.nbytes else None
+from .periodic_dp import DPFirstStep
+from .standins import Meta as _Meta
+from .standins import standin_meta as _standin_meta
 
 
 @dataclass
@@ -190,13 +168,6 @@ def loss_of(tracker, last) -> tuple[Any, _Meta | None]:
     if isinstance(last, torch.Tensor) and tracker.key_of(last) is not None:
         return tracker.key_of(last), _Meta.of(last)
     return None, None
-
-
-def _standin_meta(tracker, key) -> _Meta | None:
-    """A byte storage the size of the live storage ``key`` (a micro-batch's loss), or None if it is gone."""
-    ref = tracker._refs.get(key)
-    st = ref() if ref is not None else None
-    return None if st is None else _Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())
 
 
 # ---------------------------------------------------------------- the micro-batches of a step
@@ -433,8 +404,6 @@ class Steps:
     turns both off. ``later_steps`` and ``later_micro_batches`` say what happened."""
 
     def __init__(self, tracker, step, params: list, *, why_not: str = "", label: str = ""):
-        from .periodic_dp import DPFirstStep
-
         self.tracker, self.step, self.label, self._progress = tracker, step, label, _progress
         self.params = params
         self.k = step.spec.grad_accum

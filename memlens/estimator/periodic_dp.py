@@ -37,7 +37,8 @@ import torch
 
 from ..core.enums import Category
 from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
-from .periodic import _Meta, _standin_meta
+from .standins import Meta as _Meta
+from .standins import standin_meta as _standin_meta
 
 
 def _storages(obj) -> list[torch.Tensor]:

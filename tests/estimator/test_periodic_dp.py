@@ -1,18 +1,14 @@
 """DP-SGD's later steps written from the first (memlens.estimator.periodic_dp): the physical batches
 before the last one of step n give the log of a full simulation, event by event; where that cannot
 be shown, step n is simulated in full and the result says why."""
-import sys
-from pathlib import Path
-
 import pytest
 
 from memlens.core.events import ALLOC, FREE, PHASE, TAG
 from memlens.core.spec import TrainingSpec
 from memlens.estimator.simulate import simulate
+from tests.estimator.test_periodic import LLAMA, canonical
 
 pytest.importorskip("opacus")
-sys.path.insert(0, str(Path(__file__).parent))
-from test_periodic import LLAMA, canonical  # noqa: E402
 
 WRITTEN = "physical batches before the last written from step 1"
 LINEAR = "tests.tiny_models:linear"
