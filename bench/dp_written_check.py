@@ -44,9 +44,9 @@ def main(folder: str) -> int:
              "L256; measured on an NVIDIA H100 80GB HBM3 (torch 2.11, transformers 5.17, opacus 1.6.0) by `memlens profile "
              "--compare-estimate` (peaks over 3 profiled steps after a warm-up step). The estimates are those of full "
              "simulations to the byte (checked here: `simulate(spec, repeat=False)` gives the same log). Peak allocated: "
-             "every case within 0.02%. Peak reserved: -5.3% to +8.1% on the 1B with 4 or 3 physical batches, the same "
-             "with step 2 simulated in full: not this change's, not investigated (the profile's reserved includes its "
-             "model load and warm-up history).", "",
+             "every case within 0.02%. Peak reserved here: -5.3% to +8.1% on the 1B with 4 or 3 physical batches, the same "
+             "with step 2 simulated in full; the cause was the profile's own model build (free segments left in the cache), "
+             "since released: the same four cases exact to the byte in reserved_check.md.", "",
              "| model | mode | physical batch | outputs | loss | measured alloc | estimated alloc | error | measured reserved | estimated reserved | error |",
              "|---|---|---:|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
