@@ -31,7 +31,7 @@ by event.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -51,6 +51,8 @@ class Repeat:
     fresh: list[Any]                    # keys allocated in it that later steps allocate again, in order
     grads: list[tuple[Any, Any, _Meta, str]]   # (parameter, key in step 1, meta, category at the optimizer)
     loss: tuple[Any, _Meta, str] | None  # the returned loss: (key in step 1, meta, category)
+    WRITTEN: ClassVar[str] = "forward and backward"           # what of step n is written (Steps.later_steps)
+    UNMADE: ClassVar[str] = "a stand-in for a gradient or the loss cannot be made"
 
     def run(self, n: int, tracker, step, on_phase: Callable[[str], None]) -> bool:
         """Write step ``n``'s forward and backward into the log, then run its optimizer phase.
@@ -410,7 +412,7 @@ class Steps:
         dp = getattr(step, "dp", None)
         self.first = FirstStep(tracker, params) if not why_not and dp is None else None
         self.dp_first = DPFirstStep(tracker, dp) if not why_not and dp is not None else None
-        self.later: Repeat | str = why_not
+        self.later: Any = why_not             # Repeat, DPRepeat, or why step n is simulated
         self.micro = "simulated" if self.k >= 2 else ""
         self._watch: MicroBatches | None = None
         self._n = 0
@@ -423,16 +425,11 @@ class Steps:
 
     def run(self, n: int, on_phase: Callable[[str], None]) -> None:
         """Step ``n``: written from step 1 if proven, else simulated (its micro-batches 3..k written if proven)."""
-        if n > 1 and isinstance(self.later, Repeat):
-            self._progress.stage(f"{self.label}: step {n} forward and backward written from step 1")
+        if n > 1 and not isinstance(self.later, str):        # a Repeat, or DP-SGD's DPRepeat
+            self._progress.stage(f"{self.label}: step {n} {self.later.WRITTEN} written from step 1")
             if self.later.run(n, self.tracker, self.step, on_phase):
                 return
-            self.later = "a stand-in for a gradient or the loss cannot be made"
-        if n > 1 and self.dp_first is not None and not isinstance(self.later, str):
-            self._progress.stage(f"{self.label}: step {n} physical batches before the last written from step 1")
-            if self.later.run(n, self.tracker, self.step.dp, on_phase):
-                return
-            self.later = "a stand-in for a summed gradient, held output or loss cannot be made"
+            self.later = self.later.UNMADE
         self._watch = MicroBatches(self.tracker, self.k, self.params) if self.first is not None else None
         try:
             last = self.step.run(on_phase)
@@ -453,7 +450,6 @@ class Steps:
 
     @property
     def later_steps(self) -> str:
-        if not isinstance(self.later, str):
-            return "written from step 1" if isinstance(self.later, Repeat) else \
-                "physical batches before the last written from step 1"
-        return f"simulated ({self.later})"
+        if isinstance(self.later, Repeat):
+            return "written from step 1"
+        return f"simulated ({self.later})" if isinstance(self.later, str) else f"{self.later.WRITTEN} written from step 1"

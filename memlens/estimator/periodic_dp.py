@@ -9,24 +9,28 @@ gradients). Only the last physical batch adds noise and steps the wrapped optimi
 a step every parameter's ``grad``, ``grad_sample`` and ``summed_grad`` is None again, so step n's
 physical batches 1..k-1 start from the state step 1's did (the same parameters and inputs, on the
 same sizes; Opacus' hooks keep nothing from one step to the next but the held outputs below), and
-none of them reads the optimizer's state: they run the same ops and allocate and free alike. Two
-differences, both written by hand:
+none of them reads the optimizer's state: they run the same ops and allocate and free alike. Three
+differences, written by hand:
 
 - the loop that holds a physical batch's outputs (``logits = model(x).logits``, until the next
   forward returns) enters step n holding step n-1's last outputs: step n's first forward frees them
-  where step 1's first forward replaced nothing (its position is marked by :class:`DPStep` itself);
+  where step 1's first forward replaced nothing (its position is marked by :class:`DPStep` itself),
+  in the order physical batch 2 freed batch 1's;
+- what Opacus keeps on a parameter or its wrappers across steps (ghost clipping's per-sample norms,
+  until the next backward replaces them) is freed in step n's first backward where batch 2 freed
+  batch 1's (batch 2's forward and backward must be batch 1's plus those frees);
 - the CUDA emulation's one-time workspaces, taken in step 1, are not taken again.
 
 Then the state step 1's last physical batch started from is installed with stand-ins (fake tensors
 of the same storage size, logged under the copied events' keys): each parameter's ``summed_grad``
-(its shape: it is added into), the held outputs, the previous physical batch's loss. The last
-physical batch runs for real.
+(its shape: it is added into) and kept norms, the held outputs, the previous physical batch's loss.
+The last physical batch runs for real.
 
 Checked on step 1's events (else step n is simulated in full; ``reason`` says which failed):
 physical batches 1..k-1 free and tag no storage made before them; at the last physical batch's start
 every parameter's ``grad`` and ``grad_sample`` is None, and what they left alive is exactly the
-summed gradients, the held outputs, the loss and one-time workspaces. Not for a multi-GPU wrapper
-(its hooks keep state). ``tests/estimator/test_periodic_dp.py`` compares written steps with fully
+summed gradients, the kept norms, the held outputs, the loss and one-time workspaces. Not for a
+multi-GPU wrapper (its hooks keep state). ``tests/estimator/test_periodic_dp.py`` compares written steps with fully
 simulated ones event by event.
 """
 from __future__ import annotations
@@ -36,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.enums import Category
-from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
+from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, PhaseMark, Tag, canonical
 from .standins import Meta as _Meta
 from .standins import standin_meta as _standin_meta
 
@@ -106,20 +110,14 @@ class DPFirstStep:
 
     def _carried(self) -> list | str:
         """[(what, holder, key, meta, category)]: the storages alive at the last physical batch's start, or why not."""
-        t, out = self.tracker, []
+        t = self.tracker
         for p in self.dp._params():
             if p.grad is not None or getattr(p, "grad_sample", None) is not None:
                 return "a gradient or per-sample gradient is alive at the last physical batch's start"
-            for name in _CARRIED:
-                v = getattr(p, name, None)
-                if isinstance(v, torch.Tensor):
-                    out.append((name, p, t.key_of(v), _Meta.of(v)))
-                elif v is not None:
-                    return f"a parameter's {name} is not a tensor at the last physical batch's start"
-        for obj in (self.dp.model, self.dp.optimizer, self.dp.criterion):   # e.g. ghost clipping's per-sample norms
-            for name, v in list(vars(obj).items()) if obj is not None else ():
-                if isinstance(v, torch.Tensor):
-                    out.append((name, obj, t.key_of(v), _Meta.of(v)))
+            odd = [name for name in _CARRIED if getattr(p, name, None) is not None and not isinstance(getattr(p, name), torch.Tensor)]
+            if odd:
+                return f"a parameter's {odd[0]} is not a tensor at the last physical batch's start"
+        out = [(name, obj, t.key_of(v), _Meta.of(v)) for obj, name in self._attributes() for v in (getattr(obj, name),)]
         loss = self.dp.last_loss
         for what, tensors in (("held", _storages(list(self.dp.held))), ("loss", _storages(loss) if loss is not None else [])):
             for x in tensors:
@@ -164,7 +162,8 @@ class DPFirstStep:
             rest.append(ev)
         once = {ev[1] for ev in events[one[0]:one[1]] if ev[0] == ALLOC and ev[3] == Category.WORKSPACE}   # batch 1's alone
         first = [(j, ev) for j, ev in enumerate(events[one[0]:one[1]], one[0]) if ev[0] == PHASE or ev[1] not in once]
-        if _shape(rest) != _shape([ev for _, ev in first]):
+        mods = self.tracker.log.modules
+        if canonical(EventLog(events=rest, modules=mods)) != canonical(EventLog(events=[ev for _, ev in first], modules=mods)):
             return "physical batch 2's forward and backward are not batch 1's"
         return {(first[j][0] if j < len(first) else one[1]) - s1: holders for j, holders in at.items()}
 
@@ -241,15 +240,19 @@ class DPFirstStep:
 class DPRepeat:
     """Step 1's physical batches before the last, as a template for later steps (see the module docstring)."""
 
+    WRITTEN = "physical batches before the last"       # what of step n is written (periodic.Steps.later_steps)
+    UNMADE = "a stand-in for a summed gradient, held output or loss cannot be made"
+
     def __init__(self, segment: list[tuple], fresh: list, carried: list, held_at: int | None, order: list[int],
                  replaced: list[int], rank: int, last: int, context: tuple, replace: dict):
         self.segment, self.fresh, self.carried, self.replace = segment, fresh, carried, replace
         self.held_at, self.order, self.replaced = held_at, order, replaced    # (indices into the held storages)
         self.rank, self.last, self.context = rank, last, context
 
-    def run(self, n: int, tracker, dp, on_phase: Callable[[str], None]) -> bool:
-        """Write step ``n``'s physical batches before the last into the log, then run its last one.
-        Returns False (nothing written) if a stand-in cannot be made."""
+    def run(self, n: int, tracker, step, on_phase: Callable[[str], None]) -> bool:
+        """Write step ``n``'s physical batches before the last into the log, then run its last one
+        (``step.dp``). Returns False (nothing written) if a stand-in cannot be made."""
+        dp = step.dp
         tracker.muted = True
         try:
             made = {key: meta.make() for _, _, key, meta, _ in self.carried}
@@ -324,12 +327,6 @@ def _copy_layers(tracker, remap: dict) -> None:
         d = getattr(tracker, name, None)
         if d is not None:
             d.update({new: d[old] for old, new in remap.items() if old in d})
-
-
-def _shape(events: list) -> list[tuple]:
-    """Events with keys renamed in order of appearance (two runs of the same ops compare equal)."""
-    names: dict = {}
-    return [ev if ev[0] == PHASE else (ev[0], names.setdefault(ev[1], len(names))) + tuple(ev[2:]) for ev in events]
 
 
 def _name(obj, attribute: str) -> str:

@@ -3,7 +3,6 @@ as one GPU's step does: the per-rank estimate is the whole model's simulation to
 categories, phases, terms and timeline), while DDP and ZeRO-1, whose buckets and optimizer shards are cut by
 bytes over the whole model, stay simulated whole."""
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,16 +10,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth
 from memlens.estimator.ranks import estimate_ranks
 from memlens.models.source import resolve
-
-LLAMA = Path(__file__).parent.parent / "fixtures" / "models" / "tiny-llama" / "config.json"
-
-
-def deep(tmp_path, layers: int = 12) -> str:
-    cfg = json.loads(LLAMA.read_text())
-    cfg["num_hidden_layers"] = layers
-    path = tmp_path / f"deep-llama-{layers}.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
+from tests.estimator.test_depth import LLAMA, deep
 
 
 def _comparable(r) -> dict:
@@ -41,7 +31,7 @@ def _comparable(r) -> dict:
     {"world_size": 8, "sharding": "zero2", "precision": "bf16", "optimizer": "adafactor"},   # a per-parameter loop
 ], ids=["zero2", "zero2-accum3", "fsdp-amp", "zero3-lora-uneven", "zero2-adafactor"])
 def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes):
-    model = deep(tmp_path)
+    model = deep(tmp_path, LLAMA)
     spec = TrainingSpec(model=model, batch_size=2, seq_len=32, **changes)
     assert depth.why_not(spec, resolve(model)) is None
     depth.CHECKED.clear()
@@ -59,5 +49,5 @@ def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes
 
 @pytest.mark.parametrize("sharding", ["ddp", "zero1"])
 def test_ddp_and_zero1_ranks_are_simulated_whole(tmp_path, sharding):
-    model = deep(tmp_path)
+    model = deep(tmp_path, LLAMA)
     assert depth.why_not(TrainingSpec(model=model, world_size=2, sharding=sharding), resolve(model)).startswith("several GPUs with DDP")

@@ -1,9 +1,6 @@
 """DP-SGD (Opacus, hooks and ghost clipping) writes a deep stack's layers from 3- and 4-layer models
 (memlens.estimator.depth): the log of the whole model simulated, event for event, and so its estimate
 to the byte, at several physical batches of one logical batch (the family is checked once)."""
-import json
-from pathlib import Path
-
 import pytest
 
 from memlens.core.events import canonical
@@ -11,18 +8,9 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth
 from memlens.estimator.simulate import _simulate, simulate
 from memlens.models.source import resolve
+from tests.estimator.test_depth import LLAMA, deep
 
 pytest.importorskip("opacus")
-
-LLAMA = Path(__file__).parent.parent / "fixtures" / "models" / "tiny-llama" / "config.json"
-
-
-def deep(tmp_path, layers: int = 12) -> str:
-    cfg = json.loads(LLAMA.read_text())
-    cfg["num_hidden_layers"] = layers
-    path = tmp_path / f"deep-llama-{layers}.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
 
 
 @pytest.mark.parametrize("changes, written", [
@@ -32,7 +20,7 @@ def deep(tmp_path, layers: int = 12) -> str:
     ({"grad_sample_mode": "hooks", "precision": "amp-bf16", "loss": "criterion-fp32"}, False),
 ], ids=["hooks-bf16", "ghost-bf16", "hooks-amp-criterion"])
 def test_dp_layers_written_equal_the_whole_model(tmp_path, changes, written):
-    model = deep(tmp_path)
+    model = deep(tmp_path, LLAMA)
     src = resolve(model)
     depth.CHECKED.clear()
     for i, physical in enumerate((3, 8, 2)):   # 3 of 8: a smaller last physical batch; 8: one; 2: the family checked already

@@ -216,7 +216,7 @@ class DPStep:
     runs: int = 0                     # optimizer steps run so far
     passes: list = field(default_factory=list)   # (run, physical batch, pass, event index in the observer's log)
     # on fake tensors: told ("batch", i) before physical batch i is gathered and ("held", i) before its outputs
-    # replace the held ones (memlens.estimator.periodic writes later steps from the first with it)
+    # replace the held ones (memlens.estimator.periodic_dp writes later steps from the first with it)
     watch: Callable[[str, int], None] | None = None
     last_loss: Any = None             # the last physical batch's loss (detached) while the step runs
     _on_phase: Callable[[str], None] = field(default=lambda name: None, repr=False)
