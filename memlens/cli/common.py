@@ -97,6 +97,8 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
                         "lm_head) in fp32, gradient checkpointing as peft enables it, input gradients (needs --qlora)")
     g.add_argument("--pad-fraction", type=float, metavar="F", help="text models: share of padding tokens per sample "
                    "(0 <= F < 1; right padding): the batch gets an attention_mask and labels -100 there (default 0: no mask)")
+    g.add_argument("--lengths", metavar="FILE", help="the samples' token counts (one per line, a JSON list or a JSON "
+                   "{length: count}): the step that peaks, --seq-len being the truncation length (docs/lengths.md)")
     g.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters whose name matches (repeatable), e.g. vision_tower")
     g.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
     g.add_argument("--dp", action="store_const", const=True, help="DP-SGD with Opacus (per-sample gradients)")
@@ -132,7 +134,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep",
+    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths",
 )
 
 

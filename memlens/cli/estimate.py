@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..core.errors import SpecError
+from ..core.fits import Budget
 from ..core.gpus import GPUS
 from ..core.units import fmt_bytes
-from ..estimator import estimate
+from ..estimator import estimate, estimate_with_lengths
+from ..estimator.lengths import flags_note
 from ..models import registry
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.plots import skip_plots, timeline_png
@@ -37,6 +40,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="simulate: run the real step on fake tensors (exact); formula: closed form (instant, any size)")
     p.add_argument("--list-models", action="store_true", help="list the built-in models and exit")
     p.add_argument("--list-gpus", action="store_true", help="list the GPUs --gpu knows (memory, context, attention kernels) and exit")
+    p.add_argument("--budget", metavar="SIZE", help="with --lengths: the memory the step may use, e.g. 24GiB (default: the "
+                   "whole --gpu): what max_length or micro-batch would keep the worst step under it")
     p.add_argument("--top", type=whole(0), default=12, metavar="N", help="modules to show (default 12)")
     add_output_args(p)
     p.set_defaults(func=run)
@@ -57,8 +62,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     spec = spec_from_args(args)
 
+    if args.budget and not spec.lengths:
+        raise SpecError("--budget needs --lengths (an estimate says whether it fits --gpu; `memlens fit --budget` finds the "
+                        "largest micro-batch)", hint="add --lengths FILE, or use memlens fit")
     with ProgressBar("estimate", enabled=not args.json):
-        result = estimate(spec, method=args.method)
+        if spec.lengths:
+            budget = Budget.make(args.budget or "total", gpu=spec.gpu)
+            result = estimate_with_lengths(spec, budget=budget, method=args.method)
+        else:
+            result = estimate(spec, method=args.method)
+            note = flags_note(spec, result.data.get("seq_len"))
+            if note:
+                result.notes.append(note)
     d = out_dir(args)
     written: list[str] = []
     if d is not None:
@@ -74,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
     else:
         print_memory(result, top_modules=args.top)
+        if "lengths" in result.data:
+            print(result.data["lengths"]["note"])
         if d is not None:
             print(f"written to {d}/ ({', '.join(written)})")
     return 0

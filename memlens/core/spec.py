@@ -91,6 +91,8 @@ class TrainingSpec:
                                         # model config's (what a plain loop gets), False with --hf-trainer (the Trainer's)
     keep_outputs: bool | None = None    # the loop holds the model's outputs (logits) through backward until its next
                                         # forward returns; None: the step kind's habit (DP-SGD loops keep them)
+    lengths: str | None = None          # a file of the samples' token counts (memlens.core.lengths): the estimate is of the
+                                        # step that peaks; seq_len is then the truncation length (TRL's max_length)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -113,6 +115,8 @@ class TrainingSpec:
         if self.use_cache and self.hf_trainer:
             raise SpecError("--use-cache with --hf-trainer: the Trainer sets config.use_cache = False (TrainingArguments.use_cache)",
                             hint="drop --use-cache")
+        if self.lengths is not None and (not isinstance(self.lengths, str) or not self.lengths.strip()):
+            raise SpecError(f"lengths must be a file path, got {self.lengths!r}", hint="e.g. --lengths lengths.txt (token counts, one per line)")
         if self.keep_outputs is not None and not isinstance(self.keep_outputs, bool):
             raise SpecError(f"keep-outputs must be true or false, got {self.keep_outputs!r}", hint="--keep-outputs or --drop-outputs")
         object.__setattr__(self, "optimizer", canonical_optimizer(self.optimizer))
@@ -212,7 +216,7 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("use_cache", None), ("lora_dropout", 0.0),
+        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("use_cache", None), ("lengths", None), ("lora_dropout", 0.0),
                               ("pad_fraction", 0.0), ("kbit_prep", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None)):
             if d[name] == default:     # absent unless set
@@ -295,6 +299,8 @@ class TrainingSpec:
             parts.append("kbit-prep")
         if self.pad_fraction:
             parts.append(f"pad={self.pad_fraction:g}")
+        if self.lengths:
+            parts.append(f"lengths={Path(self.lengths).name}")
         if self.grad_accum > 1:
             parts.append(f"accum={self.grad_accum}")
         if self.max_grad_norm and not self.dp:   # under DP it is Opacus' per-sample bound

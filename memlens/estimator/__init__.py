@@ -32,7 +32,22 @@ def estimate(spec: TrainingSpec, method: str = "simulate", steps: int = 2, sourc
     """
     if method not in METHODS:
         raise MemlensError(f"method {method!r} is not one of {', '.join(METHODS)}", hint="use --method simulate or formula")
+    if spec.lengths:
+        return estimate_with_lengths(spec, method=method)
     return _estimate(spec, method, steps, source)   # each Result says whether it fits its GPU (result.finish)
+
+
+def estimate_with_lengths(spec: TrainingSpec, budget=None, method: str = "simulate") -> Result:
+    """``spec.lengths`` read: the worst step of those lengths (:func:`memlens.estimator.lengths.estimate_lengths`),
+    the Result's spec the one given (its batch_size and seq_len the micro-batch and the truncation length)."""
+    from ..core.lengths import read_lengths
+    from .lengths import estimate_lengths
+
+    if method != "simulate":
+        raise MemlensError("--lengths is estimated by simulation only", hint="drop --method formula")
+    r = estimate_lengths(spec.replace(lengths=None), read_lengths(spec.lengths), budget=budget)
+    r.spec = spec.to_dict()
+    return r
 
 
 def _estimate(spec: TrainingSpec, method: str, steps: int, source) -> Result:
