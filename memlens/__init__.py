@@ -21,7 +21,7 @@ _EXPORTS = {
     "profile_spec": ".measure.runner", "Monitor": ".measure.monitor", "diagnose_oom": ".doctor",
     "parse_oom": ".doctor", "doctor_log": ".doctor", "doctor_snapshot": ".doctor", "doctor_stats": ".doctor",
     "estimate_trainer": ".integrations.trainer_estimate", "adaptive_batch": ".explore.adaptive", "guard": ".measure.guard",
-    "apply": ".models.checkpoint",
+    "apply": ".models.checkpoint", "lengths_of": ".core.lengths",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .measure.monitor import Monitor
     from .measure.profiler import Profiler, profile
     from .measure.runner import profile_spec
+    from .core.lengths import lengths_of
     from .models.checkpoint import apply
 
 
@@ -79,6 +80,7 @@ __all__ = [
     "Monitor",
     "guard",
     "apply",
+    "lengths_of",
     "adaptive_batch",
     "diagnose_oom",
     "parse_oom",
