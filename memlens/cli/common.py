@@ -17,6 +17,7 @@ from ..core.spec import (
     SHARDING,
     TrainingSpec,
 )
+from ..integrations.configs import read_config
 from ..integrations.trainer_args import spec_fields_from_file, weights_of_model
 
 
@@ -46,7 +47,8 @@ positive.__name__ = "float"
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     """The spec flags (exact names reused by every verb). Defaults are None so YAML values show through."""
     g = p.add_argument_group("training spec (flags override --config)")
-    g.add_argument("--config", metavar="SPEC.yaml", help="YAML file with spec fields (flags given too win)")
+    g.add_argument("--config", metavar="SPEC.yaml", help="YAML file with spec fields, an axolotl config or a TRL recipe "
+                   "(docs/configs.md; flags given too win)")
     g.add_argument("--model", help="built-in name | Hugging Face id | directory or config.json | pkg.module:factory")
     g.add_argument("--batch-size", type=int, metavar="N", help="micro-batch per GPU (default 1)")
     g.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample (default 512, capped at the model's limit)")
@@ -144,8 +146,8 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         raise SpecError("DeepSpeed ZeRO configs (--deepspeed) are not modelled: memlens simulates PyTorch's own ZeRO "
                         "(ZeroRedundancyOptimizer, FSDP2)", hint="use --sharding zero1, zero2 or zero3 (see --help for their settings)")
     base: dict = {}
-    if getattr(args, "config", None):
-        base = TrainingSpec.from_yaml(args.config).to_dict()
+    if getattr(args, "config", None):   # a memlens spec, an axolotl config or a TRL recipe (integrations/configs.py)
+        base, args.config_notes, _ = read_config(args.config, getattr(args, "trainer", None))
     skip = set()
     if getattr(args, "trainer_args", None):
         # with --trainer-args, --precision names the model's weights; the file's bf16/fp16 go over them

@@ -74,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             note = flags_note(spec, result.data.get("seq_len"))
             if note:
                 result.notes.append(note)
+    result.notes.extend(getattr(args, "config_notes", None) or [])   # what --config's axolotl / TRL mapping says
     d = out_dir(args)
     written: list[str] = []
     if d is not None:

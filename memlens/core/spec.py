@@ -247,23 +247,7 @@ class TrainingSpec:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "TrainingSpec":
-        p = Path(path)
-        if not p.exists():
-            raise SpecError(f"config file {p} does not exist", hint="check the path given to --config")
-        if p.is_dir():
-            raise SpecError(f"config {p} is a directory, not a YAML file", hint="give --config the path of a spec.yaml")
-        try:
-            data = yaml.safe_load(p.read_text())
-        except OSError as e:
-            raise SpecError(f"cannot read config {p}: {e.strerror or e}", hint="check the path given to --config") from None
-        except UnicodeDecodeError:
-            raise SpecError(f"{p} is not valid YAML (not UTF-8 text)", hint="give --config a YAML text file (key: value per line)") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            raise SpecError(f"{p} is not valid YAML{where}", hint="fix the YAML syntax (key: value per line)") from None
-        if data is None:
-            raise SpecError(f"{p} is empty", hint="write at least `model: gpt2`")
+        data = load_yaml(path)
         if isinstance(data, dict) and isinstance(data.get("spec"), dict):
             data = data["spec"]  # a memlens result.json / YAML with a spec section
         return cls.from_dict(data)
@@ -330,6 +314,28 @@ class TrainingSpec:
         if self.bucket_cap_mb is not None:
             parts.append(f"bucket={self.bucket_cap_mb:g}MB")
         return " ".join(parts)
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A --config file's YAML (a memlens spec, an axolotl config, a TRL recipe), or one line saying what is wrong."""
+    p = Path(path)
+    if not p.exists():
+        raise SpecError(f"config file {p} does not exist", hint="check the path given to --config")
+    if p.is_dir():
+        raise SpecError(f"config {p} is a directory, not a YAML file", hint="give --config the path of a spec.yaml")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except OSError as e:
+        raise SpecError(f"cannot read config {p}: {e.strerror or e}", hint="check the path given to --config") from None
+    except UnicodeDecodeError:
+        raise SpecError(f"{p} is not valid YAML (not UTF-8 text)", hint="give --config a YAML text file (key: value per line)") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise SpecError(f"{p} is not valid YAML{where}", hint="fix the YAML syntax (key: value per line)") from None
+    if data is None:
+        raise SpecError(f"{p} is empty", hint="write at least `model: gpt2`")
+    return data
 
 
 def _check_int(spec: TrainingSpec, name: str, minimum: int) -> None:
