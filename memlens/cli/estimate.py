@@ -90,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
     else:
         print_memory(result, top_modules=args.top)
+        for line in getattr(args, "config_notes", None) or []:
+            print(line)
         if "lengths" in result.data:
             print(result.data["lengths"]["note"])
         if d is not None:

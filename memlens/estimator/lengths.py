@@ -104,6 +104,10 @@ def lengths_note(info: dict) -> str:
                  f"{w['longest_sample']} tokens{which}, {fmt_bytes(w['peak_allocated_bytes'])} allocated); ")
     head += (f"any order: at most {a['rows']} x {a['tokens']} tokens, {fmt_bytes(a['peak_allocated_bytes'])} allocated, "
              "the peak reported here")
+    b = info.get("budget")
+    if b and not b["fits"]:
+        head += (f"; that does not fit the budget ({fmt_bytes(b['usable_bytes'])} usable of {fmt_bytes(b['budget_bytes'])}: "
+                 f"needs {fmt_bytes(b['need_bytes'])} reserved)")
     fit = info.get("would_fit")
     if fit:
         head += "; " + fit["summary"]
@@ -170,7 +174,8 @@ def _would_fit_text(out: dict, spec: TrainingSpec) -> str:
                  else "no max_length (multiple of 128) fits at this batch size")
     b = out["batch_size"]
     if b:
-        words.append(f"batch size {b['batch_size']} with --grad-accum {b['grad_accum']} would fit ({b['shape']})")
+        words.append(f"batch size {b['batch_size']} with --grad-accum {b['grad_accum']} would fit ({b['shape']}; "
+                     f"{b['batch_size'] * b['grad_accum']} samples per optimizer step)")
     elif spec.batch_size > 1:
         words.append("no smaller batch size fits at this max_length")
     p = out.get("packing_bfd")
