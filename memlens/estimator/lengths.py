@@ -164,6 +164,7 @@ def would_fit(spec: TrainingSpec, lengths: Lengths, budget: Budget, est: Scaling
         else:
             out["packing_bfd"] = {"shape": _shape_text(pk), "fits": ok, "need_bytes": need}
     out["summary"] = _would_fit_text(out, spec)
+    out["estimates"] = est.stats()      # how many were simulated, how many replayed from their traces
     return out
 
 
