@@ -104,6 +104,9 @@ def _counts(spec: TrainingSpec):
 
 def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     """(forward/backward terms, optimizer-step terms, facts) of the closed form."""
+    if spec.lengths:
+        raise MemlensError("--lengths is read by `memlens estimate` (simulated) only: one step has one shape",
+                           hint="run memlens estimate --lengths FILE, then use the shape it names here")
     source, p_bytes, t_numel, t_bytes, buf, block = _counts(spec)
     ws = 2 * gpu_facts(spec.gpu).cublas_workspace_bytes  # one per handle: forward thread and autograd thread
     cfg = source.config

@@ -133,6 +133,10 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     recording the load figures in ``.load``."""
     import torch  # heavy: loaded when a step is built
 
+    if spec.lengths:   # one step has one shape: only `estimate` reads lengths (memlens.estimator.lengths picks the shape)
+        raise SpecError("--lengths is read by `memlens estimate` only: one step has one shape",
+                        hint="run memlens estimate --lengths FILE (it says which step peaks and what would fit), then "
+                             "use the shape it names here")
     source = source or resolve_source(spec.model)
     plan = resolve(spec, fake=fake, source=source)
     stage = on_stage or (lambda label: None)

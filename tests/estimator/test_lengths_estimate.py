@@ -84,3 +84,14 @@ def test_without_lengths_the_result_says_it_is_the_flags_worst_case(capsys):
     notes = json.loads(capsys.readouterr().out)["notes"]
     assert ("lengths: every sample at 64 tokens (2 x 64 tokens per step), the worst case of these flags; a collator that "
             "pads to each batch's longest sample gives smaller steps (--lengths FILE finds the step that peaks).") in notes
+
+
+def test_other_verbs_refuse_lengths(tmp_path, capsys):
+    f = tmp_path / "l.txt"
+    f.write_text("10\n50\n")
+    assert main(["fit", "--model", LLAMA, "--seq-len", "64", "--lengths", str(f), "--budget", "4GiB"]) == 2
+    assert "ERROR: --lengths is read by `memlens estimate` only: one step has one shape" in capsys.readouterr().err
+    from memlens.estimator.formula import formula_estimate
+
+    with pytest.raises(Exception, match="read by `memlens estimate` \\(simulated\\) only"):
+        formula_estimate(spec(lengths=str(f)))
