@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ..core.errors import SpecError
 from ..core.fits import Budget, fits
+from ..core.parallel import is_distributed
 from ..core.lengths import (
     Batch,
     Lengths,
@@ -49,6 +50,9 @@ def estimate_lengths(spec: TrainingSpec, lengths: Lengths | list[int], budget: B
     if spec.seq_len is None:
         raise SpecError("--lengths needs --seq-len: the max_length samples are truncated at (TRL's SFTConfig.max_length)",
                         hint="add --seq-len 2048 (TRL's default max_length is 1024)")
+    if is_distributed(spec):
+        raise SpecError("--lengths with several GPUs is not modelled yet (each rank gets its own batches)",
+                        hint="estimate one GPU with --lengths, then the shape it names with --world-size")
     if not isinstance(lengths, Lengths):
         lengths = Lengths(tuple(lengths))
     est = estimator or ScalingEstimator(workers=1)
