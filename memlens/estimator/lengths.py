@@ -63,8 +63,7 @@ def estimate_lengths(spec: TrainingSpec, lengths: Lengths | list[int], budget: B
     r = est.estimate(shape_spec(spec, any_))
     info = _summary(lengths, bs, any_, L, packing, pf)
     if lengths.ordered:
-        w = worst(bs)
-        rw = r if (w.rows, w.tokens) == (any_.rows, any_.tokens) else est.estimate(shape_spec(spec, w))
+        w, rw = _file_order_peak(est, spec, bs, any_, r)
         first = max(w.samples, key=lambda i: (lengths.values[i], -i)) if w.samples else None
         info["worst_step"] = {**w.to_dict(), "longest_sample_number": None if first is None else first + 1,
                               "samples": [i + 1 for i in w.samples][:64], **_peaks(rw)}
@@ -78,6 +77,18 @@ def estimate_lengths(spec: TrainingSpec, lengths: Lengths | list[int], budget: B
     r.data["lengths"] = info
     r.notes.append(info["note"])
     return r
+
+
+def _file_order_peak(est: ScalingEstimator, spec: TrainingSpec, bs: list[Batch], any_: Batch, r_any: Result):
+    """The step of ``bs`` that peaks, and its Result: the most tokens (rows x tokens), and where a shorter batch has
+    longer rows (the last, short one), that one too (attention can grow with the square of the length): the larger."""
+    cands = list(dict.fromkeys([worst(bs), max(bs, key=lambda b: (b.tokens, b.rows, -b.step))]))
+    best = None
+    for b in cands:
+        rb = r_any if (b.rows, b.tokens) == (any_.rows, any_.tokens) else est.estimate(shape_spec(spec, b))
+        if best is None or rb.peak_allocated_bytes > best[1].peak_allocated_bytes:
+            best = (b, rb)
+    return best
 
 
 def _peaks(r: Result) -> dict:

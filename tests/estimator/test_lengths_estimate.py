@@ -95,3 +95,12 @@ def test_other_verbs_refuse_lengths(tmp_path, capsys):
 
     with pytest.raises(Exception, match="read by `memlens estimate` \\(simulated\\) only"):
         formula_estimate(spec(lengths=str(f)))
+
+
+def test_a_short_batch_of_longer_rows_is_weighed_against_the_fullest():
+    # batch 4: (4, 100) has the most tokens, the short last batch (1, 150) the longest rows: the larger estimate wins
+    r = estimate_lengths(spec(batch_size=4), [100, 100, 100, 100, 150])
+    a = estimate(spec(batch_size=4, seq_len=100)).peak_allocated_bytes
+    b = estimate(spec(batch_size=1, seq_len=150)).peak_allocated_bytes
+    w = r.data["lengths"]["worst_step"]
+    assert (w["step"], w["peak_allocated_bytes"]) == ((1, a) if a >= b else (2, b))
