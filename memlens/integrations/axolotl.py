@@ -178,6 +178,10 @@ def spec_fields(d: dict) -> tuple[dict[str, Any], list[str]]:
     if out["model"] != d["base_model"]:
         notes.append(f"axolotl base_model {d['base_model']} read as memlens' built-in {out['model']} (the same config)")
     out.update(_adapter(d))
+    if out.get("qlora"):
+        notes.append("axolotl qlora: peft's prepare_model_for_kbit_training runs, then axolotl casts norms and embeddings "
+                     "back to the training dtype (loaders/model.py): simulated as QLoRA with bf16 non-quantized weights, "
+                     "without --kbit-prep's fp32 copies")
     mb = d.get("micro_batch_size")
     if mb is not None:
         out["batch_size"] = int(mb)
