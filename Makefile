@@ -38,14 +38,24 @@ install-lowest: $(LOWEST)/.installed
 demo: install
 	$(BIN)/memlens estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16
 
-# The whole suite on the newest versions, then the core suite on the lowest ones.
-test: test-main test-lowest
+# pytest-xdist workers (`-n`): auto is one per core. Tests run in any order and any worker (tmp_path, no fixed
+# files or ports); `PYTEST_N=0 make test` runs in one process, `PYTEST_ARGS="-m 'not slow'"` skips the slow ones.
+PYTEST_N ?= auto
+PYTEST_ARGS ?=
+
+# The whole suite on the newest versions, then the core suite on the lowest ones. The two venvs are installed side
+# by side first (pip is mostly unpacking wheels: one core each), then the suites run one after the other (each
+# already uses every core).
+test:
+	$(MAKE) -j2 install install-lowest
+	$(MAKE) test-main
+	$(MAKE) test-lowest
 
 test-main: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_N) $(PYTEST_ARGS)
 
 test-lowest: install-lowest
-	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider -n $(PYTEST_N) $(PYTEST_ARGS) $(CORE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) .pytest_cache
