@@ -11,6 +11,10 @@ LOWEST := .venv-lowest
 # The core suite: spec, ledger, estimate on small models, every spec field, the architectures, the CLI contract.
 CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tests/estimator/test_simulate.py tests/cli tests/step tests/models
 
+# pip --no-compile: no byte-compiling of every installed module (torch, transformers, sympy, ... : thousands of files
+# the tests never import); Python compiles what is imported, once, on first import.
+PIP_INSTALL := pip install -q --no-compile
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -18,8 +22,8 @@ $(BIN)/python:
 # The newest releases pyproject's ranges allow, as a fresh `pip install` gets them (eager: an existing .venv is
 # upgraded too when pyproject changes), torch held at the pin.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
+	$(BIN)/$(PIP_INSTALL) $(TORCH_PIN)
+	$(BIN)/$(PIP_INSTALL) --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
 	touch $@
 
 $(LOWEST)/bin/python:
@@ -27,8 +31,8 @@ $(LOWEST)/bin/python:
 	$(LOWEST)/bin/pip install -q --upgrade pip
 
 $(LOWEST)/.installed: $(LOWEST)/bin/python pyproject.toml Makefile
-	$(LOWEST)/bin/pip install -q $(TORCH_PIN)
-	$(LOWEST)/bin/pip install -q -e ".[dev]" $(LOWEST_PINS)
+	$(LOWEST)/bin/$(PIP_INSTALL) $(TORCH_PIN)
+	$(LOWEST)/bin/$(PIP_INSTALL) -e ".[dev]" $(LOWEST_PINS)
 	touch $@
 
 .PHONY: install install-lowest demo test test-main test-lowest clean
