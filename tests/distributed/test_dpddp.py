@@ -42,6 +42,7 @@ def test_other_shardings_with_dp_are_one_line(sharding):
     assert "DP-SGD" in e.value.message and "\n" not in e.value.message and "ddp" in e.value.hint
 
 
+@pytest.mark.slow
 def test_cli_profile_dp_over_two_cpu_ranks(tmp_path, capsys, monkeypatch):
     """The same wrapper on real tensors: torchrun with gloo on the CPU, each rank profiles its own DP step (the CLI's
     main() in this process launches the two ranks, as the command does)."""

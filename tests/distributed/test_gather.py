@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from memlens.measure.gather import merge_profiles
 from memlens.core.result import Result
 
@@ -65,6 +67,7 @@ USER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_memlens_profile_inside_a_users_torchrun_script_gathers_on_rank_0(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
@@ -79,6 +82,7 @@ def test_memlens_profile_inside_a_users_torchrun_script_gathers_on_rank_0(tmp_pa
     assert out[0]["peak"] == peaks[1] == out[1]["peak"]                  # rank 0's merged result: the rank that peaks
 
 
+@pytest.mark.slow
 def test_cli_profile_world_size_launches_torchrun_on_cpu(tmp_path, capsys, monkeypatch):
     """The CLI's main() in this process: it launches torchrun (two rank processes) as the command does."""
     from memlens.cli.main import main
