@@ -42,9 +42,11 @@ install-lowest: $(LOWEST)/.installed
 demo: install
 	$(BIN)/memlens estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16
 
-# pytest-xdist workers (`-n`): auto is one per core. Tests run in any order and any worker (tmp_path, no fixed
-# files or ports); `PYTEST_N=0 make test` runs in one process, `PYTEST_ARGS="-m 'not slow'"` skips the slow ones.
+# pytest-xdist workers (`-n`): auto is one per core, at most 8 (each holds torch, transformers and a model: about
+# 1 GiB). Tests run in any order and any worker (tmp_path, no fixed files or ports); `PYTEST_N=0 make test` runs in
+# one process, `PYTEST_ARGS="-m 'not slow'"` skips the slow ones.
 PYTEST_N ?= auto
+XDIST := -n $(PYTEST_N) --maxprocesses 8
 PYTEST_ARGS ?=
 
 # The whole suite on the newest versions, then the core suite on the lowest ones. The two venvs are installed side
@@ -56,10 +58,10 @@ test:
 	$(MAKE) test-lowest
 
 test-main: install
-	$(BIN)/python -m pytest -q -n $(PYTEST_N) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-lowest: install-lowest
-	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider -n $(PYTEST_N) $(PYTEST_ARGS) $(CORE_TESTS)
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(CORE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) .pytest_cache
