@@ -11,6 +11,10 @@ LOWEST := .venv-lowest
 # The core suite: spec, ledger, estimate on small models, every spec field, the architectures, the CLI contract.
 CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tests/estimator/test_simulate.py tests/cli tests/step tests/models
 
+# pip --no-compile: no byte-compiling of every installed module (torch, transformers, sympy, ... : thousands of files
+# the tests never import); Python compiles what is imported, once, on first import.
+PIP_INSTALL := pip install -q --no-compile
+
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -18,8 +22,8 @@ $(BIN)/python:
 # The newest releases pyproject's ranges allow, as a fresh `pip install` gets them (eager: an existing .venv is
 # upgraded too when pyproject changes), torch held at the pin.
 $(VENV)/.installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q $(TORCH_PIN)
-	$(BIN)/pip install -q --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
+	$(BIN)/$(PIP_INSTALL) $(TORCH_PIN)
+	$(BIN)/$(PIP_INSTALL) --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
 	touch $@
 
 $(LOWEST)/bin/python:
@@ -27,8 +31,8 @@ $(LOWEST)/bin/python:
 	$(LOWEST)/bin/pip install -q --upgrade pip
 
 $(LOWEST)/.installed: $(LOWEST)/bin/python pyproject.toml Makefile
-	$(LOWEST)/bin/pip install -q $(TORCH_PIN)
-	$(LOWEST)/bin/pip install -q -e ".[dev]" $(LOWEST_PINS)
+	$(LOWEST)/bin/$(PIP_INSTALL) $(TORCH_PIN)
+	$(LOWEST)/bin/$(PIP_INSTALL) -e ".[dev]" $(LOWEST_PINS)
 	touch $@
 
 .PHONY: install install-lowest demo test test-main test-lowest clean
@@ -38,14 +42,26 @@ install-lowest: $(LOWEST)/.installed
 demo: install
 	$(BIN)/memlens estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16
 
-# The whole suite on the newest versions, then the core suite on the lowest ones.
-test: test-main test-lowest
+# pytest-xdist workers (`-n`): auto is one per core, at most 8 (each holds torch, transformers and a model: about
+# 1 GiB). Tests run in any order and any worker (tmp_path, no fixed files or ports); `PYTEST_N=0 make test` runs in
+# one process, `PYTEST_ARGS="-m 'not slow'"` skips the slow ones.
+PYTEST_N ?= auto
+XDIST := -n $(PYTEST_N) --maxprocesses 8
+PYTEST_ARGS ?=
+
+# The whole suite on the newest versions, then the core suite on the lowest ones. The two venvs are installed side
+# by side first (pip is mostly unpacking wheels: one core each), then the suites run one after the other (each
+# already uses every core).
+test:
+	$(MAKE) -j2 install install-lowest
+	$(MAKE) test-main
+	$(MAKE) test-lowest
 
 test-main: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-lowest: install-lowest
-	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(CORE_TESTS)
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(CORE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) .pytest_cache

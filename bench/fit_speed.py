@@ -1,8 +1,8 @@
-"""Every `memlens fit` command of README.md, timed: wall seconds of a fresh process, 3 runs each.
+"""Every `memlens fit` command of README.md and docs/*.md, timed: wall seconds of a fresh process, 3 runs each.
 
     python bench/fit_speed.py [--runs 3] [--readme README.md]
 
-The commands are read from README.md (each line that runs ``memlens fit``, its trailing comment
+The commands are read from README.md and docs/*.md (each line that runs ``memlens fit``, its trailing comment
 dropped). The runs go round-robin (command 1, 2, ..., then again), so that a shared machine whose
 speed drifts weighs on every command alike. Each run is ``python -m memlens.cli.main fit ...`` with
 this checkout first on the path; its first output line (the answer) and the budget line (estimates
@@ -12,6 +12,7 @@ Writes bench/results/fit_speed.{json,md}. The goal (issue 28): each median under
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import platform
@@ -59,8 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkout", default=ROOT, help="the memlens checkout to time (default this one; e.g. a worktree of main)")
     ap.add_argument("--only", default="", help="time only the commands containing this text")
     a = ap.parse_args(argv)
-    with open(a.readme, encoding="utf-8") as f:
-        commands = [c for c in readme_fit_commands(f.read()) if a.only in c]
+    pages = [a.readme] + ([] if a.readme != os.path.join(ROOT, "README.md") else sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
+    text = "\n".join(open(p, encoding="utf-8").read() for p in pages)    # the README and its docs/ pages
+    commands = [c for c in readme_fit_commands(text) if a.only in c]
     runs: dict[str, list[dict]] = {c: [] for c in commands}
     for r in range(a.runs):
         for c in commands:

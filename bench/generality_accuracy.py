@@ -161,7 +161,7 @@ def main() -> None:
                 f"transformers {env['transformers']}, timm {env.get('timm')}, torchvision {env.get('torchvision')})\n\n")
         f.write("None of these cases was used to tune the estimator. `--compile` estimates (memlens/estimator/compiled.py): "
                 "the saved activations come from inductor's own partitioner, the generated kernels' buffers from inductor's "
-                "fusion rule, its pad_mm pass and the loss graph break (modelled; README, --compile).\n\n")
+                "fusion rule, its pad_mm pass and the loss graph break (modelled; docs/trainers.md, --compile).\n\n")
         v = summary["estimator_versions"]
         f.write(f"Estimated on the CPU with torch {v['torch']}, transformers {v['transformers']}: memlens runs the installed "
                 "library's model code, so the estimate uses the transformers the GPU ran (T5's attention path differs "

@@ -1,4 +1,9 @@
+"""Suite-wide settings: repeatable property tests, GPU tests skipped without CUDA, and the order and grouping of
+tests under pytest-xdist (`make test` runs `-n auto`)."""
+from __future__ import annotations
+
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +18,41 @@ except ImportError:  # pragma: no cover - hypothesis is a dev dependency
     pass
 
 
+HERE = Path(__file__).resolve().parent
+
+
+def _whole_modules(root: Path) -> set[str]:
+    """Test modules that run whole on one pytest-xdist worker, in order: those with module-scoped fixtures (a model or
+    a whole estimate built once for the module's tests: split over workers, each run of the module's tests a worker
+    got would build it again) and those marked xdist_group (tests that read what earlier ones of the module left)."""
+    out = set()
+    for f in HERE.rglob("test_*.py"):
+        text = f.read_text(encoding="utf-8")
+        if 'scope="module"' in text or "xdist_group" in text:
+            out.add(f.relative_to(root).as_posix())
+    return out
+
+
+@pytest.hookimpl(optionalhook=True)     # a pytest-xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` (-n auto): xdist's load scheduling, but a module of _whole_modules is one unit of work (xdist's own
+    xdist_group does not group on pytest 9.2, whose node ids it cannot rename). The units go to whichever worker is
+    free: the whole modules first, the largest first, then the other tests in collection order, slow ones first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    whole = _whole_modules(config.rootpath)
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in whole else nodeid
+
+    return Scheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):      # slow first (stable: else as collected), so that no worker is
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)    # left with a long test at the end
     try:
         import torch
 

@@ -1,4 +1,4 @@
-"""The README runs: every `memlens ...` command in its ```console blocks (`$ memlens ...`) and ```bash blocks
+"""The README and docs/*.md run: every `memlens ...` command in their ```console blocks (`$ memlens ...`) and ```bash blocks
 (`memlens ...`) is run here, on a tiny stand-in where the README's model is large (same verb, same flags shape),
 or parsed only where it needs a GPU, NVML or a token; where the README shows the output, the stand-in's output
 is compared with it on its shape (the same labels and headers, numbers aside). The outputs of the full-size runs
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from memlens.cli.main import build_parser, main
+from tests import docs_pages
 
 ROOT = Path(__file__).resolve().parents[1]
 FIX = "tests/fixtures"
@@ -118,7 +119,7 @@ def readme_examples(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-EXAMPLES = readme_examples((ROOT / "README.md").read_text())
+EXAMPLES = readme_examples(docs_pages.text())   # README.md and docs/*.md
 
 
 def test_every_readme_command_is_covered():

@@ -1,4 +1,4 @@
-"""The README's Python runs, and the outputs it shows are real ones.
+"""The Python of the README and docs/*.md runs, and the outputs they show are real ones.
 
 Every ```python block is run here (on a tiny stand-in where the README's model is large: the same calls, the
 replacements listed in BLOCKS) or, where it needs a GPU, compiled only, with the reason. A block that is not in
@@ -20,9 +20,10 @@ import torch
 
 from bench import readme_outputs
 from memlens.cli.main import main
+from tests import docs_pages
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = docs_pages.text()   # README.md and docs/*.md: the README's deep sections are pages there
 TINY_GPT2 = ROOT / "tests/fixtures/models/tiny-gpt2"
 TINY_LLAMA = ROOT / "tests/fixtures/tiny-llama"
 

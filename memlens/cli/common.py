@@ -75,7 +75,7 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
                    "(--precision then names the model's weights, default the config's dtype as from_pretrained loads it; "
                    "other flags override the file)")
     g.add_argument("--target-len", type=int, metavar="N", help="encoder-decoder models: decoder tokens per sample (default: the encoder's)")
-    g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see README: --compile)")
+    g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see docs/trainers.md: --compile)")
     g.add_argument("--loss", choices=LOSSES, help="causal LMs: model = the model's own loss from labels (default); criterion = "
                    "your criterion on logits[:, :-1].reshape(-1, V) against labels[:, 1:]; criterion-fp32 = the same on .float() logits")
     g.add_argument("--keep-outputs", dest="keep_outputs", action="store_const", const=True,

@@ -52,7 +52,7 @@ from ..core.gpus import gpu_facts
 
 MODEL = ("saved activations from inductor's min-cut partitioner; kernel buffers from inductor's fusion and "
          "realization rules, its pad_mm pass and the loss graph break (modelled): measured within 2.2% of ten real "
-         "compiled steps on an H100 (README, --compile)")
+         "compiled steps on an H100 (docs/trainers.md, --compile)")
 
 
 class CompiledForSimulation(torch.nn.Module):

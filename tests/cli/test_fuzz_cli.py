@@ -17,6 +17,10 @@ from hypothesis import strategies as st
 
 from memlens.cli.main import main
 
+# test_the_fuzz_ran_valid_cases reads CODES, which the fuzz tests fill in this process: under pytest-xdist the module
+# runs whole on one worker, in order (tests/conftest.py: pytest_xdist_make_scheduler)
+pytestmark = pytest.mark.xdist_group("cli_fuzz")
+
 FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
 _counter = itertools.count()
 CODES: dict[str, list] = {}   # verb -> exit codes seen (how many cases were valid: see test_the_fuzz_ran_valid_cases)

@@ -42,20 +42,23 @@ def test_other_shardings_with_dp_are_one_line(sharding):
     assert "DP-SGD" in e.value.message and "\n" not in e.value.message and "ddp" in e.value.hint
 
 
-def test_cli_profile_dp_over_two_cpu_ranks(tmp_path):
-    """The same wrapper on real tensors: torchrun with gloo on the CPU, each rank profiles its own DP step."""
+@pytest.mark.slow
+def test_cli_profile_dp_over_two_cpu_ranks(tmp_path, capsys, monkeypatch):
+    """The same wrapper on real tensors: torchrun with gloo on the CPU, each rank profiles its own DP step (the CLI's
+    main() in this process launches the two ranks, as the command does)."""
     import json
     import os
-    import subprocess
-    import sys
+
+    from memlens.cli.main import main
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p), OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "memlens.cli.main", "profile", "--model", "tests.tiny_models:seq_linear",
-                        "--optimizer", "sgd", "--dp", "--batch-size", "8", "--physical-batch-size", "4", "--world-size", "2",
-                        "--sharding", "ddp", "--device", "cpu", "--steps", "1", "--out", str(tmp_path / "p")],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=root)
-    assert p.returncode == 0, p.stderr[-2000:]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(root)
+    code = main(["profile", "--model", "tests.tiny_models:seq_linear", "--optimizer", "sgd", "--dp", "--batch-size", "8",
+                 "--physical-batch-size", "4", "--world-size", "2", "--sharding", "ddp", "--device", "cpu", "--steps", "1",
+                 "--out", str(tmp_path / "p")])
+    assert code == 0, capsys.readouterr().err[-2000:]
     d = json.loads((tmp_path / "p" / "result.json").read_text())
     assert [r["rank"] for r in d["ranks"]] == [0, 1]
     assert any("DifferentiallyPrivateDistributedDataParallel" in a for a in d["applied"])

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from memlens.measure.gather import merge_profiles
 from memlens.core.result import Result
 
@@ -65,6 +67,7 @@ USER_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_memlens_profile_inside_a_users_torchrun_script_gathers_on_rank_0(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
@@ -79,12 +82,17 @@ def test_memlens_profile_inside_a_users_torchrun_script_gathers_on_rank_0(tmp_pa
     assert out[0]["peak"] == peaks[1] == out[1]["peak"]                  # rank 0's merged result: the rank that peaks
 
 
-def test_cli_profile_world_size_launches_torchrun_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "memlens.cli.main", "profile", "--model", "tests.tiny_models:mlp", "--world-size", "2",
-                        "--sharding", "ddp", "--device", "cpu", "--steps", "2", "--out", str(tmp_path / "p")],
-                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-2000:]
+@pytest.mark.slow
+def test_cli_profile_world_size_launches_torchrun_on_cpu(tmp_path, capsys, monkeypatch):
+    """The CLI's main() in this process: it launches torchrun (two rank processes) as the command does."""
+    from memlens.cli.main import main
+
+    monkeypatch.setenv("PYTHONPATH", ROOT)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.chdir(ROOT)
+    code = main(["profile", "--model", "tests.tiny_models:mlp", "--world-size", "2", "--sharding", "ddp", "--device", "cpu",
+                 "--steps", "2", "--out", str(tmp_path / "p")])
+    assert code == 0, capsys.readouterr().err[-2000:]
     d = json.loads((tmp_path / "p" / "result.json").read_text())
     assert [r["rank"] for r in d["ranks"]] == [0, 1] and d["world_size"] == 2
     assert d["peak_allocated_bytes"] == max(r["peak_allocated_bytes"] for r in d["ranks"])

@@ -30,6 +30,7 @@ def _comparable(r) -> dict:
     {"world_size": 3, "sharding": "zero3", "precision": "bf16", "lora_rank": 4},       # uneven shards: ranks 0 and 2
     {"world_size": 8, "sharding": "zero2", "precision": "bf16", "optimizer": "adafactor"},   # a per-parameter loop
 ], ids=["zero2", "zero2-accum3", "fsdp-amp", "zero3-lora-uneven", "zero2-adafactor"])
+@pytest.mark.slow
 def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes):
     model = deep(tmp_path, LLAMA)
     spec = TrainingSpec(model=model, batch_size=2, seq_len=32, **changes)
@@ -48,6 +49,7 @@ def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "zero1"])
+@pytest.mark.slow
 def test_ddp_and_zero1_ranks_are_simulated_whole(tmp_path, sharding):
     model = deep(tmp_path, LLAMA)
     assert depth.why_not(TrainingSpec(model=model, world_size=2, sharding=sharding), resolve(model)).startswith("several GPUs with DDP")

@@ -201,6 +201,7 @@ def test_check_middle_on_a_log_written_by_hand():
         depth.check_middle(log, depth.Stack("layers", 4), live)
 
 
+@pytest.mark.slow
 def test_workers_share_what_they_checked(tmp_path):
     """A worker process returns the families it checked, and is given those the others checked."""
     from memlens.estimator.scaling import _simulate_in_worker
@@ -234,6 +235,7 @@ def test_shallow_models_that_fail_leave_the_whole_model_to_say(tmp_path, monkeyp
     assert sim.param_count == 795008
 
 
+@pytest.mark.slow
 def test_a_worker_sends_the_shallow_log_and_its_result(tmp_path):
     """A worker sends a log written from layers as the shallow log and how to write it, with the
     estimate made there; the parent writes the log only when a replay needs it, and every answer,

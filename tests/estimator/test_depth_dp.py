@@ -19,6 +19,7 @@ pytest.importorskip("opacus")
     # autocast under Opacus: the check on 3 and 4 layers fails, so the whole model is simulated (the same answer)
     ({"grad_sample_mode": "hooks", "precision": "amp-bf16", "loss": "criterion-fp32"}, False),
 ], ids=["hooks-bf16", "ghost-bf16", "hooks-amp-criterion"])
+@pytest.mark.slow
 def test_dp_layers_written_equal_the_whole_model(tmp_path, changes, written):
     model = deep(tmp_path, LLAMA)
     src = resolve(model)

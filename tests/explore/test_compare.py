@@ -79,6 +79,7 @@ def test_measured_with_fake_runner_overheads_and_errors():
     assert c["status"] == "crash" and "bitsandbytes" in c["error"]
 
 
+@pytest.mark.slow
 def test_measured_on_cpu_subprocesses_checkpointing_keeps_the_loss(tmp_path):
     spec = TrainingSpec(model="explore_models:tiny", batch_size=4, seq_len=16)
     r = compare(spec, ["fp32", "checkpointing"], measure=True, device="cpu", steps=2, timeout=120)

@@ -82,6 +82,7 @@ def test_measured_cells_oom_crash_timeout_and_go_on(tmp_path):
     assert r.data["status_counts"] == {"ok": 1, "crash": 1, "timeout": 1, "oom": 2}
 
 
+@pytest.mark.slow
 def test_real_cpu_subprocess_cells_oom_marked(tmp_path):
     spec = TrainingSpec(model="explore_models:oom_over_4", seq_len=16)
     r = sweep(spec, Grid(batch_sizes=[4, 8]), out=tmp_path, measure=True, device="cpu", steps=1, timeout=120)

@@ -30,7 +30,7 @@ RUN = textwrap.dedent("""
 # transformers': (grad**2 + eps).mean(dim=-2)), and CUDA's reduction kernel then takes a global
 # staging buffer (aten/src/ATen/native/cuda/Reduce.cuh, ctas_per_output > 1): 8 MiB for torch's,
 # measured by bench/gpu_peak_probe.py adafactor on an H100 (transformers': 4 MiB more than the
-# estimate); memlens does not model Reduce.cuh's launch configuration (README, Limits worth knowing)
+# estimate); memlens does not model Reduce.cuh's launch configuration (docs/estimate.md, Limits worth knowing)
 REDUCE_BUFFER = pytest.mark.xfail(strict=True, reason="CUDA reduction staging buffer not modelled (measured: 8 MiB)")
 
 

@@ -24,7 +24,7 @@ measurement are the same code. What Opacus allocates, all of it by running its o
   and steps the wrapped optimizer; the other physical batches only clip and accumulate
   (``signal_skip_step``), and ``zero_grad`` drops the per-sample gradients.
 
-What cannot run on fake tensors, and what memlens does instead (the README says the same):
+What cannot run on fake tensors, and what memlens does instead (docs/dp-sgd.md says the same):
 
 - ``DataLoader`` iteration draws its base seed with ``.item()``, which a fake tensor cannot answer:
   on fake tensors memlens iterates the BatchMemoryManager's own ``BatchSplittingSampler`` (which
