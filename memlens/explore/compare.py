@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core import techniques as tech
 from ..core.errors import MemlensError
-from ..core.fits import Budget, fits
+from ..core.fits import Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
@@ -48,7 +48,8 @@ def parse_techniques(text: str | None) -> list[str]:
 
 def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure: bool = False, device: str = "cuda",
             steps: int = 3, timeout: float = 600, estimator: CachedEstimator | None = None, runner=None,
-            progress: Callable[[str], None] | None = None, budget: int | str | None = None) -> Result:
+            progress: Callable[[str], None] | None = None, budget: int | str | Budget | None = None,
+            margin: float | int | str | None = None, context_bytes: int | str | None = None) -> Result:
     """Estimate (and with ``measure``, run) ``spec`` under each technique; the first is the baseline.
 
     Each row: ``technique``, ``spec``, ``estimated_peak_allocated_bytes``/``reserved``,
@@ -58,7 +59,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     """
     names = list(techniques) if techniques else list(tech.COMPARE_DP if spec.dp else DEFAULT_TECHNIQUES)
     est = estimator or CachedEstimator()
-    b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
+    b = optional_budget(budget, margin=margin, context_bytes=context_bytes, gpu=spec.gpu)   # the one rule; None without a budget
     rows: list[dict[str, Any]] = []
     first_error: MemlensError | None = None
     # every row is its technique applied on top of the baseline's spec, so "vs baseline" compares one change
