@@ -197,6 +197,11 @@ def budget_of(args: argparse.Namespace, spec: TrainingSpec) -> str | None:
     return "total" if getattr(args, "gpu", None) is not None or spec.gpu != DEFAULT_GPU else None
 
 
+def given_fields(args: argparse.Namespace) -> set[str]:
+    """The spec fields the user set with flags (compare's technique rows change none of them on the side)."""
+    return {name for name in SPEC_FLAG_FIELDS if getattr(args, name, None) is not None}
+
+
 def warn_budget(data: dict) -> None:
     """A budget taken as the GPU's total memory (given above it, within its nominal size): one line on stderr."""
     if data.get("budget_warning"):

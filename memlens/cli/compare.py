@@ -23,6 +23,7 @@ from .common import (
     add_spec_args,
     budget_of,
     emit_json,
+    given_fields,
     out_dir,
     positive,
     require_cuda,
@@ -61,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
 
     with ProgressBar("compare (measuring)" if args.measure else "compare", enabled=not args.json):
         result = compare(spec, names, measure=args.measure, device=args.device, steps=args.steps, timeout=args.timeout,
-                         budget=budget_of(args, spec), margin=args.margin, context_bytes=args.context)
+                         budget=budget_of(args, spec), margin=args.margin, context_bytes=args.context,
+                         given=given_fields(args))
     warn_budget(result.data)
     if od is not None:
         if plots_mod.have_matplotlib():
@@ -101,9 +103,9 @@ def render(result) -> None:
         t.add_column(col, justify="left" if col in ("technique", "config", "loss (steps)") else "right", no_wrap=col != "config")
     for r in d["rows"]:
         if r["status"] == "invalid":
-            t.add_row(r["technique"], "-", f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 3))
+            t.add_row(r.get("label") or r["technique"], "-", f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 3))
             continue
-        row = [r["technique"], r.get("kind", ""), r.get("describe", ""),
+        row = [r.get("label") or r["technique"], r.get("kind", ""), r.get("describe", ""),
                fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "[dim]n/a[/dim]",
                _pct(-r["estimated_saving"]) if r.get("estimated_saving") is not None else "-"]
         if budget:
