@@ -215,6 +215,10 @@ def render(result) -> None:
                     f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-"]
         t.add_row(*row)
     c.print(t)
+    if "usable_bytes" in d:
+        c.print(f"[dim]fits: peak reserved + CUDA context <= budget - margin: peak reserved <= {fmt_bytes(d['usable_bytes'])} "
+                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context {fmt_bytes(d['context_bytes'])} - margin "
+                f"{fmt_bytes(d['margin_bytes'])})[/dim]")
 
 
 if __name__ == "__main__":
