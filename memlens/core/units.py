@@ -101,7 +101,8 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
     try:
         return parse_size(t)
     except ValueError:
-        raise MemlensError(f"cannot read {what} {t!r}", hint="write it like 16GiB, 24GB or 512MiB") from None
+        raise MemlensError(f"cannot read size {t!r}" + (f" ({what})" if what != "size" else ""),
+                           hint="write it like 16GiB, 24GB or 512MiB") from None
 
 
 def fmt_bytes(n: float | int | None, digits: int = 2) -> str:
