@@ -38,7 +38,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_spec_args(p)
     g = p.add_argument_group("fit")
-    add_budget_args(g, "GPU memory for the process, e.g. 16GiB (default: --gpu's whole memory, else this GPU's free memory)")
+    add_budget_args(g, "GPU memory for the process, e.g. 16GiB (without --budget or --gpu: this GPU's free memory)")
     g.add_argument("--target-batch", type=whole(1), metavar="N", help="effective batch to keep with accumulation (default: batch x grad-accum)")
     g.add_argument("--gpus", type=whole(1), default=8, metavar="N", help="GPUs for the plan's ZeRO/FSDP entries (default 8; 1: leave them out)")
     g.add_argument("--no-plan", action="store_true", help="only the max micro-batch (fewer estimates)")
