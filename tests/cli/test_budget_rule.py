@@ -35,6 +35,7 @@ def run_json(capsys, *argv):
     return json.loads(out), err
 
 
+@pytest.mark.slow
 def test_sweep_compare_and_fit_give_one_verdict_at_the_byte(capsys, tmp_path):
     # the bullet: sweep --budget marked cells "ok" whose reserved was under the budget but over budget - context -
     # margin, which compare and fit refused. One cell, its reserved peak R: with R + context + 256 MiB (the margin's
@@ -54,6 +55,7 @@ def test_sweep_compare_and_fit_give_one_verdict_at_the_byte(capsys, tmp_path):
         assert f["usable_bytes"] == c["usable_bytes"] and (f["max_batch_size"] >= 4) is fit_ok
 
 
+@pytest.mark.slow
 def test_gpu_alone_gives_the_budget(capsys):
     # the bullet: `fit --gpu rtx-4090` without --budget refused ("no CUDA GPU to read free memory from")
     d, err = run_json(capsys, "fit", "--model", "gpt2", "--gpu", "rtx-4090", "--no-plan", "--method", "formula")

@@ -115,6 +115,7 @@ def test_an_empty_gpu_or_lora_targets_is_refused_in_python_too():
 
 # ---------------------------------------------------------------- compare's rows keep what the user gave
 
+@pytest.mark.slow
 def test_compare_lora_rank_given_is_kept_and_labelled(capsys):
     # the bullet: `compare --techniques fp32,lora --lora-rank 8` labelled a LoRA r8 row "fp32" and ran "lora" at r16
     rc = main(["compare", "--model", TINY, "--seq-len", "32", "--techniques", "fp32,lora,amp-bf16", "--lora-rank", "8", "--json"])
@@ -135,6 +136,7 @@ def test_compare_lora_rank_default_without_one_given():
     assert row_label("lora", base, specs[1]) == "lora"
 
 
+@pytest.mark.slow
 def test_compare_qlora_under_a_given_fp32_is_refused_as_estimate_refuses_it(capsys):
     # the bullet: `compare --precision fp32 --techniques fp32,qlora` ran QLoRA in bf16 where estimate refuses it
     estimate_says = one_line(capsys, "estimate", "--model", TINY, "--precision", "fp32", "--lora-rank", "16", "--qlora")
