@@ -160,6 +160,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
              "changes: the settings it changes vs the baseline",
              "saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
              "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
+    if b is not None and b.warning:
+        notes.append(b.warning)
     if measure and device.startswith("cpu"):
         notes.append("device cpu: step times, losses and the CPU ledger's peak of tensor storages are measured "
                      "(no caching allocator, no CUDA workspaces: not comparable with the GPU estimate)")

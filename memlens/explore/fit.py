@@ -123,6 +123,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
                             "estimates": s.trials, "method": est.method}
     notes = [
         f"fits: {RULE}: {b.describe()}",
+        *([b.warning] if b.warning else []),
         "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
     ] + notes_gpus
     if n > 1:

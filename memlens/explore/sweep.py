@@ -257,7 +257,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         "peak_allocated_bytes: measured max_memory_allocated; estimated_*: memlens estimate of the same cell",
         "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimated peak reserved above "
         "the usable memory: budget - CUDA context - margin, the fit rule of fit and compare)"]
-        + ([f"fits: {RULE}: {b.describe()}"] if b is not None else []), data=data)
+        + ([f"fits: {RULE}: {b.describe()}"] + ([b.warning] if b.warning else []) if b is not None else []), data=data)
 
 
 
