@@ -4,6 +4,11 @@
 >>> spec = TrainingSpec(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16")
 >>> estimate(spec).peak_allocated_bytes  # doctest: +SKIP
 34470950912
+>>> estimate(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="bf16").peak_allocated_bytes  # doctest: +SKIP
+34470950912
+
+Every verb that takes a TrainingSpec (estimate, compare, sweep, fit, fit_batch_size, profile_spec,
+diagnose_oom) takes its fields as keywords too (memlens.core.specargs).
 
 Importing memlens does not import torch; the functions do when called.
 """
@@ -23,6 +28,10 @@ _EXPORTS = {
     "estimate_trainer": ".integrations.trainer_estimate", "adaptive_batch": ".explore.adaptive", "guard": ".measure.guard",
     "apply": ".models.checkpoint", "lengths_of": ".core.lengths",
 }
+
+# the verbs whose TrainingSpec may come as keywords (memlens.core.specargs), and the argument it is
+_SPEC_VERBS = {"estimate": "spec", "compare": "spec", "sweep": "spec", "fit": "spec", "fit_batch_size": "spec",
+               "profile_spec": "spec", "diagnose_oom": "spec"}
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .core.errors import MemlensError
@@ -55,6 +64,10 @@ def __getattr__(name: str):
         raise AttributeError(f"module 'memlens' has no attribute {name!r}")
 
     value = getattr(importlib.import_module(mod, __name__), name)
+    if name in _SPEC_VERBS:
+        from .core.specargs import with_spec_fields   # light: no torch
+
+        value = with_spec_fields(value, _SPEC_VERBS[name])
     globals()[name] = value
     return value
 

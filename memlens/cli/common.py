@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import NoDeviceError, SpecError
+from ..core.gpus import DEFAULT_GPU
 from ..core.spec import (
     ATTENTION,
     CHECKPOINT_POLICIES,
@@ -78,10 +79,11 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see docs/trainers.md: --compile)")
     g.add_argument("--loss", choices=LOSSES, help="causal LMs: model = the model's own loss from labels (default); criterion = "
                    "your criterion on logits[:, :-1].reshape(-1, V) against labels[:, 1:]; criterion-fp32 = the same on .float() logits")
-    g.add_argument("--keep-outputs", dest="keep_outputs", action="store_const", const=True,
+    ko = g.add_mutually_exclusive_group()   # a pair that says yes and no is refused, not "the last one wins"
+    ko.add_argument("--keep-outputs", dest="keep_outputs", action="store_const", const=True,
                    help="your loop holds the model's outputs (logits = model(x).logits; outputs = model(**batch)) through "
                         "backward until the next forward returns (default with --dp, as Opacus loops do)")
-    g.add_argument("--drop-outputs", dest="keep_outputs", action="store_const", const=False,
+    ko.add_argument("--drop-outputs", dest="keep_outputs", action="store_const", const=False,
                    help="your loop keeps only the loss (a function returns it; the Trainer; default without --dp)")
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
@@ -89,9 +91,10 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--lora-dropout", type=float, metavar="P", help="peft's lora_dropout (0 <= P < 1, e.g. 0.05): a dropout "
                    "mask and a dropped copy of each adapted layer's input are saved for backward (needs --lora-rank; default 0)")
     g.add_argument("--qlora", action="store_const", const=True, help="4-bit NF4 base weights (needs --lora-rank)")
-    g.add_argument("--use-cache", dest="use_cache", action="store_const", const=True,
+    uc = g.add_mutually_exclusive_group()
+    uc.add_argument("--use-cache", dest="use_cache", action="store_const", const=True,
                    help="transformers builds its KV cache in the training forward (config.use_cache; the default of most configs)")
-    g.add_argument("--no-cache", dest="use_cache", action="store_const", const=False,
+    uc.add_argument("--no-cache", dest="use_cache", action="store_const", const=False,
                    help="your loop sets model.config.use_cache = False (the Trainer does; fused-qkv models then keep their "
                         "qkv output for backward instead of the cache's K/V copies)")
     g.add_argument("--kbit-prep", action="store_const", const=True,
@@ -145,6 +148,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     if getattr(args, "deepspeed", None):
         raise SpecError("DeepSpeed ZeRO configs (--deepspeed) are not modelled: memlens simulates PyTorch's own ZeRO "
                         "(ZeroRedundancyOptimizer, FSDP2)", hint="use --sharding zero1, zero2 or zero3 (see --help for their settings)")
+    _check_flags(args)
     base: dict = {}
     if getattr(args, "config", None):   # a memlens spec, an axolotl config or a TRL recipe (integrations/configs.py)
         base, args.config_notes, _ = read_config(args.config, getattr(args, "trainer", None))
@@ -165,6 +169,47 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     if "model" not in base or not base["model"]:
         raise SpecError("no model given", hint="add --model gpt2 (or a YAML file with `model:` via --config)")
     return TrainingSpec.from_dict(base)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Flags typed empty (``--gpu ""``: not the default in disguise) or that contradict each other: one line each."""
+    for name in ("config", "trainer_args", *SPEC_FLAG_FIELDS):
+        v = getattr(args, name, None)
+        if (isinstance(v, str) and not v.strip()) or (isinstance(v, list) and any(not str(x).strip() for x in v)):
+            flag = "offload-activations" if name == "offload_layers" else name.replace("_", "-")
+            raise SpecError(f"--{flag} is empty", hint=f"give --{flag} a value, or leave it out for its default")
+    layers = getattr(args, "checkpoint_layers", None)
+    if getattr(args, "grad_checkpointing", None) and layers is not None and str(layers).strip().lower() != "all":
+        raise SpecError(f"--grad-checkpointing checkpoints every block and --checkpoint-layers {layers} only some",
+                        hint=f"give one of them: --checkpoint-layers {layers} alone checkpoints those blocks")
+
+
+def add_budget_args(g, budget_help: str) -> None:
+    """--budget, --margin, --context: the one fit rule's inputs (memlens.core.fits), the same for every verb."""
+    g.add_argument("--budget", metavar="SIZE", help=budget_help + "; per GPU, with a unit (16GiB, 24GB); default with --gpu: "
+                   "that GPU's whole memory. Fits: peak reserved + CUDA context <= budget - margin (docs/budget.md)")
+    g.add_argument("--margin", metavar="F|SIZE", help="safety margin off the budget: a fraction below 1 (0.05) or a size "
+                   "(512MiB); default 5%%, at least 256 MiB")
+    g.add_argument("--context", metavar="SIZE", help="CUDA context taken off the budget (default: the --gpu's, 740MiB; 0 "
+                   "for an allocator-only limit)")
+
+
+def budget_of(args: argparse.Namespace, spec: TrainingSpec) -> str | None:
+    """--budget as typed; without it, the whole memory of the GPU --gpu names ("total"); else None."""
+    if args.budget is not None:
+        return args.budget
+    return "total" if getattr(args, "gpu", None) is not None or spec.gpu != DEFAULT_GPU else None
+
+
+def given_fields(args: argparse.Namespace) -> set[str]:
+    """The spec fields the user set with flags (compare's technique rows change none of them on the side)."""
+    return {name for name in SPEC_FLAG_FIELDS if getattr(args, name, None) is not None}
+
+
+def warn_budget(data: dict) -> None:
+    """A budget taken as the GPU's total memory (given above it, within its nominal size): one line on stderr."""
+    if data.get("budget_warning"):
+        print(f"WARNING: {data['budget_warning']}", file=sys.stderr)
 
 
 def add_output_args(p: argparse.ArgumentParser) -> None:

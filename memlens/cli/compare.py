@@ -18,13 +18,17 @@ from ..explore.compare import compare, parse_techniques, plot_compare
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.plots import skip_plots
 from .common import (
+    add_budget_args,
     add_output_args,
     add_spec_args,
+    budget_of,
     emit_json,
+    given_fields,
     out_dir,
     positive,
     require_cuda,
     spec_from_args,
+    warn_budget,
     whole,
 )
 from .progress import ProgressBar
@@ -41,7 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time, loss and the CPU ledger's tensor storages)")
     g.add_argument("--steps", type=whole(1), default=3, metavar="N", help="optimizer steps per measured configuration (default 3)")
     g.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per measured configuration (default 600)")
-    g.add_argument("--budget", metavar="SIZE", help="also say which techniques fit this GPU memory (the fit rule of `memlens fit`)")
+    add_budget_args(g, "also say which techniques fit this GPU memory (the fit rule of `memlens fit`)")
     add_output_args(p)
     p.set_defaults(func=run)
     return p
@@ -58,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
 
     with ProgressBar("compare (measuring)" if args.measure else "compare", enabled=not args.json):
         result = compare(spec, names, measure=args.measure, device=args.device, steps=args.steps, timeout=args.timeout,
-                         budget=args.budget)
+                         budget=budget_of(args, spec), margin=args.margin, context_bytes=args.context,
+                         given=given_fields(args))
+    warn_budget(result.data)
     if od is not None:
         if plots_mod.have_matplotlib():
             plot_compare(result, od / "compare.png")
@@ -97,9 +103,9 @@ def render(result) -> None:
         t.add_column(col, justify="left" if col in ("technique", "config", "loss (steps)") else "right", no_wrap=col != "config")
     for r in d["rows"]:
         if r["status"] == "invalid":
-            t.add_row(r["technique"], "-", f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 3))
+            t.add_row(r.get("label") or r["technique"], "-", f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 3))
             continue
-        row = [r["technique"], r.get("kind", ""), r.get("describe", ""),
+        row = [r.get("label") or r["technique"], r.get("kind", ""), r.get("describe", ""),
                fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "[dim]n/a[/dim]",
                _pct(-r["estimated_saving"]) if r.get("estimated_saving") is not None else "-"]
         if budget:

@@ -21,6 +21,7 @@ from ..core.payloads import (
     DoctorSnapshotPayload,
     DoctorStatsPayload,
 )
+from ..core.fits import check_size_for_gpus
 from ..core.units import fmt_bytes, parse_bytes
 from ..doctor.account import Account
 from ..doctor.log import doctor_log, read_text
@@ -126,9 +127,11 @@ def _oom(args):
 
 def _log(args):
     text = _read_text_arg(None, "training log") if args.logfile == "-" else read_text(args.logfile, "log")
-    cap = parse_bytes(args.capacity) if args.capacity else None
+    cap = parse_bytes(args.capacity, "--capacity") if args.capacity is not None else None
     if cap == 0:
         raise MemlensError("--capacity is 0", hint="give the GPU's memory, e.g. --capacity 24GiB")
+    if cap is not None:
+        check_size_for_gpus(cap, f"--capacity {args.capacity.strip()}")   # one GPU's memory (memlens.core.fits)
     return doctor_log(text, capacity_bytes=cap, unit=args.unit, gpu=args.gpu, source=args.logfile), plot_log
 
 

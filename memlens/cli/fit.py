@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ..core.errors import MemlensError
-from ..core.units import fmt_bytes, parse_bytes
+from ..core.units import fmt_bytes
 from ..explore.fit import (  # heavy: the estimator loads torch
     fit,
     least_recompute,
@@ -19,12 +19,15 @@ from ..explore.fit import (  # heavy: the estimator loads torch
     verify_fit,
 )
 from .common import (
+    add_budget_args,
     add_output_args,
     add_spec_args,
+    budget_of,
     emit_json,
     out_dir,
     positive,
     spec_from_args,
+    warn_budget,
     whole,
 )
 from .progress import ProgressBar
@@ -35,10 +38,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_spec_args(p)
     g = p.add_argument_group("fit")
-    g.add_argument("--budget", metavar="SIZE", help="GPU memory for the process, e.g. 16GiB (default: this GPU's free memory)")
+    add_budget_args(g, "GPU memory for the process, e.g. 16GiB (without --budget or --gpu: this GPU's free memory)")
     g.add_argument("--target-batch", type=whole(1), metavar="N", help="effective batch to keep with accumulation (default: batch x grad-accum)")
-    g.add_argument("--margin", metavar="F|SIZE", help="safety margin: a fraction (0.05) or a size (512MiB); default 5%%, >= 256 MiB")
-    g.add_argument("--context", metavar="SIZE", help="CUDA context taken off the budget (default 740MiB; 0 for an allocator-only limit)")
     g.add_argument("--gpus", type=whole(1), default=8, metavar="N", help="GPUs for the plan's ZeRO/FSDP entries (default 8; 1: leave them out)")
     g.add_argument("--no-plan", action="store_true", help="only the max micro-batch (fewer estimates)")
     g.add_argument("--full-plan", action="store_true",
@@ -57,34 +58,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _margin(text: str | None):
-    if text is None:
-        return None
-    try:
-        f = float(text)
-    except ValueError:
-        return parse_bytes(text)
-    if f < 0:
-        raise MemlensError(f"--margin {text} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
-    return f if f < 1 else int(f)
-
-
 def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     if args.gpus < 1:
         raise MemlensError(f"--gpus must be >= 1, got {args.gpus}", hint="e.g. --gpus 8 (1 leaves multi-GPU plans out)")
     if args.verify:
         require_verify_device(args.device)
-    context = parse_bytes(args.context) if args.context is not None else None
-
     if args.least_recompute:
-        return _least_recompute(args, spec, context)
+        return _least_recompute(args, spec)
 
     with ProgressBar("fit", enabled=not args.json):
-        result = fit(spec, args.budget, target_batch=args.target_batch, margin=_margin(args.margin), context_bytes=context,
+        result = fit(spec, budget_of(args, spec), target_batch=args.target_batch, margin=args.margin, context_bytes=args.context,
                      plan=not args.no_plan, gpus=args.gpus, method=args.method, full_plan=args.full_plan)
     d = result.data
     if d["max_batch_size"] == 0:
+        warn_budget(d)
         best = next((e for e in d.get("plan", []) if e["fits"]), None)
         hint = (f"the best plan entry fits: {best['name']} ({best['flags']}, predicted {fmt_bytes(best['predicted_peak_bytes'])})"
                 if best else "no plan entry fits either: a larger GPU or more GPUs (--gpus) are needed")
@@ -95,17 +83,18 @@ def run(args: argparse.Namespace) -> int:
     return _emit(args, result, render)
 
 
-def _least_recompute(args: argparse.Namespace, spec, context) -> int:
+def _least_recompute(args: argparse.Namespace, spec) -> int:
     if args.verify or args.target_batch is not None or args.method != "simulate":
         raise MemlensError("--least-recompute searches the checkpointed blocks of one micro-batch, simulated",
                            hint="drop --verify / --target-batch / --method with --least-recompute")
     with ProgressBar("fit", enabled=not args.json):
-        result = least_recompute(spec, args.budget, margin=_margin(args.margin), context_bytes=context)
+        result = least_recompute(spec, budget_of(args, spec), margin=args.margin, context_bytes=args.context)
     return _emit(args, result, render_recompute)
 
 
 def _emit(args: argparse.Namespace, result, render_fn) -> int:
     """result.json under --out, then the JSON or the tables."""
+    warn_budget(result.data)
     od = out_dir(args)
     if od is not None:
         result.save(od / "result.json")

@@ -10,6 +10,7 @@ import argparse
 import gc
 import importlib
 import os
+import re
 import sys
 import traceback
 
@@ -30,7 +31,13 @@ VERBS = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports usage errors as MemlensError (one line, exit 2)."""
+    """argparse that reports usage errors as MemlensError (one line, exit 2). A value that looks like a
+    negative number with a unit (``--budget -1GiB``) is read as the option's value, so its type check
+    refuses it in words (argparse alone takes it for an option and says "expected one argument")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d+$|^-\d*\.?\d+(?:[eE][+-]?\d+)?[A-Za-z]*$")
 
     def error(self, message: str):  # noqa: D401 - argparse API
         raise MemlensError(message, hint=f"see `{self.prog} --help`")

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from ..core.errors import MemlensError
-from ..core.units import fmt_bytes, parse_bytes
+from ..core.fits import optional_budget
+from ..core.units import fmt_bytes
 from ..explore.compare import parse_techniques
 from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
 from ..models.source import resolve
@@ -33,12 +34,15 @@ from ..report import plots as plots_mod  # a module: have_matplotlib is asked at
 from ..report.opacus_files import write_opacus_files
 from ..report.plots import skip_plots
 from .common import (
+    add_budget_args,
     add_output_args,
     add_spec_args,
+    budget_of,
     emit_json,
     positive,
     require_cuda,
     spec_from_args,
+    warn_budget,
     whole,
     writable_dir,
 )
@@ -85,7 +89,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--device", default="cuda", help="device for --measure (default cuda; cpu: time, loss and the CPU ledger's tensor storages)")
     r.add_argument("--steps", "--num_steps", type=whole(1), default=3, metavar="N", help="optimizer steps per measured cell (default 3)")
     r.add_argument("--timeout", type=positive, default=600, metavar="S", help="seconds per measured cell (default 600)")
-    r.add_argument("--budget", metavar="SIZE", help="memory limit: measured cells run under it (OOM above), estimated cells are marked")
+    add_budget_args(r, "GPU memory: estimated cells that do not fit are marked oom-estimated (the fit rule of `memlens fit`), "
+                       "measured cells run under it less the CUDA context (OOM above)")
     r.add_argument("--gpus", type=_gpu_list, metavar="0,1,...", help="with --measure: run cells in parallel, one per GPU "
                    "(a cell of --world-size N takes N of them), each in its own subprocess")
     r.add_argument("--resume", action="store_true", help="continue the sweep in --out: skip cells already in results.jsonl")
@@ -137,9 +142,7 @@ def run(args: argparse.Namespace) -> int:
         raise MemlensError(f"--steps must be >= 1, got {args.steps}", hint="e.g. --steps 3")
     if args.timeout <= 0:
         raise MemlensError(f"--timeout must be > 0, got {args.timeout:g}", hint="e.g. --timeout 600")
-    budget = parse_bytes(args.budget) if args.budget else None
-    if budget == 0:
-        raise MemlensError("--budget is 0", hint="e.g. --budget 16GiB")
+    budget = optional_budget(budget_of(args, spec), margin=args.margin, context_bytes=args.context, gpu=spec.gpu)  # before any file
     if args.measure:
         require_cuda(args.device)
 
@@ -153,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
     with ProgressBar("sweep (measuring)" if args.measure else "sweep", enabled=not args.json):
         result = sweep(spec, grid, out=out, measure=args.measure, resume=args.resume, device=args.device, steps=args.steps,
-                       timeout=args.timeout, budget_bytes=budget, gpus=args.gpus, detailed=args.detailed,
+                       timeout=args.timeout, budget=budget, gpus=args.gpus, detailed=args.detailed,
                        progress=_lines if not args.json and not sys.stderr.isatty() else None)
 
     od = Path(out)
@@ -167,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         result.data["seed_files"] = [p.name for p in seed]
         plots += [p for p in seed if p.suffix == ".png"]
     result.save(od / "result.json")
+    warn_budget(result.data)
     if args.json:
         emit_json(result)
     else:
@@ -211,6 +215,10 @@ def render(result) -> None:
                     f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-"]
         t.add_row(*row)
     c.print(t)
+    if "usable_bytes" in d:
+        c.print(f"[dim]fits: peak reserved + CUDA context <= budget - margin: peak reserved <= {fmt_bytes(d['usable_bytes'])} "
+                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context {fmt_bytes(d['context_bytes'])} - margin "
+                f"{fmt_bytes(d['margin_bytes'])})[/dim]")
 
 
 if __name__ == "__main__":

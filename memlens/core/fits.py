@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import MemlensError, NoDeviceError
-from .gpus import gpu_facts
+from .gpus import LARGEST_GPU, GpuFacts, gpu_facts
 from .units import fmt_bytes, parse_bytes
 
 MARGIN_FRACTION = 0.05
@@ -78,7 +78,8 @@ def need_bytes(p: Any) -> int:
 
 def margin_bytes(rest: int, margin: float | int | str | None = None) -> int:
     """The safety margin taken off ``rest`` (the budget less the CUDA context): by default 5% of it,
-    at least 256 MiB; ``margin`` overrides it: a fraction < 1 of ``rest``, bytes, or a size string.
+    at least 256 MiB; ``margin`` overrides it: a fraction in [0, 1) of ``rest``, bytes (an int), or a
+    size string (:func:`parse_margin`).
 
     >>> MiB = 2**20
     >>> margin_bytes(1024 * MiB) // MiB, margin_bytes(16 * 1024 * MiB) // MiB   # the floor; 5%
@@ -88,11 +89,40 @@ def margin_bytes(rest: int, margin: float | int | str | None = None) -> int:
     """
     if margin is None:
         return max(int(MARGIN_FRACTION * rest), MARGIN_MIN_BYTES)
-    if isinstance(margin, float) and margin < 1:
-        if margin < 0:
-            raise MemlensError(f"margin {margin} is negative", hint="e.g. --margin 0.05 or --margin 512MiB")
-        return int(margin * rest)
-    return parse_bytes(margin)
+    m = parse_margin(margin)
+    return int(m * rest) if isinstance(m, float) else m
+
+
+def parse_margin(margin: float | int | str) -> float | int:
+    """A margin as given: a fraction in [0, 1) (a float), or bytes (an int; a string with a unit).
+    ``"0.05"`` is 5%; ``"512MiB"`` 512 MiB; ``"1.5"`` is neither and is refused, as are negatives.
+
+    >>> parse_margin("0.05"), parse_margin("512MiB"), parse_margin(0), parse_margin("0")
+    (0.05, 536870912, 0, 0.0)
+    """
+    hint = "a fraction of the memory below 1 (--margin 0.05 = 5%) or a size with a unit (--margin 512MiB)"
+    if isinstance(margin, str):
+        try:
+            margin = float(margin)
+        except ValueError:
+            return parse_bytes(margin, "--margin")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)):
+        raise MemlensError(f"--margin {margin!r} is not a fraction or a size", hint=hint)
+    if not margin >= 0:
+        raise MemlensError(f"--margin {margin:g} is negative", hint=hint)
+    if isinstance(margin, float) and not margin < 1:
+        raise MemlensError(f"--margin {margin:g} is neither a fraction below 1 nor a size", hint=hint)
+    return margin
+
+
+def check_size_for_gpus(n: int, what: str) -> None:
+    """Refuse ``n`` bytes of GPU memory that no GPU memlens knows has (``what``: how to name it, e.g.
+    "budget 1e30GiB"): a size typed for one GPU's memory, read against the largest known one."""
+    big = gpu_facts(LARGEST_GPU)
+    if n > big.nominal_gb * 2**30:
+        raise MemlensError(f"{what} is more than any GPU memlens knows has (the largest: the {big.name}, "
+                           f"{fmt_bytes(big.total_memory_bytes)})",
+                           hint="give the memory of one GPU, e.g. 24GiB or 80GiB (`memlens estimate --list-gpus`)")
 
 
 @dataclass(frozen=True)
@@ -108,46 +138,88 @@ class Budget:
     context_bytes: int
     margin_bytes: int
     source: str = "given"
+    warning: str | None = None     # a budget above the GPU's memory but within its nominal size: used as its total
 
     @property
     def usable_bytes(self) -> int:
         return self.budget_bytes - self.context_bytes - self.margin_bytes
 
     @classmethod
-    def make(cls, budget: int | str | None, *, context_bytes: int | None = None, margin: float | int | str | None = None,
-             gpu: str | None = None) -> "Budget":
+    def make(cls, budget: "int | str | Budget | None", *, context_bytes: int | str | None = None,
+             margin: float | int | str | None = None, gpu: str | None = None) -> "Budget":
         """The one constructor. ``budget`` None: this GPU's free memory now; ``"total"``: the total memory of
-        ``gpu`` as PyTorch reports it (what a user of that whole GPU has). ``margin`` None: the rule's
-        (:func:`margin_bytes`); else bytes, a size string, or a fraction < 1 (0: none, for a caller that
-        compares with a measured limit). ``context_bytes`` None: the CUDA context of ``gpu`` (default:
-        the GPU facts' default)."""
-        source = "given"
+        ``gpu`` as PyTorch reports it (what a user of that whole GPU has); a Budget: itself. ``margin`` None:
+        the rule's (:func:`margin_bytes`); else bytes, a size string, or a fraction in [0, 1) (0: none, for a
+        caller that compares with a measured limit). ``context_bytes`` None: the CUDA context of ``gpu``
+        (default: the GPU facts' default).
+
+        A budget given (a size, not None or "total") with ``gpu`` named is checked against that GPU
+        (:func:`_given`): above the largest known GPU or above ``gpu``'s nominal memory it is refused;
+        between ``gpu``'s total memory and its nominal size (``--budget 80GiB`` on an H100 of 79.19 GiB)
+        it is that total, with a ``warning``. Callers with a measured figure (free memory, an OOM
+        message's capacity) pass no ``gpu``."""
+        if isinstance(budget, Budget):
+            return budget
+        source, warning = "given", None
         if budget is None:
             total = gpu_free_bytes()
             source = "free memory of the current GPU"
-        elif budget == "total":
+        elif isinstance(budget, str) and budget.strip().lower() == "total":
             g = gpu_facts(gpu)
             total = g.total_memory_bytes
             source = f"total memory of the {g.name}"
         else:
-            total = parse_bytes(budget)
+            total = parse_bytes(budget, "budget")
+            if gpu is not None:
+                total, source, warning = _given(total, budget, gpu_facts(gpu))
         if total <= 0:
             raise MemlensError("the budget is 0 bytes", hint="give a size such as --budget 16GiB")
-        ctx = gpu_facts(gpu).cuda_context_bytes if context_bytes is None else int(context_bytes)
+        ctx = gpu_facts(gpu).cuda_context_bytes if context_bytes is None else parse_bytes(context_bytes, "--context")
         m = margin_bytes(total - ctx, margin)
-        b = cls(total, ctx, m, source)
+        b = cls(total, ctx, m, source, warning)
         if b.usable_bytes <= 0:
             raise MemlensError(f"budget {fmt_bytes(total)} leaves nothing after the CUDA context ({fmt_bytes(ctx)}) and the margin ({fmt_bytes(m)})",
                                hint="give a larger --budget, or --margin 0 / --context 0 for an allocator-only limit")
         return b
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget_bytes, "context_bytes": self.context_bytes,
-                "margin_bytes": self.margin_bytes, "usable_bytes": self.usable_bytes, "budget_source": self.source}
+        d = {"budget_bytes": self.budget_bytes, "context_bytes": self.context_bytes,
+             "margin_bytes": self.margin_bytes, "usable_bytes": self.usable_bytes, "budget_source": self.source}
+        if self.warning:
+            d["budget_warning"] = self.warning
+        return d
 
     def describe(self) -> str:
         return (f"budget {fmt_bytes(self.budget_bytes)} - CUDA context {fmt_bytes(self.context_bytes)} - margin "
                 f"{fmt_bytes(self.margin_bytes)} = {fmt_bytes(self.usable_bytes)} usable")
+
+
+def optional_budget(budget: "int | str | Budget | None", *, margin: float | int | str | None = None,
+                    context_bytes: int | str | None = None, gpu: str | None = None) -> Budget | None:
+    """A verb whose budget is optional (compare, sweep): :meth:`Budget.make`, or None without a budget; a margin or
+    context given without one is refused (it would be ignored)."""
+    if budget is None:
+        if margin is not None or context_bytes is not None:
+            raise MemlensError("--margin and --context are taken off a budget, and none is given",
+                               hint="add --budget 16GiB, or --gpu NAME for that GPU's whole memory")
+        return None
+    return Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=gpu)
+
+
+def _given(total: int, given: Any, g: GpuFacts) -> tuple[int, str, str | None]:
+    """A budget given for GPU ``g``: (bytes, source, warning), or one line refusing it."""
+    text = given.strip() if isinstance(given, str) else fmt_bytes(total)
+    check_size_for_gpus(total, f"budget {text}")
+    if total > g.nominal_gb * 2**30:
+        raise MemlensError(f"budget {text} is more than the {g.name} has ({fmt_bytes(g.total_memory_bytes)} as PyTorch "
+                           f"reports it, {g.nominal_gb:g} GB nominal)",
+                           hint=f"leave --budget out to use the whole {g.name}, give a smaller one, or name your GPU with "
+                                "--gpu (`memlens estimate --list-gpus`)")
+    if total > g.total_memory_bytes:
+        return (g.total_memory_bytes, f"total memory of the {g.name}; {text} given",
+                f"budget {text} is more than the {g.name}'s {fmt_bytes(g.total_memory_bytes)} (its total memory as PyTorch "
+                f"reports it; {g.nominal_gb:g} GB is its nominal size): using {fmt_bytes(g.total_memory_bytes)}")
+    return total, "given", None
 
 
 @dataclass(frozen=True)
@@ -195,4 +267,5 @@ def gpu_free_bytes() -> int:
             return int(torch.cuda.mem_get_info()[0])
     except Exception:  # noqa: BLE001 - any driver problem means "no GPU to ask"
         pass
-    raise NoDeviceError("no --budget given and no CUDA GPU to read free memory from", hint="give --budget 16GiB")
+    raise NoDeviceError("no --budget given and no CUDA GPU to read free memory from",
+                        hint="give --budget 16GiB, or --gpu NAME for that GPU's whole memory")

@@ -61,6 +61,8 @@ class GpuFacts:
     matmul_tflops_fp32: float
     pcie_bytes_per_s: float        # effective host <-> GPU copy rate of the step-time model (offload)
     source: str                    # measured | documented
+    nominal_gb: float = 0.0        # data sheet: the memory the GPU is sold with ("80GB"): a --budget up to it (read as
+                                   # GiB, as people type it) is the whole GPU, above it a mistake (memlens.core.fits)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -76,12 +78,12 @@ _EFF_HALF, _EFF_FP32, _EFF_PCIE = 120.0, 40.0, 20e9
 
 
 def _facts(name, label, arch, cc, mem_gib, ctx_mib, peak_half, peak_fp32, dram_gbps, pcie_gbps,
-           source="documented") -> GpuFacts:
+           source="documented", *, nominal) -> GpuFacts:
     return GpuFacts(name, label, arch, cc, int(mem_gib * GiB), ctx_mib * MiB,
                     _WS_HOPPER if cc[0] == 9 else _WS_OTHER, _LT_WS, cc >= (8, 0), cc[0] == 9, cc >= (8, 0),
                     float(peak_half), float(peak_fp32), float(dram_gbps), float(pcie_gbps),
                     round(_EFF_HALF * peak_half / _H100_PEAK_HALF, 1), round(_EFF_FP32 * peak_fp32 / _H100_PEAK_FP32, 1),
-                    _EFF_PCIE * pcie_gbps / _H100_PCIE, source)
+                    _EFF_PCIE * pcie_gbps / _H100_PCIE, source, float(nominal))
 
 
 # CUDA context: 740 MiB measured on an H100 with torch 2.11 + CUDA 13 (612 MiB after the first kernel,
@@ -90,33 +92,36 @@ def _facts(name, label, arch, cc, mem_gib, ctx_mib, peak_half, peak_fp32, dram_g
 # each way; sources beside each entry (dense figures: the data sheets' sparsity figures halved).
 GPUS: dict[str, GpuFacts] = {f.name: f for f in (
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 1979 / 989 TFLOPS sparse, 3.35 TB/s, PCIe Gen5 128 GB/s
-    _facts("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 79.19, 740, 989.5, 495, 3350, 64, "measured"),
+    _facts("h100", "NVIDIA H100 80GB HBM3", "hopper", (9, 0), 79.19, 740, 989.5, 495, 3350, 64, "measured", nominal=80),
     # NVIDIA H200 datasheet (SXM): 1979 / 989 TFLOPS sparse, 4.8 TB/s, PCIe Gen5 128 GB/s
-    _facts("h200", "NVIDIA H200", "hopper", (9, 0), 139.8, 740, 989.5, 495, 4800, 64),
+    _facts("h200", "NVIDIA H200", "hopper", (9, 0), 139.8, 740, 989.5, 495, 4800, 64, nominal=141),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM 80GB): 312 / 156 TFLOPS, 2039 GB/s, PCIe Gen4 64 GB/s
-    _facts("a100-80gb", "NVIDIA A100-SXM4-80GB", "ampere", (8, 0), 79.15, 740, 312.5, 156, 2039, 32),
+    _facts("a100-80gb", "NVIDIA A100-SXM4-80GB", "ampere", (8, 0), 79.15, 740, 312.5, 156, 2039, 32, nominal=80),
     # NVIDIA A100 Tensor Core GPU datasheet (40GB): 312 / 156 TFLOPS, 1555 GB/s, PCIe Gen4 64 GB/s
-    _facts("a100-40gb", "NVIDIA A100-SXM4-40GB", "ampere", (8, 0), 39.39, 740, 312.5, 156, 1555, 32),
+    _facts("a100-40gb", "NVIDIA A100-SXM4-40GB", "ampere", (8, 0), 39.39, 740, 312.5, 156, 1555, 32, nominal=40),
     # NVIDIA L40S datasheet: 733 / 366 TFLOPS sparse (362 / 183 dense), 864 GB/s, PCIe Gen4 x16 64 GB/s
-    _facts("l40s", "NVIDIA L40S", "ada", (8, 9), 44.39, 740, 362, 183, 864, 32),
+    _facts("l40s", "NVIDIA L40S", "ada", (8, 9), 44.39, 740, 362, 183, 864, 32, nominal=48),
     # NVIDIA L4 datasheet: 242 / 120 TFLOPS sparse, 300 GB/s, PCIe Gen4 x16 64 GB/s
-    _facts("l4", "NVIDIA L4", "ada", (8, 9), 22.03, 740, 121, 60, 300, 32),
+    _facts("l4", "NVIDIA L4", "ada", (8, 9), 22.03, 740, 121, 60, 300, 32, nominal=24),
     # NVIDIA A10 datasheet (AWS's A10G: the same GA102 part): 125 / 62.5 TFLOPS, 600 GB/s, PCIe Gen4 64 GB/s
-    _facts("a10g", "NVIDIA A10G", "ampere", (8, 6), 22.07, 740, 125, 62, 600, 32),
+    _facts("a10g", "NVIDIA A10G", "ampere", (8, 6), 22.07, 740, 125, 62, 600, 32, nominal=24),
     # NVIDIA Ada Lovelace architecture whitepaper (RTX 4090): 165.2 FP16 w/ FP32 acc. / 82.6 TF32, 1008 GB/s, PCIe Gen4 x16
-    _facts("rtx-4090", "NVIDIA GeForce RTX 4090", "ada", (8, 9), 23.52, 740, 165, 83, 1008, 32),
+    _facts("rtx-4090", "NVIDIA GeForce RTX 4090", "ada", (8, 9), 23.52, 740, 165, 83, 1008, 32, nominal=24),
     # NVIDIA Ampere GA102 whitepaper (RTX 3090): 71 FP16 w/ FP32 acc. / 35.6 TF32, 936 GB/s, PCIe Gen4 x16
-    _facts("rtx-3090", "NVIDIA GeForce RTX 3090", "ampere", (8, 6), 23.57, 740, 71, 36, 936, 32),
+    _facts("rtx-3090", "NVIDIA GeForce RTX 3090", "ampere", (8, 6), 23.57, 740, 71, 36, 936, 32, nominal=24),
     # NVIDIA T4 datasheet: 65 TFLOPS mixed precision, 8.1 TFLOPS fp32, 320 GB/s, PCIe Gen3 x16 32 GB/s
-    _facts("t4", "Tesla T4", "turing", (7, 5), 14.58, 740, 65, 8, 320, 16),
+    _facts("t4", "Tesla T4", "turing", (7, 5), 14.58, 740, 65, 8, 320, 16, nominal=16),
     # NVIDIA V100 Tensor Core GPU datasheet (SXM2): 125 TFLOPS tensor, 15.7 fp32, 900 GB/s, PCIe 32 GB/s
-    _facts("v100", "Tesla V100-SXM2-32GB", "volta", (7, 0), 31.74, 740, 125, 16, 900, 16),
+    _facts("v100", "Tesla V100-SXM2-32GB", "volta", (7, 0), 31.74, 740, 125, 16, 900, 16, nominal=32),
 )}
 DEFAULT_GPU = "h100"
+LARGEST_GPU = max(GPUS.values(), key=lambda g: g.nominal_gb).name   # no GPU memlens knows has more memory
 
 
 def gpu_facts(name: str | None = None) -> GpuFacts:
     """The facts of ``name`` (case-insensitive; None: the default, h100), or one clear error."""
+    if name is not None and not str(name).strip():   # --gpu "": not the default in disguise
+        raise SpecError("--gpu is empty", hint=f"name a GPU ({', '.join(GPUS)}), or leave --gpu out for {DEFAULT_GPU}")
     key = (name or DEFAULT_GPU).strip().lower()
     if key in GPUS:
         return GPUS[key]

@@ -151,6 +151,8 @@ class TrainingSpec:
             raise SpecError(f"lora-alpha must be a positive number, got {self.lora_alpha!r}", hint="e.g. --lora-alpha 32 (default 2 x rank)")
         if self.lora_alpha is not None and self.lora_rank is None:
             raise SpecError("--lora-alpha needs --lora-rank", hint="add --lora-rank 16")
+        if self.lora_targets is not None and not self.lora_targets:   # "" or []: not the default in disguise
+            raise SpecError("--lora-targets is empty", hint="name modules, e.g. q_proj,v_proj, or leave it out for the defaults")
         if self.lora_targets is not None and self.lora_rank is None:
             raise SpecError("--lora-targets needs --lora-rank", hint="add --lora-rank 16")
         _check_fraction(self, "lora_dropout", "e.g. --lora-dropout 0.05")

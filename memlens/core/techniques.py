@@ -48,6 +48,8 @@ class Technique:
     kind: str                  # EXACT | NUMERICS | MODEL | PRIVACY
     cost: str                  # what it is expected to cost, in words
     applies: Callable[[TrainingSpec], bool] = lambda s: True   # does it change anything for this spec?
+    side: tuple[str, ...] = ()  # fields it changes beyond what its name says (QLoRA: fp32 -> bf16 compute); a caller's
+                                # ``keep`` (the fields a user gave) holds against them (:func:`apply`)
 
     def spec_changes(self, spec: TrainingSpec, ctx: Context | None = None) -> dict[str, Any]:
         return self.changes(spec, ctx or Context()) if callable(self.changes) else dict(self.changes)
@@ -121,10 +123,11 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               "the same effective batch in 4 micro-batches: a quarter of the activations, more steps", _no_dp),
     Technique("halve-batch", "halve micro-batch, double accumulation", _halve, EXACT,
               "the same effective batch, about half the activations", lambda s: s.batch_size > 1 and _no_dp(s)),
-    Technique("lora", "LoRA r={rank}", lambda s, c: {"lora_rank": c.lora_rank}, MODEL,
+    # the rank a spec already has stays (compare --lora-rank 8: the LoRA rows are r=8, never the default 16)
+    Technique("lora", "LoRA r={rank}", lambda s, c: {"lora_rank": s.lora_rank or c.lora_rank}, MODEL,
               "trains low-rank adapters only; base frozen", _full),
     Technique("qlora", "QLoRA r={rank}", _qlora, MODEL, "4-bit NF4 frozen base + LoRA adapters (bitsandbytes)",
-              lambda s: not s.qlora),
+              lambda s: not s.qlora, side=("precision",)),
     Technique("adamw-8bit", "8-bit AdamW", {"optimizer": "adamw-8bit"}, NUMERICS,
               "bitsandbytes AdamW8bit: states in 8 bits, 2 B/param instead of 8",
               lambda s: s.optimizer in ADAM and not s.uses_lora),
@@ -191,12 +194,33 @@ def applies(spec: TrainingSpec, name: str) -> bool:
     return True
 
 
-def apply(spec: TrainingSpec, name: str, ctx: Context | None = None) -> TrainingSpec:
-    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied."""
+def apply(spec: TrainingSpec, name: str, ctx: Context | None = None, keep: frozenset[str] | set[str] = frozenset()) -> TrainingSpec:
+    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied. ``keep``: fields the user gave, which a
+    technique's side changes leave as they are (QLoRA under a given ``--precision fp32`` is then refused by the spec's
+    own check, as estimate refuses it, instead of running in bf16).
+
+    >>> s = TrainingSpec(model="gpt2")
+    >>> apply(s, "qlora").precision
+    'bf16'
+    >>> apply(s, "qlora", keep={"precision"})
+    Traceback (most recent call last):
+    memlens.core.errors.SpecError: --qlora with fp32 is not modelled: the 4-bit layers compute in bf16 or fp16 (bitsandbytes' compute dtype)
+    """
     s = spec
     for t in parts(name):
-        s = s.replace(**t.spec_changes(s, ctx))
+        s = s.replace(**{k: v for k, v in t.spec_changes(s, ctx).items() if not (k in t.side and k in keep)})
     return s
+
+
+def side_changes(spec: TrainingSpec, name: str, ctx: Context | None = None) -> dict[str, Any]:
+    """The fields ``name`` changes beyond what its name says, with their new values (a row's label says them)."""
+    out: dict[str, Any] = {}
+    s = spec
+    for t in parts(name):
+        ch = t.spec_changes(s, ctx)
+        out.update({k: v for k, v in ch.items() if k in t.side and getattr(s, k) != v})
+        s = s.replace(**ch)
+    return out
 
 
 def changes(spec: TrainingSpec, name: str, ctx: Context | None = None) -> dict[str, Any]:

@@ -68,24 +68,41 @@ def parse_size(text: str, binary_decimal: bool = False) -> int:
     return size_to_bytes(m.group(1), m.group(2), binary_decimal)
 
 
-def parse_bytes(text: str | int | float) -> int:
-    """Parse a size a user typed into bytes (one clear error if it is not one).
+def parse_bytes(text: str | int | float, what: str = "size") -> int:
+    """Parse a size a user typed into bytes (one clear error if it is not one). A number of bytes
+    is an int; a string needs its unit (``"80"`` is refused: 80 bytes is never what was meant),
+    except 0.
 
     >>> parse_bytes("16GiB")
     17179869184
     >>> parse_bytes("1.5 GB")
     1500000000
-    >>> parse_bytes(2048)
-    2048
+    >>> parse_bytes(2048), parse_bytes("0"), parse_bytes("512B")
+    (2048, 0, 512)
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text < 0:
-            raise MemlensError(f"size {text} is negative", hint="give a size such as 16GiB")
+        if not text >= 0 or text == float("inf"):
+            raise MemlensError(f"{what} {text} is {'negative' if text < 0 else 'not a size'}", hint="give a size such as 16GiB")
         return int(text)
+    t = str(text).strip()
+    if t.startswith("-"):
+        raise MemlensError(f"{what} {t} is negative", hint="give a size such as 16GiB")
+    if not t:
+        raise MemlensError(f"{what} is empty", hint="write it like 16GiB, 24GB or 512MiB")
+    m = _SPLIT.match(t)
+    if m and not m.group(2):
+        try:
+            zero = Decimal(m.group(1)) == 0
+        except InvalidOperation:
+            zero = False
+        if not zero:
+            raise MemlensError(f"{what} {t} has no unit", hint=f"did you mean {t}GiB? (sizes take a unit: GiB, MiB, GB, ...; "
+                               f"bytes: {t}B)")
     try:
-        return parse_size(str(text))
+        return parse_size(t)
     except ValueError:
-        raise MemlensError(f"cannot read size {text!r}", hint="write it like 16GiB, 24GB, 512MiB or a number of bytes") from None
+        raise MemlensError(f"cannot read size {t!r}" + (f" ({what})" if what != "size" else ""),
+                           hint="write it like 16GiB, 24GB or 512MiB") from None
 
 
 def fmt_bytes(n: float | int | None, digits: int = 2) -> str:

@@ -422,7 +422,8 @@ def _fit(spec, budget, target: int | None = None):
 
         if torch.cuda.is_available():
             free, _ = torch.cuda.mem_get_info()
-            budget, ctx = torch.cuda.memory_reserved() + int(free), 0
+            # measured on this GPU: a Budget (gpu None), not held against the spec's named GPU (memlens.core.fits)
+            budget, ctx = Budget.make(torch.cuda.memory_reserved() + int(free), context_bytes=0), 0
     return fit(spec, budget, target_batch=target or spec.batch_size * spec.grad_accum, context_bytes=ctx, plan=False)
 
 

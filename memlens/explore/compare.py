@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core import techniques as tech
 from ..core.errors import MemlensError
-from ..core.fits import Budget, fits
+from ..core.fits import Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
@@ -29,9 +29,55 @@ from .core import CachedEstimator, predict_step_time
 DEFAULT_TECHNIQUES = tech.COMPARE_DEFAULT
 
 
-def technique_spec(spec: TrainingSpec, name: str) -> TrainingSpec:
-    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied (:mod:`.techniques`)."""
-    return tech.apply(spec, name)
+def technique_spec(spec: TrainingSpec, name: str, keep: frozenset[str] | set[str] = frozenset()) -> TrainingSpec:
+    """``spec`` with technique ``name`` (``a+b`` applies a then b) applied (:mod:`.techniques`); ``keep``: the fields
+    the user gave, which no technique changes on the side."""
+    return tech.apply(spec, name, keep=keep)
+
+
+def row_specs(spec: TrainingSpec, names: list[str], keep: frozenset[str] | set[str] = frozenset()
+              ) -> tuple[TrainingSpec, list[TrainingSpec | MemlensError]]:
+    """(the baseline's spec, each row's spec or the error that refuses it). Every row is its technique applied on top
+    of the baseline's spec (compare --precision fp32 --techniques bf16,lora: the LoRA row is bf16 LoRA); a row that
+    would repeat the baseline (``lora`` when the spec has LoRA already) is refused, saying so."""
+    try:
+        base_spec = technique_spec(spec, names[0], keep)
+    except MemlensError:
+        base_spec = spec                # the baseline's own row says why; the others build on the spec as given
+    if tech.kind(names[0]) == tech.PRIVACY:
+        base_spec = spec                # a non-private baseline (DP compare): the DP rows are the spec as given
+    out: list[TrainingSpec | MemlensError] = []
+    for i, name in enumerate(names):
+        try:
+            s = technique_spec(spec if i == 0 else base_spec, name, keep)
+        except MemlensError as e:
+            out.append(e)
+            continue
+        if i and s == base_spec and tech.kind(names[0]) != tech.PRIVACY:
+            out.append(MemlensError(f"changes nothing: the baseline ({names[0]}: {base_spec.describe()}) has it already",
+                                    hint=f"leave out what the {name} row would set (e.g. --lora-rank) to compare with it"))
+            continue
+        out.append(s)
+    return base_spec, out
+
+
+def row_label(name: str, before: TrainingSpec, s: TrainingSpec) -> str:
+    """``name`` as the row runs it: what it changes beyond its name ("qlora (bf16)"), and the model-changing settings
+    it carries from the spec as given or the baseline ("fp32 + LoRA r=8"), so no row is named for less than it runs.
+
+    >>> row_label("fp32", TrainingSpec(model="gpt2", lora_rank=8), TrainingSpec(model="gpt2", lora_rank=8))
+    'fp32 + LoRA r=8'
+    >>> row_label("qlora", TrainingSpec(model="gpt2"), tech.apply(TrainingSpec(model="gpt2"), "qlora"))
+    'qlora (bf16)'
+    """
+    side = tech.side_changes(before, name)
+    label = name + (f" ({', '.join(str(v) for v in side.values())})" if side else "")
+    own = {p.name for p in tech.parts(name)}
+    if s.uses_lora and not own & {"lora", "qlora"}:
+        label += f" + {'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}"
+    if s.dp and tech.kind(name) != tech.PRIVACY:
+        label += f" + DP-SGD ({s.grad_sample_mode})"
+    return label
 
 
 def parse_techniques(text: str | None) -> list[str]:
@@ -48,49 +94,37 @@ def parse_techniques(text: str | None) -> list[str]:
 
 def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure: bool = False, device: str = "cuda",
             steps: int = 3, timeout: float = 600, estimator: CachedEstimator | None = None, runner=None,
-            progress: Callable[[str], None] | None = None, budget: int | str | None = None) -> Result:
+            progress: Callable[[str], None] | None = None, budget: int | str | Budget | None = None,
+            margin: float | int | str | None = None, context_bytes: int | str | None = None,
+            given: Any = None) -> Result:
     """Estimate (and with ``measure``, run) ``spec`` under each technique; the first is the baseline.
 
     Each row: ``technique``, ``spec``, ``estimated_peak_allocated_bytes``/``reserved``,
     ``saving`` (fraction of the baseline's peak saved), ``predicted_step_seconds``; measured rows add
     ``measured_peak_allocated_bytes``/``reserved``, ``step_seconds`` (median after the first step),
     ``time_overhead`` (vs the baseline), ``losses`` and ``estimate_error`` (estimated / measured - 1).
+    ``label`` names what the row runs (:func:`row_label`). ``given``: the spec fields the user set (the CLI's flags),
+    which a technique never changes on the side (QLoRA under ``--precision fp32`` is refused, as estimate refuses it).
     """
     names = list(techniques) if techniques else list(tech.COMPARE_DP if spec.dp else DEFAULT_TECHNIQUES)
     est = estimator or CachedEstimator()
-    b = Budget.make(budget, gpu=spec.gpu) if budget is not None else None
+    b = optional_budget(budget, margin=margin, context_bytes=context_bytes, gpu=spec.gpu)   # the one rule; None without a budget
     rows: list[dict[str, Any]] = []
     first_error: MemlensError | None = None
-    # every row is its technique applied on top of the baseline's spec, so "vs baseline" compares one change
-    # (compare --precision fp32 --techniques bf16,lora: the LoRA row is bf16 LoRA, not fp32 LoRA)
-    try:
-        base_spec = technique_spec(spec, names[0])
-    except MemlensError:
-        base_spec = spec                # the baseline's own row says why; the others build on the spec as given
-    if tech.kind(names[0]) == tech.PRIVACY:
-        base_spec = spec                # a non-private baseline (DP compare): the DP rows are the spec as given
-
-    def row_spec(i: int, name: str) -> TrainingSpec:
-        return technique_spec(spec if i == 0 else base_spec, name)
-
-    ahead: list[TrainingSpec] = []
-    for i, name in enumerate(names):
-        try:
-            ahead.append(row_spec(i, name))
-        except MemlensError:
-            pass                        # reported in its row below
+    base_spec, specs = row_specs(spec, names, frozenset(given or ()))
     if hasattr(est, "prefetch"):        # all estimates at once, side by side in the worker processes
-        est.prefetch(ahead, lambda i, n, s: core_progress.advance(i - 1, n, f"estimating {s.describe()}"))
+        est.prefetch([x for x in specs if isinstance(x, TrainingSpec)],
+                     lambda i, n, s: core_progress.advance(i - 1, n, f"estimating {s.describe()}"))
     for i, name in enumerate(names):
         if progress:
             progress(name)
         core_progress.advance(i, len(names), name)
-        row: dict[str, Any] = {"technique": name, "status": "ok"}
-        try:
-            s = row_spec(i, name)
-        except MemlensError as e:
-            rows.append({**row, "status": "invalid", "error": e.message})
+        row: dict[str, Any] = {"technique": name, "label": name, "status": "ok"}
+        s = specs[i]
+        if isinstance(s, MemlensError):
+            rows.append({**row, "status": "invalid", "error": s.message})
             continue
+        row["label"] = row_label(name, spec if i == 0 else base_spec, s)
         row["spec"] = s.to_dict()
         row["changes"] = {} if i == 0 else _changed(base_spec, s)     # the settings this row changes vs the baseline
         row["describe"] = s.describe()
@@ -126,6 +160,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
              "changes: the settings it changes vs the baseline",
              "saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
              "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
+    if b is not None and b.warning:
+        notes.append(b.warning)
     if measure and device.startswith("cpu"):
         notes.append("device cpu: step times, losses and the CPU ledger's peak of tensor storages are measured "
                      "(no caching allocator, no CUDA workspaces: not comparable with the GPU estimate)")
@@ -167,7 +203,7 @@ def plot_compare(result: Result, path) -> None:
     """Bar chart of peak memory per technique (estimated and measured side by side), saving labelled."""
     plt = pyplot()
     rows = [r for r in result.data["rows"] if r.get("estimated_peak_allocated_bytes") or r.get("measured_peak_allocated_bytes")]
-    names = [r["technique"] for r in rows]
+    names = [r.get("label") or r["technique"] for r in rows]
     div, unit = bytes_unit(max([r.get("estimated_peak_allocated_bytes") or 0 for r in rows]
                                + [r.get("measured_peak_allocated_bytes") or 0 for r in rows]))
     est = [(r.get("estimated_peak_allocated_bytes") or 0) / div for r in rows]

@@ -1,9 +1,9 @@
 """`fit`: the largest micro-batch whose step fits a memory budget, the accumulation that keeps the
 effective batch, and a ranked plan of settings that make a target fit.
 
-"Fits" is the one rule of :mod:`memlens.core.fits` (budget - CUDA context - margin, against
-min(peak reserved, peak allocated x 1.10)). The margin covers estimator error (median 0.01%
-allocated, reserved ~3%) and run-to-run allocator variation.
+"Fits" is the one rule of :mod:`memlens.core.fits`: peak reserved + CUDA context <= budget - margin.
+The margin covers estimator error (median 0.01% allocated, reserved ~3%) and run-to-run allocator
+variation.
 
 >>> from memlens import TrainingSpec                                       # doctest: +SKIP
 >>> r = fit(TrainingSpec(model="gpt2", seq_len=1024), "16GiB", target_batch=64)  # doctest: +SKIP
@@ -123,6 +123,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
                             "estimates": s.trials, "method": est.method}
     notes = [
         f"fits: {RULE}: {b.describe()}",
+        *([b.warning] if b.warning else []),
         "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
     ] + notes_gpus
     if n > 1:

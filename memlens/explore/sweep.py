@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from ..core import progress as core_progress
 from ..core.errors import MemlensError
-from ..core.fits import Budget, fits
+from ..core.fits import RULE, Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
@@ -136,15 +136,17 @@ def _append(path: Path, rec: dict[str, Any]) -> None:
 
 
 def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = False, resume: bool = False,
-          device: str = "cuda", steps: int = 3, timeout: float = 600, budget_bytes: int | None = None,
+          device: str = "cuda", steps: int = 3, timeout: float = 600, budget: int | str | Budget | None = None,
           estimator: CachedEstimator | None = None, runner=None, gpus: list[int] | None = None, detailed: bool = False,
-          progress: Callable[[int, int, str, dict | None], None] | None = None) -> Result:
+          progress: Callable[[int, int, str, dict | None], None] | None = None, margin: float | int | str | None = None,
+          context_bytes: int | str | None = None, budget_bytes: int | None = None) -> Result:
     """Run (or estimate) every cell of ``grid`` and return all rows in grid order.
 
-    ``budget_bytes``: a cap on the caching allocator. Measured cells on CUDA run under
-    ``set_per_process_memory_fraction(budget / total)``, so cells above it OOM; estimated cells get
-    ``estimated_fits`` by the one fit rule (:mod:`.fits`) against that cap (no context, no margin:
-    the cap is the allocator's own).
+    ``budget`` (``margin``, ``context_bytes``): the one fit rule of fit and compare (:mod:`memlens.core.fits`,
+    ``Budget.make`` with the spec's GPU): estimated cells get ``estimated_fits`` (peak reserved <= budget - CUDA
+    context - margin) and status ``oom-estimated`` when they do not fit. Measured cells on CUDA run under
+    ``set_per_process_memory_fraction((budget - context) / total)``, the memory the caching allocator can have
+    (as ``fit --verify``), so cells above it OOM. ``budget_bytes``: the same as ``budget`` (an older name).
 
     ``gpus`` (measured): the GPUs to spread the cells over, each cell in its own subprocess on its
     own GPU (``CUDA_VISIBLE_DEVICES``), as many cells at once as there are GPUs; a cell for several
@@ -155,6 +157,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     category, phase and component, from the estimate (``source: estimate``) or, measured, from a
     full-mode profile of the trial.
     """
+    b = optional_budget(budget if budget is not None else budget_bytes, margin=margin, context_bytes=context_bytes, gpu=spec.gpu)
     cells = grid_cells(spec, grid)
     if not cells:
         raise MemlensError("the grid is empty", hint="give at least one value per axis, e.g. --batch-sizes 1,2,4")
@@ -178,10 +181,10 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     _drop_torn_tail(path)
     est = estimator or CachedEstimator()
     frac = None
-    if measure and budget_bytes and device.startswith("cuda"):
+    if measure and b is not None and device.startswith("cuda"):
         import torch  # heavy: torch, loaded on first use
 
-        frac = min(1.0, budget_bytes / torch.cuda.get_device_properties(0).total_memory)
+        frac = min(1.0, (b.budget_bytes - b.context_bytes) / torch.cuda.get_device_properties(0).total_memory)
     total = len(cells)
     state = {"n": 0}
     lock = threading.Lock()
@@ -211,7 +214,7 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
             continue
         rec["spec"] = c.spec.to_dict()
         rec["_t0"] = time.perf_counter()
-        err = _estimate_cell(c, rec, est, budget_bytes, measure, detailed)
+        err = _estimate_cell(c, rec, est, b, measure, detailed)
         if err is not None:
             errors.append(err)
         if measure:
@@ -246,16 +249,19 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
     data = {"rows": rows, "grid": grid.to_dict(), "measured": measure, "device": device if measure else None,
-            "estimator": est.stats(), "results_path": str(path), "status_counts": counts, "budget_bytes": budget_bytes,
-            "memory_fraction": frac, "detailed": detailed, "steps": steps}
+            "estimator": est.stats(), "results_path": str(path), "status_counts": counts, "budget_bytes": None,
+            **(b.to_dict() if b is not None else {}), "memory_fraction": frac, "detailed": detailed, "steps": steps}
     if gpus is not None:
         data["gpus"] = list(gpus)
     return Result(verb="sweep", spec=spec.to_dict(), notes=[
         "peak_allocated_bytes: measured max_memory_allocated; estimated_*: memlens estimate of the same cell",
-        "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimate above --budget)"], data=data)
+        "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimated peak reserved above "
+        "the usable memory: budget - CUDA context - margin, the fit rule of fit and compare)"]
+        + ([f"fits: {RULE}: {b.describe()}"] + ([b.warning] if b.warning else []) if b is not None else []), data=data)
 
 
-def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_bytes: int | None, measure: bool,
+
+def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget: Budget | None, measure: bool,
                    detailed: bool = False) -> MemlensError | None:
     try:
         p = est(c.spec)
@@ -263,11 +269,10 @@ def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget_by
                    predicted_step_seconds=predict_step_time(c.spec, p).seconds)
         if p.peak_rank is not None:
             rec["estimated_peak_rank"] = p.peak_rank
-        if budget_bytes:
-            # margin 0, no context: the cap is the caching allocator's own, the limit a measured cell runs under
-            rec["estimated_fits"] = fits(p, Budget.make(budget_bytes, context_bytes=0, margin=0)).fits
+        if budget is not None:   # the one rule: peak reserved <= budget - CUDA context - margin
+            rec["estimated_fits"] = fits(p, budget).fits
         if not measure:
-            rec["status"] = "ok" if not budget_bytes or rec["estimated_fits"] else "oom-estimated"
+            rec["status"] = "ok" if budget is None or rec["estimated_fits"] else "oom-estimated"
             rec["timeline"] = [dict(pt) for pt in p.timeline]
             if detailed:
                 rec["detail"] = {"source": "estimate", "peak_allocated_bytes": p.peak_allocated_bytes,

@@ -34,6 +34,7 @@ from transformers import TrainerCallback
 
 from ..core.errors import MemlensError
 from ..core.fits import Budget, fits
+from ..core.gpus import DEFAULT_GPU
 from ..core.units import fmt_bytes
 from ..models.checkpoint import apply, plan_of
 from ..measure.profiler import Profiler
@@ -86,7 +87,9 @@ class MemlensCallback(TrainerCallback):
 
             free, _ = torch.cuda.mem_get_info()
             budget, context = int(free + torch.cuda.memory_reserved()), 0
-        b = Budget.make(budget, gpu=self.gpu, context_bytes=context)
+        # the one rule (memlens.core.fits); a measured budget ("auto") is not held against the GPU named
+        b = Budget.make(budget, gpu=None if self.fit_budget == "auto" else self.gpu or DEFAULT_GPU,
+                        context_bytes=context)
         self.fit_verdict = fits(self.estimate, b)
         if not self.fit_verdict.fits:
             raise MemlensError(f"this Trainer's step needs {fmt_bytes(self.fit_verdict.need_bytes)} and {b.describe()}",

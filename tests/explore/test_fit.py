@@ -167,7 +167,7 @@ def test_cli_fit_json(capsys):
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--budget", "12XB"], "cannot read size"),
+    (["--budget", "12XB"], "cannot read size '12XB' (budget)"),
     (["--budget", "50MiB", "--context", "0", "--margin", "0"], "even batch 1"),
     (["--budget", "700MiB"], "leaves nothing"),
     (["--budget", "1GiB", "--target-batch", "0"], "argument --target-batch: must be a whole number >= 1, got 0"),

@@ -131,7 +131,7 @@ def test_kill_9_midway_then_resume_loses_nothing(tmp_path):
     ([], "grid is empty"),
     (["--batch-sizes", "2", "--physical-batch-sizes", "4"], "no valid cell"),
     (["--batch-sizes", "2", "--techniques", "warp"], "unknown technique"),
-    (["--batch-sizes", "2", "--budget", "many"], "cannot read size"),
+    (["--batch-sizes", "2", "--budget", "many"], "cannot read size 'many' (budget)"),
     (["--batch-sizes", "2", "--measure"], "CUDA"),
 ])
 def test_cli_sweep_bad_input(tmp_path, capsys, argv, needle):
