@@ -23,6 +23,7 @@ from ..core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, INTERCONNECT_BYTES_PER_S, gp
 from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from ..core.spec import TrainingSpec
 from ..estimator.scaling import FORKED_AUTOGRAD, ScalingEstimator, _ForkUnusable
+from .search import divisors
 
 
 # ---------------------------------------------------------------- one estimate, reduced
@@ -314,11 +315,7 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
     >>> largest_divisor_at_most(48, 10), largest_divisor_at_most(7, 4)
     (8, 1)
     """
-    cap = max(1, min(cap, n))
-    for d in range(cap, 0, -1):
-        if n % d == 0:
-            return d
-    return 1
+    return max((d for d in divisors(n) if d <= max(1, cap)), default=1)
 
 
 
