@@ -27,11 +27,12 @@ from pathlib import Path
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes, parse_bytes
 from ..explore.compare import parse_techniques
-from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
+from ..explore.sweep import Grid, grid_cells, sweep, write_csv
 from ..models.source import resolve
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.opacus_files import write_opacus_files
 from ..report.plots import skip_plots
+from ..report.sweep_plots import plot_sweep
 from .common import (
     add_output_args,
     add_spec_args,

@@ -42,7 +42,7 @@ class Point:
     param_count: int = 0
     trainable_param_count: int = 0
     seq_len: int | None = None
-    timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
+    timeline: tuple = field(default=(), compare=False)   # ~120 points and the peaks: {"event", "phase", "step", "allocated_bytes", "reserved_bytes"}
     by_component: tuple = field(default=(), compare=False)  # attention / mlp / embedding / norm / lora ... at the peak
     peak_rank: int | None = None        # several GPUs: the rank whose peak this is
     activation_plan: dict | None = field(default=None, compare=False)  # checkpointing / offload costs (estimator/result.py)
@@ -52,7 +52,14 @@ class Point:
         d = r.data
         tl = list(getattr(r, "timeline", None) or [])
         step = max(1, len(tl) // 120)
-        keep = tuple({k: pt.get(k) for k in ("event", "phase", "step", "allocated_bytes")} for pt in tl[::step])
+        # every step-th point, and the highest allocated and reserved ones (a sampled timeline that misses the
+        # peak draws a picture below the figure the table states)
+        idx = set(range(0, len(tl), step))
+        for key in ("allocated_bytes", "reserved_bytes"):
+            if tl and any(pt.get(key) is not None for pt in tl):
+                idx.add(max(range(len(tl)), key=lambda i: tl[i].get(key) or 0))
+        keep = tuple({k: tl[i].get(k) for k in ("event", "phase", "step", "allocated_bytes", "reserved_bytes")}
+                     for i in sorted(idx))
         return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
