@@ -146,9 +146,14 @@ def cli() -> None:
     of a 6 s estimate on a 2-core machine, for memory the process gives back anyway. Everything is
     still flushed, closed and joined as usual (``atexit`` handlers, finalizers, worker processes);
     objects in reference cycles are just not collected first."""
+    previous = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    code = main()
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        code = main()
+    finally:
+        if previous is not None:        # a caller's own handler (cli() run in a test process) comes back
+            signal.signal(signal.SIGTERM, previous)
     if code in (130, 143):
         # interrupted: threads still simulating (fit's and sweep's) would hold the interpreter's exit until they end
         sys.stdout.flush()
