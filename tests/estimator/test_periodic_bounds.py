@@ -13,6 +13,7 @@ SAME = {"created_at": 0, "later_micro_batches": 0, "simulate_seconds": 0, "timel
 GPT2 = str(Path(__file__).parent.parent / "fixtures" / "models" / "tiny-gpt2" / "config.json")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, changes, label", [
     (GPT2, {"batch_size": 2, "seq_len": 32, "grad_accum": 12},
      "2..5 written from micro-batch 1, 6..12 as those (not written)"),
