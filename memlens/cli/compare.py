@@ -14,8 +14,9 @@ import sys
 
 from ..core.errors import MemlensError
 from ..core.units import fmt_bytes
-from ..explore.compare import compare, parse_techniques, plot_compare
+from ..explore.compare import compare, parse_techniques
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
+from ..report.compare_plots import plot_compare
 from ..report.plots import skip_plots
 from .common import (
     add_budget_args,

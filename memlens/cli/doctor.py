@@ -230,7 +230,7 @@ def _render_log(result) -> None:
     c = _console()
     d: DoctorLogPayload = result.data
     per = "second" if d.x_axis == "time_s" else "step"
-    colour = "red" if d.verdict == "leak" else "green"
+    colour = {"leak": "red", "falling": "yellow"}.get(d.verdict, "green")
     c.print(f"[bold {colour}]{d.verdict.upper()}[/bold {colour}] ({d.pattern}) over {d.readings} readings of "
             f"{d.memory_key!r} ({d.source_format})")
     rows = [

@@ -11,7 +11,9 @@ import gc
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 import traceback
 
 from ..core.errors import MemlensError
@@ -83,9 +85,11 @@ def run_verb(module_run, args) -> int:
             traceback.print_exception(cause, file=sys.stderr)
         print(e.render(), file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        _end_workers()
+        terminated = isinstance(e, Terminated)
+        print("ERROR: terminated (SIGTERM)" if terminated else "ERROR: interrupted (Ctrl-C)", file=sys.stderr)
+        return 143 if terminated else 130
     except BrokenPipeError:
         return 0
     except Exception as e:  # the user's own code (a factory, a loss function), or an internal bug: one line unless --debug
@@ -99,6 +103,21 @@ def run_verb(module_run, args) -> int:
             return 1
         print(f"ERROR: internal error: {type(e).__name__}: {e}  HINT: rerun with --debug and report it", file=sys.stderr)
         return 1
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``), raised in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def _end_workers() -> None:
+    """The estimator's worker processes (fit, sweep, compare simulate in forks), if it was loaded."""
+    scaling = sys.modules.get("memlens.estimator.scaling")
+    if scaling is not None:
+        scaling.end_workers()
 
 
 def _debug(args) -> bool:
@@ -134,7 +153,19 @@ def cli() -> None:
     of a 6 s estimate on a 2-core machine, for memory the process gives back anyway. Everything is
     still flushed, closed and joined as usual (``atexit`` handlers, finalizers, worker processes);
     objects in reference cycles are just not collected first."""
-    code = main()
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        code = main()
+    finally:
+        if previous is not None:        # a caller's own handler (cli() run in a test process) comes back
+            signal.signal(signal.SIGTERM, previous)
+    if code in (130, 143):
+        # interrupted: threads still simulating (fit's and sweep's) would hold the interpreter's exit until they end
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     gc.freeze()
     sys.exit(code)
 

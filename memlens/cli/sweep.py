@@ -28,11 +28,12 @@ from ..core.errors import MemlensError
 from ..core.fits import optional_budget
 from ..core.units import fmt_bytes
 from ..explore.compare import parse_techniques
-from ..explore.sweep import Grid, grid_cells, plot_sweep, sweep, write_csv
+from ..explore.sweep import Grid, grid_cells, sweep, write_csv
 from ..models.source import resolve
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.opacus_files import write_opacus_files
 from ..report.plots import skip_plots
+from ..report.sweep_plots import plot_sweep
 from .common import (
     add_budget_args,
     add_output_args,

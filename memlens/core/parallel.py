@@ -59,9 +59,22 @@ def data_parallel_ranks(spec: Any) -> int:
     return spec.world_size if is_distributed(spec) else 1
 
 
+# The largest job memlens models: one flat data-parallel group (DDP, ZeRO-1, FSDP2) of this many ranks. It
+# models no HSDP, tensor or pipeline parallelism, which is what jobs beyond this size run (torchtitan's largest
+# published runs: 128 GPUs of FSDP, 256 of FSDP x TP, DESIGN.md). The simulation also costs with the world
+# size: torch's fully_shard chunks every parameter into world-size pieces on every rank
+# (torch/distributed/fsdp/_fully_shard/_fsdp_common.py: _chunk_with_empty), about 26 s for gpt2 at 100,000.
+MAX_WORLD_SIZE = 1024
+
+
 def check_fields(spec: Any) -> None:
     """The spec fields of several GPUs that cannot go together (called by TrainingSpec's validation)."""
     sh = SHARDINGS[spec.sharding]
+    if isinstance(spec.world_size, int) and spec.world_size > MAX_WORLD_SIZE:
+        raise SpecError(f"--world-size {spec.world_size} is above the {MAX_WORLD_SIZE:,} ranks memlens models (one flat "
+                        "data-parallel group: no HSDP, tensor or pipeline parallelism)",
+                        hint=f"estimate one rank of a group of at most {MAX_WORLD_SIZE} (per-rank memory under FSDP stops "
+                             "shrinking long before: the sharded states are already small)")
     if sh.name != "none" and not is_distributed(spec):
         raise SpecError(f"sharding {spec.sharding!r} needs --world-size > 1", hint="add --world-size 8")
     raf = spec.reshard_after_forward
@@ -83,4 +96,4 @@ def check_fields(spec: Any) -> None:
             raise SpecError(f"--bucket-cap-mb must be a positive number, got {spec.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
 
 
-__all__ = ["Sharding", "SHARDINGS", "SHARDING_NAMES", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]
+__all__ = ["MAX_WORLD_SIZE", "Sharding", "SHARDINGS", "SHARDING_NAMES", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]

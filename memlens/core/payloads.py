@@ -208,7 +208,7 @@ class DoctorOomPayload(Payload):
     diagnosis: str | None = UNSET                 # one of doctor.oom.DIAGNOSES
     reasons: list[str] | None = UNSET
     advice: list[str] | None = UNSET              # ordered: the first to try first
-    form: str | None = UNSET                      # torch>=2.1 | torch<=2.0 | mps | cuda_error
+    form: str | None = UNSET                      # torch>=2.1 | torch<=2.0 | mps | cuda_error | no_figures
     message: str | None = UNSET
     device_type: str | None = UNSET
     device_index: int | None = UNSET
@@ -244,8 +244,8 @@ class DoctorLogPayload(Payload):
     readings: int | None = UNSET
     first_bytes: int | None = UNSET
     last_bytes: int | None = UNSET
-    verdict: str | None = UNSET                   # leak | steady
-    pattern: str | None = UNSET                   # accelerating | linear | stepwise | decelerating | steady
+    verdict: str | None = UNSET                   # leak | falling | steady
+    pattern: str | None = UNSET                   # accelerating | linear | stepwise | decelerating | falling | dropped | steady
     growth_bytes_per_step: int | None = UNSET
     current_growth_bytes_per_step: int | None = UNSET
     accelerating: bool | None = UNSET

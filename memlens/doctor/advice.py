@@ -160,6 +160,16 @@ LOG_CAUSES = {
         "pad or bucket shapes, or sort by length.",
         "Periodic evaluation or checkpoint saving that leaves tensors behind: free them, wrap eval in torch.no_grad().",
     ],
+    "falling": [
+        "Not a leak: memory falls over the run, so its peak is early (the first steps decide an OOM). Something "
+        "held at the start is released: a warm-up or first-batch cache, a longest-first or shrinking batch or "
+        "sequence length, torch.cuda.empty_cache() returning cached segments (reserved falls, allocated does not).",
+    ],
+    "dropped": [
+        "Not a leak: memory fell once and then held level, so its peak is before the drop. Typical: the first "
+        "steps' larger batch or sequence, evaluation or checkpoint buffers freed, torch.cuda.empty_cache() after "
+        "warm-up.",
+    ],
     "steady": [
         "No leak: memory per step is flat. If it is close to the capacity, peaks (not the trend) decide OOMs: "
         "see `memlens estimate` for the peak by phase.",
@@ -168,5 +178,5 @@ LOG_CAUSES = {
 
 
 def log_causes(pattern: str) -> list[str]:
-    """Likely causes of a memory-per-step pattern ("accelerating", "linear", "stepwise", "steady")."""
+    """Likely causes of a memory-per-step pattern ("accelerating", "linear", "stepwise", "falling", "dropped", "steady")."""
     return list(LOG_CAUSES.get(pattern, LOG_CAUSES["steady"]))

@@ -71,8 +71,8 @@ class MemorySeries:
 class LogAnalysis:
     """What the series says. Sizes in bytes; rates in bytes per step (or per second)."""
 
-    verdict: str                      # "leak" or "steady"
-    pattern: str                      # "accelerating", "linear", "stepwise", "decelerating" or "steady"
+    verdict: str                      # "leak", "falling" or "steady"
+    pattern: str                      # "accelerating", "linear", "stepwise", "decelerating", "falling", "dropped" or "steady"
     growth_bytes_per_step: float      # slope of a straight line through the readings
     current_growth_bytes_per_step: float  # slope of the fitted trend at the last reading
     accelerating: bool
@@ -345,6 +345,8 @@ def analyze_memory(series: MemorySeries, capacity_bytes: int | None = None) -> L
 
     Rules: a leak is a rise of the straight-line fit over the run of at least 3x the scatter
     around it and at least max(16 MiB, 0.2% of the level), still rising over the last half.
+    Memory is ``falling`` when the line falls by as much (pattern "falling" if it still falls over
+    the last half, else "dropped": it fell, then levelled off); else it is steady.
     It accelerates when a parabola fits much better (F > 10), curves upward and the fitted
     slope at the end is at least 1.5x the slope at the start; then the parabola projects the
     OOM, otherwise the straight line. The projected step is the first whole step after the
@@ -365,6 +367,7 @@ def analyze_memory(series: MemorySeries, capacity_bytes: int | None = None) -> L
     half = [i for i in range(n) if x[i] >= x[0] + span / 2]
     late_slope = _polyfit([x[i] for i in half], [y[i] for i in half], 1)[0][1] if len(half) >= 2 else slope
     leak = growth > 3 * scatter and growth >= max(16 * 1024**2, 0.002 * level) and late_slope > 0
+    falling = not leak and -growth > 3 * scatter and -growth >= max(16 * 1024**2, 0.002 * level)
 
     quad, rss_quad = _polyfit(x, y, 2) if n >= 4 else (lin + [0.0], rss_lin)
     a = quad[2]
@@ -376,7 +379,9 @@ def analyze_memory(series: MemorySeries, capacity_bytes: int | None = None) -> L
 
     deltas = [y[i + 1] - y[i] for i in range(n - 1)]
     flat = sum(1 for d in deltas if abs(d) <= max(1024**2, 0.001 * level))
-    if not leak:
+    if falling:
+        pattern = "falling" if late_slope < 0 else "dropped"     # still falling at the end, or fell and levelled off
+    elif not leak:
         pattern = "steady"
     elif accelerating:
         pattern = "accelerating"
@@ -390,7 +395,7 @@ def analyze_memory(series: MemorySeries, capacity_bytes: int | None = None) -> L
     coef = quad if accelerating else lin + [0.0]
     model = "quadratic" if accelerating else "linear"
     analysis = LogAnalysis(
-        verdict="leak" if leak else "steady", pattern=pattern,
+        verdict="leak" if leak else "falling" if falling else "steady", pattern=pattern,
         growth_bytes_per_step=slope,
         current_growth_bytes_per_step=end_slope if accelerating else slope,
         accelerating=accelerating, acceleration_bytes_per_step2=2 * a if accelerating else 0.0,

@@ -39,6 +39,7 @@ from .sizes import SIZE, parse_size
 
 _ANCHOR = re.compile(r"(?:\b(?P<backend>CUDA|HIP|XPU|MPS|NPU|MLU|MUSA)(?: backend)? )?[Oo]ut of memory")
 _CUDA_ERROR = re.compile(r"\b(?:CUDA|HIP) error: out of memory|cudaErrorMemoryAllocation", re.IGNORECASE)
+_BARE = re.compile(r"\b(CUDA|HIP|XPU) out of memory\b|\bOutOfMemoryError\b")
 _S = rf"({SIZE})"
 _FIELDS = {
     "requested": re.compile(rf"Tried to allocate {_S}"),
@@ -105,6 +106,14 @@ class OomMessage:
         return self.allocated_by_pytorch_bytes + self.reserved_unallocated_bytes
 
     @property
+    def has_figures(self) -> bool:
+        """Does the message say anything about the GPU's state (beyond the size it asked for)? Without it
+        nothing tells why the allocation failed: the verdict is ``unknown``."""
+        return any(v is not None for v in (self.total_capacity_bytes, self.free_bytes, self.allowed_bytes,
+                                           self.allocated_by_pytorch_bytes, self.reserved_unallocated_bytes,
+                                           self.this_process_bytes)) or bool(self.other_processes)
+
+    @property
     def other_processes_bytes(self) -> int:
         return sum(p.used_bytes for p in self.other_processes)
 
@@ -146,6 +155,10 @@ def find_oom_messages(text: str) -> list[OomMessage]:
         m = _CUDA_ERROR.search(flat)
         if m:
             found.append(OomMessage(form="cuda_error", message=m.group(0), device_type="cuda"))
+    if not found:
+        m = _BARE.search(flat)
+        if m:       # PyTorch's message cut before its figures ("torch.OutOfMemoryError: CUDA out of memory.")
+            found.append(OomMessage(form="no_figures", message=m.group(0), device_type=(m.group(1) or "cuda").lower()))
     return found
 
 
@@ -175,6 +188,7 @@ def check_consistent(msg: OomMessage) -> OomMessage:
     ...
     memlens.core.errors.MemlensError: the OOM message says 30.00 GiB is free on a GPU of 23.69 GiB: free memory cannot exceed the total capacity
     """
+    _check_process_total(msg)
     total = msg.total_capacity_bytes
     if not total:
         return msg
@@ -187,6 +201,29 @@ def check_consistent(msg: OomMessage) -> OomMessage:
                 f"{kind} memory cannot exceed the total capacity",
                 hint="paste the message exactly as PyTorch printed it (its numbers look edited or taken from two messages)")
     return msg
+
+
+def _check_process_total(msg: OomMessage) -> None:
+    """This process' total (NVML's use of it, CUDA context included) holds every byte PyTorch reserved, and
+    what is allocated is part of that: a total below PyTorch's allocated or reserved figure cannot come from one
+    message. Two decimals of rounding are allowed on each figure.
+
+    >>> check_consistent(parse_oom("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of "
+    ...     "79.19 GiB of which 1.00 GiB is free. Including non-PyTorch memory, this process has 40.00 GiB memory in use. "
+    ...     "Of the allocated memory 60.00 GiB is allocated by PyTorch, and 2.00 GiB is reserved by PyTorch but unallocated."))
+    Traceback (most recent call last):
+    ...
+    memlens.core.errors.MemlensError: the OOM message says this process has 40.00 GiB in use but PyTorch alone has allocated 60.00 GiB: a process holds at least what its allocator allocated and reserved
+    """
+    mine = msg.this_process_bytes
+    if mine is None:
+        return
+    for what, n in (("allocated", msg.allocated_by_pytorch_bytes), ("reserved", msg.reserved_by_pytorch_bytes)):
+        if n is not None and mine < n - 0.02 * 2**30:
+            raise MemlensError(
+                f"the OOM message says this process has {fmt_bytes(mine)} in use but PyTorch alone has {what} "
+                f"{fmt_bytes(n)}: a process holds at least what its allocator allocated and reserved",
+                hint="paste the message exactly as PyTorch printed it (its numbers look edited or taken from two messages)")
 
 
 def _not_oom() -> MemlensError:

@@ -66,7 +66,8 @@ def diagnose(msg: OomMessage) -> Diagnosis:
        has already returned every unsplit cached segment to CUDA, so what is still reserved but
        unallocated sits in pieces of partly used segments; in one piece it would have fit.
     6. capacity: the job needs more than the device has.
-    A message with no numbers ("CUDA error: out of memory") is ``unknown``.
+    A message with no numbers ("CUDA error: out of memory", "CUDA out of memory." cut before its figures, or
+    only "Tried to allocate X") is ``unknown``.
 
     When the message does not say which listed process is this one, every possibility is tried:
     if they agree the verdict stands, else it is marked uncertain with what would tell.
@@ -96,7 +97,7 @@ WHAT_WOULD_TELL = ("`memlens watch --once` while the job runs lists each process
 def _certainty(msg: OomMessage, acc, diagnosis: str, alternatives: list[dict[str, Any]]) -> tuple[bool, str | None]:
     """Is the verdict the same whatever the message leaves open, and if not, what would tell."""
     f = fmt_bytes
-    if msg.form == "cuda_error":
+    if msg.form == "cuda_error" or not msg.has_figures:
         return False, "the message carries no numbers, so it cannot tell why: " + WHAT_WOULD_TELL
     if alternatives:
         pids = [a["this_process_pid"] for a in alternatives]
@@ -138,6 +139,10 @@ def _verdict(msg: OomMessage, acc) -> tuple[str, list[str], dict[str, int]]:
                                             ("total", total)) if v is not None}
     if msg.form == "cuda_error":
         return "unknown", ["CUDA itself ran out of memory outside PyTorch's allocator (the message has no numbers)"], ev
+    if msg.form != "mps" and not msg.has_figures:
+        asked = f" beyond the {f(req)} requested" if msg.requested_bytes is not None else ""
+        return "unknown", [f"the message has no numbers{asked}: nothing in it says what holds the GPU "
+                           "(PyTorch prints its figures after 'Tried to allocate ...': was the message cut?)"], ev
     if msg.form == "mps":
         used = (msg.allocated_by_pytorch_bytes or 0) + (msg.mps_other_allocations_bytes or 0)
         ev.update(mps_allocated=msg.allocated_by_pytorch_bytes or 0, mps_other_allocations=msg.mps_other_allocations_bytes or 0)

@@ -42,6 +42,7 @@ import importlib
 import itertools
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 import time
@@ -430,7 +431,28 @@ def _warm(spec: TrainingSpec) -> None:
 
 
 def _worker_init() -> None:
-    _progress._current.set(None)     # a worker never reports: the progress bar lives in the parent
+    """A worker never reports (the progress bar lives in the parent), ignores Ctrl-C (the terminal sends SIGINT to
+    the whole process group: the parent alone answers it, in one line, and ends the workers) and ends itself when its
+    parent is gone (killed: nobody else would end it)."""
+    _progress._current.set(None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def orphaned() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, name="memlens-orphan-watch", daemon=True).start()
+
+
+def end_workers() -> None:
+    """End every worker process this process started (at Ctrl-C or a kill: what they compute is no longer wanted;
+    waiting for them would hold the exit for as long as their simulations run)."""
+    for child in multiprocessing.active_children():
+        child.terminate()
+    for child in multiprocessing.active_children():
+        child.join(timeout=2)
 
 
 # torch's autograd engine refuses to run in a forked child once the parent has started its device

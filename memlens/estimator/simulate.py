@@ -256,8 +256,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
     why_not = ("repeat=False" if not repeat else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
                else "--compile runs the compiled graph" if spec.compile else "")
-    runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)
     try:
+        runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)   # may refuse (the hooks go in finally)
         with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):

@@ -23,7 +23,6 @@ from ..core.fits import Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
-from ..report.plots import bytes_unit, legend_outside, pyplot
 from .core import CachedEstimator, predict_step_time
 
 DEFAULT_TECHNIQUES = tech.COMPARE_DEFAULT
@@ -197,37 +196,3 @@ def _relative(rows: list[dict[str, Any]], measured: bool) -> None:
             r["predicted_time_overhead"] = r["predicted_step_seconds"] / b["predicted_step_seconds"] - 1
         if measured and r.get("losses") and b.get("losses") and r["losses"][0] is not None and b["losses"][0] is not None:
             r["loss_delta_first_step"] = r["losses"][0] - b["losses"][0]
-
-
-def plot_compare(result: Result, path) -> None:
-    """Bar chart of peak memory per technique (estimated and measured side by side), saving labelled."""
-    plt = pyplot()
-    rows = [r for r in result.data["rows"] if r.get("estimated_peak_allocated_bytes") or r.get("measured_peak_allocated_bytes")]
-    names = [r.get("label") or r["technique"] for r in rows]
-    div, unit = bytes_unit(max([r.get("estimated_peak_allocated_bytes") or 0 for r in rows]
-                               + [r.get("measured_peak_allocated_bytes") or 0 for r in rows]))
-    est = [(r.get("estimated_peak_allocated_bytes") or 0) / div for r in rows]
-    meas = [(r.get("measured_peak_allocated_bytes") or 0) / div for r in rows]
-    has_meas = any(meas)
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows) + 2), 4.8))
-    x = range(len(rows))
-    w = 0.4 if has_meas else 0.7
-    b1 = ax.bar([i - (w / 2 if has_meas else 0) for i in x], est, w, label="estimated", color="#3498db")
-    if has_meas:
-        ax.bar([i + w / 2 for i in x], meas, w, label="measured", color="#e67e22")
-    for i, r in enumerate(rows):
-        top = max(est[i], meas[i])
-        s = r.get("saving")
-        ax.text(i, top, f"{top:.2f}" + (f"\n{-s * 100:+.0f}%" if s is not None and i else ""), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(list(x))
-    ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-    ax.set_ylabel(f"peak allocated ({unit})")
-    ax.set_title(f"{result.spec['model']}: peak memory per technique" + (" (measured vs estimated)" if has_meas else " (estimated)"))
-    if has_meas:
-        legend_outside(ax)
-    ax.set_ylim(0, max(est + meas + [0]) * 1.18 or 1)   # room for the labels above the bars
-    ax.grid(axis="y", alpha=0.3)
-    _ = b1
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)

@@ -23,6 +23,7 @@ from ..core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, INTERCONNECT_BYTES_PER_S, gp
 from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from ..core.spec import TrainingSpec
 from ..estimator.scaling import FORKED_AUTOGRAD, ScalingEstimator, _ForkUnusable
+from .search import divisors
 
 
 # ---------------------------------------------------------------- one estimate, reduced
@@ -41,7 +42,7 @@ class Point:
     param_count: int = 0
     trainable_param_count: int = 0
     seq_len: int | None = None
-    timeline: tuple = field(default=(), compare=False)   # ~120 points: {"event", "phase", "step", "allocated_bytes"}
+    timeline: tuple = field(default=(), compare=False)   # ~120 points and the peaks: {"event", "phase", "step", "allocated_bytes", "reserved_bytes"}
     by_component: tuple = field(default=(), compare=False)  # attention / mlp / embedding / norm / lora ... at the peak
     peak_rank: int | None = None        # several GPUs: the rank whose peak this is
     activation_plan: dict | None = field(default=None, compare=False)  # checkpointing / offload costs (estimator/result.py)
@@ -51,7 +52,14 @@ class Point:
         d = r.data
         tl = list(getattr(r, "timeline", None) or [])
         step = max(1, len(tl) // 120)
-        keep = tuple({k: pt.get(k) for k in ("event", "phase", "step", "allocated_bytes")} for pt in tl[::step])
+        # every step-th point, and the highest allocated and reserved ones (a sampled timeline that misses the
+        # peak draws a picture below the figure the table states)
+        idx = set(range(0, len(tl), step))
+        for key in ("allocated_bytes", "reserved_bytes"):
+            if tl and any(pt.get(key) is not None for pt in tl):
+                idx.add(max(range(len(tl)), key=lambda i: tl[i].get(key) or 0))
+        keep = tuple({k: tl[i].get(k) for k in ("event", "phase", "step", "allocated_bytes", "reserved_bytes")}
+                     for i in sorted(idx))
         return cls(int(r.peak_allocated_bytes), int(r.peak_reserved_bytes or r.peak_allocated_bytes),
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
@@ -314,11 +322,7 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
     >>> largest_divisor_at_most(48, 10), largest_divisor_at_most(7, 4)
     (8, 1)
     """
-    cap = max(1, min(cap, n))
-    for d in range(cap, 0, -1):
-        if n % d == 0:
-            return d
-    return 1
+    return max((d for d in divisors(n) if d <= max(1, cap)), default=1)
 
 
 

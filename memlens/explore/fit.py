@@ -38,7 +38,7 @@ from .core import (
     largest_divisor_at_most,
 )
 from .plan import make_plan
-from .search import MAX_BATCH, Search, max_fitting_budget, verify_limit
+from .search import MAX_BATCH, MAX_TARGET_PER_GPU, Search, max_fitting_budget, verify_limit
 
 
 def search_field(spec: TrainingSpec) -> str:
@@ -89,6 +89,10 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     if target_batch is not None and target_batch % n:
         raise MemlensError(f"the target batch {target_batch} does not split evenly over --world-size {n} GPUs",
                            hint=f"use a multiple of {n}, e.g. --target-batch {n * max(1, round(target_batch / n))}")
+    if target_batch is not None and target_batch // n > MAX_TARGET_PER_GPU:
+        raise MemlensError(f"target batch {target_batch:,} is {target_batch // n:,} samples per GPU, above the "
+                           f"{MAX_TARGET_PER_GPU:,} fit searches (the largest micro-batch memlens simulates)",
+                           hint="give the effective batch in samples per optimizer step, e.g. --target-batch 1024")
     notes_gpus: list[str] = []
     if n > 1 and context_bytes is None:
         # per GPU, the budget loses the CUDA context and NCCL's own buffers (outside the caching allocator)

@@ -34,6 +34,7 @@ from ..core.parallel import data_parallel_ranks
 from ..core.spec import TrainingSpec
 from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
 from .core import CachedEstimator, need_bytes, predict_step_time
+from .search import divisors as divisors_of
 from .search import max_fitting_among
 
 
@@ -136,7 +137,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
     dp = field_name == "physical_batch_size"   # DP-SGD: the logical batch stays, physical batches of it (Opacus)
     if dp:
         s = s.replace(batch_size=per_gpu, physical_batch_size=None)
-    divisors = [d for d in range(1, per_gpu + 1) if per_gpu % d == 0]
+    divisors = divisors_of(per_gpu)
 
     def run_of(b: int) -> TrainingSpec:
         """The run that has to fit: micro-batch ``b`` with the accumulation the target needs (its

@@ -164,6 +164,28 @@ def doubling_bisection(try_batch: Callable[[int], bool], *, cap: int = MAX_BATCH
     return Search(_bisect(lo, hi, t), trials)
 
 
+# The largest per-GPU target batch fit searches: the spec's own bound on a micro-batch (core/spec.py), so the whole
+# target can be probed as one micro-batch. An effective batch is rarely above a few thousand samples per GPU.
+MAX_TARGET_PER_GPU = 1_000_000
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` >= 1, ascending, in O(sqrt(n)) (a target batch of 10^8 has 81).
+
+    >>> divisors(12), divisors(1), len(divisors(100_000_000))
+    ([1, 2, 3, 4, 6, 12], [1], 81)
+    """
+    low, high = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            low.append(d)
+            if d * d != n:
+                high.append(n // d)
+        d += 1
+    return low + high[::-1]
+
+
 def max_fitting_among(values: list[int], value: Callable[[int], float], budget: float,
                       known: Callable[[], dict[int, float]] | None = None,
                       slope: Callable[[], float | None] | None = None) -> Search:

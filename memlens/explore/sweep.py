@@ -1,5 +1,5 @@
 """`sweep`: a grid over batch size x sequence length x LoRA rank x physical batch x technique,
-estimated or measured, as a CSV, heatmaps, memory-vs-batch lines and per-config timelines.
+estimated or measured, as a CSV (its pictures: memlens.report.sweep_plots).
 
 The Opacus profiler's flags map onto it (seeds/004): ``--batch_sizes`` -> ``batch_sizes``,
 ``--seq_lengths`` -> ``seq_lens``, ``--lora_ranks`` -> ``lora_ranks``,
@@ -34,7 +34,6 @@ from ..core.fits import RULE, Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
-from ..report.plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times
 from .compare import technique_spec
 from .core import CachedEstimator, predict_step_time
 
@@ -373,110 +372,3 @@ def write_csv(result: Result, path) -> None:
         w.writeheader()
         for r in result.data["rows"]:
             w.writerow({k: r.get(k) for k in CSV_COLUMNS})
-
-
-def _bytes(r: dict[str, Any]) -> int | None:
-    return r.get("peak_allocated_bytes") or r.get("estimated_peak_allocated_bytes")
-
-
-def _groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    g: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        name = ",".join(f"{k}={r.get(k)}" for k in ("technique", "lora_rank", "physical_batch_size") if r.get(k) is not None) or "spec"
-        g.setdefault(name, []).append(r)
-    return g
-
-
-def plot_sweep(result: Result, out_dir) -> list[Path]:
-    """heatmap_<group>.png (batch x seq, per technique / rank / physical batch), memory_vs_batch.png,
-    timelines/<cell>.png for cells with a timeline. Returns the paths written."""
-    plt = pyplot()
-    out_dir = Path(out_dir)
-    rows = result.data["rows"]
-    written: list[Path] = []
-    measured = result.data.get("measured")
-    what = "measured" if measured else "estimated"
-    budget = result.data.get("budget_bytes")
-    for gname, grows in _groups(rows).items():
-        bs = sorted({r["batch_size"] for r in grows if r.get("batch_size") is not None})
-        ls = sorted({r["seq_len"] for r in grows if r.get("seq_len") is not None}) or [None]
-        if not bs:
-            continue
-        fig, ax = plt.subplots(figsize=(1.2 * len(bs) + 3, 0.7 * len(ls) + 2.6))
-        cells = {(r.get("seq_len"), r["batch_size"]): (r["status"], _bytes(r)) for r in grows
-                 if r.get("batch_size") in bs and r.get("seq_len") in ls}
-        heatmap(fig, ax, cells, bs, ls, budget_bytes=budget, what=f"peak allocated, {what}")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("seq len")
-        ax.set_title(f"{result.spec['model']}{'' if gname == 'spec' else ' ' + gname}: peak allocated ({what})", fontsize=9)
-        p = out_dir / f"heatmap_{_safe(gname)}.png"
-        _save(fig, plt, p)
-        written.append(p)
-    # memory vs batch: one line per (group, seq len), y from zero; OOM cells as red x at the budget
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    top = max([_bytes(r) or 0 for r in rows] + [budget or 0])
-    div, unit = bytes_unit(top)
-    any_line = False
-    for gname, grows in _groups(rows).items():
-        for L in sorted({r.get("seq_len") for r in grows}, key=lambda x: (x is None, x)):
-            pts = sorted((r["batch_size"], _bytes(r) / div) for r in grows if r.get("seq_len") == L and r["status"] == "ok" and _bytes(r))
-            line = None
-            if pts:
-                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{gname} L={L}")
-                any_line = True
-            ooms = [(r["batch_size"], _bytes(r)) for r in grows if r.get("seq_len") == L and r["status"] in ("oom", "oom-estimated")]
-            if ooms:
-                # an estimated OOM has its estimate; a measured one is drawn at the budget (or the top)
-                ax.scatter([b for b, _ in ooms], [(v or budget or top) / div for _, v in ooms], marker="x", s=60, zorder=3,
-                           color=line.get_color() if line else "red")
-                any_line = True
-    if any_line:
-        ax.scatter([], [], marker="x", color="grey", label="OOM: does not fit (at its estimate,\nor at the budget when measured)")
-        if budget:
-            ax.axhline(budget / div, color="#c0392b", ls="--", lw=1, label=f"budget {budget / div:.2f} {unit}")
-        ax.set_ylim(0, top / div * 1.08)
-        ax.set_xscale("log", base=2)
-        xs = sorted({r["batch_size"] for r in rows if r.get("batch_size")})
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(f"peak allocated ({unit}, {what})")
-        ax.set_title(f"{result.spec['model']}: memory vs batch (y from 0)", fontsize=10)
-        ax.grid(alpha=0.3)
-        legend_outside(ax)
-        p = out_dir / "memory_vs_batch.png"
-        _save(fig, plt, p)
-        written.append(p)
-    else:
-        plt.close(fig)
-    tl = [r for r in rows if r.get("timeline")]
-    if tl:
-        (out_dir / "timelines").mkdir(exist_ok=True)
-    for r in tl[:48]:
-        fig, ax = plt.subplots(figsize=(7, 3))
-        timed = "t" in r["timeline"][0]
-        if timed:
-            xs, tu = relative_times([pt["t"] for pt in r["timeline"]])
-        else:
-            xs = [pt.get("event", i) for i, pt in enumerate(r["timeline"])]
-        tdiv, tunit = bytes_unit(max(pt["allocated_bytes"] for pt in r["timeline"]))
-        ax.step(xs, [pt["allocated_bytes"] / tdiv for pt in r["timeline"]], where="post")
-        for pt, x in zip(r["timeline"], xs):
-            if timed and pt.get("phase") == "forward":
-                ax.axvline(x, color="grey", alpha=0.2)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel(f"time since the first reading ({tu})" if timed else "allocation event (simulated step)")
-        ax.set_ylabel(f"allocated ({tunit})")
-        ax.set_title(f"{r['key']}: allocated " + ("at phase boundaries (measured)" if timed else "(estimated)"), fontsize=9)
-        p = out_dir / "timelines" / f"{_safe(r['key'])}.png"
-        _save(fig, plt, p, dpi=90)
-        written.append(p)
-    return written
-
-
-def _save(fig, plt, path: Path, dpi: int = 100) -> None:
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-
-
-def _safe(s: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in s)

@@ -46,6 +46,20 @@ class ModelSource:
                 "model_type": getattr(self.config, "model_type", None)}
 
 
+# The longest --model string looked at: Linux's PATH_MAX (a path is the longest form a model source takes; a
+# Hugging Face id is at most 96 characters). Longer strings would reach the file system as "File name too long".
+MAX_MODEL_CHARS = 4096
+
+
+def _exists(path: str | Path) -> bool:
+    """os.path.exists, with a name the file system refuses (a component over 255 bytes) one line, not an OSError."""
+    try:
+        return Path(path).exists()
+    except OSError as e:
+        raise ModelSourceError(f"--model {str(path)[:60]!r}...: not a usable path ({e.strerror})",
+                               hint="give a built-in name, owner/name, a directory or pkg.module:factory") from None
+
+
 def resolve(model: str) -> ModelSource:
     """Resolve a --model string to a ModelSource, failing with one clear line.
 
@@ -53,16 +67,20 @@ def resolve(model: str) -> ModelSource:
     'causal-lm'
     """
     model = model.strip()
+    if len(model) > MAX_MODEL_CHARS:
+        raise ModelSourceError(f"--model is {len(model):,} characters ({model[:40]!r}...): longer than any model name, "
+                               f"Hugging Face id or path (at most {MAX_MODEL_CHARS})",
+                               hint="give a built-in name (memlens estimate --list-models), owner/name, a directory or pkg.module:factory")
     lib, sep, lib_name = model.partition(":")
     if sep and lib in VISION_LIBRARIES:
         return _vision_library_source(lib, lib_name.strip())
     doc = registry.get(model)
     if doc is not None:
         return ModelSource(doc["name"], "builtin", doc["task"], config=_config_from_dict(doc["config"], doc["name"]))
-    if ":" in model and not os.path.exists(model):
+    if ":" in model and not _exists(model):
         return _factory_source(model)
     path = Path(model).expanduser()
-    if path.exists():
+    if _exists(path):
         cfg_path = path / "config.json" if path.is_dir() else path
         if not cfg_path.exists():
             raise ModelSourceError(f"{path} has no config.json", hint="point --model at a Hugging Face model directory or its config.json")

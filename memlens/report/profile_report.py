@@ -66,25 +66,49 @@ def plot_snapshots(result: Result):
     return fig
 
 
+def step_timeline(result: Result) -> tuple[list[dict], list[float]]:
+    """The points of the measured steps (from the profiler's "start" on; setup and warm-up are in snapshots.png)
+    and their times in seconds since the first of them: never negative.
+
+    >>> r = Result(verb="profile", timeline=[{"step": 0, "phase": "setup", "t_s": -2.9}, {"step": 1, "phase": "start",
+    ...     "t_s": 0.25}, {"step": 1, "phase": "forward", "t_s": 0.5}])
+    >>> step_timeline(r)[1]
+    [0.0, 0.25]
+    """
+    tl = [p for p in result.timeline if (p.get("step") or 0) >= 1] or list(result.timeline)
+    t0 = tl[0]["t_s"] if tl else 0.0
+    return tl, [round(p["t_s"] - t0, 6) for p in tl]
+
+
 def plot_timeline(result: Result):
-    """Allocated and reserved over host time, with each interval's peak and the overall peak."""
+    """Allocated and reserved over the measured steps (seconds since the first started), with each interval's
+    peak and the overall peak. Reserved is drawn under allocated as a shaded area, so allocated shows even where
+    they are equal (CPU mode: no caching allocator)."""
     plt = _pyplot()
-    tl = result.timeline
+    tl, t = step_timeline(result)
     div, u = bytes_unit(max([p["reserved_bytes"] for p in tl] + [result.peak_allocated_bytes or 1]))
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    t = [p["t_s"] for p in tl]
-    ax.step(t, [p["allocated_bytes"] / div for p in tl], where="post", label="allocated (at snapshot)", color="#3498db")
-    ax.step(t, [p["reserved_bytes"] / div for p in tl], where="post", label="reserved", color="#95a5a6")
-    ax.plot(t, [p["peak_allocated_bytes"] / div for p in tl], "v", color="#e74c3c", ms=5, label="peak of the interval ending here")
+    reserved = [p["reserved_bytes"] / div for p in tl]
+    same = all(p["reserved_bytes"] == p["allocated_bytes"] for p in tl)
+    ax.fill_between(t, reserved, step="post", color="#d5dbdb", zorder=1, gid="reserved",
+                    label="reserved (shaded)" + (": equal to allocated here" if same else ""))
+    ax.step(t, reserved, where="post", color="#95a5a6", lw=0.8, zorder=2)
+    ax.step(t, [p["allocated_bytes"] / div for p in tl], where="post", label="allocated (at snapshot)", color="#2471a3",
+            lw=1.8, zorder=3, gid="allocated")
+    ax.plot(t, [p["peak_allocated_bytes"] / div for p in tl], "v", color="#e74c3c", ms=5, zorder=4,
+            label="peak of the interval ending here")
     if result.peak_allocated_bytes:
-        ax.axhline(result.peak_allocated_bytes / div, ls="--", color="#e74c3c", lw=0.8, label="peak allocated")
-    for p in tl:
+        ax.axhline(result.peak_allocated_bytes / div, ls="--", color="#e74c3c", lw=0.8, zorder=4,
+                   label=f"peak allocated {result.peak_allocated_bytes / div:.2f} {u}")
+    for p, x in zip(tl, t):
         if p["phase"] == "forward":
-            ax.axvline(p["t_s"], color="#bbbbbb", lw=0.5)
-    ax.set_xlabel("host seconds since the profiler started (vertical lines: forward starts)")
+            ax.axvline(x, color="#bbbbbb", lw=0.5)
+    ax.set_xlabel("seconds since the first measured step started (vertical lines: forward starts; "
+                  "setup and warm-up: snapshots)")
+    ax.set_xlim(left=0)
     ax.set_ylabel(u)
     ax.set_ylim(bottom=0)
-    ax.set_title("memory timeline")
+    ax.set_title("memory timeline of the measured steps")
     legend_outside(ax)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -318,9 +342,11 @@ def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
     if result.by_module:
         parts.append("<h2>Modules (top 25)</h2>")
         rows = result.by_module[:25]
-        parts.append(_table(["module", "live at the peak", "forward peak", "backward peak", "LoRA"],
+        lora = any(r.get("lora") for r in result.by_module)     # the LoRA column only on a run with LoRA
+        parts.append(_table(["module", "live at the peak", "forward peak", "backward peak"] + (["LoRA"] if lora else []),
                             [[r["module"], fmt_bytes(r["bytes"]), fmt_bytes(r.get("forward_peak_bytes")),
-                              fmt_bytes(r.get("backward_peak_bytes")), "yes" if r.get("lora") else ""] for r in rows]))
+                              fmt_bytes(r.get("backward_peak_bytes"))] + (["yes" if r.get("lora") else ""] if lora else [])
+                             for r in rows]))
     ml = d.get("model_load")
     if ml:
         parts.append("<h2>Model load</h2>")

@@ -8,7 +8,8 @@ from explore_support import GiB, N, fake_estimator
 
 from memlens.cli.main import main
 from memlens.core.errors import MemlensError
-from memlens.explore.compare import DEFAULT_TECHNIQUES, compare, parse_techniques, plot_compare, technique_spec
+from memlens.explore.compare import DEFAULT_TECHNIQUES, compare, parse_techniques, technique_spec
+from memlens.report.compare_plots import plot_compare
 from memlens.core.spec import TrainingSpec
 
 SPEC = TrainingSpec(model="fake", batch_size=8, seq_len=512)

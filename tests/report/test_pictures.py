@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from memlens.cli.main import main  # noqa: E402
 from memlens.core.result import Result  # noqa: E402
-from memlens.explore import sweep as sweep_mod  # noqa: E402
+from memlens.report import sweep_plots as sweep_mod  # noqa: E402
 from memlens.report import doctor_plots, plots  # noqa: E402
 from memlens.report.plots import contrast_ratio, heatmap, luminance, text_colour  # noqa: E402
 
@@ -85,7 +85,8 @@ def _sweep_result() -> Result:
     rows = []
     for b, L, st, v in [(1, 128, "ok", 6.67), (2, 128, "ok", 7.03), (1, 256, "ok", 6.9), (2, 256, "oom-estimated", 8.4)]:
         rows.append({"key": f"b={b},L={L}", "technique": None, "batch_size": b, "seq_len": L, "lora_rank": None,
-                     "physical_batch_size": None, "status": st, "estimated_peak_allocated_bytes": int(v * GIB)})
+                     "physical_batch_size": None, "status": st, "estimated_peak_allocated_bytes": int(v * GIB),
+                     "estimated_peak_reserved_bytes": int((v + 0.3) * GIB)})
     return Result(verb="sweep", spec={"model": "gpt2"}, data={"rows": rows, "measured": False, "budget_bytes": 8 * GIB})
 
 
@@ -99,7 +100,7 @@ def test_sweep_pictures_start_at_zero_and_show_oom(monkeypatch, tmp_path):
     assert ax.images[0].get_clim()[0] == 0
     assert lines.axes[0].get_ylim()[0] == 0
     leg = lines.axes[0].get_legend()
-    assert any("OOM" in t.get_text() for t in leg.get_texts())
+    assert any("does not fit" in t.get_text() for t in leg.get_texts())
     assert leg.get_bbox_to_anchor().x0 > lines.axes[0].get_window_extent().x1 - 1   # right of the data
 
 
