@@ -39,6 +39,7 @@ from ..core.tracker import (
 from ..core.version import check_tested_versions
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
+from ..step import ema
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
 
@@ -225,6 +226,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
         stack = depth.find_stack(model, layers, tracker.module_label)
         tracker.label_layers(stack)
     register_model(tracker, model)
+    for t in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
+        tracker.register(t, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
     tracker.model = model
     if step.dp is None:
         register_inputs(tracker, step.batch)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from functools import lru_cache
 from importlib import resources
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import ModelSourceError, SpecError, sentences
+from ..core.quiet import silenced
 from ..core.spec import TrainingSpec
 from .adapt import Built, apply_freeze, torch_dtype
 
@@ -242,7 +244,8 @@ def build_diffusion(spec: TrainingSpec, source, device: Any = None) -> Built:
         if cfg["_class_name"] == "DiTTransformer2DModel":
             cfg["sample_size"] = S // VAE_SCALE   # its position embedding for that many patches (a fine-tune at that size)
         model = construct(cfg)
-        model.to(torch_dtype(spec.param_dtype))
+        with silenced("diffusers", logging.ERROR):   # its note on casting with to(): no module keeps fp32 here
+            model.to(torch_dtype(spec.param_dtype))
     model.train()
     apply_freeze(model, spec.freeze)
     if spec.grad_checkpointing:
