@@ -226,8 +226,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
         stack = depth.find_stack(model, layers, tracker.module_label)
         tracker.label_layers(stack)
     register_model(tracker, model)
-    for t in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
-        tracker.register(t, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
+    for t, p in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
+        tracker.register_copy(t, p, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
     tracker.model = model
     if step.dp is None:
         register_inputs(tracker, step.batch)
@@ -507,6 +507,14 @@ class SimulationTracker(StorageTracker):
                 self._key_layers[ev[1]] = lay if lay is not None else self.live_layers.get(ev[1])
         self._scanned = len(evs)
         return self._key_layers.get(key)
+
+    def register_copy(self, t, of, category, label: str, op: str) -> None:
+        """Account ``t``, a copy of ``of`` made before the step (an EMA shadow); in a layer stack it is
+        of ``of``'s layer, so that :mod:`.depth` writes one copy per layer."""
+        lay = self._layer_of(of) if self.live_layers is not None else None
+        key = self.register(t, category, label, op=op)
+        if lay is not None and key is not None:
+            self.live_layers[key] = self._key_layers[key] = lay
 
     def _label_outputs(self, args, out, first_new: int, spans_only: bool = False) -> None:
         """``spans_only`` (backward, where an allocation's layer is its module's): only mark a tensor made from

@@ -72,9 +72,9 @@ def update(optimizer) -> None:
 
 
 def shadow(optimizer) -> list:
-    """The EMA's shadow tensors (empty without ``--ema``)."""
+    """(shadow tensor, the parameter it copies) of the EMA (empty without ``--ema``)."""
     held = getattr(optimizer, ATTR, None)
-    return list(held[0].shadow_params) if held is not None else []
+    return list(zip(held[0].shadow_params, held[1])) if held is not None else []
 
 
 __all__ = ["attach", "update", "shadow", "refuse", "LABEL"]

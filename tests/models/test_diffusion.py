@@ -164,7 +164,7 @@ def test_ema_update_allocates_what_diffusers_step_allocates():
     for how, expect in ((True, [("aten::sub", [128]), ("aten::mul", [128])]), ("foreach", [("aten::_foreach_sub", [128, 16, 64, 4])])):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ema.attach(TrainingSpec(model="x", ema=how), model, opt, [])
-        assert [t.numel() for t in ema.shadow(opt)] == [128, 16, 64, 4]
+        assert [(t.numel(), p.numel()) for t, p in ema.shadow(opt)] == [(128, 128), (16, 16), (64, 64), (4, 4)]
         with Sizes() as s:
             ema.update(opt)
         assert s.out[:len(expect)] == expect
@@ -264,3 +264,14 @@ def test_ema_spec_field():
     assert TrainingSpec(model="sd-1.5", ema=True).describe().endswith("ema")
     with pytest.raises(SpecError, match="ema must be true, false or foreach"):
         TrainingSpec(model="sd-1.5", ema="sometimes")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [True, "foreach"])
+def test_ema_on_a_deep_language_model_writes_its_layers_from_shallow_ones(tmp_path, how):
+    """--ema is the same mechanism for any model: on a 12-layer GPT-2 the log written from 3 and 4 layers
+    (one shadow copy per layer) equals the whole model's simulation event for event."""
+    from tests.estimator.test_depth import GPT2, assert_written_equals_whole, deep
+
+    fast = assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32, ema=how))
+    assert fast.later_layers == "written from 3 and 4 layers"
