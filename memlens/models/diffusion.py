@@ -124,18 +124,32 @@ def _require_diffusers(name: str) -> None:
 
 
 # ---------------------------------------------------------------- building
-def construct(config: dict):
-    """The diffusers model of ``config`` (random init) in the ambient device context."""
+def construct(config: dict, dtype=None):
+    """The diffusers model of ``config`` (random init) in the ambient device context, in ``dtype``.
+
+    Its parameters are made in ``dtype`` (torch's default dtype while it is built, as transformers'
+    ``from_config(dtype=...)`` does), then the rest is cast: on a GPU, a bf16 Flux never holds its
+    47.6 GB of fp32 weights."""
     import diffusers  # optional: diffusers (memlens[diffusion])
+    import torch  # heavy: torch, loaded on first use
 
     cfg = dict(config)
     cls = getattr(diffusers, cfg.pop("_class_name"))
     cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    default = torch.get_default_dtype()
     try:
-        return cls.from_config(cfg)
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        model = cls.from_config(cfg)
     except Exception as e:  # noqa: BLE001 - any constructor failure is one line
         raise ModelSourceError(f"diffusers cannot build {cls.__name__} from this config: {type(e).__name__}: {sentences(e)}",
                                hint="check the config (the published config.json of the model's subfolder)") from None
+    finally:
+        torch.set_default_dtype(default)
+    if dtype is not None:
+        with silenced("diffusers", logging.ERROR):   # its note on casting with to(): no module keeps fp32 here
+            model.to(dtype)
+    return model
 
 
 def batch_dtype(spec: TrainingSpec):
@@ -243,9 +257,7 @@ def build_diffusion(spec: TrainingSpec, source, device: Any = None) -> Built:
         batch, T, S = make_diffusion_batch(spec, cfg, source.name)
         if cfg["_class_name"] == "DiTTransformer2DModel":
             cfg["sample_size"] = S // VAE_SCALE   # its position embedding for that many patches (a fine-tune at that size)
-        model = construct(cfg)
-        with silenced("diffusers", logging.ERROR):   # its note on casting with to(): no module keeps fp32 here
-            model.to(torch_dtype(spec.param_dtype))
+        model = construct(cfg, torch_dtype(spec.param_dtype))
     model.train()
     apply_freeze(model, spec.freeze)
     if spec.grad_checkpointing:
