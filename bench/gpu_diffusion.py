@@ -154,16 +154,19 @@ def main() -> None:
     for name, fields in cases:
         t = time.time()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--dry-run"] if dry else [])
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        log = os.path.join(out, f"{name}.log")
+        with open(log, "w") as f:   # the child's output to a file: a full pipe would stall it while the parent estimates
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
         est = estimate_case(tiny(fields) if dry else fields)     # on the CPU while the case runs on the GPU
         try:
-            _, err = proc.communicate(timeout=max(1, TIMEOUT - (time.time() - t)))
+            proc.wait(timeout=max(1, TIMEOUT - (time.time() - t)))
         except subprocess.TimeoutExpired:
             proc.kill()
-            _, err = proc.communicate()
+            proc.wait()
         rec = {**_measured(out, name), **est, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
         if proc.returncode and "error" not in rec:
-            rec["error"] = (err or "").strip().splitlines()[-1:] and (err or "").strip().splitlines()[-1][:300]
+            lines = open(log).read().strip().splitlines()
+            rec["error"] = lines[-1][:300] if lines else f"exit {proc.returncode}"
         with open(os.path.join(out, JSONL), "a") as f:
             f.write(json.dumps(rec) + "\n")
         rows.append(rec)

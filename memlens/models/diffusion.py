@@ -280,7 +280,12 @@ def _add_lora(model, spec: TrainingSpec):
     cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=spec.lora_dropout,
                      init_lora_weights="gaussian", target_modules=targets)
     try:
-        model.add_adapter(cfg)
+        if hasattr(model, "add_adapter"):
+            model.add_adapter(cfg)
+        else:     # DiTTransformer2DModel has no PeftAdapterMixin: what add_adapter runs (diffusers/loaders/peft.py)
+            from peft import inject_adapter_in_model  # heavy: peft, loaded on first use
+
+            inject_adapter_in_model(cfg, model)
     except (ValueError, TypeError, AttributeError) as e:
         raise SpecError(f"LoRA cannot be applied: {sentences(e) or type(e).__name__}",
                         hint="name the modules with --lora-targets (diffusers' attention: to_q,to_k,to_v,to_out.0)") from None

@@ -192,6 +192,9 @@ def test_lora_adapts_the_attention_projections_as_diffusers_scripts_do():
     attn = sum(1 for _, mod in m.named_modules() if type(mod).__name__ == "Attention")
     assert len(adapted) == 4 * attn
     assert all("lora_" in n for n, p in m.named_parameters() if p.requires_grad)
+    dit = built(model=DIT, image_size=64, lora_rank=4).model        # no add_adapter: peft's inject_adapter_in_model
+    assert {n.rsplit(".", 1)[-1] for n, mod in dit.named_modules() if hasattr(mod, "lora_A")} >= {"to_q", "to_k", "to_v"}
+    assert all("lora_" in n for n, p in dit.named_parameters() if p.requires_grad)
 
 
 @pytest.mark.slow
