@@ -119,6 +119,7 @@ def test_unet_estimate_bytes_by_hand():
     assert r.by_category["optimizer_state"] == 2 * p           # AdamW's exp_avg and exp_avg_sq
     # the batch, bf16 under amp-bf16: latents 2x4x8x8, timesteps 2 x int64, text states 2x77x32, noise 2x4x8x8
     assert r.by_category["inputs"] == blocks(2 * 4 * 8 * 8 * 2) + blocks(2 * 8) + blocks(2 * 77 * 32 * 2) + blocks(2 * 4 * 8 * 8 * 2)
+    assert any("the VAE and text encoders are frozen and not on the GPU" in n for n in r.notes)
 
 
 @pytest.mark.slow
