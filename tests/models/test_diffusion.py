@@ -279,3 +279,15 @@ def test_ema_on_a_deep_language_model_writes_its_layers_from_shallow_ones(tmp_pa
 
     fast = assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32, ema=how))
     assert fast.later_layers == "written from 3 and 4 layers"
+
+
+@pytest.mark.parametrize("argv, ema", [([], False), (["--ema"], True), (["--ema", "foreach"], "foreach"),
+                                       (["--ema", "--batch-size", "2"], True)])
+def test_ema_flag(argv, ema):
+    import argparse
+
+    from memlens.cli.common import add_spec_args, spec_from_args
+
+    p = argparse.ArgumentParser()
+    add_spec_args(p)
+    assert spec_from_args(p.parse_args(["--model", "sd-1.5", *argv])).ema == ema
