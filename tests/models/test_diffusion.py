@@ -291,3 +291,10 @@ def test_ema_flag(argv, ema):
     p = argparse.ArgumentParser()
     add_spec_args(p)
     assert spec_from_args(p.parse_args(["--model", "sd-1.5", *argv])).ema == ema
+
+
+@pytest.mark.slow
+def test_ema_with_ddp_holds_the_whole_shadow_on_each_rank():
+    spec = TrainingSpec(model=DIT, batch_size=2, image_size=64, world_size=2, sharding="ddp")
+    p = param_blocks(built(model=DIT, image_size=64).model)
+    assert estimate(spec.replace(ema=True)).peak_allocated_bytes - estimate(spec).peak_allocated_bytes == p
