@@ -178,6 +178,7 @@ def test_other_families_estimate(path, kw):
     r = estimate(TrainingSpec(model=path, batch_size=2, image_size=64, precision="amp-bf16", **kw))
     p = param_blocks(built(model=path, image_size=64, **kw).model)
     assert r.by_category["parameters"] == p and r.by_category["optimizer_state"] == 2 * p
+    assert r.data["attention_backends"] == ["cudnn"]   # diffusers' SDPA calls on an H100 in bf16: a fused kernel, no L x L matrix
 
 
 def test_gradient_checkpointing_is_the_models_own_switch():
