@@ -10,16 +10,20 @@ Each case runs memlens' reference step (memlens.step.prepare on the device: the 
 random weights, the batch diffusers' training scripts feed it, MSE against the noise, AdamW, diffusers'
 EMAModel for --ema) in its own subprocess, so an OOM loses one case: one warm-up optimizer step, then
 the peak over STEPS more (torch.cuda.max_memory_allocated / memory_stats reserved peak, reset after the
-warm-up). While a case runs on the GPU, the parent estimates the same spec on the CPU (fake tensors).
-Results are appended to $OUT/gpu_diffusion.jsonl as they come; a markdown table is printed last.
+warm-up). Meanwhile worker processes estimate every case on the CPU (fake tensors, never CUDA). Each
+measurement is appended to $OUT/measured_gpu_diffusion.jsonl as its case ends (its output in
+$OUT/<case>.log); the rows joined with their estimates go to $OUT/gpu_diffusion.jsonl, and a markdown
+table is printed last.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -150,28 +154,35 @@ def main() -> None:
     dry = "--dry-run" in args
     wanted = [a for a in args if not a.startswith("--")]
     cases = [(n, f) for n, f in CASES if not wanted or any(w in n for w in wanted)]
-    rows = []
+    # the estimates on the CPU (fake tensors; a spawned process each, never CUDA) while the cases run one by one on the GPU
+    pool = ProcessPoolExecutor(max_workers=max(1, min(len(cases), (os.cpu_count() or 2) // 2)), mp_context=mp.get_context("spawn"))
+    estimates = {name: pool.submit(estimate_case, tiny(fields) if dry else fields) for name, fields in cases}
+    measured = []
     for name, fields in cases:
         t = time.time()
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--dry-run"] if dry else [])
         log = os.path.join(out, f"{name}.log")
-        with open(log, "w") as f:   # the child's output to a file: a full pipe would stall it while the parent estimates
+        with open(log, "w") as f:   # the child's output to a file (warnings, an OOM's traceback)
             proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
-        est = estimate_case(tiny(fields) if dry else fields)     # on the CPU while the case runs on the GPU
-        try:
-            proc.wait(timeout=max(1, TIMEOUT - (time.time() - t)))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        rec = {**_measured(out, name), **est, "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
+            try:
+                proc.wait(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        rec = {**_measured(out, name), "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
         if proc.returncode and "error" not in rec:
             lines = open(log).read().strip().splitlines()
             rec["error"] = lines[-1][:300] if lines else f"exit {proc.returncode}"
+        measured.append(rec)
+        print(f"{name:40s} rc={proc.returncode} {rec['seconds']:6.1f}s measured={_gib(rec.get('max_allocated'))} "
+              f"{rec.get('error') or ''}", flush=True)
+    rows = []
+    for rec in measured:
+        rec.update(estimates[rec["name"]].result())
         with open(os.path.join(out, JSONL), "a") as f:
             f.write(json.dumps(rec) + "\n")
         rows.append(rec)
-        print(f"{name:40s} rc={proc.returncode} {rec['seconds']:6.1f}s measured={_gib(rec.get('max_allocated'))} "
-              f"estimated={_gib(rec.get('estimated_allocated'))} {rec.get('error') or rec.get('estimate_error') or ''}", flush=True)
+    pool.shutdown()
     print()
     print(table(rows))
 
