@@ -468,9 +468,10 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
         return tuple(value)
-    if name == "ema":
+    if name == "ema":   # true / false (as the other switches) or "foreach"; anything else: __post_init__ says what it takes
         text = str(value).strip().lower()
-        return "foreach" if text == "foreach" else _coerce("grad_checkpointing", value)
+        bools = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+        return value if isinstance(value, bool) else "foreach" if text == "foreach" else bools.get(text, value)
     if name == "reshard_after_forward":
         return parse_reshard(value)
     if name == "bucket_cap_mb":

@@ -267,8 +267,9 @@ def test_ema_spec_field():
     assert TrainingSpec.from_dict({"model": "sd-1.5", "ema": "yes"}).ema is True
     assert "ema" not in TrainingSpec(model="sd-1.5").to_dict()
     assert TrainingSpec(model="sd-1.5", ema=True).describe().endswith("ema")
-    with pytest.raises(SpecError, match="ema must be true, false or foreach"):
-        TrainingSpec(model="sd-1.5", ema="sometimes")
+    for bad in ("sometimes", 2):
+        with pytest.raises(SpecError, match="ema must be true, false or foreach"):
+            TrainingSpec.from_dict({"model": "sd-1.5", "ema": bad})
 
 
 @pytest.mark.slow
