@@ -85,6 +85,9 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
                         "backward until the next forward returns (default with --dp, as Opacus loops do)")
     ko.add_argument("--drop-outputs", dest="keep_outputs", action="store_const", const=False,
                    help="your loop keeps only the loss (a function returns it; the Trainer; default without --dp)")
+    g.add_argument("--ema", nargs="?", const=True, choices=("foreach",), metavar="foreach",
+                   help="EMA weights as diffusers' EMAModel keeps them: a copy of the trainable parameters on the GPU, updated "
+                        "after each optimizer step (foreach: its foreach update, one more parameter copy while it runs)")
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
     g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
@@ -139,7 +142,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths",
+    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema",
 )
 
 

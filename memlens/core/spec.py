@@ -89,6 +89,7 @@ class TrainingSpec:
                                         # parameters, gradient checkpointing as peft enables it, input gradients)
     use_cache: bool | None = None       # transformers' KV cache during the training forward (config.use_cache): None: the
                                         # model config's (what a plain loop gets), False with --hf-trainer (the Trainer's)
+    ema: bool | str = False             # EMA weights (diffusers' EMAModel, step/ema.py): True = its per-parameter loop, "foreach"
     keep_outputs: bool | None = None    # the loop holds the model's outputs (logits) through backward until its next
                                         # forward returns; None: the step kind's habit (DP-SGD loops keep them)
     lengths: str | None = None          # a file of the samples' token counts (memlens.core.lengths): the estimate is of the
@@ -110,6 +111,8 @@ class TrainingSpec:
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("attn", self.attn, ATTENTION)
         _check_choice("loss", self.loss, LOSSES)
+        if not (isinstance(self.ema, bool) or self.ema == "foreach"):
+            raise SpecError(f"ema must be true, false or foreach, got {self.ema!r}", hint="--ema (or --ema foreach)")
         if self.use_cache is not None and not isinstance(self.use_cache, bool):
             raise SpecError(f"use-cache must be true or false, got {self.use_cache!r}", hint="--use-cache or --no-cache")
         if self.use_cache and self.hf_trainer:
@@ -218,7 +221,8 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name, default in (("step_kind", None), ("loss", "model"), ("keep_outputs", None), ("use_cache", None), ("lengths", None), ("lora_dropout", 0.0),
+        for name, default in (("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
+                              ("lengths", None), ("lora_dropout", 0.0),
                               ("pad_fraction", 0.0), ("kbit_prep", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None)):
             if d[name] == default:     # absent unless set
@@ -301,6 +305,8 @@ class TrainingSpec:
             parts.append(f"kind={self.step_kind}")
         if self.loss != "model":
             parts.append(f"loss={self.loss}")
+        if self.ema:
+            parts.append("ema" if self.ema is True else "ema-foreach")
         if self.keep_outputs is not None:
             parts.append("keep-outputs" if self.keep_outputs else "drop-outputs")
         if self.use_cache is not None:
@@ -477,6 +483,10 @@ def _coerce(name: str, value: Any) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
         return tuple(value)
+    if name == "ema":   # true / false (as the other switches) or "foreach"; anything else: __post_init__ says what it takes
+        text = str(value).strip().lower()
+        bools = {"true": True, "yes": True, "on": True, "1": True, "false": False, "no": False, "off": False, "0": False}
+        return value if isinstance(value, bool) else "foreach" if text == "foreach" else bools.get(text, value)
     if name == "reshard_after_forward":
         return parse_reshard(value)
     if name == "bucket_cap_mb":

@@ -230,7 +230,8 @@ def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return out
 
 
-def cuda_sdpa(rules: CudaRules, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def cuda_sdpa(rules: CudaRules, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    q, k, v = query, key, value   # torch's own argument names: diffusers' attention dispatch passes them by keyword
     backend = sdpa_backend(q, k, attn_mask, dropout_p, enable_gqa, rules.gpu, v)
     rules.attention_calls.append(AttentionCall(backend, tuple(q.shape), str(q.dtype).replace("torch.", ""), dropout_p > 0))
     if backend == "math":

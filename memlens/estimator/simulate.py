@@ -39,6 +39,7 @@ from ..core.tracker import (
 from ..core.version import check_tested_versions
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
+from ..step import ema
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
 
@@ -225,6 +226,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
         stack = depth.find_stack(model, layers, tracker.module_label)
         tracker.label_layers(stack)
     register_model(tracker, model)
+    for t, p in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
+        tracker.register_copy(t, p, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
     tracker.model = model
     if step.dp is None:
         register_inputs(tracker, step.batch)
@@ -504,6 +507,14 @@ class SimulationTracker(StorageTracker):
                 self._key_layers[ev[1]] = lay if lay is not None else self.live_layers.get(ev[1])
         self._scanned = len(evs)
         return self._key_layers.get(key)
+
+    def register_copy(self, t, of, category, label: str, op: str) -> None:
+        """Account ``t``, a copy of ``of`` made before the step (an EMA shadow); in a layer stack it is
+        of ``of``'s layer, so that :mod:`.depth` writes one copy per layer."""
+        lay = self._layer_of(of) if self.live_layers is not None else None
+        key = self.register(t, category, label, op=op)
+        if lay is not None and key is not None:
+            self.live_layers[key] = self._key_layers[key] = lay
 
     def _label_outputs(self, args, out, first_new: int, spans_only: bool = False) -> None:
         """``spans_only`` (backward, where an allocation's layer is its module's): only mark a tensor made from

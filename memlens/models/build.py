@@ -26,6 +26,7 @@ from .adapt import (  # noqa: F401 - re-exported
     torch_dtype,
 )
 from .checkpoint import checkpoint_blocks, checkpoint_kwargs, offload_blocks
+from .diffusion import build_diffusion
 from .source import ModelSource
 from .vision import build_vision_module
 
@@ -48,6 +49,8 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
         return _build_module(spec, source)
     if source.kind in ("timm", "torchvision"):
         return build_vision_module(spec, source, device)
+    if source.kind == "diffusers":
+        return build_diffusion(spec, source, device)
     if spec.target_len is not None and source.task not in SEQ2SEQ_TASKS:
         raise SpecError(f"--target-len is for encoder-decoder models; {source.name} trains {source.task}",
                         hint="drop --target-len (or use --seq-len)")

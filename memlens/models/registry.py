@@ -10,7 +10,8 @@ from importlib import resources
 @lru_cache(maxsize=None)
 def _index() -> dict[str, dict]:
     out = {}
-    for entry in resources.files("memlens.models").joinpath("configs").iterdir():
+    root = resources.files("memlens.models").joinpath("configs")
+    for entry in [*root.iterdir(), *root.joinpath("diffusers").iterdir()]:   # diffusers' models: built by models/diffusion.py
         if entry.name.endswith(".json"):
             doc = json.loads(entry.read_text())
             out[doc["name"]] = doc

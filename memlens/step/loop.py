@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable
 
+from .ema import update as ema_update
 from .optim import clip_gradients
 
 PhaseHook = Callable[[str], None]
@@ -199,4 +200,5 @@ def optimizer_step(optimizer, *, model=None, max_grad_norm: float | None = None,
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    ema_update(optimizer)   # --ema: diffusers' EMAModel.step, after zero_grad as its scripts run it (step/ema.py)
     on_phase("end")

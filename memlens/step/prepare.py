@@ -41,6 +41,7 @@ from ..core.units import fmt_bytes
 from ..models.build import build, quiet
 from ..models.source import resolve as resolve_source
 from .fake import fake_batch, materialize_on_fake, tensors, to_device
+from .ema import attach as attach_ema
 from .kinds.opacus import describe, make_private
 from .loop import PhaseHook, criterion_loss, optimizer_step, train_step
 from .optim import make_optimizer
@@ -245,6 +246,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)
     else:
         optimizer = make_optimizer(spec, model, simulate=fake)
+    optimizer = attach_ema(spec, model, optimizer, applied)   # --ema: diffusers' EMAModel (step/ema.py)
     if spec.compile and not fake:  # what the Trainer's torch_compile does: the model compiled, the optimizer not
         model = torch.compile(model)
         applied.append("torch.compile (inductor)")

@@ -43,6 +43,7 @@ APPLIED = {
     "gpu": ("gpt2", "a100-80gb"), "hf_trainer": ("gpt2", True), "compile": ("gpt2", True),
     "loss": ("gpt2", "criterion-fp32"), "keep_outputs": ("gpt2", True), "pad_fraction": ("gpt2", 0.25),
     "checkpoint_layers": ("gpt2", 1), "use_cache": ("gpt2", False), "offload_layers": ("gpt2", 1),
+    "ema": ("gpt2", True),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
     "target_len": ("gpt2", 16, "target"),
