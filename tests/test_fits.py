@@ -113,3 +113,15 @@ def test_doctor_options_hold_against_the_measured_budget_when_smaller_than_the_m
     assert opts["halve micro-batch, double accumulation"] is True and opts["checkpointing"] is False
     assert not any(o.fits for o in what_fits(spec, 0, est))
     assert fits(Need(100 * MiB), Budget.make(100 * MiB, context_bytes=0, margin=0)).fits
+
+
+def test_need_bytes_takes_a_results_worst_case():
+    """DDP's worst case (stale buckets held) decides a verdict: a Result's data is a Payload, not a dict."""
+    from memlens.core.fits import need_bytes
+    from memlens.core.result import Result
+
+    r = Result(verb="estimate", peak_allocated_bytes=1000, peak_reserved_bytes=2048,
+               data={"worst_case": {"rank": 1, "peak_allocated_bytes": 3000, "peak_reserved_bytes": 4096}})
+    assert not isinstance(r.data, dict)
+    assert need_bytes(r) == 4096
+    assert need_bytes(Result(verb="estimate", peak_allocated_bytes=1000, peak_reserved_bytes=2048)) == 2048

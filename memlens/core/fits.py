@@ -37,6 +37,7 @@ price of a "fits" that holds whatever the allocator's history.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ def need_bytes(p: Any) -> int:
     res = getattr(p, "peak_reserved_bytes", None)
     need = int(res) if res else int(getattr(p, "peak_allocated_bytes", 0) or 0)
     data = getattr(p, "data", None)
-    worst = data.get("worst_case") if isinstance(data, dict) else None
+    worst = data.get("worst_case") if isinstance(data, Mapping) else None   # a Result's data is a Payload (a Mapping)
     if worst:   # DDP: the stale buckets may still be alive at the peak (measured both ways): a verdict takes the worst case
         need = max(need, int(worst.get("peak_reserved_bytes") or worst.get("peak_allocated_bytes") or 0))
     return need
