@@ -22,6 +22,7 @@ from .adapt import (  # noqa: F401 - re-exported
     apply_freeze,
     apply_lora,
     default_lora_targets,
+    expert_lora_note,
     mark_known,
     torch_dtype,
 )
@@ -146,6 +147,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
             notes += (f"LoRA targets {','.join(targets)}: peft has no default for model_type {model.config.model_type!r}, so "
                       "the attention projections, as peft's default for Llama-like attention (--lora-targets names others)",)
         model = apply_lora(model, spec, targets)
+        fused = expert_lora_note(model)
+        notes += (fused,) if fused else ()
     if spec.qlora:
         from .quant import quantize_frozen_linears, unquantized_note  # heavy: imports torch
 
