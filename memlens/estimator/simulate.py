@@ -40,7 +40,7 @@ from ..core.version import check_tested_versions
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
 from ..models.scripted import python_originals
-from ..models.vlm import known_constants
+from ..models.vlm import extra_forward_ops, known_constants
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
 
@@ -228,6 +228,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
         tracker.label_layers(stack)
     register_model(tracker, model)
     tracker.model = model
+    if source.task == "vlm" and tracker.ops_limit is not None:   # one attention call per window (models/vlm.py)
+        tracker.ops_limit += extra_forward_ops(step.batch, source.config)
     if step.dp is None:
         register_inputs(tracker, step.batch)
     else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices

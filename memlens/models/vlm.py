@@ -231,6 +231,26 @@ def _qwen_batch(spec, cfg, S, text, dev, pix_dtype):
     return batch, len(row)
 
 
+OPS_PER_WINDOW = 40   # ops a vision attention module runs for one window: split views, q/k/v transposes, SDPA, cat
+
+
+def extra_forward_ops(batch, config) -> int:
+    """Ops a Qwen-VL vision attention module may run beyond the simulation's per-module limit (estimator/
+    simulate.py FORWARD_OPS_LIMIT, a guard against per-token Python loops): with SDPA, transformers runs one
+    attention call per window (window_size px, merged patches) and per image for the full-attention blocks,
+    which is what the GPU runs too. 0 for other batches."""
+    grid = batch.get("image_grid_thw") if isinstance(batch, dict) else None
+    data = getattr(grid, VALUES, None) if grid is not None else None
+    values = data if data is not None else (getattr(grid, "constant", None).tolist() if getattr(grid, "constant", None) is not None else None)
+    if not values or family(config) != "qwen-vl":
+        return 0
+    v = config.vision_config
+    window = max(1, getattr(v, "window_size", 0) // v.spatial_merge_size // v.patch_size)
+    windows = sum(t * math.ceil(h // v.spatial_merge_size / window) * math.ceil(w // v.spatial_merge_size / window)
+                  for t, h, w in values)
+    return OPS_PER_WINDOW * (windows + len(values))
+
+
 def _gemma3_batch(spec, cfg, S, text, dev, pix_dtype):
     import torch  # heavy: torch, loaded on first use
 
