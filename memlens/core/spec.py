@@ -462,9 +462,8 @@ def _coerce(name: str, value: Any) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
-        if not value:   # an empty list is not the default (None): refused, never read as "use the defaults"
-            raise SpecError(f"--{name.replace('_', '-')} is empty", hint=("name modules (e.g. q_proj,v_proj, or all-linear)" if name == "lora_targets"
-                                                                       else "name parameters (e.g. visual)") + ", or drop the flag")
+        if not value and name == "lora_targets":   # not the default (None): refused, never read as "use the defaults"
+            raise SpecError("--lora-targets is empty", hint="name modules (e.g. q_proj,v_proj, or all-linear), or drop the flag")
         return tuple(value)
     if name == "reshard_after_forward":
         return parse_reshard(value)
