@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ..core.gpus import gpu_facts
 from ..models.adapt import KNOWN, mark_known
 from ..models.checkpoint import kernel_outputs
-from ..models.vlm import constant_arange, constants_on
+from ..models.vlm import constant_arange, constant_tensor, constants_on
 
 # CUDA autocast policies (aten/src/ATen/autocast_mode.cpp: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by the Python names of the calls that reach them.
@@ -326,6 +326,8 @@ class CudaEmulation(TorchFunctionMode):
             return _cuda_dropout(*args, **kwargs)
         if func is torch.arange and constants_on():     # a VLM batch's index arithmetic (models/vlm.py)
             return constant_arange(func, args, kwargs)
+        if func is torch.tensor and constants_on():
+            return constant_tensor(func, args, kwargs)
         if func is torch._grouped_mm and _looped_grouped_mm(args, kwargs):
             return LoopedGroupedMM.apply(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs"))
         if name in ("softmax", "log_softmax"):

@@ -228,7 +228,19 @@ def _qwen_batch(spec, cfg, S, text, dev, pix_dtype):
     width = v.in_chans if hasattr(v, "in_chans") else getattr(v, "in_channels", 3)
     batch["pixel_values"] = torch.randn(B * N * patches, width * v.temporal_patch_size * v.patch_size ** 2, dtype=pix_dtype, **dev)
     batch["image_grid_thw"] = known_tensor([[1, side, side]] * (B * N), dev)
+    if _forward_takes(cfg, "mm_token_type_ids"):   # the processor's (return_mm_token_type_ids): 1 on image tokens
+        batch["mm_token_type_ids"] = known_tensor([[int(t == cfg.image_token_id) for t in row]] * B, dev)
     return batch, len(row)
+
+
+def _forward_takes(cfg, name: str) -> bool:
+    """Whether the forward of the class transformers builds for ``cfg`` takes argument ``name``."""
+    import inspect
+
+    from transformers import AutoModelForImageTextToText  # heavy: transformers, loaded on first use
+
+    cls = AutoModelForImageTextToText._model_mapping.get(type(cfg), None)
+    return cls is not None and name in inspect.signature(cls.forward).parameters
 
 
 OPS_PER_WINDOW = 40   # ops a vision attention module runs for one window: split views, q/k/v transposes, SDPA, cat
@@ -327,6 +339,21 @@ def constant_arange(func, args, kwargs):
     with unset_fake_temporarily(), _disable_current_modes():
         out.constant = func(*args, **{k: v for k, v in kwargs.items() if k != "device"}, device="cpu")
     return out
+
+
+def constant_tensor(func, args, kwargs):
+    """``torch.tensor(data)`` whose data holds fake constants (e.g. Qwen-VL's ``get_rope_index`` makes its
+    rope deltas from a list of 0-d tensors): ``torch.tensor`` reads its elements' memory, which a fake tensor
+    has not, so they are replaced by their known values first; the result is a constant too."""
+    from torch._subclasses.fake_tensor import FakeTensor  # heavy: torch internals
+    from torch.utils._pytree import tree_map  # heavy: torch, loaded on first use
+
+    def value(x):
+        if isinstance(x, FakeTensor) and x.constant is not None:
+            return x.constant.tolist()
+        return x
+
+    return func(*tree_map(value, list(args)), **kwargs)
 
 
 @contextlib.contextmanager

@@ -33,9 +33,10 @@ def test_qwen_grid_follows_the_processors_resize(size, resized, patches, tokens)
 
 def test_qwen25_vl_batch_is_what_the_processor_emits():
     """448 px -> 1024 patches of 3*2*14*14 = 1176 values (fp32: 4816896 bytes), image_grid_thw (1, 32, 32);
-    256 image tokens + 64 text tokens = 320 ids (2560 bytes) and as many labels; the grid 24 bytes -> 512."""
+    256 image tokens + 64 text tokens = 320 ids (2560 bytes), as many labels and mm_token_type_ids (the
+    processor's, 1 on image tokens: get_rope_index places the image by them); the grid 24 bytes -> 512."""
     r = estimate(TrainingSpec(model=QWEN, batch_size=1, seq_len=64, image_size=448))
-    assert r.by_category["inputs"] == 1024 * 1176 * 4 + 320 * 8 + 320 * 8 + 512
+    assert r.by_category["inputs"] == 1024 * 1176 * 4 + 3 * 320 * 8 + 512
     assert ("1 image(s) of 448x448 px a sample, resized to 448px by the Qwen-VL processor: 1024 patches each, merged 2x2 "
             "into 256 image tokens; the language model's sequence is 64 text tokens (--seq-len) + 256 image tokens = 320") in r.notes
 
@@ -45,7 +46,7 @@ def test_several_images_a_sample_add_their_tokens():
     assert any(n.endswith("+ 648 image tokens = 712") and "1296 patches each" in n for n in r.notes), r.notes
     # pixel values 2 x 1296 x 1176 x 4 = 12192768 bytes: a 12 MiB segment of its own whose 390144-byte remainder
     # (under 1 MiB) the caching allocator does not split off; ids and labels 712 x 8 bytes each
-    assert r.by_category["inputs"] == 12 * 2**20 + 2 * _round(712 * 8) + _round(2 * 3 * 8)
+    assert r.by_category["inputs"] == 12 * 2**20 + 3 * _round(712 * 8) + _round(2 * 3 * 8)
 
 
 def test_a_frozen_vision_tower_has_no_optimizer_state():
@@ -64,6 +65,12 @@ def test_a_frozen_vision_tower_has_no_optimizer_state():
     frozen = estimate(TrainingSpec(model=QWEN, batch_size=1, seq_len=64, image_size=448, freeze=("visual",)))
     states = 2 * sum(_round(p.numel() * 4) for p in vision)
     assert full.by_category["optimizer_state"] - frozen.by_category["optimizer_state"] == states
+
+
+def test_qwen3_vl_estimates_with_its_32px_merge():
+    """Qwen3-VL: 16 px patches merged 2x2, so 448 px -> 784 patches -> 196 image tokens."""
+    r = estimate(TrainingSpec(model=str(CONFIGS / "qwen3-vl.json"), batch_size=1, seq_len=64, image_size=448))
+    assert any("784 patches each, merged 2x2 into 196 image tokens" in n and n.endswith("= 260") for n in r.notes), r.notes
 
 
 def test_the_hub_config_with_an_image_size_estimates(capsys):
