@@ -118,9 +118,9 @@ def main() -> None:
     with open(os.path.join(out, "olmoe-probe.json"), "w") as f:
         json.dump(CONFIG, f)
     path = os.path.join(out, JSONL)
-    if os.path.exists(path):
-        os.remove(path)
     wanted = [a for a in args if not a.startswith("--")]
+    if os.path.exists(path) and not wanted:   # a run of some cases (names given) adds to the last full run's lines
+        os.remove(path)
     for name, _ in CASES:
         if wanted and not any(w in name for w in wanted):
             continue

@@ -3,12 +3,14 @@
 Run on the GPU machine from the repo root (about 5-6 minutes on an H100):
 
     python bench/gpu_vlm.py                 # OUT (env, default ./out)/gpu_vlm.jsonl, a markdown table last
-    python bench/gpu_vlm.py q3b             # only the cases whose name contains q3b
+    python bench/gpu_vlm.py q3b             # only the cases whose name contains q3b (added to gpu_vlm.jsonl)
+    python bench/gpu_vlm.py gemma3 mllama   # the other two: the two commands split the run if 8 minutes are tight
     python bench/gpu_vlm.py --dry-run       # CPU: estimates only, on the tiny test configs
 
-Cases: Qwen2.5-VL-3B (random weights from the built-in config, bf16) with LoRA on the language model and
+Cases: Qwen2.5-VL-3B (random weights from the built-in config, bf16) with LoRA on the language model
 at 448 px (256 image tokens) and 896 px (1024 image tokens), with two images a sample, and with the vision
-tower frozen (full LM fine-tune, gradient checkpointing; its peak is the optimizer's, whatever the image); one Gemma-3-4B and one Llama-3.2-11B-Vision LoRA case. Each case runs in
+tower frozen (full LM fine-tune, gradient checkpointing; its peak is the optimizer's, whatever the image);
+one Gemma-3-4B and one Llama-3.2-11B-Vision LoRA case. Each case runs in
 its own subprocess (an OOM loses one case): memlens' own prepared step (memlens.step.prepare, the code
 `estimate` simulates) for 3 optimizer steps; real peak = torch.cuda.max_memory_allocated /
 max_memory_reserved over steps 2-3 (after warm-up) and over all steps; then memlens' estimate of the same
@@ -98,7 +100,8 @@ def table(out: str) -> str:
             continue
         real, est = r.get("max_allocated_after_warmup"), r.get("estimated_peak_allocated")
         off = f"{(est - real) / real:+.2%}" if real and est else "-"
-        rows.append(f"| {r['name']} | {gib(real)} | {gib(r.get('max_reserved'))} | {gib(est)} | {off} | {gib(r.get('estimated_peak_reserved'))} |")
+        rows.append(f"| {r['name']} | {gib(real)} | {gib(r.get('max_reserved'))} | {gib(est)} | {off} "
+                    f"| {gib(r.get('estimated_peak_reserved'))} |")
     return "\n".join(rows)
 
 
@@ -112,7 +115,7 @@ def main() -> None:
         return
     wanted = [a for a in args if not a.startswith("--")]
     path = os.path.join(out, JSONL)
-    if os.path.exists(path):
+    if os.path.exists(path) and not wanted:   # a run of some cases (names given) adds to the last full run's lines
         os.remove(path)
     if not dry:
         import torch

@@ -210,7 +210,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
 
         def trace_context():
             stack = contextlib.ExitStack()
-            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), cuda_rules.track_autocast_cache_clears(emulation), emulation,
+            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch),
+                       cuda_rules.track_autocast_cache_clears(emulation), emulation,
                        autocast()):
                 stack.enter_context(cm)
             return stack
@@ -262,8 +263,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
                else "--compile runs the compiled graph" if spec.compile else "")
     runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)
     try:
-        with fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), cuda_rules.track_autocast_cache_clears(emulation), \
-                emulation, tracker, \
+        with fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), \
+                cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model) as scope:

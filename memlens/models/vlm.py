@@ -172,7 +172,8 @@ def make_batch(spec, source, text_default: int, dev: dict, pix_dtype) -> tuple[d
     text = spec.seq_len or text_default
     markers = {"qwen-vl": 2, "gemma3": 2, "mllama": 1}[fam] * spec.images_per_sample
     if text < markers + 1:
-        raise SpecError(f"seq_len {text} leaves no text beside the {markers} image marker tokens", hint=f"use --seq-len {markers + 64} or more")
+        raise SpecError(f"seq_len {text} leaves no text beside the {markers} image marker tokens",
+                        hint=f"use --seq-len {markers + 64} or more")
     builder = {"qwen-vl": _qwen_batch, "gemma3": _gemma3_batch, "mllama": _mllama_batch}[fam]
     batch, L = builder(spec, cfg, S, text, dev, pix_dtype)
     return batch, L, S
@@ -252,8 +253,8 @@ def extra_forward_ops(batch, config) -> int:
     attention call per window (window_size px, merged patches) and per image for the full-attention blocks,
     which is what the GPU runs too. 0 for other batches."""
     grid = batch.get("image_grid_thw") if isinstance(batch, dict) else None
-    data = getattr(grid, VALUES, None) if grid is not None else None
-    values = data if data is not None else (getattr(grid, "constant", None).tolist() if getattr(grid, "constant", None) is not None else None)
+    known = getattr(grid, "constant", None)                  # the fake batch's grid (a constant)
+    values = getattr(grid, VALUES, None) or (known.tolist() if known is not None else None)
     if not values or family(config) != "qwen-vl":
         return 0
     v = config.vision_config

@@ -59,7 +59,8 @@ def _lora_model(model_path, targets, rank=4):
 def test_all_linear_adapts_every_linear_but_the_output_layer():
     """peft's all-linear on GPT-2: its Conv1D layers (c_attn, c_proj, c_fc, attn and mlp c_proj), never lm_head."""
     model = _lora_model("gpt2", ("all-linear",))
-    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A") and n.endswith(("c_attn", "c_proj", "c_fc", "lm_head"))}
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+               if hasattr(m, "lora_A") and n.endswith(("c_attn", "c_proj", "c_fc", "lm_head"))}
     assert adapted == {"c_attn", "c_proj", "c_fc"}
     layers = sum(1 for n, m in model.named_modules() if hasattr(m, "lora_A") and "lora_A" not in n and "lora_B" not in n)
     assert layers == 12 * 4   # per block: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj
