@@ -482,6 +482,8 @@ def _coerce(name: str, value: Any) -> Any:
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise SpecError(f"{name.replace('_', '-')} must be a list of names", hint="e.g. [q_proj, v_proj]")
+        if not value and name == "lora_targets":   # not the default (None): refused, never read as "use the defaults"
+            raise SpecError("--lora-targets is empty", hint="name modules (e.g. q_proj,v_proj, or all-linear), or drop the flag")
         return tuple(value)
     if name == "ema":   # true / false (as the other switches) or "foreach"; anything else: __post_init__ says what it takes
         text = str(value).strip().lower()

@@ -8,6 +8,9 @@ from their CUDA twins. A TorchFunctionMode rewrites exactly those calls:
   L x L matrix. :class:`FusedAttention` allocates what the CUDA kernels allocate.
 - ``F.dropout``: CUDA's fused kernel keeps a 1-byte bool mask (``native_dropout``); the CPU path
   keeps a mask of the input's dtype.
+- ``torch._grouped_mm`` (MoE experts, transformers' default ``grouped_mm`` experts implementation) of
+  fp32/fp16 operands: CUDA runs a per-group loop of matmuls into one output; torch's meta kernel
+  (what fake tensors run) accepts bf16 only. :class:`LoopedGroupedMM` allocates what CUDA allocates.
 - autocast: the CPU autocast lists differ from CUDA's, so CUDA's policy is applied here, with
   its cache of low-precision copies of fp32 leaf weights that lives until autocast exits.
 """
@@ -24,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ..core.gpus import gpu_facts
 from ..models.adapt import KNOWN, mark_known
 from ..models.checkpoint import kernel_outputs
+from ..models.vlm import constant_arange, constant_tensor, constants_on
 
 # CUDA autocast policies (aten/src/ATen/autocast_mode.cpp: AT_FORALL_LOWER_PRECISION_FP,
 # AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE), by the Python names of the calls that reach them.
@@ -321,11 +325,51 @@ class CudaEmulation(TorchFunctionMode):
             return _cuda_foreach_norm(func, args, kwargs)
         if func is F.dropout or func is torch.dropout:
             return _cuda_dropout(*args, **kwargs)
+        if func is torch.arange and constants_on():     # a VLM batch's index arithmetic (models/vlm.py)
+            return constant_arange(func, args, kwargs)
+        if func is torch.tensor and constants_on():
+            return constant_tensor(func, args, kwargs)
+        if func is torch._grouped_mm and _looped_grouped_mm(args, kwargs):
+            return LoopedGroupedMM.apply(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("offs"))
         if name in ("softmax", "log_softmax"):
             out = _half_to_float_softmax(name, args, kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+def _looped_grouped_mm(args, kwargs) -> bool:
+    """A ``torch._grouped_mm(a, b, offs)`` call CUDA runs as its fallback loop: operands that are not
+    bf16 (fp32 weights, or fp16), no bias, no out_dtype (transformers' experts pass neither)."""
+    if len(args) < 2 or len(args) > 3 or any(v is not None for k, v in kwargs.items() if k != "offs"):
+        return False
+    a, b = args[0], args[1]
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and (a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16) and a.dtype == b.dtype)
+
+
+class LoopedGroupedMM(torch.autograd.Function):
+    """``torch._grouped_mm`` of fp32/fp16 operands as CUDA runs it (torch 2.9-2.13,
+    aten/src/ATen/native/cuda/GroupedBlas.cpp ``_grouped_mm_cuda``): the CUTLASS kernel takes bf16
+    only, every other dtype goes to ``_grouped_mm_fallback`` (GroupedMMUtils.h), which copies ``offs``
+    to the host and writes each group's ``mm_out`` into a slice of one output tensor: the output is
+    the only allocation, the same (S, N) tensor the bf16 kernel makes. Autograd (GroupedMmBackward0)
+    saves both operands (and offs); backward's two grouped matmuls give gradients of the operands'
+    shapes (torch's meta kernel refuses these dtypes: ``Expected inputs of BF16 type``)."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs=None):
+        from torch._meta_registrations import _create_grouped_mm_output_tensor  # heavy: torch internals, here only
+
+        ctx.save_for_backward(a, b, offs)
+        return _create_grouped_mm_output_tensor(a, b, offs, a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, _ = ctx.saved_tensors
+        ga = torch.empty_like(a) if ctx.needs_input_grad[0] else None
+        gb = torch.empty_like(b) if ctx.needs_input_grad[1] else None
+        return ga, gb, None
 
 
 def _known_values(func, name, args, kwargs):

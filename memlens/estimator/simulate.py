@@ -39,6 +39,8 @@ from ..core.tracker import (
 from ..core.version import check_tested_versions
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
+from ..models.scripted import python_originals
+from ..models.vlm import extra_forward_ops, known_constants
 from ..step import ema
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
@@ -209,7 +211,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
 
         def trace_context():
             stack = contextlib.ExitStack()
-            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation,
+            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch),
+                       cuda_rules.track_autocast_cache_clears(emulation), emulation,
                        autocast()):
                 stack.enter_context(cm)
             return stack
@@ -229,6 +232,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     for t, p in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
         tracker.register_copy(t, p, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
     tracker.model = model
+    if source.task == "vlm" and tracker.ops_limit is not None:   # one attention call per window (models/vlm.py)
+        tracker.ops_limit += extra_forward_ops(step.batch, source.config)
     if step.dp is None:
         register_inputs(tracker, step.batch)
     else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices
@@ -261,7 +266,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
                else "--compile runs the compiled graph" if spec.compile else "")
     try:
         runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)   # may refuse (the hooks go in finally)
-        with fake, quiet(), _synthetic_batch_shortcuts(), cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
+        with fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), \
+                cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
                 wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
             for n in range(1, steps + 1):
                 with ModuleScope(tracker, model) as scope:
@@ -699,7 +705,7 @@ def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:
         return MemlensError(f"{spec.model}: the step has a data-dependent op that cannot be simulated ({name})",
                             hint="use --method formula for this model")
     msg = sentences(e) or name
-    if "TorchScript interpreter" in str(e):   # torch.jit.script'ed model code (DeBERTa-v2 before transformers 5.24)
-        return MemlensError(f"simulating {spec.model} failed: its model code runs TorchScript functions, which fake tensors "
-                            "cannot run", hint="upgrade transformers (5.24 runs them as Python), or use --method formula")
+    if "TorchScript interpreter" in str(e):   # a scripted function models/scripted.py cannot swap (a method, a ScriptModule)
+        return MemlensError(f"simulating {spec.model} failed: its model code runs TorchScript code that is not a module-level "
+                            "function, which fake tensors cannot run", hint="use --method formula (or a factory without TorchScript)")
     return MemlensError(f"simulating {spec.model} failed: {name}: {msg}", hint="try --method formula, or rerun with --debug")

@@ -84,13 +84,15 @@ def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
     """peft's LoRA on ``model``: ``spec.lora_targets``, else ``targets`` (:func:`default_lora_targets`), else peft's default."""
     from peft import LoraConfig, get_peft_model  # heavy: peft, loaded on first use
 
-    targets: Any = list(spec.lora_targets) if spec.lora_targets else targets
+    params: list[str] | None = None
+    if spec.lora_targets:
+        targets, params = split_lora_targets(model, spec.lora_targets)
     mcfg = getattr(model, "config", None)      # None for a plain nn.Module from a factory
     if targets is None and hasattr(mcfg, "text_config") and hasattr(mcfg, "vision_config"):
         # VLMs: peft has no default; adapt the language model's attention like text LLMs (q, v)
         targets = r".*language_model.*\.(q_proj|v_proj)$"
     cfg = LoraConfig(r=spec.lora_rank, lora_alpha=spec.lora_alpha or 2 * spec.lora_rank, lora_dropout=spec.lora_dropout,
-                     target_modules=targets, bias="none")
+                     target_modules=targets, bias="none", **({"target_parameters": params} if params else {}))
     if targets is None and mcfg is None:   # a plain nn.Module: peft has no default targets for it
         names = adaptable_modules(model)
         raise SpecError("--lora-rank on a model without a transformers config needs --lora-targets "
@@ -109,6 +111,60 @@ def apply_lora(model, spec: TrainingSpec, targets: list[str] | None = None):
     if spec.grad_checkpointing:
         model.enable_input_require_grads()
     return model
+
+
+ALL_LINEAR = "all-linear"   # peft's shorthand (peft/utils/constants.py INCLUDE_LINEAR_LAYERS_SHORTHAND)
+
+
+def split_lora_targets(model, names) -> tuple[Any, list[str] | None]:
+    """``--lora-targets`` as peft's LoraConfig takes it: (target_modules, target_parameters).
+
+    ``all-linear`` (any case) stands alone and goes to peft as the string, which peft expands
+    (tuners_utils ``_maybe_include_all_linear_layers``) to every nn.Linear / Conv1D except the output
+    embedding (and, for a classifier, its head). A name that matches no module but ends the name of a
+    parameter (peft's rule for target_parameters: ``key.endswith("." + name)``; the fused 3-D expert
+    weights of transformers 5's MoE models, e.g. ``experts.gate_up_proj``, ``down_proj``) goes to
+    ``target_parameters`` (peft's lora.ParamWrapper); every other name to ``target_modules``."""
+    names = [n for n in names if n]
+    if any(n.lower() == ALL_LINEAR for n in names):
+        if len(names) > 1:
+            raise SpecError(f"--lora-targets {ALL_LINEAR} is peft's shorthand for every linear layer: it stands alone, "
+                            f"not beside {', '.join(n for n in names if n.lower() != ALL_LINEAR)}",
+                            hint=f"use --lora-targets {ALL_LINEAR}, or list the modules")
+        return ALL_LINEAR, None
+    modules = [n for n, _ in model.named_modules() if n]
+    param_keys = [f"{m}.{p}" for m, mod in model.named_modules() if m for p, _ in mod.named_parameters(recurse=False)]
+
+    def ends(keys, name):
+        return any(k == name or k.endswith("." + name) for k in keys)
+
+    params = [n for n in names if not ends(modules, n) and ends(param_keys, n)]
+    mods = [n for n in names if n not in params]
+    return (mods if mods or not params else []), (params or None)
+
+
+def expert_lora_note(model) -> str | None:
+    """What LoRA on fused parameters costs, when peft wrapped any (lora.ParamWrapper: a name given for
+    them, or peft 0.21's rewrite of v4 MoE names and ``all-linear`` into ``target_parameters`` for models
+    transformers 5 fused, utils/transformers_weight_conversion.py ``_convert_peft_config_moe``)."""
+    wrapped = {}
+    for m in model.modules():
+        if type(m).__name__ == "ParamWrapper":
+            p = m.get_param()
+            rank = next(iter(m.r.values()), 0)
+            key = (m.parameter_name, tuple(p.shape), rank)
+            wrapped[key] = wrapped.get(key, 0) + p.numel() * p.element_size()
+    if not wrapped:
+        return None
+    what = ", ".join(f"{name} {'x'.join(map(str, shape))} r={r}" for name, shape, r in sorted(wrapped))
+    total = sum(wrapped.values())
+    return (f"LoRA on fused parameters through peft's target_parameters (lora.ParamWrapper): {what}; every forward folds "
+            f"W + B@A into a full copy of each wrapped parameter (torch.baddbmm under a parametrization, {_mib(total)} MiB "
+            "over all layers), which the experts' grouped matmul keeps for backward")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}"
 
 
 def _check_rank(model, rank: int) -> None:

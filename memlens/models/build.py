@@ -22,12 +22,14 @@ from .adapt import (  # noqa: F401 - re-exported
     apply_freeze,
     apply_lora,
     default_lora_targets,
+    expert_lora_note,
     mark_known,
     torch_dtype,
 )
 from .checkpoint import checkpoint_blocks, checkpoint_kwargs, offload_blocks
 from .diffusion import build_diffusion
 from .source import ModelSource
+from . import vlm
 from .vision import build_vision_module
 
 DEFAULT_SEQ_LEN = 512
@@ -56,6 +58,8 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
                         hint="drop --target-len (or use --seq-len)")
     model, notes = _build_hf(spec, source, device)
     batch, seq_len, image_size = make_batch(spec, source, device)
+    if source.task == "vlm" and vlm.note(spec, source.config, DEFAULT_SEQ_LEN):
+        notes += (vlm.note(spec, source.config, DEFAULT_SEQ_LEN),)
     target = int(batch["labels"].shape[1]) if source.task in SEQ2SEQ_TASKS else None
     return Built(model, batch, None, seq_len, image_size, target_len=target, notes=notes)
 
@@ -149,6 +153,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
             notes += (f"LoRA targets {','.join(targets)}: peft has no default for model_type {model.config.model_type!r}, so "
                       "the attention projections, as peft's default for Llama-like attention (--lora-targets names others)",)
         model = apply_lora(model, spec, targets)
+        fused = expert_lora_note(model)
+        notes += (fused,) if fused else ()
     if spec.qlora:
         from .quant import quantize_frozen_linears, unquantized_note  # heavy: imports torch
 
@@ -275,21 +281,15 @@ def default_seq_len(spec: TrainingSpec, source: ModelSource) -> int:
     cfg = source.config
     if source.task == "clip":
         return min(spec.seq_len or 77, cfg.text_config.max_position_embeddings)
-    if source.task == "vlm":
-        n_img = image_tokens(source) * spec.images_per_sample
-        return spec.seq_len or n_img + DEFAULT_SEQ_LEN
+    if source.task == "vlm":   # the language model's sequence (models/vlm.py: text and image tokens)
+        return vlm.lm_length(spec, cfg, DEFAULT_SEQ_LEN)
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or DEFAULT_SEQ_LEN
     return spec.seq_len or min(DEFAULT_SEQ_LEN, max_pos)
 
 
 def image_tokens(source: ModelSource) -> int:
-    """Image placeholder tokens per image for LLaVA-style VLMs (patches, minus CLS for 'default')."""
-    cfg = source.config
-    n = getattr(cfg, "image_seq_length", None)
-    if n:
-        return int(n)
-    v = cfg.vision_config
-    return (v.image_size // v.patch_size) ** 2
+    """Image tokens per image in the language model's sequence (models/vlm.py)."""
+    return vlm.image_tokens(source.config)
 
 
 def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
@@ -343,20 +343,7 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
         return {"input_ids": torch.randint(0, cfg.text_config.vocab_size, (B, L), **dev),
                 "pixel_values": torch.randn(B, 3, S, S, dtype=pix_dtype, **dev), "return_loss": True}, L, S
     if task == "vlm":
-        S = spec.image_size or cfg.vision_config.image_size
-        if S != cfg.vision_config.image_size:
-            raise SpecError(f"{source.name} takes {cfg.vision_config.image_size}px images", hint="drop --image-size (multi-resolution VLMs: use a factory)")
-        n_img = image_tokens(source) * spec.images_per_sample
-        L = default_seq_len(spec, source)
-        if L < n_img + 1:
-            raise SpecError(f"seq_len {L} leaves no room for {n_img} image tokens", hint=f"use --seq-len {n_img + 256} or more")
-        vocab = cfg.text_config.vocab_size
-        image_token = cfg.image_token_id if hasattr(cfg, "image_token_id") else cfg.image_token_index
-        text = torch.randint(0, min(vocab, image_token), (B, L - n_img), **dev)
-        img = torch.full((B, n_img), image_token, dtype=torch.long, **dev)
-        ids = torch.cat([img, text], dim=1)
-        return {"input_ids": ids, "labels": ids,
-                "pixel_values": torch.randn(B * spec.images_per_sample, 3, S, S, dtype=pix_dtype, **dev)}, L, S
+        return vlm.make_batch(spec, source, DEFAULT_SEQ_LEN, dev, pix_dtype)
     raise AssertionError(task)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..models.adapt import KNOWN, mark_known
+from ..models.vlm import fake_constant
 
 
 def materialize_on_fake(model, fake_mode):
@@ -48,8 +49,12 @@ def fake_batch(batch: Any, fake_mode) -> Any:
     def conv(t):
         if isinstance(t, torch.Tensor) and t.device.type == "meta":
             if id(t) not in memo:
-                with fake_mode:
-                    memo[id(t)] = _keep_known(t, torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+                known = fake_constant(t, fake_mode)   # a VLM batch's index tensors: values the model's Python reads
+                if known is not None:
+                    memo[id(t)] = known
+                else:
+                    with fake_mode:
+                        memo[id(t)] = _keep_known(t, torch.empty(t.shape, dtype=t.dtype, device="cpu"))
             return memo[id(t)]
         return t
 
