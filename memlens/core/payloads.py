@@ -123,8 +123,8 @@ class EstimatePayload(Payload):
     later_layers: str | None = UNSET              # a deep stack: "written from 3 and 4 layers" or "simulated (why)"
     scaling: dict | None = UNSET                  # answers over many sizes: "simulated" (why) or "replayed" (estimator.scaling)
     activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
-    liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
                                                   # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
+    liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
 
 
 @dataclass
