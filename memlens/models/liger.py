@@ -143,33 +143,40 @@ def refuse(spec, source, fake: bool) -> None:
 
 
 # ---------------------------------------------------------------- applying the patch
-def apply_liger(model, spec, fake: bool) -> None:
+KERNELS = ("rope", "rms_norm", "swiglu", "fused_linear_cross_entropy")   # apply_liger_kernel_to_*'s switches, all on by default
+
+
+def apply_liger(model, spec, fake: bool, kernels: tuple[str, ...] = KERNELS) -> None:
     """Patch ``model`` (a transformers causal LM, before LoRA) as liger's ``apply_liger_kernel_to_<arch>(model=model)``
-    does: on fake tensors with this module's simulated kernels, on a device with liger's own."""
+    does: on fake tensors with this module's simulated kernels, on a device with liger's own. ``kernels``: which of
+    liger's switches are on (its defaults: all of :data:`KERNELS`)."""
     patch = PATCHES[model.config.model_type]
     modeling = sys.modules[type(model).__module__]
     base = getattr(model, model.base_model_prefix, model)
     if fake:
         gpu = gpu_facts(spec.gpu)
         model._memlens_liger_cc = gpu.compute_capability
-        model.forward = MethodType(lce_forward, model)
+        if "fused_linear_cross_entropy" in kernels:
+            model.forward = MethodType(lce_forward, model)
         for norm in [base.norm] + [_attr(layer, path) for layer in base.layers for path in patch.norms]:
-            norm._memlens_liger_sm = gpu.sm_count
-            norm.forward = MethodType(_rms_norm_forward, norm)
+            if "rms_norm" in kernels:
+                norm._memlens_liger_sm = gpu.sm_count
+                norm.forward = MethodType(_rms_norm_forward, norm)
         for layer in base.layers:
-            layer.mlp.forward = MethodType(_swiglu_forward, layer.mlp)
+            if "swiglu" in kernels:
+                layer.mlp.forward = MethodType(_swiglu_forward, layer.mlp)
         rope = rotary_pos_emb
     else:
         from liger_kernel.transformers import monkey_patch  # optional: liger-kernel (checked by refuse)
         from liger_kernel.transformers.rope import liger_rotary_pos_emb  # optional: liger-kernel
 
         before = dict(vars(modeling))
-        getattr(monkey_patch, patch.apply_fn)(model=model)
+        getattr(monkey_patch, patch.apply_fn)(model=model, **{k: k in kernels for k in KERNELS})
         for name, value in list(vars(modeling).items()):   # liger also rewrites the module's classes and RoPE: put back
             if before.get(name, value) is not value:
                 setattr(modeling, name, before[name])
         rope = liger_rotary_pos_emb
-    for layer in base.layers:   # liger's module-level RoPE swap, for this model's attention calls only
+    for layer in base.layers if "rope" in kernels else ():   # liger's module-level RoPE swap, this model's attention only
         layer.self_attn._memlens_rope = rope
         layer.self_attn.forward = MethodType(_attention_forward, layer.self_attn)
 
