@@ -55,19 +55,23 @@ class LigerPatch:
 
     apply_fn: str                  # liger_kernel.transformers.monkey_patch's function
     norms: tuple[str, ...]         # each decoder layer's RMSNorms it patches (attribute paths), besides the final norm
+    mlp: str = "swiglu"            # its MLP switch: swiglu (LigerSwiGLUMLP, silu only) or geglu (LigerGEGLUMLP, Gemma)
 
 
 _LLAMA_NORMS = ("input_layernorm", "post_attention_layernorm")
-# monkey_patch.py: apply_liger_kernel_to_llama / _mistral / _qwen2 / _qwen3 (q_norm, k_norm too)
+# monkey_patch.py: apply_liger_kernel_to_llama / _mistral / _qwen2 / _qwen3 (q_norm, k_norm too) / _gemma (Gemma 1:
+# RMSNorm with casting "gemma" and offset 1, in place, RSTD fp32 as "llama"; LigerGEGLUMLP, whose LigerGELUMulFunction
+# (ops/geglu.py) allocates as LigerSiLUMulFunction does)
 PATCHES: dict[str, LigerPatch] = {
     "llama": LigerPatch("apply_liger_kernel_to_llama", _LLAMA_NORMS),
     "mistral": LigerPatch("apply_liger_kernel_to_mistral", _LLAMA_NORMS),
     "qwen2": LigerPatch("apply_liger_kernel_to_qwen2", _LLAMA_NORMS),
     "qwen3": LigerPatch("apply_liger_kernel_to_qwen3", _LLAMA_NORMS + ("self_attn.q_norm", "self_attn.k_norm")),
+    "gemma": LigerPatch("apply_liger_kernel_to_gemma", _LLAMA_NORMS, mlp="geglu"),
 }
 # model types liger-kernel 0.8.5 patches (monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN) whose kernels memlens does not model
 LIGER_ONLY = frozenset((
-    "deepseek_v2 deepseek_v3 deepseek_v4 gemma gemma2 gemma3_text gemma3 gemma4_text gemma4 glm4 glm4v glm4v_moe gpt_oss "
+    "deepseek_v2 deepseek_v3 deepseek_v4 gemma2 gemma3_text gemma3 gemma4_text gemma4 glm4 glm4v glm4v_moe gpt_oss "
     "internvl llama4_text llama4 llava granite mllama mllama_text_model ministral mixtral muse_glimmer nemotron olmo2 "
     "pixtral olmo3 qwen3_moe qwen2_vl qwen2_vl_text qwen2_5_vl qwen2_5_vl_text qwen3_next qwen3_5 qwen3_5_text "
     "qwen3_5_moe qwen3_5_moe_text qwen3_vl qwen3_vl_text qwen3_vl_moe qwen3_vl_moe_text smollm3 phi3 paligemma "
@@ -108,7 +112,8 @@ def applied_line(spec, source, seq_len: int | None, fake: bool) -> str:
             f"({f['chunk_size']} x {f['vocab_size']} logits at a time, never {f['tokens']} x {f['vocab_size']})"
             if f["fused_loss"] else "no fused loss: without labels (--loss criterion) the logits are materialized")
     how = "simulated kernels, memlens.models.liger" if fake else "liger-kernel's own Triton kernels"
-    return f"liger-kernel {LIGER_VERSION} {f['apply_fn']}: RMSNorm, SwiGLU MLP, RoPE, {loss} ({how})"
+    mlp = "GEGLU" if PATCHES[source.config.model_type].mlp == "geglu" else "SwiGLU"
+    return f"liger-kernel {LIGER_VERSION} {f['apply_fn']}: RMSNorm, {mlp} MLP, RoPE, {loss} ({how})"
 
 
 def refuse(spec, source, fake: bool) -> None:
@@ -131,7 +136,7 @@ def refuse(spec, source, fake: bool) -> None:
     if getattr(cfg, "pretraining_tp", 1) > 1:
         raise SpecError(f"--liger: {source.name} has pretraining_tp={cfg.pretraining_tp}, which liger's lce_forward refuses",
                         hint="set pretraining_tp to 1 or drop --liger")
-    if getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
+    if PATCHES[mt].mlp == "swiglu" and getattr(cfg, "hidden_act", "silu") not in ("silu", "swish"):
         raise SpecError(f"--liger: {source.name}'s MLP activation is {cfg.hidden_act!r}; LigerSwiGLUMLP takes silu only",
                         hint="drop --liger")
     if not fake:
@@ -171,7 +176,8 @@ def apply_liger(model, spec, fake: bool, kernels: tuple[str, ...] = KERNELS) -> 
         from liger_kernel.transformers.rope import liger_rotary_pos_emb  # optional: liger-kernel
 
         before = dict(vars(modeling))
-        getattr(monkey_patch, patch.apply_fn)(model=model, **{k: k in kernels for k in KERNELS})
+        switches = {("geglu" if k == "swiglu" and patch.mlp == "geglu" else k): k in kernels for k in KERNELS}
+        getattr(monkey_patch, patch.apply_fn)(model=model, **switches)
         for name, value in list(vars(modeling).items()):   # liger also rewrites the module's classes and RoPE: put back
             if before.get(name, value) is not value:
                 setattr(modeling, name, before[name])

@@ -4,6 +4,7 @@ Every tensor below is at most 1 MiB and a multiple of 512 bytes where it matters
 adds nothing but 512-byte rounding (a 128-byte mask or an 8-byte scalar is one 512-byte block).
 """
 import functools
+import json
 from pathlib import Path
 
 import pytest
@@ -161,7 +162,7 @@ def test_whole_liger_step_is_below_the_plain_one_and_says_its_chunk():
     assert "16 chunk(s) of 8 of the 128 tokens" in line and "simulated kernels" in line
 
 
-def test_refusals():
+def test_refusals(tmp_path):
     with pytest.raises(SpecError, match="--liger with --dp is not modelled"):
         TrainingSpec(model="gpt2", liger=True, dp=True)
     with pytest.raises(SpecError, match="--liger with --compile"):
@@ -170,8 +171,11 @@ def test_refusals():
 
     with pytest.raises(SpecError, match="liger-kernel 0.8.5 has no patch for model_type 'gpt2'"):
         estimate(TrainingSpec(model="gpt2", liger=True, seq_len=32))
-    with pytest.raises(SpecError, match="patches model_type 'gemma', but memlens does not model its kernels yet"):
-        estimate(TrainingSpec(model="gemma-2b", liger=True, seq_len=32))
+    olmo2 = tmp_path / "config.json"
+    olmo2.write_text(json.dumps({"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"], "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 256}))
+    with pytest.raises(SpecError, match="patches model_type 'olmo2', but memlens does not model its kernels yet"):
+        estimate(TrainingSpec(model=str(olmo2), liger=True, seq_len=32))
     with pytest.raises(SpecError, match="is a factory"):
         estimate(TrainingSpec(model="tests.tiny_models:mlp", liger=True))
     with pytest.raises(MemlensError, match="--method formula has no terms for --liger"):
@@ -197,3 +201,17 @@ def test_spec_round_trip_and_description():
     s = TrainingSpec(model="qwen2.5-0.5b", liger=True)
     assert TrainingSpec.from_dict(s.to_dict()) == s and "liger" in s.describe().split()
     assert "liger" not in TrainingSpec(model="qwen2.5-0.5b").to_dict()
+
+
+def test_gemma_runs_liger_geglu(tmp_path):
+    """Gemma 1 (apply_liger_kernel_to_gemma): LigerGEGLUMLP, whose GELU-mul kernel allocates as SwiGLU's."""
+    from memlens.estimator import estimate
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gemma", "architectures": ["GemmaForCausalLM"], "hidden_size": 64, "head_dim": 16,
+                               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "num_key_value_heads": 1, "vocab_size": 1000, "hidden_activation": "gelu_pytorch_tanh"}))
+    spec = TrainingSpec(model=str(cfg), batch_size=2, seq_len=64, precision="bf16")
+    plain, lig = estimate(spec), estimate(spec.replace(liger=True))
+    assert lig.peak_allocated_bytes < plain.peak_allocated_bytes
+    assert any("apply_liger_kernel_to_gemma: RMSNorm, GEGLU MLP" in a for a in lig.data["applied"])
