@@ -215,3 +215,13 @@ def test_gemma_runs_liger_geglu(tmp_path):
     plain, lig = estimate(spec), estimate(spec.replace(liger=True))
     assert lig.peak_allocated_bytes < plain.peak_allocated_bytes
     assert any("apply_liger_kernel_to_gemma: RMSNorm, GEGLU MLP" in a for a in lig.data["applied"])
+
+
+def test_trainer_args_use_liger_kernel():
+    from memlens.integrations.trainer_args import spec_fields
+
+    assert spec_fields({"use_liger_kernel": True}, weights="bf16")["liger"] is True
+    assert spec_fields({}, weights="bf16")["liger"] is False
+    assert spec_fields({"use_liger_kernel": True, "liger_kernel_config": {"rope": True}}, weights="bf16")["liger"] is True
+    with pytest.raises(SpecError, match="memlens models liger's default kernels only"):
+        spec_fields({"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}, weights="bf16")
