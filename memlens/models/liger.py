@@ -1,12 +1,13 @@
 """liger-kernel's patched model (``--liger``): what ``apply_liger_kernel_to_llama(model=model)`` (and _mistral,
-_qwen2, _qwen3; TRL's and the Trainer's ``use_liger_kernel=True`` call the same through
+_qwen2, _qwen3, _gemma; TRL's and the Trainer's ``use_liger_kernel=True`` call the same through
 ``_apply_liger_kernel_to_instance``) puts in place of a causal LM's pieces, and what each kernel allocates.
 
 liger-kernel 0.8.5 (liger_kernel/transformers/monkey_patch.py) replaces, per decoder layer and in the model:
 
 - the RMSNorms (input_layernorm, post_attention_layernorm, the final norm; Qwen3's q_norm and k_norm) by
   ``LigerRMSNormFunction`` (ops/rms_norm.py, casting mode "llama", in_place=True);
-- the MLP by ``LigerSwiGLUMLP``: ``down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x)))`` (ops/swiglu.py);
+- the MLP by ``LigerSwiGLUMLP``: ``down_proj(LigerSiLUMulFunction(gate_proj(x), up_proj(x)))`` (ops/swiglu.py;
+  Gemma: ``LigerGEGLUMLP`` with ``LigerGELUMulFunction``, ops/geglu.py, the same allocations);
 - ``apply_rotary_pos_emb`` of the modeling module by ``liger_rotary_pos_emb`` (ops/rope.py, the Triton
   implementation the dispatcher picks unless NVIDIA's CuTe DSL is installed);
 - the model's forward by ``lce_forward`` (transformers/model/llama.py ...): in training with labels it never calls
@@ -20,7 +21,7 @@ kernel itself allocates nothing and writes in place), computing nothing. On a de
 the instance's: the module globals liger also rewrites are put back, and the RoPE swap is scoped to each
 attention call, so a later model in the same process is not patched.
 
-Memory of each kernel (BT tokens, H hidden, V vocabulary, I the MLP width, e the activation dtype's bytes):
+Memory of each kernel (BT tokens, H hidden, V vocabulary):
 
 - RMSNorm: saves its input X and RSTD, one fp32 per row (BT x 4 B); output Y new. Backward: dX written into dY
   (in place), a per-SM fp32 partial dW (sm_count x H x 4 B), summed to the weight's dtype.
