@@ -225,3 +225,14 @@ def test_trainer_args_use_liger_kernel():
     assert spec_fields({"use_liger_kernel": True, "liger_kernel_config": {"rope": True}}, weights="bf16")["liger"] is True
     with pytest.raises(SpecError, match="memlens models liger's default kernels only"):
         spec_fields({"use_liger_kernel": True, "liger_kernel_config": {"swiglu": False}}, weights="bf16")
+
+
+def test_cli_flag_table_line_and_refusal(capsys):
+    from memlens.cli.main import main
+
+    code = main(["estimate", "--model", LLAMA, "--batch-size", "2", "--seq-len", "64", "--precision", "bf16", "--liger"])
+    out, _ = capsys.readouterr()
+    assert code == 0 and "liger-kernel 0.8.5: fused linear cross entropy in 16 chunk(s) of 8 tokens" in " ".join(out.split())
+    code = main(["estimate", "--model", "gpt2", "--seq-len", "32", "--liger"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "ERROR: --liger: liger-kernel 0.8.5 has no patch for model_type 'gpt2'" in err
