@@ -196,8 +196,8 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
         "optimizer": optimizer,
         "max_grad_norm": float(a.get("max_grad_norm") or 0) or None,
         "compile": _truthy(a.get("torch_compile")),
-        "liger": _truthy(a.get("use_liger_kernel")),    # the Trainer calls _apply_liger_kernel_to_instance(model)
         "hf_trainer": True,
+        **({"liger": True} if _truthy(a.get("use_liger_kernel")) else {}),   # Trainer: _apply_liger_kernel_to_instance(model)
     }
 
 
