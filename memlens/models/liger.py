@@ -40,6 +40,7 @@ Memory of each kernel (BT tokens, H hidden, V vocabulary):
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass
 from types import MethodType
 from typing import Any
@@ -195,15 +196,40 @@ def _attr(obj, path: str):
 
 
 def _attention_forward(self, *args, **kwargs):
-    """The attention's own forward with its modeling module's ``apply_rotary_pos_emb`` swapped for liger's
-    (monkey_patch.py sets it module-wide; here only while this module runs, recomputation included)."""
+    """The attention's own forward calling liger's RoPE where it calls its modeling module's ``apply_rotary_pos_emb``
+    (monkey_patch.py sets it module-wide). Here only while this module runs (recomputation included) and only in
+    this thread: the module name points at a switch meanwhile, which another thread's model (a plain one being
+    estimated beside it) passes through to transformers' own function."""
     modeling = sys.modules[type(self).__module__]
-    saved = modeling.apply_rotary_pos_emb
-    modeling.apply_rotary_pos_emb = self._memlens_rope
+    before = getattr(_ROPE, "fn", None)
+    _ROPE.fn = self._memlens_rope
+    _rope_switch(modeling, +1)
     try:
         return type(self).forward(self, *args, **kwargs)
     finally:
-        modeling.apply_rotary_pos_emb = saved
+        _ROPE.fn = before
+        _rope_switch(modeling, -1)
+
+
+_ROPE = threading.local()      # .fn: the RoPE of the liger attention running in this thread
+_ROPE_LOCK = threading.Lock()
+_ROPE_USERS: dict[Any, int] = {}
+
+
+def _rope_switch(modeling, step: int) -> None:
+    """Put the switch in ``modeling.apply_rotary_pos_emb`` for the first liger attention running, back out after the last."""
+    with _ROPE_LOCK:
+        n = _ROPE_USERS.get(modeling, 0) + step
+        _ROPE_USERS[modeling] = n
+        current = modeling.apply_rotary_pos_emb
+        if step > 0 and n == 1:
+            def switch(*args, **kwargs):
+                return (getattr(_ROPE, "fn", None) or current)(*args, **kwargs)
+
+            switch._memlens_original = current
+            modeling.apply_rotary_pos_emb = switch
+        elif n == 0 and hasattr(current, "_memlens_original"):
+            modeling.apply_rotary_pos_emb = current._memlens_original
 
 
 # ---------------------------------------------------------------- simulated kernels (fake tensors)

@@ -236,3 +236,20 @@ def test_cli_flag_table_line_and_refusal(capsys):
     code = main(["estimate", "--model", "gpt2", "--seq-len", "32", "--liger"])
     _, err = capsys.readouterr()
     assert code == 2 and "ERROR: --liger: liger-kernel 0.8.5 has no patch for model_type 'gpt2'" in err
+
+
+def test_no_module_global_left_patched(monkeypatch):
+    """liger rewrites transformers' modeling module; memlens' patch is the instance's: after a --liger estimate the
+    module's RoPE and classes are transformers' own, so a plain model built next is plain."""
+    from transformers.models.llama import modeling_llama
+
+    from memlens.estimator import estimate
+
+    rope, norm, mlp = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP
+    calls = []
+    simulated = liger._functions().Rope
+    monkeypatch.setattr(liger._functions(), "Rope", type("Counted", (simulated,), {
+        "apply": classmethod(lambda cls, *a: calls.append(1) or simulated.apply(*a))}))
+    estimate(TrainingSpec(model=LLAMA, batch_size=1, seq_len=32, precision="bf16", liger=True))
+    assert len(calls) == 2          # liger's RoPE in both layers' attention (step 2 is written from step 1's events)
+    assert (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == (rope, norm, mlp)
