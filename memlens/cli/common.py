@@ -77,6 +77,9 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
                    "other flags override the file)")
     g.add_argument("--target-len", type=int, metavar="N", help="encoder-decoder models: decoder tokens per sample (default: the encoder's)")
     g.add_argument("--compile", action="store_const", const=True, help="the torch.compile'd step (see docs/trainers.md: --compile)")
+    g.add_argument("--liger", action="store_const", const=True, help="liger-kernel's patched model, as apply_liger_kernel_to_llama() "
+                   "(qwen2, qwen3, mistral) or TRL's use_liger_kernel: its RMSNorm, SwiGLU, RoPE and fused linear cross entropy "
+                   "(no logits tensor) (docs/liger.md)")
     g.add_argument("--loss", choices=LOSSES, help="causal LMs: model = the model's own loss from labels (default); criterion = "
                    "your criterion on logits[:, :-1].reshape(-1, V) against labels[:, 1:]; criterion-fp32 = the same on .float() logits")
     ko = g.add_mutually_exclusive_group()   # a pair that says yes and no is refused, not "the last one wins"
@@ -142,7 +145,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema",
+    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
 )
 
 

@@ -63,6 +63,8 @@ class GpuFacts:
     source: str                    # measured | documented
     nominal_gb: float = 0.0        # data sheet: the memory the GPU is sold with ("80GB"): a --budget up to it (read as
                                    # GiB, as people type it) is the whole GPU, above it a mistake (memlens.core.fits)
+    sm_count: int = 0              # streaming multiprocessors (torch.cuda.get_device_properties().multi_processor_count):
+                                   # kernels that size scratch per SM (liger's RMSNorm backward, memlens.models.liger)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -83,7 +85,13 @@ def _facts(name, label, arch, cc, mem_gib, ctx_mib, peak_half, peak_fp32, dram_g
                     _WS_HOPPER if cc[0] == 9 else _WS_OTHER, _LT_WS, cc >= (8, 0), cc[0] == 9, cc >= (8, 0),
                     float(peak_half), float(peak_fp32), float(dram_gbps), float(pcie_gbps),
                     round(_EFF_HALF * peak_half / _H100_PEAK_HALF, 1), round(_EFF_FP32 * peak_fp32 / _H100_PEAK_FP32, 1),
-                    _EFF_PCIE * pcie_gbps / _H100_PCIE, source, float(nominal))
+                    _EFF_PCIE * pcie_gbps / _H100_PCIE, source, float(nominal), _SM_COUNT[name])
+
+
+# SMs per GPU, from the same data sheets / whitepapers as the entries below (H100 SXM5 and H200: 132; A100: 108;
+# L40S: 142; L4: 58; A10G: 80; RTX 4090: 128; RTX 3090: 82; T4: 40; V100: 80)
+_SM_COUNT = {"h100": 132, "h200": 132, "a100-80gb": 108, "a100-40gb": 108, "l40s": 142, "l4": 58, "a10g": 80,
+             "rtx-4090": 128, "rtx-3090": 82, "t4": 40, "v100": 80}
 
 
 # CUDA context: 740 MiB measured on an H100 with torch 2.11 + CUDA 13 (612 MiB after the first kernel,

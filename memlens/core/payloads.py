@@ -124,6 +124,7 @@ class EstimatePayload(Payload):
     scaling: dict | None = UNSET                  # answers over many sizes: "simulated" (why) or "replayed" (estimator.scaling)
     activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
                                                   # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
+    liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
 
 
 @dataclass

@@ -82,6 +82,8 @@ class TrainingSpec:
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
+    liger: bool = False                 # liger-kernel's patched model (apply_liger_kernel_to_*: RMSNorm, SwiGLU, RoPE, fused
+                                        # linear cross entropy; memlens.models.liger)
     step_kind: str | None = None        # a registered step kind by name (memlens.step.kinds); None: from dp/hf_trainer/compile
     loss: str = "model"                 # LOSSES: the model's loss from labels, or a criterion on the logits
     pad_fraction: float = 0.0           # text: share of padding tokens per sample (right padding: attention_mask 0, labels -100)
@@ -168,6 +170,7 @@ class TrainingSpec:
             raise SpecError("--kbit-prep needs --qlora: peft's prepare_model_for_kbit_training prepares a model with quantized base weights",
                             hint="add --qlora (with --lora-rank), or drop --kbit-prep")
         self._check_dp()
+        _check_liger(self)
         if self.physical_batch_size is not None and not self.dp:
             raise SpecError("--physical-batch-size is a DP-SGD setting", hint="add --dp, or use --grad-accum for plain accumulation")
         if self.physical_batch_size is not None and self.physical_batch_size > self.batch_size:
@@ -223,7 +226,7 @@ class TrainingSpec:
         d = asdict(self)
         for name, default in (("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
                               ("lengths", None), ("lora_dropout", 0.0),
-                              ("pad_fraction", 0.0), ("kbit_prep", False),
+                              ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None)):
             if d[name] == default:     # absent unless set
                 del d[name]
@@ -299,6 +302,8 @@ class TrainingSpec:
             parts.append(f"T={self.target_len}")
         if self.compile:
             parts.append("compile")
+        if self.liger:
+            parts.append("liger")
         if self.hf_trainer:
             parts.append("trainer")
         if self.step_kind:
@@ -344,6 +349,20 @@ def load_yaml(path: str | Path) -> Any:
     if data is None:
         raise SpecError(f"{p} is empty", hint="write at least `model: gpt2`")
     return data
+
+
+def _check_liger(spec: TrainingSpec) -> None:
+    """--liger: a bool, and not with the settings whose step memlens cannot run with liger's kernels."""
+    if not isinstance(spec.liger, bool):
+        raise SpecError(f"liger must be true or false, got {spec.liger!r}", hint="--liger")
+    clash = (("--dp", spec.dp, "Opacus computes per-sample gradients from hooks on nn.Linear, which the fused linear "
+              "cross entropy bypasses (the lm_head is never called)"),
+             ("--compile", spec.compile, "the compiled step with liger's Triton kernels is not simulated"),
+             ("--checkpoint-policy selective", spec.checkpoint_policy == "selective",
+              "selective checkpointing's cache of matmul outputs would hold the q/k projections liger's RoPE rotates in place"))
+    for flag, on, why in clash:
+        if spec.liger and on:
+            raise SpecError(f"--liger with {flag} is not modelled: {why}", hint=f"drop {flag} or --liger")
 
 
 def _check_int(spec: TrainingSpec, name: str, minimum: int) -> None:
@@ -458,7 +477,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
-          "keep_outputs", "use_cache"}
+          "keep_outputs", "use_cache", "liger"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "target_len"}
 

@@ -145,6 +145,10 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
               "optimizer states and gradients sharded; batch split over GPUs", _one_gpu),
     Technique("fsdp", "FSDP (ZeRO-3) over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "fsdp"}, EXACT,
               "parameters sharded too; all-gathers each layer, 1.5x the communication of DDP", _one_gpu),
+    Technique("liger", "liger-kernel", {"liger": True}, EXACT,
+              "Triton RMSNorm, SwiGLU, RoPE and a fused linear cross entropy that never materializes the logits "
+              "(llama, mistral, qwen2, qwen3; needs liger-kernel on the GPU)",
+              lambda s: not s.liger and not s.dp and not s.compile and s.checkpoint_policy != "selective"),
     # DP-SGD (Opacus): memlens.step.kinds.opacus runs them
     Technique("dp-hooks", "DP-SGD (Opacus hooks)", {"dp": True, "grad_sample_mode": "hooks"}, PRIVACY,
               "per-sample gradients: trainable parameters x physical batch, kept into the optimizer step",

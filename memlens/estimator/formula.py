@@ -65,7 +65,8 @@ def _counts(spec: TrainingSpec):
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
     unmodelled = [flag for flag, on in (("--lora-dropout", spec.lora_dropout), ("--pad-fraction", spec.pad_fraction),
                                         ("--kbit-prep", spec.kbit_prep), (f"--loss {spec.loss}", spec.loss != "model"),
-                                        ("--keep-outputs", spec.keep_outputs), ("--ema", spec.ema), ("--use-cache/--no-cache", spec.use_cache is not None), (f"--step-kind {spec.step_kind}", spec.step_kind))
+                                        ("--keep-outputs", spec.keep_outputs), ("--ema", spec.ema), ("--use-cache/--no-cache", spec.use_cache is not None), (f"--step-kind {spec.step_kind}", spec.step_kind),
+                                        ("--liger", spec.liger))
                   if on]
     if unmodelled:
         raise MemlensError(f"--method formula has no terms for {', '.join(unmodelled)}",

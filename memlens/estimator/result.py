@@ -68,6 +68,10 @@ def simulation_result(sim, a) -> Result:
             **({"later_layers": sim.later_layers} if sim.later_layers else {}),
         },
     )
+    if spec.liger:
+        from ..models.liger import liger_facts  # noqa: PLC0415 - only for --liger
+
+        r.data["liger"] = liger_facts(spec, sim.source, sim.seq_len)
     plan = activation_plan(sim)
     if plan is not None:
         r.data["activation_plan"] = plan

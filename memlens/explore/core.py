@@ -105,8 +105,9 @@ class CachedEstimator:
 
     @staticmethod
     def _scalable(spec: TrainingSpec) -> bool:
-        """Specs the replay serves (one rank); a sharded spec is simulated per rank."""
-        return not is_distributed(spec)
+        """Specs the replay serves (one rank); a sharded spec is simulated per rank, and a --liger spec whole: its fused
+        loss's chunk is next_power_of_2 of the tokens (memlens.models.liger.chunk_size), no polynomial in b and L."""
+        return not is_distributed(spec) and not spec.liger
 
     def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
         """Simulate first the specs that let the others be replayed (see ScalingEstimator.prepare)."""

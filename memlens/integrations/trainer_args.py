@@ -19,6 +19,7 @@ activation_checkpointing
 optim (+ optim_args momentum)      optimizer (aliases in memlens.core.optimizers)
 max_grad_norm                      max_grad_norm (0: no clipping)
 torch_compile                      compile
+use_liger_kernel                   liger (memlens.models.liger; liger_kernel_config: defaults only)
 (always)                           hf_trainer (fp32 outputs under AMP, decay/no-decay groups)
 =================================  ===============================================================
 
@@ -102,7 +103,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
 # the TrainingArguments memlens reads (a misspelling of one of these would silently take the default)
 READ = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "fp16", "gradient_checkpointing",
         "activation_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing_kwargs", "optim", "optim_args",
-        "max_grad_norm", "torch_compile", "deepspeed", "fsdp", "label_smoothing_factor", "use_cache")
+        "max_grad_norm", "torch_compile", "deepspeed", "fsdp", "label_smoothing_factor", "use_cache", "use_liger_kernel",
+        "liger_kernel_config")
 
 
 def _check_known(d: dict[str, Any]) -> None:
@@ -174,6 +176,11 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
     if ckpt and isinstance(ck_kwargs, dict) and _truthy(ck_kwargs.get("use_reentrant")):
         raise SpecError("reentrant gradient checkpointing (use_reentrant=True) is not modelled",
                         hint="memlens models transformers 5.x's default, use_reentrant=False")
+    liger_cfg = a.get("liger_kernel_config") or {}
+    if _truthy(a.get("use_liger_kernel")) and isinstance(liger_cfg, dict) and any(
+            (k == "cross_entropy") == bool(v) for k, v in liger_cfg.items() if k != "model"):
+        raise SpecError(f"liger_kernel_config={liger_cfg!r}: memlens models liger's default kernels only (RoPE, RMSNorm, "
+                        "SwiGLU, fused linear cross entropy all on)", hint="drop liger_kernel_config for the estimate")
     optim = str(getattr(a.get("optim"), "value", a.get("optim")))
 
     if optim.lower() not in HF_OPTIM_ALIASES:
@@ -190,6 +197,7 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
         "max_grad_norm": float(a.get("max_grad_norm") or 0) or None,
         "compile": _truthy(a.get("torch_compile")),
         "hf_trainer": True,
+        **({"liger": True} if _truthy(a.get("use_liger_kernel")) else {}),   # Trainer: _apply_liger_kernel_to_instance(model)
     }
 
 

@@ -28,6 +28,7 @@ from .adapt import (  # noqa: F401 - re-exported
 )
 from .checkpoint import checkpoint_blocks, checkpoint_kwargs, offload_blocks
 from .diffusion import build_diffusion
+from .liger import apply_liger
 from .source import ModelSource
 from . import vlm
 from .vision import build_vision_module
@@ -36,10 +37,11 @@ DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224   # ImageNet crops, for configs that do not name an image size (ResNet, RegNet)
 
 
-def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
+def build(spec: TrainingSpec, source: ModelSource, device: Any = None, fake: bool = False) -> Built:
     """Model (with precision, freezing, LoRA/QLoRA, checkpointing applied) and one micro-batch.
 
-    Tensors are created in the ambient mode/device context, or on ``device`` if given.
+    Tensors are created in the ambient mode/device context, or on ``device`` if given. ``fake``: the model will
+    run on fake tensors (kernels that only a GPU runs, liger's, are simulated: models/liger.py).
     """
     if spec.pad_fraction and (source.kind in ("factory", "module", "timm", "torchvision") or source.task not in PADDED_TASKS):
         what = f"{source.task} ({source.name})" if source.task else f"{source.name}, a {source.kind}"
@@ -56,7 +58,7 @@ def build(spec: TrainingSpec, source: ModelSource, device: Any = None) -> Built:
     if spec.target_len is not None and source.task not in SEQ2SEQ_TASKS:
         raise SpecError(f"--target-len is for encoder-decoder models; {source.name} trains {source.task}",
                         hint="drop --target-len (or use --seq-len)")
-    model, notes = _build_hf(spec, source, device)
+    model, notes = _build_hf(spec, source, device, fake)
     batch, seq_len, image_size = make_batch(spec, source, device)
     if source.task == "vlm" and vlm.note(spec, source.config, DEFAULT_SEQ_LEN):
         notes += (vlm.note(spec, source.config, DEFAULT_SEQ_LEN),)
@@ -100,7 +102,7 @@ def _release_build_cache(device: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
+def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any, fake: bool = False):
     import torch  # heavy: torch, loaded on first use
 
     config = copy.deepcopy(source.config)
@@ -130,6 +132,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any):
                                hint="check the config (or use pkg.module:factory for custom code)") from None
     notes += length_notes
     model.train()
+    if spec.liger:       # liger-kernel's instance patch, before LoRA wraps the model (models/liger.py)
+        apply_liger(model, spec, fake=fake)
     if spec.hf_trainer and hasattr(model.config, "use_cache"):
         model.config.use_cache = False   # the Trainer sets config.use_cache = args.use_cache (default False)
     elif spec.use_cache is not None and hasattr(model.config, "use_cache"):

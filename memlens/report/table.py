@@ -44,6 +44,10 @@ def memory_tables(result: Any, top_modules: int = 12):
         head.append(f"peak reached in the {d['peak_phase']} phase" + (f" of step {d['peak_step']}" if d.get("peak_step") else ""))
         if d.get("attention_backends"):
             head.append(f"; attention kernel: {', '.join(d['attention_backends'])}")
+    lig = d.get("liger") or {}
+    if lig.get("fused_loss"):     # --liger: the fused linear cross entropy's chunk (memlens.models.liger.liger_facts)
+        head.append(f"\nliger-kernel {lig['version']}: fused linear cross entropy in {lig['chunks']} chunk(s) of "
+                    f"{lig['chunk_size']} tokens ({lig['chunk_size']} x {lig['vocab_size']} logits at a time)")
     if (d.get("activation_plan") or {}).get("summary"):   # checkpointing / offload: what it recomputes and moves
         head.append("\n" + d["activation_plan"]["summary"].removesuffix(" (activation_plan)."))
     out.append(head)

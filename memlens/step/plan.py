@@ -29,6 +29,7 @@ from ..core.parallel import Sharding, is_distributed, sharding_of
 from ..core.precision import Precision, precision_of
 from ..core.spec import TrainingSpec
 from ..models.checkpoint import refuse_plan
+from ..models.liger import refuse as refuse_liger
 from .kinds import StepKind, kind_for
 from .parallel import check as check_parallel
 from .parallel import wrapper_class
@@ -92,6 +93,8 @@ def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None) -> Ste
     kind = kind_for(spec)
     kind.refuse(spec, task)
     refuse_plan(spec)                           # selective checkpointing / offload: not with --compile or DP hooks
+    if source is not None:
+        refuse_liger(spec, source, fake)        # --liger: the architectures liger patches and memlens models
     if spec.loss != "model" and task not in (None, "causal-lm", "vlm"):
         raise SpecError(f"--loss {spec.loss} is a causal LM's criterion on shifted logits; {source.name} trains {task}",
                         hint="drop --loss (a factory's own loss_fn is its criterion)")

@@ -39,6 +39,7 @@ from ..core.precision import precision_of
 from ..core.spec import TrainingSpec, checkpoint_layers_text
 from ..core.units import fmt_bytes
 from ..models.build import build, quiet
+from ..models.liger import applied_line as liger_applied
 from ..models.source import resolve as resolve_source
 from .fake import fake_batch, materialize_on_fake, tensors, to_device
 from .ema import attach as attach_ema
@@ -152,7 +153,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
 
         fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=False)
         with torch.device("meta"), quiet():
-            built = build(spec, source)
+            built = build(spec, source, fake=True)
             if source.kind == "factory" and spec.param_dtype != "float32":
                 built.model, built.batch = _cast_factory(built.model, built.batch, getattr(torch, spec.param_dtype))
         if wrapper is not None:
@@ -225,6 +226,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(f"config.use_cache = {spec.use_cache}")
     if spec.pad_fraction:
         applied.append(f"padding: the last {spec.pad_fraction:g} of each sample's tokens (attention_mask 0, labels -100)")
+    if spec.liger:
+        applied.append(liger_applied(spec, source, built.seq_len, fake))
     if spec.kbit_prep:
         applied.append("peft prepare_model_for_kbit_training (non-quantized parameters in fp32, gradient checkpointing "
                        "as peft enables it, input gradients)")

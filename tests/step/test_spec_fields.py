@@ -51,6 +51,7 @@ REFUSED = {  # field -> (model key, value, words of the error)
     "world_size": ("gpt2", 2, "world-size"),
     "offload_optimizer": ("gpt2", True, "offload"),
     "step_kind": ("gpt2", "no-such-kind", "step kind"),   # a registered kind runs (tests/step/test_registries.py)
+    "liger": ("gpt2", True, "no patch for model_type 'gpt2'"),   # applied to llama/qwen: tests/models/test_liger.py
 }
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
