@@ -52,6 +52,7 @@ REFUSED = {  # field -> (model key, value, words of the error)
     "offload_optimizer": ("gpt2", True, "offload"),
     "step_kind": ("gpt2", "no-such-kind", "step kind"),   # a registered kind runs (tests/step/test_registries.py)
     "liger": ("gpt2", True, "no patch for model_type 'gpt2'"),   # applied to llama/qwen: tests/models/test_liger.py
+    "lengths": ("gpt2", "no-such-lengths.txt", "lengths"),   # read and estimated: tests/estimator/test_lengths_estimate.py
 }
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
