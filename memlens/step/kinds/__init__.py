@@ -2,7 +2,8 @@
 which fast paths of the estimator may serve it.
 
 Built in, in the order they are asked: DP-SGD with Opacus (:mod:`.opacus`, ``--dp``), the compiled step
-(``--compile``), the Hugging Face Trainer's step (``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
+(``--compile``), TRL's SFT, DPO and GRPO trainers (:mod:`.trl`, ``--trainer sft|dpo|grpo``), the Hugging Face
+Trainer's step (``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
 A new kind is one :func:`register_step_kind` call (a spec names it with ``step_kind``).
 
 >>> from memlens.core.spec import TrainingSpec
@@ -18,6 +19,10 @@ from typing import Any, Callable
 from ...core.errors import SpecError
 from ...core.spec import TrainingSpec
 from .opacus import check_spec as _check_dp
+from .trl import RUNS as _TRL_RUNS
+from .trl import TITLES as _TRL_TITLES
+from .trl import add_reference as _add_reference
+from .trl import refuse_trl as _refuse_trl
 
 
 def _nothing(spec: TrainingSpec, task: str | None) -> None:
@@ -41,6 +46,8 @@ class StepKind:
     layers_written: bool = True
     title: str = ""
     keeps_outputs: bool = False      # its loops hold the model's outputs through backward (spec.keep_outputs None)
+    setup: Callable[[Any], None] | None = None
+    repeats: bool = True
 
 
 def _refuse_compiled(spec: TrainingSpec, task: str | None) -> None:
@@ -59,6 +66,8 @@ _KINDS: list[StepKind] = [
     StepKind("dp", lambda s: s.dp, _check_dp, _run_dp,
              title="DP-SGD (Opacus make_private + BatchMemoryManager)", keeps_outputs=True),
     StepKind("compiled", lambda s: s.compile, _refuse_compiled, layers_written=False, title="torch.compile'd model"),
+    *(StepKind(name, (lambda s, n=name: s.trainer == n), _refuse_trl, _TRL_RUNS[name], layers_written=False,
+               title=_TRL_TITLES[name], setup=_add_reference, repeats=False) for name in ("sft", "dpo", "grpo")),
     StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),
     StepKind("plain", lambda s: True, title="plain PyTorch step"),
 ]
