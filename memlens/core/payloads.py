@@ -124,6 +124,8 @@ class EstimatePayload(Payload):
     scaling: dict | None = UNSET                  # answers over many sizes: "simulated" (why) or "replayed" (estimator.scaling)
     activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
                                                   # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
+    outside_allocator_bytes: int | None = UNSET   # TRL GRPO with vLLM colocated: its share of the GPU (not in the peaks;
+                                                  # the fit rule adds it to the need)
 
 
 @dataclass
