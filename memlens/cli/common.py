@@ -174,7 +174,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
 
         model = getattr(args, "model", None) or base.get("model")
         weights = getattr(args, "precision", None) or base.get("precision") or (weights_of_model(model) if model else None)
-        base.update(spec_fields_from_file(args.trainer_args, weights))
+        base.update(spec_fields_from_file(args.trainer_args, weights, getattr(args, "trainer", None) or base.get("trainer")))
         skip.add("precision")
     for name in SPEC_FLAG_FIELDS:
         v = getattr(args, name, None)
