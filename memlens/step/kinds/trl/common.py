@@ -79,11 +79,30 @@ def reference_spec(spec: TrainingSpec) -> TrainingSpec:
                         checkpoint_policy="full", freeze=())
 
 
+def describe(spec: TrainingSpec) -> str:
+    """What the TRL step is given, for the prepared step's ``applied`` list."""
+    B = spec.batch_size
+    if spec.trainer == "grpo":
+        k = spec.steps_per_generation or spec.grad_accum
+        return (f"GRPO: {B * k} completions generated at once ({B * k // spec.num_generations} prompts x num_generations "
+                f"{spec.num_generations}) of {spec.max_completion_length} tokens after {spec.seq_len or 512}-token prompts, "
+                + (f"by vLLM colocated ({spec.vllm_gpu_memory_utilization:g} of the GPU)" if spec.vllm_gpu_memory_utilization
+                   else "by HF generate") + f"; micro-batches of {B}; beta {spec.beta:g}")
+    if spec.trainer == "dpo":
+        return (f"DPO: {2 * B} rows (chosen + rejected)" + (f", {spec.prompt_len} prompt tokens" if spec.prompt_len else "")
+                + ("; reference log-probs precomputed" if spec.precompute_ref_log_probs else ""))
+    pf = spec.padding_free or spec.packing in ("bfd", "bfd_split")
+    return ("SFT: " + (f"one padding-free row of {B} x {spec.seq_len or 512} tokens" if pf else f"{B} rows")
+            + (f" ({spec.packing} packing)" if spec.packing else "")
+            + (f", {spec.prompt_len} prompt tokens outside the loss" if spec.prompt_len else ""))
+
+
 def add_reference(step) -> None:
-    """Build the reference model beside the policy (fake tensors or the device), frozen, in eval-like no-grad use;
-    it lives in ``step.frozen`` (the estimator accounts its parameters)."""
+    """Say what the TRL step is given; build the reference model beside the policy (fake tensors or the device),
+    frozen, in eval-like no-grad use; it lives in ``step.frozen`` (the estimator accounts its parameters)."""
     import torch  # heavy: torch, loaded on first use
 
+    step.applied.append(describe(step.spec))
     from ....models.build import build, quiet
     from ...fake import materialize_on_fake
 
