@@ -1,9 +1,9 @@
 """The kinds of training step, as one registry: which one a spec runs, what it refuses, how it runs, and
 which fast paths of the estimator may serve it.
 
-Built in, in the order they are asked: DP-SGD with Opacus (:mod:`.opacus`, ``--dp``), the compiled step
-(``--compile``), TRL's SFT, DPO and GRPO trainers (:mod:`.trl`, ``--trainer sft|dpo|grpo``), the Hugging Face
-Trainer's step (``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
+Built in, in the order they are asked: TRL's SFT, DPO and GRPO trainers (:mod:`.trl`, ``--trainer sft|dpo|grpo``),
+DP-SGD with Opacus (:mod:`.opacus`, ``--dp``), the compiled step (``--compile``), the Hugging Face Trainer's step
+(``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
 A new kind is one :func:`register_step_kind` call (a spec names it with ``step_kind``).
 
 >>> from memlens.core.spec import TrainingSpec
@@ -61,13 +61,14 @@ def _run_dp(step, on_phase):
 
 
 _KINDS: list[StepKind] = [
+    # TRL's trainers first: each refuses --dp / --compile itself (their steps are their own)
+    *(StepKind(name, (lambda s, n=name: s.trainer == n), _refuse_trl, _TRL_RUNS[name], layers_written=False,
+               title=_TRL_TITLES[name], setup=_add_reference, repeats=False) for name in ("sft", "dpo", "grpo")),
     # Opacus' loops take the loss outside the model, from outputs they hold: `logits = model(x).logits`
     # (measured on an H100: bench/results/raw/gpu_dp_gap_probe.jsonl)
     StepKind("dp", lambda s: s.dp, _check_dp, _run_dp,
              title="DP-SGD (Opacus make_private + BatchMemoryManager)", keeps_outputs=True),
     StepKind("compiled", lambda s: s.compile, _refuse_compiled, layers_written=False, title="torch.compile'd model"),
-    *(StepKind(name, (lambda s, n=name: s.trainer == n), _refuse_trl, _TRL_RUNS[name], layers_written=False,
-               title=_TRL_TITLES[name], setup=_add_reference, repeats=False) for name in ("sft", "dpo", "grpo")),
     StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),
     StepKind("plain", lambda s: True, title="plain PyTorch step"),
 ]

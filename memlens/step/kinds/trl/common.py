@@ -22,9 +22,6 @@ def refuse_trl(spec: TrainingSpec, task: str | None) -> None:
                         ("--world-size", spec.world_size > 1)):
         if given:
             raise SpecError(f"{flag} with {name} is not modelled", hint=f"drop {flag} (or use --trainer hf)")
-    if spec.trainer == "grpo" and spec.prompt_len is not None:
-        raise SpecError("--prompt-len with GRPO: --seq-len is the prompt, --max-completion-length the completion",
-                        hint="drop --prompt-len")
 
 
 def compute_dtype(step):
