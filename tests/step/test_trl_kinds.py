@@ -188,7 +188,7 @@ def test_spec_refusals(kw, words):
     (dict(trainer="sft", dp=True, lora_rank=8), "--dp with TRL's SFT trainer is not modelled"),
     (dict(trainer="dpo", compile=True), "--compile with TRL's DPO trainer"),
     (dict(trainer="sft", pad_fraction=0.25), "--pad-fraction with TRL's SFT trainer"),
-    (dict(trainer="sft", world_size=2, sharding="ddp"), "--world-size with TRL's SFT trainer"),
+    (dict(trainer="sft", world_size=2, sharding="ddp"), "is not simulated per rank"),
 ])
 def test_kind_refusals(kw, words):
     with pytest.raises(SpecError) as e:
