@@ -120,4 +120,3 @@ def test_cli_estimate_from_an_sft_config(tmp_path, capsys):
     assert main(["estimate", "--model", llama, "--trainer-args", str(p), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["spec"]["trainer"], out["spec"]["packing"], out["spec"]["seq_len"], out["spec"]["precision"]) == ("sft", "bfd", 64, "amp-bf16")
-    assert out["attention_backends"] == ["efficient"]
