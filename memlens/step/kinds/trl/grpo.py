@@ -19,6 +19,10 @@ With vLLM colocated (``use_vllm``, ``vllm_mode="colocate"``) the completions com
 (estimator/result.py); the policy's own log-probs are then computed under no_grad for importance sampling
 (``vllm_importance_sampling_correction``, on by default).
 
+A generation serves ``steps_per_generation`` micro-batches (default: the accumulation steps, one per optimizer
+step); each step here starts with one (the step that generates is the one that peaks). When the accumulation is not
+a multiple of it, a generation outlives an optimizer step and the policy's log-probs are taken too.
+
 Training (``_compute_loss``): ``input_ids = cat(prompt_ids, completion_ids)``, the fused head over the completion
 positions with ``outputs=("log_probs", "entropy")`` under autocast, the clipped ratio loss ("dapo", TRL 1.16's
 default) on ``[B, C]`` tensors, the KL term when ``beta > 0``. Phases: "generation", then "forward" / "backward"
@@ -127,16 +131,19 @@ def generation_phase(step, on_phase):
     rows, cols = step.batch["valid_rows"], step.batch["valid_cols"]
     buf = {"prompt_ids": batch["prompt_ids"], "prompt_mask": batch["prompt_mask"], "completion_ids": completion_ids,
            "completion_mask": completion_mask, "advantages": torch.zeros(G, device=completion_ids.device)}
+    k = spec.steps_per_generation or spec.grad_accum
     with torch.no_grad():
-        if spec.vllm_gpu_memory_utilization:   # vllm_importance_sampling_correction: the policy's own log-probs
+        # the policy's own log-probs: when a generation outlives an optimizer step (gradient_accumulation_steps not a
+        # multiple of steps_per_generation), and with vLLM (vllm_importance_sampling_correction)
+        if spec.vllm_gpu_memory_utilization or spec.grad_accum % k:
             buf["old_per_token_logps"] = _logps(step, step.model, prompt_completion_ids, C, cd, rows, cols, B)
+        if spec.vllm_gpu_memory_utilization:
             buf["importance_sampling_ratio"] = torch.ones(G, 1, device=completion_ids.device)
         if spec.beta:
             buf["ref_per_token_logps"] = _logps(step, reference(step), prompt_completion_ids, C, cd, rows, cols, B)
     del prompt_completion_ids
     perm = torch.randperm(G, device=completion_ids.device)             # shuffle_sequence_dict: indexed copies
-    buf = {k: v[perm] for k, v in buf.items()}
-    k = spec.steps_per_generation or spec.grad_accum
+    buf = {name: v[perm] for name, v in buf.items()}
     return [{name: v[i * B:(i + 1) * B] for name, v in buf.items()} for i in range(k)]   # split_tensor_dict: views
 
 
@@ -144,13 +151,17 @@ def run(step, on_phase):
     import torch  # heavy: torch, loaded on first use
 
     spec, cd = step.spec, compute_dtype(step)
-    micro_batches = generation_phase(step, on_phase)
+    micro_batches: list = []
     rows, cols = step.batch["valid_rows"], step.batch["valid_cols"]
     C = spec.max_completion_length
+    k = spec.steps_per_generation or spec.grad_accum
 
     def micro(i):
+        if i % k == 0:     # _prepare_inputs: a new generation every steps_per_generation micro-batches
+            micro_batches[:] = []
+            micro_batches[:] = generation_phase(step, on_phase)
         on_phase("forward")
-        inputs = micro_batches[i]
+        inputs = micro_batches[i % k]
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         labels = input_ids.masked_fill(attention_mask == 0, -100)
