@@ -201,3 +201,16 @@ def test_hf_trainer_is_trainer_hf_and_round_trips():
     assert a == b and a.trainer == "hf" and "trainer" not in a.to_dict() and a.describe().endswith("trainer")
     g = spec(trainer="grpo", batch_size=8, beta=0.04)
     assert g.hf_trainer and TrainingSpec.from_dict(g.to_dict()) == g and "grpo-g8-c512-beta0.04" in g.describe()
+
+
+@pytest.mark.parametrize("kw", [dict(trainer="sft", packing="bfd"), dict(trainer="dpo"), dict(trainer="dpo", lora_rank=4),
+                                dict(trainer="grpo", batch_size=4, num_generations=4, max_completion_length=4, beta=0.04)])
+def test_the_same_step_runs_on_a_real_device(kw):
+    """The kinds' run() on real CPU tensors (what profile runs on a GPU; on the CPU the head's values are not computed,
+    fused_head.py): one step runs to its scalar loss, the reference model beside the policy where it should be."""
+    from memlens.step.prepare import prepare
+
+    step = prepare(spec(**{**kw, "seq_len": 16}), device="cpu", seed=0)
+    loss = step.run()
+    assert loss is not None and loss.dim() == 0
+    assert len(step.frozen) == (1 if kw["trainer"] != "sft" and not kw.get("lora_rank") else 0)

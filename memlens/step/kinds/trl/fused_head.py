@@ -20,9 +20,9 @@ allocates, on CUDA (where ``_use_triton`` is true, so only the valid positions a
   written here as an ``index_put`` at the same positions: the same two allocations, without the data-dependent
   ``masked_select`` of its backward), and the NLL ``-log_probs.sum() / mask.sum()``.
 
-On fake tensors the fold (TRL's Triton kernel) is left out: it allocates nothing. On a real device this class
-allocates what TRL's does but does not compute the log-probabilities' values (the fold is memory-free there
-too); memlens measures memory, and TRL's own function runs in bench/gpu_trl.py.
+On fake tensors the fold (TRL's Triton kernel) is left out: it allocates nothing. On a CUDA device with trl
+installed, TRL's own function runs (:func:`chunked_log_probs`); on a CPU without it, this class allocates what
+TRL's CUDA path does but does not compute the log-probabilities' values (the losses are not finite there).
 """
 from __future__ import annotations
 
@@ -133,7 +133,17 @@ def _chunk_function():
 _FN: list = []
 
 
-def chunked_log_probs(hidden, weight, bias, targets, compute_dtype, outputs):
+def chunked_log_probs(hidden, weight, bias, targets, compute_dtype, outputs, *, softcap=None, logit_scale=1.0):
+    """The chunked log-probs: on a CUDA device with trl installed, TRL's own ``ChunkedLogProbFunction`` (its Triton
+    kernels; the same allocations, and the values); elsewhere (fake tensors, the CPU) the memory-equal copy above."""
+    if hidden.device.type == "cuda":
+        try:
+            from trl.kernels import ChunkedLogProbFunction  # optional: trl, on a GPU
+        except ImportError:
+            ChunkedLogProbFunction = None
+        if ChunkedLogProbFunction is not None:
+            return ChunkedLogProbFunction.apply(hidden, weight, bias, targets, 1.0, VOCAB_CHUNK, softcap, logit_scale,
+                                                tuple(outputs))
     if not _FN:
         _FN.append(_chunk_function())
     return _FN[0].apply(hidden, weight, bias, targets, compute_dtype, tuple(outputs))
@@ -166,7 +176,10 @@ def fused_forward(model, inputs: dict, labels, rows, cols, *, outputs: tuple[str
         hidden = hidden.float()
         compute_dtype = torch.float32
     cd = compute_dtype if compute_dtype is not None else hidden.dtype
-    per_token = chunked_log_probs(hidden[rows, cols], lm_head.weight, lm_head.bias, shifted[rows, cols], cd, outputs)
+    text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    per_token = chunked_log_probs(hidden[rows, cols], lm_head.weight, lm_head.bias, shifted[rows, cols], cd, outputs,
+                                  softcap=getattr(text, "final_logit_softcapping", None),
+                                  logit_scale=getattr(text, "logit_scale", None) or 1.0)
     names = ("log_probs",) + OPTIONAL
     res: dict[str, Any] = {}
     for name, x in zip(names, per_token):

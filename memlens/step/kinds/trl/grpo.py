@@ -73,10 +73,12 @@ def generate(step, prompt_ids, prompt_mask):
         mask = torch.cat([prompt_mask, prompt_mask.new_ones((G, 1))], dim=-1)
         if C > 1:
             n = ids.shape[1] - 1 + (C - 2)   # the cache's tokens before the last step
-            for layer in cache.layers:       # steps 2 .. C-1 written: each layer's keys and values at that length
-                layer.keys = layer.keys.new_empty(layer.keys.shape[:-2] + (n, layer.keys.shape[-1]))
-                layer.values = layer.values.new_empty(layer.values.shape[:-2] + (n, layer.values.shape[-1]))
-            ids = ids.new_empty((G, n + 1))
+            # steps 2 .. C-1 written: each layer's keys and values at that length (zeros: real devices need values
+            # a forward can take; the same bytes as what the steps would have grown)
+            for layer in cache.layers:
+                layer.keys = layer.keys.new_zeros(layer.keys.shape[:-2] + (n, layer.keys.shape[-1]))
+                layer.values = layer.values.new_zeros(layer.values.shape[:-2] + (n, layer.values.shape[-1]))
+            ids = ids.new_zeros((G, n + 1))
             mask = mask.new_ones((G, n + 1))
             out = _forward_cached(step, base, ids[:, -1:], cache)
             nxt = _sample(step, out)
