@@ -32,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 CASE_TIMEOUT = 240
+ESTIMATES_WITHIN = 420   # seconds: every estimate (all started at once, on the CPU) must be done by then
 WORDS = [2000]        # the tokenizer's words (ids 0..WORDS-1), then <pad>, </s>, <unk> (fewer for a tiny vocabulary)
 
 # name -> (trainer, memlens spec fields, TRL config fields); lengths in tokens
@@ -125,11 +126,13 @@ def case_main(req: dict) -> dict:
     device, steps = req["device"], req["steps"]
     rec: dict = {"case": req["name"], "trainer": trainer, "fields": f, "model": req["model"], "liger": req["liger"]}
     t0 = time.perf_counter()
-    spec = spec_of(trainer, f, req["model"], req["liger"], device)
-    est = estimate(spec)
-    rec.update(estimate_peak_allocated_bytes=est.peak_allocated_bytes, estimate_peak_reserved_bytes=est.peak_reserved_bytes,
-               estimate_by_phase={k: v["peak_allocated_bytes"] for k, v in est.by_phase.items()},
-               estimate_seconds=round(time.perf_counter() - t0, 1), spec=spec.to_dict())
+    if req["part"] == "estimate":
+        spec = spec_of(trainer, f, req["model"], req["liger"], device)
+        est = estimate(spec)
+        rec.update(estimate_peak_allocated_bytes=est.peak_allocated_bytes, estimate_peak_reserved_bytes=est.peak_reserved_bytes,
+                   estimate_by_phase={k: v["peak_allocated_bytes"] for k, v in est.by_phase.items()},
+                   estimate_seconds=round(time.perf_counter() - t0, 1), spec=spec.to_dict())
+        return rec
     with tempfile.TemporaryDirectory() as tmp:
         cfg = resolve(req["model"]).config
         WORDS[0] = min(WORDS[0], cfg.vocab_size - 3)
@@ -179,30 +182,42 @@ def case_main(req: dict) -> dict:
     if peaks:
         rec["real_peak_allocated_bytes"] = max(a for a, _ in peaks)
         rec["real_peak_reserved_bytes"] = max(r for _, r in peaks)
-        rec["allocated_error"] = round(est.peak_allocated_bytes / rec["real_peak_allocated_bytes"] - 1, 4)
-        rec["reserved_error"] = round(est.peak_reserved_bytes / rec["real_peak_reserved_bytes"] - 1, 4)
     return rec
 
 
-def run_case(name: str, a) -> dict:
+def request(name: str, a, part: str) -> str:
     trainer, f, extra = CASES[name]
     f = dict(f)
     if a.dry_run:
         f = {**{k: v for k, v in f.items() if k in ("lora_rank", "packing", "beta")}, **TINY[trainer]}
     req = {"name": name, "trainer": trainer, "fields": f, "extra": extra, "model": a.model, "liger": a.liger,
-           "device": "cpu" if a.dry_run else "cuda", "steps": 2 if a.dry_run else 3}
+           "device": "cpu" if a.dry_run else "cuda", "steps": 2 if a.dry_run else 3, "part": part}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(req, fh)
+    return fh.name
+
+
+def start(name: str, a, part: str) -> tuple[subprocess.Popen, str]:
+    """The case's estimate (CPU, several at once) or its real run (the GPU, one at a time) in a subprocess."""
+    path = request(name, a, part)
+    env = {**os.environ, "OMP_NUM_THREADS": "2"} if part == "estimate" else None
+    return subprocess.Popen([sys.executable, __file__, "--case", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env), path
+
+
+def finish(name: str, proc: subprocess.Popen, path: str, timeout: float) -> dict:
     try:
-        p = subprocess.run([sys.executable, __file__, "--case", fh.name], capture_output=True, text=True, timeout=CASE_TIMEOUT)
-        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-        if p.returncode == 0 and lines:
+        out, err = proc.communicate(timeout=max(1, timeout))
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if proc.returncode == 0 and lines:
             return json.loads(lines[-1])
-        return {"case": name, "error": (p.stderr or p.stdout).strip().splitlines()[-3:] or [f"exit {p.returncode}"]}
+        return {"case": name, "error": (err or out).strip().splitlines()[-3:] or [f"exit {proc.returncode}"]}
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return {"case": name, "error": [f"timeout after {CASE_TIMEOUT} s"]}
     finally:
-        os.unlink(fh.name)
+        os.unlink(path)
 
 
 def table(rows: list[dict]) -> str:
@@ -235,10 +250,18 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     names = [n for n in CASES if not a.filters or any(s in n for s in a.filters)]
+    t_all = time.perf_counter()
+    estimates = {n: start(n, a, "estimate") for n in names}     # the CPU estimates beside the GPU runs
     rows = []
     for n in names:
         t = time.perf_counter()
-        r = run_case(n, a)
+        proc, path = start(n, a, "train")
+        r = finish(n, proc, path, CASE_TIMEOUT)
+        e = finish(n, *estimates[n], t_all + ESTIMATES_WITHIN - time.perf_counter())
+        r = {**e, **r} if "error" not in e else {**r, "estimate_error": e["error"]}
+        if r.get("real_peak_allocated_bytes") and r.get("estimate_peak_allocated_bytes"):
+            r["allocated_error"] = round(r["estimate_peak_allocated_bytes"] / r["real_peak_allocated_bytes"] - 1, 4)
+            r["reserved_error"] = round(r["estimate_peak_reserved_bytes"] / r["real_peak_reserved_bytes"] - 1, 4)
         r["case_seconds"] = round(time.perf_counter() - t, 1)
         rows.append(r)
         with open(out / "gpu_trl.jsonl", "a") as fh:
