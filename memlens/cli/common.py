@@ -14,8 +14,10 @@ from ..core.spec import (
     GRAD_SAMPLE_MODES,
     LOSSES,
     OPTIMIZERS,
+    PACKINGS,
     PRECISIONS,
     SHARDING,
+    TRAINERS,
     TrainingSpec,
 )
 from ..integrations.configs import read_config
@@ -45,6 +47,25 @@ def positive(text: str) -> float:
 positive.__name__ = "float"
 
 
+def add_trainer_args(g) -> None:
+    """--trainer and TRL's settings that change one step's memory (memlens.step.kinds.trl; docs/trl.md)."""
+    g.add_argument("--trainer", choices=TRAINERS, help="the step as a trainer runs it: hf = transformers' Trainer "
+                   "(= --hf-trainer); sft, dpo, grpo = TRL 1.16's SFTTrainer, DPOTrainer, GRPOTrainer (fused LM head, no logits)")
+    g.add_argument("--packing", choices=PACKINGS, help="SFT: bfd = one padding-free row of batch x seq-len tokens with "
+                   "position_ids (TRL's default strategy); wrapped = rows of seq-len tokens")
+    g.add_argument("--padding-free", action="store_const", const=True, help="SFT: the rows concatenated into one, no attention mask")
+    g.add_argument("--prompt-len", type=int, metavar="N", help="SFT (completion-only / assistant-only loss), DPO: tokens "
+                   "of each row outside the loss (default 0)")
+    g.add_argument("--precompute-ref-log-probs", action="store_const", const=True,
+                   help="DPO: reference log-probs precomputed with the dataset (no reference model, no reference forward)")
+    g.add_argument("--num-generations", type=int, metavar="N", help="GRPO: completions per prompt (default 8); --batch-size counts completions")
+    g.add_argument("--max-completion-length", type=int, metavar="N", help="GRPO: completion tokens (default 512); --seq-len is the prompt's")
+    g.add_argument("--beta", type=float, metavar="B", help="GRPO: KL coefficient; > 0 keeps a reference model (default 0.0)")
+    g.add_argument("--steps-per-generation", type=int, metavar="N", help="GRPO: micro-batches one generation serves (default --grad-accum)")
+    g.add_argument("--vllm-gpu-memory-utilization", type=float, metavar="F",
+                   help="GRPO: completions from vLLM colocated, which reserves this share of the GPU outside torch (TRL's default 0.3)")
+
+
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     """The spec flags (exact names reused by every verb). Defaults are None so YAML values show through."""
     g = p.add_argument_group("training spec (flags override --config)")
@@ -71,6 +92,7 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--max-grad-norm", type=float, metavar="X", help="clip gradients with clip_grad_norm_(X) before the step (0: off); with --dp: Opacus' per-sample clipping bound (default 1.0)")
     g.add_argument("--hf-trainer", action="store_const", const=True,
                    help="the step as transformers' Trainer runs it (fp32 outputs under AMP, decay/no-decay groups)")
+    add_trainer_args(g)
     g.add_argument("--trainer-args", metavar="FILE", help="TrainingArguments as JSON (to_json_string) or YAML: sets batch, "
                    "accumulation, precision, checkpointing, optimizer, clipping and --hf-trainer as the Trainer would "
                    "(--precision then names the model's weights, default the config's dtype as from_pretrained loads it; "
@@ -146,6 +168,8 @@ SPEC_FLAG_FIELDS = (
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
     "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
+    "trainer", "packing", "padding_free", "prompt_len", "precompute_ref_log_probs", "num_generations", "max_completion_length",
+    "beta", "steps_per_generation", "vllm_gpu_memory_utilization",
 )
 
 
@@ -164,7 +188,7 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
 
         model = getattr(args, "model", None) or base.get("model")
         weights = getattr(args, "precision", None) or base.get("precision") or (weights_of_model(model) if model else None)
-        base.update(spec_fields_from_file(args.trainer_args, weights))
+        base.update(spec_fields_from_file(args.trainer_args, weights, getattr(args, "trainer", None) or base.get("trainer")))
         skip.add("precision")
     for name in SPEC_FLAG_FIELDS:
         v = getattr(args, name, None)

@@ -74,6 +74,9 @@ def need_bytes(p: Any) -> int:
     worst = data.get("worst_case") if isinstance(data, Mapping) else None   # a Result's data is a Payload (a Mapping)
     if worst:   # DDP: the stale buckets may still be alive at the peak (measured both ways): a verdict takes the worst case
         need = max(need, int(worst.get("peak_reserved_bytes") or worst.get("peak_allocated_bytes") or 0))
+    outside = data.get("outside_allocator_bytes") if hasattr(data, "get") else None
+    if outside:   # vLLM colocated with TRL's GRPO: its own share of the GPU, outside torch's allocator
+        need += int(outside)
     return need
 
 

@@ -125,6 +125,8 @@ class EstimatePayload(Payload):
     activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
                                                   # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
     liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
+    outside_allocator_bytes: int | None = UNSET   # TRL GRPO with vLLM colocated: its share of the GPU (not in the peaks;
+                                                  # the fit rule adds it to the need)
 
 
 @dataclass

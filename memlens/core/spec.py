@@ -35,6 +35,10 @@ CHECKPOINT_POLICIES = ("full", "selective")
 # how the loss is computed (causal LMs): the model's own from labels, or the user's criterion on the shifted
 # logits, logits[:, :-1].reshape(-1, V) against labels[:, 1:], in the logits' dtype or upcast with .float()
 LOSSES = ("model", "criterion", "criterion-fp32")   # Opacus' own names (make_private's grad_sample_mode)
+# the trainers a step can be run as (--trainer): transformers' Trainer, TRL 1.16's SFT, DPO and GRPO trainers
+TRAINERS = ("hf", "sft", "dpo", "grpo")
+TRL_TRAINERS = ("sft", "dpo", "grpo")
+PACKINGS = ("bfd", "bfd_split", "wrapped")   # TRL SFTConfig.packing_strategy
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,17 @@ class TrainingSpec:
                                         # forward returns; None: the step kind's habit (DP-SGD loops keep them)
     lengths: str | None = None          # a file of the samples' token counts (memlens.core.lengths): the estimate is of the
                                         # step that peaks; seq_len is then the truncation length (TRL's max_length)
+    # ---- the trainer (TRAINERS; memlens.step.kinds.trl): "hf" is hf_trainer=True; sft/dpo/grpo are TRL 1.16's, Trainers too
+    trainer: str | None = None
+    packing: str | None = None          # SFT: "bfd" (one padding-free row of batch x seq_len tokens, position_ids) | "wrapped"
+    padding_free: bool = False          # SFT: the rows concatenated into one, position_ids instead of an attention mask
+    prompt_len: int | None = None       # SFT (completion-only loss) / DPO: tokens of each row outside the loss (None: 0)
+    precompute_ref_log_probs: bool = False  # DPO: reference log-probs precomputed with the dataset: no reference forward
+    num_generations: int | None = None  # GRPO: completions per prompt (None: 8); --batch-size counts completions
+    max_completion_length: int | None = None  # GRPO: completion tokens (None: 512); --seq-len is the prompt's tokens
+    beta: float | None = None           # GRPO: KL coefficient; > 0 runs a reference model (None: 0.0, TRL 1.16's default)
+    steps_per_generation: int | None = None   # GRPO: micro-batches one generation serves (None: grad_accum)
+    vllm_gpu_memory_utilization: float | None = None  # GRPO: vLLM colocated, reserving this share of the GPU (None: HF generate)
 
     # ---------- validation ----------
     def __post_init__(self):
@@ -117,6 +132,7 @@ class TrainingSpec:
             raise SpecError(f"ema must be true, false or foreach, got {self.ema!r}", hint="--ema (or --ema foreach)")
         if self.use_cache is not None and not isinstance(self.use_cache, bool):
             raise SpecError(f"use-cache must be true or false, got {self.use_cache!r}", hint="--use-cache or --no-cache")
+        _check_trainer(self)
         if self.use_cache and self.hf_trainer:
             raise SpecError("--use-cache with --hf-trainer: the Trainer sets config.use_cache = False (TrainingArguments.use_cache)",
                             hint="drop --use-cache")
@@ -224,9 +240,13 @@ class TrainingSpec:
     # ---------- (de)serialization ----------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for name, default in (("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
-                              ("lengths", None), ("lora_dropout", 0.0),
-                              ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
+        if d["trainer"] == "hf":       # hf_trainer says it
+            d["trainer"] = None
+        for name, default in (("trainer", None), ("packing", None), ("padding_free", False), ("prompt_len", None),
+                              ("precompute_ref_log_probs", False), ("num_generations", None), ("max_completion_length", None),
+                              ("beta", None), ("steps_per_generation", None), ("vllm_gpu_memory_utilization", None),
+                              ("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
+                              ("lengths", None), ("lora_dropout", 0.0), ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None)):
             if d[name] == default:     # absent unless set
                 del d[name]
@@ -305,7 +325,7 @@ class TrainingSpec:
         if self.liger:
             parts.append("liger")
         if self.hf_trainer:
-            parts.append("trainer")
+            parts.append(trl_describe(self) if self.trainer in TRL_TRAINERS else "trainer")
         if self.step_kind:
             parts.append(f"kind={self.step_kind}")
         if self.loss != "model":
@@ -476,10 +496,74 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise SpecError(f"{name} {value!r} is not one of {', '.join(choices)}", hint=hint + f"use --{name} {choices[0]}")
 
 
+def _check_trainer(spec: TrainingSpec) -> None:
+    """``trainer`` and the TRL fields: "hf" <-> hf_trainer; TRL's trainers are Trainers (hf_trainer too); each TRL
+    field only with its trainer; GRPO's defaults (TRL 1.16 GRPOConfig) and its batch check."""
+    t = spec.trainer
+    if t is not None:
+        _check_choice("trainer", t, TRAINERS)
+        object.__setattr__(spec, "hf_trainer", True)
+    elif spec.hf_trainer:
+        object.__setattr__(spec, "trainer", "hf")
+    own = {"packing": ("sft", spec.packing is not None), "padding_free": ("sft", spec.padding_free),
+           "prompt_len": ("sft/dpo", spec.prompt_len is not None), "precompute_ref_log_probs": ("dpo", spec.precompute_ref_log_probs),
+           **{n: ("grpo", getattr(spec, n) is not None) for n in ("num_generations", "max_completion_length", "beta",
+                                                                 "steps_per_generation", "vllm_gpu_memory_utilization")}}
+    for name, (whose, given) in own.items():
+        if given and (t or "none") not in whose.split("/"):
+            raise SpecError(f"--{name.replace('_', '-')} is a setting of TRL's {whose.upper()} trainer",
+                            hint=f"add --trainer {whose.split('/')[0]}, or drop --{name.replace('_', '-')}")
+    if spec.packing is not None:
+        _check_choice("packing", spec.packing, PACKINGS)
+    for name in ("prompt_len", "num_generations", "max_completion_length", "steps_per_generation"):
+        if getattr(spec, name) is not None:
+            _check_int(spec, name, 0 if name == "prompt_len" else 1)
+    if spec.prompt_len is not None and spec.prompt_len >= (spec.seq_len or 512):
+        raise SpecError(f"prompt-len {spec.prompt_len} leaves no token of the {spec.seq_len or 512}-token rows in the loss",
+                        hint="give --prompt-len below --seq-len")
+    if t != "grpo":
+        return
+    for name, default in (("num_generations", 8), ("max_completion_length", 512), ("beta", 0.0)):
+        if getattr(spec, name) is None:
+            object.__setattr__(spec, name, default)
+    if isinstance(spec.beta, bool) or not isinstance(spec.beta, (int, float)) or not 0 <= spec.beta < float("inf"):
+        raise SpecError(f"beta must be a number >= 0, got {spec.beta!r}", hint="e.g. --beta 0.04 (0: no reference model)")
+    object.__setattr__(spec, "beta", float(spec.beta))
+    u = spec.vllm_gpu_memory_utilization
+    if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u < 1):
+        raise SpecError(f"vllm-gpu-memory-utilization must be a number > 0 and < 1, got {u!r}", hint="e.g. 0.3 (TRL's default)")
+    if spec.num_generations < 2:   # GRPOConfig.__post_init__
+        raise SpecError(f"num-generations must be at least 2 (GRPO normalizes rewards within each group), got {spec.num_generations}",
+                        hint="--num-generations 2 or more")
+    gen = spec.batch_size * spec.world_size * (spec.steps_per_generation or spec.grad_accum)
+    if gen % spec.num_generations:   # GRPOConfig.__post_init__: generation_batch_size % num_generations
+        raise SpecError(f"the generation batch ({gen} completions: batch x GPUs x steps per generation) is not divisible by "
+                        f"num_generations {spec.num_generations}, as TRL's GRPOConfig requires",
+                        hint=f"use a --batch-size (or --grad-accum) that makes it a multiple of {spec.num_generations}")
+
+
+def trl_describe(spec: TrainingSpec) -> str:
+    """The TRL trainer's part of :meth:`TrainingSpec.describe`: "sft-bfd", "dpo-precomputed", "grpo-g8-c512-beta0.04-vllm0.3"."""
+    words = [spec.trainer]
+    if spec.trainer == "sft":
+        words += [spec.packing] if spec.packing else []
+        words += ["padding-free"] if spec.padding_free else []
+    if spec.prompt_len:
+        words.append(f"prompt{spec.prompt_len}")
+    if spec.precompute_ref_log_probs:
+        words.append("precomputed-ref")
+    if spec.trainer == "grpo":
+        words += [f"g{spec.num_generations}", f"c{spec.max_completion_length}"]
+        words += [f"beta{spec.beta:g}"] if spec.beta else []
+        words += [f"spg{spec.steps_per_generation}"] if spec.steps_per_generation else []
+        words += [f"vllm{spec.vllm_gpu_memory_utilization:g}"] if spec.vllm_gpu_memory_utilization else []
+    return "-".join(words)
+
+
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
-          "keep_outputs", "use_cache", "liger"}
+          "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
-         "target_len"}
+         "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
 
 
 def _coerce(name: str, value: Any) -> Any:
@@ -515,7 +599,7 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value) if not isinstance(value, bool) else value
         except (TypeError, ValueError):
             raise SpecError(f"bucket-cap-mb must be a number, got {value!r}", hint="e.g. --bucket-cap-mb 25") from None
-    if name in ("lora_alpha", "max_grad_norm", "noise_multiplier", "lora_dropout", "pad_fraction"):
+    if name in ("lora_alpha", "max_grad_norm", "noise_multiplier", "lora_dropout", "pad_fraction", "beta", "vllm_gpu_memory_utilization"):
         try:
             return float(value)
         except (TypeError, ValueError):

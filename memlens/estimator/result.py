@@ -77,6 +77,7 @@ def simulation_result(sim, a) -> Result:
         r.data["activation_plan"] = plan
         r.notes.append(plan["summary"])
     r.notes.extend(sim.notes)
+    outside_allocator(r, spec)
     if precision_of(spec).grad_scaler:
         r.notes.append(FP16_SKIPPED_STEPS)
     if spec.compile:
@@ -134,6 +135,22 @@ def activation_plan(sim) -> dict | None:
                      f"of weights, which stay on the GPU too) and back in backward: {each * 1e3:.3g} ms each way over PCIe")
     plan["summary"] = "; ".join(words) + " (activation_plan)."
     return plan
+
+
+def outside_allocator(r: Result, spec) -> None:
+    """GRPO with vLLM colocated (TRL's ``use_vllm``, ``vllm_mode="colocate"``): vLLM takes
+    ``vllm_gpu_memory_utilization`` of the GPU's total memory for itself (its weights and KV cache), outside torch's
+    caching allocator: not simulated, not in the peaks; ``outside_allocator_bytes`` (which the fit rule adds to the
+    need, core/fits.py need_bytes) and nvidia-smi's figure count it."""
+    u = getattr(spec, "vllm_gpu_memory_utilization", None)
+    if not u:
+        return
+    g = gpu_facts(spec.gpu)
+    b = int(u * g.total_memory_bytes)
+    r.data["outside_allocator_bytes"] = b
+    r.data["nvidia_smi_estimate_bytes"] = r.data.get("nvidia_smi_estimate_bytes", 0) + b
+    r.notes.append(f"vLLM colocated (vllm_gpu_memory_utilization {u:g}) reserves {fmt_bytes(b)} of the {g.name} outside "
+                   "torch's caching allocator (not simulated, not in the peaks); the fit verdict adds it (outside_allocator_bytes)")
 
 
 def finish(result: Result, spec) -> Result:

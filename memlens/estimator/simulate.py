@@ -37,6 +37,7 @@ from ..core.tracker import (
     tag_optimizer_state,
 )
 from ..core.version import check_tested_versions
+from ..models.adapt import KNOWN
 from ..models.build import quiet, torch_dtype
 from ..models.source import ModelSource, resolve
 from ..models.scripted import python_originals
@@ -231,6 +232,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     register_model(tracker, model)
     for t, p in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
         tracker.register_copy(t, p, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
+    for other in step.frozen:       # TRL's reference model beside the policy
+        register_model(tracker, other)
     tracker.model = model
     if source.task == "vlm" and tracker.ops_limit is not None:   # one attention call per window (models/vlm.py)
         tracker.ops_limit += extra_forward_ops(step.batch, source.config)
@@ -263,7 +266,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
 
     wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
     why_not = ("repeat=False" if not repeat else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
-               else "--compile runs the compiled graph" if spec.compile else "")
+               else "--compile runs the compiled graph" if spec.compile
+               else f"the {step.plan.kind.name} step kind has phases of its own" if not step.plan.kind.repeats else "")
     try:
         runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)   # may refuse (the hooks go in finally)
         with fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), \
@@ -678,11 +682,22 @@ def _synthetic_batch_shortcuts():
     patches = [mock.patch.dict(os.environ, {"TRANSFORMERS_DISABLE_TORCH_CHECK": "1"})]
     mu = sys.modules.get("transformers.masking_utils")   # imported by the model's code if it uses it (not for plain torch models)
     if mu is not None and hasattr(mu, "find_packed_sequence_indices"):
-        patches.append(mock.patch.object(mu, "find_packed_sequence_indices", lambda position_ids: None))
+        patches.append(mock.patch.object(mu, "find_packed_sequence_indices", _packed_sequences))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
         yield
+
+
+def _packed_sequences(position_ids):
+    """transformers' ``find_packed_sequence_indices`` for the synthetic batch: None (one sequence a row), except for
+    position ids marked packed (TRL's padding-free rows, memlens.models.trl_batch), where the sequence index of each
+    token is computed as transformers does (the diff of the positions, cumsum) without reading whether there is
+    more than one sequence: there is."""
+    if getattr(position_ids, KNOWN, None) != "packed":
+        return None
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
 
 
 def _untraceable(e: Exception, spec: TrainingSpec) -> MemlensError:

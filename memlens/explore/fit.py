@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextvars
 import inspect
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -46,9 +47,24 @@ def search_field(spec: TrainingSpec) -> str:
     return "physical_batch_size" if spec.dp else "batch_size"
 
 
+def batch_unit(spec: TrainingSpec) -> int:
+    """The step between micro-batches a spec can take: TRL's GRPO needs the generation batch (micro-batch x
+    steps_per_generation x GPUs) to be a multiple of num_generations (GRPOConfig.__post_init__); others 1.
+
+    >>> batch_unit(TrainingSpec(model="gpt2", trainer="grpo", batch_size=8)), batch_unit(TrainingSpec(model="gpt2"))
+    (8, 1)
+    """
+    if spec.trainer != "grpo":
+        return 1
+    spg = (spec.steps_per_generation or spec.grad_accum) * spec.world_size
+    return spec.num_generations // math.gcd(spec.num_generations, spg)
+
+
 def first_probes(spec: TrainingSpec, cap: int = MAX_BATCH) -> list[TrainingSpec]:
     """The search's first two probes (batch 2, then the spec's own if 2 fits: max_fitting_budget),
     simulated side by side in the worker processes."""
+    if batch_unit(spec) > 1:
+        return []
     f = search_field(spec)
     if f == "physical_batch_size":
         cap = min(cap, spec.batch_size)
@@ -67,6 +83,11 @@ def find_max_batch_size(spec: TrainingSpec, usable_bytes: int, *, estimator: Cac
     start = getattr(spec, f) or 8
     if getattr(est, "workers", 1) > 1:
         est.begin(first_probes(spec, cap))
+    u = batch_unit(spec) if f == "batch_size" else 1
+    if u > 1:   # GRPO: multiples of the unit only
+        s = max_fitting_budget(lambda m: need_bytes(est(spec.replace(batch_size=m * u))), usable_bytes, cap=max(1, cap // u),
+                               start=max(1, start // u))
+        return Search(s.limit * u, [{**t, "batch": t["batch"] * u} for t in s.trials])
     return max_fitting_budget(lambda b: need_bytes(est(spec.replace(**{f: b}))), usable_bytes, cap=cap, start=start)
 
 
@@ -110,6 +131,10 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         progress("max micro-batch")
     core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
+    grpo = batch_unit(spec) > 1 or spec.trainer == "grpo"
+    if grpo:   # the generation batch kept: steps_per_generation does not follow the accumulation searched away
+        base = spec.replace(grad_accum=1, steps_per_generation=spec.steps_per_generation or spec.grad_accum)
+        plan = False
     planned = None
     if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
 
@@ -139,7 +164,11 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         if n > 1:
             data["peak_rank"] = p.peak_rank
         data["predicted_need_bytes"] = need_bytes(p)
-        if f == "batch_size":
+        if grpo:
+            micro, accum = mbs, spec.grad_accum
+            notes.append(f"GRPO: micro-batches in multiples of {batch_unit(base)} (num_generations {spec.num_generations} must "
+                         "divide the generation batch); accumulation and the plan are left as given")
+        elif f == "batch_size":
             micro = largest_divisor_at_most(per_gpu, mbs)
             if per_gpu // micro > 1:   # the accumulated run must fit too (fit_with_accumulation)
                 fitting, acc, rejected = fit_with_accumulation(est, base, per_gpu, micro, b.usable_bytes)
@@ -151,14 +180,14 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
                     data["target_fits"] = False
                 micro = fitting or 1
             accum = per_gpu // micro
-        else:
+        if not grpo and f != "batch_size":
             micro, accum = min(mbs, per_gpu), 1
         data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum * n,
                     predicted_peak_bytes=peak_res, predicted_peak_allocated_bytes=peak_alloc)
         if micro < mbs and f == "batch_size":
             notes.append(f"micro-batch {micro} (not {mbs}) so that micro x accumulation{' x GPUs' if n > 1 else ''} = {target} exactly")
     else:
-        p1 = est(base.replace(**{f: 1}))
+        p1 = est(base.replace(**{f: batch_unit(base)}))
         data.update(micro_batch_size=None, grad_accum=None, effective_batch_size=None, predicted_peak_bytes=None,
                     predicted_peak_allocated_bytes=None, batch1_peak_bytes=need_bytes(p1))
     if plan:

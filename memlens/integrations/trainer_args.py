@@ -48,6 +48,8 @@ from ..core.errors import SpecError
 from ..core.optimizers import HF_OPTIM_ALIASES
 from ..models.build import quiet
 from ..models.source import resolve
+from .trl_args import FALLBACK as _TRL_READ
+from .trl_args import detect, number, trl_defaults, trl_fields, whole
 
 # transformers 5.x TrainingArguments defaults (training_args.py), used when transformers cannot be imported
 _FALLBACK_DEFAULTS = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "bf16": False, "fp16": False,
@@ -107,23 +109,29 @@ READ = ("per_device_train_batch_size", "gradient_accumulation_steps", "bf16", "f
         "liger_kernel_config")
 
 
-def _check_known(d: dict[str, Any]) -> None:
-    """Refuse a name that is no TrainingArguments field of the installed transformers and looks
-    like a misspelling of one memlens reads. Other unknown names (fields of another transformers
-    version, in a file written there) do not change one step's memory and are ignored."""
+def _check_known(d: dict[str, Any], trainer: str = "hf") -> None:
+    """Refuse a name that is no TrainingArguments field of the installed transformers (nor of the TRL config
+    ``trainer`` names) and looks like a misspelling of one memlens reads. Other unknown names (fields of another
+    transformers version, in a file written there) do not change one step's memory and are ignored."""
+    from .trl_args import own_fields
+
     try:
         from transformers import TrainingArguments  # heavy: transformers, loaded on first use
 
         known = {f.name for f in fields(TrainingArguments)}
     except ImportError:
         known = set(_FALLBACK_DEFAULTS)
+    read = READ + (tuple(_TRL_READ[trainer]) if trainer != "hf" else ())
+    if trainer != "hf":
+        known |= own_fields(trainer)
+    what = "TrainingArguments" if trainer == "hf" else f"{trainer.upper()}Config".replace("GRPOCONFIG", "GRPOConfig")
     for k in d:
-        if k in known or k in READ:
+        if k in known or k in read:
             continue
-        close = difflib.get_close_matches(k, READ, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(k, read, n=1, cutoff=0.8)
         if close:
-            raise SpecError(f"{k!r} is not a TrainingArguments field (did you mean {close[0]!r}?)",
-                            hint=f"write {close[0]}: ... (see transformers.TrainingArguments)")
+            raise SpecError(f"{k!r} is not a {what} field (did you mean {close[0]!r}?)",
+                            hint=f"write {close[0]}: ... (see {'transformers.TrainingArguments' if trainer == 'hf' else 'trl.' + what})")
 
 
 def _truthy(v: Any) -> bool:
@@ -139,11 +147,15 @@ def _optim_args(v: Any) -> dict[str, str]:
     return dict(kv.split("=", 1) for kv in str(v).replace(" ", "").split(",") if "=" in kv)
 
 
-def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]:
-    """TrainingSpec fields from a TrainingArguments mapping. ``weights``: the model's weight
-    precision (fp32 | bf16 | fp16; the ``--precision`` given, or the model's dtype), default fp32."""
-    _check_known(d)
-    a = {**trainer_defaults(), **d}
+def spec_fields(d: dict[str, Any], weights: str | None = None, trainer: str | None = None) -> dict[str, Any]:
+    """TrainingSpec fields from a TrainingArguments mapping, or a TRL SFTConfig / DPOConfig / GRPOConfig one
+    (memlens.integrations.trl_args; ``trainer``: the ``--trainer`` given, else told from the fields). ``weights``:
+    the model's weight precision (fp32 | bf16 | fp16; the ``--precision`` given, or the model's dtype), default fp32."""
+    t = detect(d, trainer)
+    _check_known(d, t)
+    a = {**trainer_defaults(), **(trl_defaults(t) if t != "hf" else {}), **d}
+    if a.get("bf16") is None:      # TrlBaseConfig.__post_init__: bf16 = not fp16
+        a["bf16"] = not _truthy(a.get("fp16"))
     for key, why in (("deepspeed", "DeepSpeed"), ("fsdp", "FSDP")):
         if a.get(key) not in (None, "", [], False, {}):
             raise SpecError(f"trainer args use {why} ({key}={a[key]!r}), which memlens does not model yet",
@@ -151,7 +163,7 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
     if _truthy(a.get("use_cache")):
         raise SpecError("use_cache=True keeps the model's key/value cache in its outputs, which memlens does not model for training",
                         hint="leave use_cache at the Trainer's default (False)")
-    if float(a.get("label_smoothing_factor") or 0) > 0:
+    if (number(a, "label_smoothing_factor") if a.get("label_smoothing_factor") else 0) > 0:
         raise SpecError("label_smoothing_factor > 0: the Trainer computes that loss outside the model, which memlens does not model",
                         hint="set label_smoothing_factor to 0 for the estimate")
     if _truthy(a.get("bf16")) and _truthy(a.get("fp16")):
@@ -188,17 +200,20 @@ def spec_fields(d: dict[str, Any], weights: str | None = None) -> dict[str, Any]
     optimizer = HF_OPTIM_ALIASES[optim.lower()]
     if optimizer == "sgd" and float(_optim_args(a.get("optim_args")).get("momentum", 0) or 0) > 0:
         optimizer = "sgd-momentum"
-    return {
-        "batch_size": int(a["per_device_train_batch_size"]),
-        "grad_accum": int(a["gradient_accumulation_steps"]),
+    out = {
+        "batch_size": whole(a, "per_device_train_batch_size"),
+        "grad_accum": whole(a, "gradient_accumulation_steps"),
         "precision": precision,
         "grad_checkpointing": ckpt,
         "optimizer": optimizer,
-        "max_grad_norm": float(a.get("max_grad_norm") or 0) or None,
+        "max_grad_norm": (number(a, "max_grad_norm") if a.get("max_grad_norm") else 0) or None,
         "compile": _truthy(a.get("torch_compile")),
         "hf_trainer": True,
         **({"liger": True} if _truthy(a.get("use_liger_kernel")) else {}),   # Trainer: _apply_liger_kernel_to_instance(model)
     }
+    if t != "hf":
+        out.update(trl_fields(a, t))
+    return out
 
 
 def weights_of_model(model: str) -> str:
@@ -215,9 +230,9 @@ def weights_of_model(model: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16"}.get(dt, "fp32")
 
 
-def spec_fields_from_file(path: str | Path, weights: str | None = None) -> dict[str, Any]:
-    """:func:`spec_fields` of a JSON/YAML TrainingArguments file."""
-    return spec_fields(load_file(path), weights)
+def spec_fields_from_file(path: str | Path, weights: str | None = None, trainer: str | None = None) -> dict[str, Any]:
+    """:func:`spec_fields` of a JSON/YAML TrainingArguments (or TRL config) file."""
+    return spec_fields(load_file(path), weights, trainer)
 
 
 __all__ = ["spec_fields", "spec_fields_from_file", "load_file", "trainer_defaults"]

@@ -15,7 +15,7 @@ from typing import Any
 from ..core import usercode
 from ..core.errors import ModelSourceError, SpecError, sentences
 from ..core.quiet import silenced
-from ..core.spec import TrainingSpec
+from ..core.spec import TRL_TRAINERS, TrainingSpec
 from .adapt import (  # noqa: F401 - re-exported
     Built,
     adaptable_modules,
@@ -31,6 +31,7 @@ from .diffusion import build_diffusion
 from .liger import apply_liger
 from .source import ModelSource
 from . import vlm
+from .trl_batch import trl_batch
 from .vision import build_vision_module
 
 DEFAULT_SEQ_LEN = 512
@@ -307,6 +308,8 @@ def make_batch(spec: TrainingSpec, source: ModelSource, device: Any = None):
     task = source.task
     if task in ("causal-lm", "masked-lm"):
         L = default_seq_len(spec, source)
+        if spec.trainer in TRL_TRAINERS and task == "causal-lm":   # TRL's collators (models/trl_batch.py)
+            return trl_batch(spec, cfg.vocab_size, L, dev), L, None
         ids = torch.randint(0, cfg.vocab_size, (B, L), **dev)
         if not spec.pad_fraction:
             return {"input_ids": ids, "labels": ids}, L, None

@@ -68,7 +68,8 @@ def memory_tables(result: Any, top_modules: int = 12):
         ph = Table(title="peak of each phase", title_justify="left")
         ph.add_column("phase")
         ph.add_column("peak allocated", justify="right")
-        for k in ("setup", "forward", "backward", "clip", "optimizer"):   # clip: DP-SGD (Opacus)
+        # clip: DP-SGD (Opacus); generation, reference: TRL's GRPO and DPO steps
+        for k in ("setup", "generation", "forward", "reference", "backward", "clip", "optimizer"):
             if k in d["by_phase"]:
                 ph.add_row(k, fmt_bytes(d["by_phase"][k]["peak_allocated_bytes"]))
         out.append(ph)

@@ -78,6 +78,7 @@ class PreparedStep:
     wrapper: Any = None                          # memlens.step.parallel wrapper of this rank (several GPUs)
     plan: StepPlan | None = None                 # what step this is (memlens.step.plan.resolve)
     held: list = field(default_factory=list)     # the model outputs a loop that keeps them holds (--keep-outputs)
+    frozen: list = field(default_factory=list)   # models beside the trained one (TRL's reference), frozen, accounted too
 
     @property
     def param_count(self) -> int:
@@ -270,7 +271,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(f"clip_grad_norm_ {spec.max_grad_norm:g}")
     if spec.step_kind is not None:
         applied.append(f"step kind {plan.kind.name} ({plan.kind.title})" if plan.kind.title else f"step kind {plan.kind.name}")
-    if spec.hf_trainer:
+    if spec.hf_trainer and plan.kind.setup is not None:   # a Trainer subclass with a step of its own (TRL's)
+        applied.append(f"{plan.kind.title} (the Trainer's decay/no-decay groups, config.use_cache = False)")
+    elif spec.hf_trainer:
         applied.append("the Trainer's step (decay/no-decay groups" + (", fp32 outputs)" if spec.autocast_dtype else ")"))
     first = next((t for t in tensors(batch) if t.dim() > 0), None)
     if first is not None:
@@ -294,6 +297,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
                      built.seq_len, built.image_size, micro, fake_mode, dp, applied, list(built.notes), load=load,
                      forward_keys=forward_keys, step_fn=built.step, target_len=built.target_len, wrapper=wrapper,
                      plan=plan)
+    if plan.kind.setup is not None:
+        plan.kind.setup(p)
     if not fake:
         _load_figures(p)
     return p

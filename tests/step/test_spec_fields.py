@@ -44,6 +44,7 @@ APPLIED = {
     "loss": ("gpt2", "criterion-fp32"), "keep_outputs": ("gpt2", True), "pad_fraction": ("gpt2", 0.25),
     "checkpoint_layers": ("gpt2", 1), "use_cache": ("gpt2", False), "offload_layers": ("gpt2", 1),
     "ema": ("gpt2", True),
+    "trainer": ("gpt2", "sft"),
 }
 REFUSED = {  # field -> (model key, value, words of the error)
     "target_len": ("gpt2", 16, "target"),
@@ -70,6 +71,12 @@ WITH_OTHERS = {  # fields that only mean something with another one
     "max_grad_norm": ("gpt2", {"dp": True, "lora_rank": 8}, 0.5),
     "noise_multiplier": ("gpt2", {"dp": True, "lora_rank": 8}, 0.3),
     "checkpoint_policy": ("gpt2", {"grad_checkpointing": True}, "selective"),
+    # TRL's trainers (tests/step/test_trl_kinds.py)
+    "packing": ("gpt2", {"trainer": "sft"}, "bfd"), "padding_free": ("gpt2", {"trainer": "sft"}, True),
+    "prompt_len": ("gpt2", {"trainer": "sft"}, 8), "precompute_ref_log_probs": ("gpt2", {"trainer": "dpo"}, True),
+    **{name: ("gpt2", {"trainer": "grpo", "batch_size": 8, "max_completion_length": 8}, v)
+       for name, v in (("num_generations", 4), ("max_completion_length", 16), ("beta", 0.04), ("steps_per_generation", 2),
+                       ("vllm_gpu_memory_utilization", 0.3))},
 }
 
 

@@ -1,8 +1,9 @@
 """The kinds of training step, as one registry: which one a spec runs, what it refuses, how it runs, and
 which fast paths of the estimator may serve it.
 
-Built in, in the order they are asked: DP-SGD with Opacus (:mod:`.opacus`, ``--dp``), the compiled step
-(``--compile``), the Hugging Face Trainer's step (``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
+Built in, in the order they are asked: TRL's SFT, DPO and GRPO trainers (:mod:`.trl`, ``--trainer sft|dpo|grpo``),
+DP-SGD with Opacus (:mod:`.opacus`, ``--dp``), the compiled step (``--compile``), the Hugging Face Trainer's step
+(``--hf-trainer``), the plain step (:mod:`memlens.step.loop`).
 A new kind is one :func:`register_step_kind` call (a spec names it with ``step_kind``).
 
 >>> from memlens.core.spec import TrainingSpec
@@ -18,6 +19,10 @@ from typing import Any, Callable
 from ...core.errors import SpecError
 from ...core.spec import TrainingSpec
 from .opacus import check_spec as _check_dp
+from .trl import RUNS as _TRL_RUNS
+from .trl import TITLES as _TRL_TITLES
+from .trl import add_reference as _add_reference
+from .trl import refuse_trl as _refuse_trl
 
 
 def _nothing(spec: TrainingSpec, task: str | None) -> None:
@@ -41,6 +46,8 @@ class StepKind:
     layers_written: bool = True
     title: str = ""
     keeps_outputs: bool = False      # its loops hold the model's outputs through backward (spec.keep_outputs None)
+    setup: Callable[[Any], None] | None = None
+    repeats: bool = True
 
 
 def _refuse_compiled(spec: TrainingSpec, task: str | None) -> None:
@@ -54,6 +61,9 @@ def _run_dp(step, on_phase):
 
 
 _KINDS: list[StepKind] = [
+    # TRL's trainers first: each refuses --dp / --compile itself (their steps are their own)
+    *(StepKind(name, (lambda s, n=name: s.trainer == n), _refuse_trl, _TRL_RUNS[name], layers_written=False,
+               title=_TRL_TITLES[name], setup=_add_reference, repeats=False) for name in ("sft", "dpo", "grpo")),
     # Opacus' loops take the loss outside the model, from outputs they hold: `logits = model(x).logits`
     # (measured on an H100: bench/results/raw/gpu_dp_gap_probe.jsonl)
     StepKind("dp", lambda s: s.dp, _check_dp, _run_dp,
