@@ -253,6 +253,7 @@ TINY = ["fit", "--model", "explore_models:tiny", "--seq-len", "64", "--budget", 
         "--target-batch", "8", "--gpus", "2"]
 
 
+@pytest.mark.slow
 def test_cli_lists_entries_not_searched_and_full_plan_searches_them(capsys, monkeypatch):
     import json
 

@@ -28,6 +28,7 @@ def _train(tmp_path, name, **cb_kwargs):
     return model, cb
 
 
+@pytest.mark.slow
 def test_trainer_applies_the_plan_and_trains_the_same(tmp_path):
     plain, _ = _train(tmp_path, "plain")
     plan_file = tmp_path / "result.json"        # the shape `memlens fit --least-recompute --out DIR` writes

@@ -97,6 +97,7 @@ def _train(tmp_path, per_device, accum, *, adaptive=False, limit=10**9, where="f
     return losses, weights, cb, trainer
 
 
+@pytest.mark.slow
 def test_started_twice_too_large_ends_like_the_right_size(tmp_path):
     """transformers normalizes GPT-2's loss over the window's label tokens (num_items_in_batch): a
     per-device batch of 4 x 2 accumulation split in micro-batches of 2 is the run at 2 x 4."""
@@ -112,6 +113,7 @@ def test_started_twice_too_large_ends_like_the_right_size(tmp_path):
     assert "training_step" not in vars(trainer) and "compute_loss" not in vars(trainer)   # removed at the end
 
 
+@pytest.mark.slow
 def test_a_batch_averaged_loss_keeps_the_configured_objective(tmp_path):
     """When the Trainer averages each batch's loss (no num_items_in_batch), its objective depends on
     the per-device batch itself (rows of 4 averaged together, then over 2 batches): the split weighs
@@ -150,6 +152,7 @@ def test_start_from_the_estimate_avoids_the_oom(tmp_path, monkeypatch):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_an_oom_in_backward_redoes_the_accumulation_window(tmp_path):
     losses, weights, cb, _ = _train(tmp_path, 4, 2, adaptive=True, limit=2, where="backward")
     ref_losses, ref_weights, _, _ = _train(tmp_path, 2, 4, where="backward")
@@ -165,6 +168,7 @@ def test_without_adaptive_the_oom_ends_training(tmp_path):
         _train(tmp_path, 4, 2, adaptive=False, limit=2)
 
 
+@pytest.mark.slow
 def test_at_the_smallest_micro_batch_the_oom_goes_on(tmp_path):
     with pytest.raises(torch.OutOfMemoryError, match="1 rows"):
         _train(tmp_path, 4, 2, adaptive=True, limit=0)
