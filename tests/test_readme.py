@@ -23,8 +23,10 @@ FIX = "tests/fixtures"
 TINY_LLAMA = f"{FIX}/tiny-llama"
 TINY_GPT2 = f"{FIX}/models/tiny-gpt2"
 
-RUN, PARSE, SKIP = "run", "parse", "skip"
+RUN, PARSE, SKIP, REFUSED = "run", "parse", "skip", "refused"
 # README command (continuation lines joined, comments dropped) -> (RUN, stand-in argv) | (PARSE, reason) | (SKIP, reason)
+# | (REFUSED, stand-in argv or None): a refusal, run as written (or on the stand-in), exit 2, each line it shows printed
+# as it is (an ERROR line names no number that a stand-in would change)
 COMMANDS = {
     # the quickstart
     "estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16":
@@ -89,7 +91,29 @@ COMMANDS = {
     "sweep --model gpt2-medium --batch-sizes 4,8,16,32 --measure --gpus 0,1,2,3 --out sw/": (PARSE, "--measure on 4 GPUs"),
     "doctor oom \"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.65 GiB "
     "of which 1.19 GiB is free. Process 48213 has 22.33 GiB memory in use. Of the allocated memory 17.10 GiB is allocated by "
-    "PyTorch, and 4.71 GiB is reserved by PyTorch but unallocated.\"": (RUN, None),   # as written
+    "PyTorch, and 4.71 GiB is reserved by PyTorch but unallocated.\"": (RUN, None),   # as written    # docs/budget.md: one budget rule (--gpu alone is that GPU's whole memory; sizes checked against the GPUs known)
+    "fit --model gpt2 --seq-len 1024 --gpu rtx-4090 --no-plan":
+        (RUN, f"fit --model {TINY_GPT2} --seq-len 1024 --gpu rtx-4090 --no-plan"),
+    "fit --model gpt2 --seq-len 1024 --budget 80GiB --no-plan":
+        (RUN, f"fit --model {TINY_GPT2} --seq-len 64 --budget 80GiB --no-plan"),
+    "sweep --model gpt2-medium --batch-sizes 4,8,16 --seq-lens 512,1024 --techniques fp32,amp-bf16+checkpointing --budget 10GiB --out sw/":
+        (RUN, f"sweep --model {TINY_GPT2} --batch-sizes 1,2 --seq-lens 32 --techniques fp32,amp-bf16+checkpointing "
+             "--budget 10GiB --out {tmp}"),
+    "compare --model gpt2-medium --batch-size 8 --seq-len 512 --techniques amp-bf16+checkpointing --budget 10GiB":
+        (RUN, f"compare --model {TINY_GPT2} --batch-size 2 --seq-len 64 --techniques amp-bf16+checkpointing --budget 10GiB"),
+    "fit --model gpt2-medium --seq-len 512 --precision amp-bf16 --grad-checkpointing --budget 10GiB --no-plan":
+        (RUN, f"fit --model {TINY_GPT2} --seq-len 64 --precision amp-bf16 --grad-checkpointing --budget 400MiB --no-plan"),
+    "fit --model gpt2 --budget 80GiB --gpu t4": (REFUSED, f"fit --model {TINY_GPT2} --budget 80GiB --gpu t4"),
+    "fit --model gpt2 --budget 1e30GiB": (REFUSED, f"fit --model {TINY_GPT2} --budget 1e30GiB"),
+    "fit --model gpt2 --budget 80": (REFUSED, f"fit --model {TINY_GPT2} --budget 80"),
+    "fit --model gpt2 --budget -1GiB": (REFUSED, f"fit --model {TINY_GPT2} --budget -1GiB"),
+    "fit --model gpt2 --budget 16GiB --margin 1.5": (REFUSED, f"fit --model {TINY_GPT2} --budget 16GiB --margin 1.5"),
+    "sweep --model gpt2 --batch-sizes 1 --margin 0.1 --out sw/":
+        (REFUSED, f"sweep --model {TINY_GPT2} --batch-sizes 1 --margin 0.1 --out {{tmp}}"),
+    "fit --model gpt2 --no-plan": (PARSE, "its refusal is what a machine without a CUDA GPU prints; where one is, it runs"),
+    # docs/diffusion.md: as written (the shipped SD-1.5 config on fake tensors: about 12 s), so its module names show
+    "estimate --model sd-1.5 --batch-size 8 --image-size 512 --precision amp-bf16 --grad-checkpointing": (RUN, None),
+    "estimate --model sd-1.5 --batch-size 8 --image-size 512 --precision amp-bf16 --grad-checkpointing --ema": (RUN, None),
 }
 
 
@@ -175,8 +199,13 @@ def test_readme_example(example, capsys, tmp_path, monkeypatch):
     assert {a for a in run_argv if a.startswith("--")} >= {a for a in argv if a.startswith("--")}, "a stand-in keeps the flags"
     code = main(run_argv)
     out, err = capsys.readouterr()
+    if kind == REFUSED:
+        assert code == 2, out + err
+        printed = _words(err.replace(TINY_GPT2, "gpt2"))
+        assert [s for s in shown if _words(s) not in printed] == [], f"the page shows a refusal this command no longer prints:\n{err}"
+        return
     assert code == 0, err
-    text = _words(out)
+    text = _words(out + err)   # what the terminal shows: a WARNING line is on stderr
     model = argv[argv.index("--model") + 1] if "--model" in argv else None
     missing = []
     for line in shown:

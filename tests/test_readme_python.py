@@ -41,6 +41,18 @@ BLOCKS = {
     "ab = memlens.adaptive_batch(optimizer, micro_batch=16)   # or spec=..., budget=...: start from memlens.fit":
         (COMPILE, "adaptive_batch reads CUDA memory between steps (Torch not compiled with CUDA here)"),
     "from memlens import Monitor": (COMPILE, "Monitor reads torch.cuda memory (needs CUDA)"),
+    # docs/budget.md: the verbs take spec fields as keywords, the budget alike; the misspelt field is refused
+    "import memlens\nmemlens.estimate(model=\"gpt2\", batch_size=8)":
+        (RUN, [('model="gpt2"', f'model="{TINY_GPT2}"'), ("seq_len=1024", "seq_len=64"),
+               ("spec, budget=", f'memlens.TrainingSpec(model="{TINY_GPT2}"), budget='),
+               (f'memlens.estimate(model="{TINY_GPT2}", batch_sise=8)',
+                f'import pytest\nwith pytest.raises(memlens.core.errors.SpecError, match="unknown spec field .batch_sise."):\n'
+                f'    memlens.estimate(model="{TINY_GPT2}", batch_sise=8)')], None),
+    # docs/lengths.md: the lengths of a tokenized dataset (a list of rows here), then the worst step's estimate
+    "import memlens\nlengths = memlens.lengths_of(dataset":
+        (RUN, [("lengths = memlens.lengths_of(", 'dataset = [{"input_ids": [1] * n} for n in (5, 60, 7)]\nlengths = memlens.lengths_of('),
+               ('model="gpt2"', f'model="{TINY_GPT2}"'), ("seq_len=1024", "seq_len=64"),
+               ('r.data["lengths"]["worst_step"]', 'assert r.data["lengths"]["worst_step"]["longest_sample"] == 60')], None),
 }
 
 
