@@ -102,7 +102,7 @@ COMMANDS = {
     "compare --model gpt2-medium --batch-size 8 --seq-len 512 --techniques amp-bf16+checkpointing --budget 10GiB":
         (RUN, f"compare --model {TINY_GPT2} --batch-size 2 --seq-len 64 --techniques amp-bf16+checkpointing --budget 10GiB"),
     "fit --model gpt2-medium --seq-len 512 --precision amp-bf16 --grad-checkpointing --budget 10GiB --no-plan":
-        (RUN, f"fit --model {TINY_GPT2} --seq-len 64 --precision amp-bf16 --grad-checkpointing --budget 400MiB --no-plan"),
+        (RUN, f"fit --model {TINY_GPT2} --seq-len 64 --precision amp-bf16 --grad-checkpointing --budget 1100MiB --no-plan"),
     "fit --model gpt2 --budget 80GiB --gpu t4": (REFUSED, f"fit --model {TINY_GPT2} --budget 80GiB --gpu t4"),
     "fit --model gpt2 --budget 1e30GiB": (REFUSED, f"fit --model {TINY_GPT2} --budget 1e30GiB"),
     "fit --model gpt2 --budget 80": (REFUSED, f"fit --model {TINY_GPT2} --budget 80"),
