@@ -111,6 +111,47 @@ COMMANDS = {
     "sweep --model gpt2 --batch-sizes 1 --margin 0.1 --out sw/":
         (REFUSED, f"sweep --model {TINY_GPT2} --batch-sizes 1 --margin 0.1 --out {{tmp}}"),
     "fit --model gpt2 --no-plan": (PARSE, "its refusal is what a machine without a CUDA GPU prints; where one is, it runs"),
+    # docs/trl.md: TRL 1.16's steps on the tiny llama (the same trainer, flags and printed lines)
+    "estimate --model qwen2.5-0.5b --trainer-args sft_config.json":
+        (RUN, f"estimate --model {TINY_LLAMA} --trainer-args {FIX}/trl/sft_lora.yaml --seq-len 256"),
+    "estimate --model qwen2.5-0.5b --trainer sft --batch-size 4 --seq-len 1024 --precision bf16-amp --grad-checkpointing --optimizer adamw-fused":
+        (RUN, f"estimate --model {TINY_LLAMA} --trainer sft --batch-size 2 --seq-len 64 --precision bf16-amp --grad-checkpointing "
+             "--optimizer adamw-fused"),
+    "estimate --model qwen2.5-0.5b --trainer sft --packing bfd --batch-size 4 --seq-len 1024 --precision bf16-amp --grad-checkpointing --optimizer adamw-fused":
+        (RUN, f"estimate --model {TINY_LLAMA} --trainer sft --packing bfd --batch-size 2 --seq-len 64 --precision bf16-amp "
+             "--grad-checkpointing --optimizer adamw-fused"),
+    "estimate --model qwen2.5-0.5b --trainer dpo --batch-size 2 --seq-len 1024 --prompt-len 512 --precision bf16-amp --grad-checkpointing --optimizer adamw-fused":
+        (RUN, f"estimate --model {TINY_LLAMA} --trainer dpo --batch-size 2 --seq-len 64 --prompt-len 32 --precision bf16-amp "
+             "--grad-checkpointing --optimizer adamw-fused"),
+    "estimate --model qwen2.5-0.5b --trainer grpo --batch-size 8 --seq-len 256 --max-completion-length 1024 --precision bf16-amp --grad-checkpointing --optimizer adamw-fused":
+        (RUN, f"estimate --model {TINY_LLAMA} --trainer grpo --batch-size 8 --seq-len 32 --max-completion-length 32 --precision bf16-amp "
+             "--grad-checkpointing --optimizer adamw-fused"),
+    "estimate --model qwen2.5-0.5b --trainer grpo --batch-size 16 --seq-len 256 --max-completion-length 1024 --beta 0.04 --precision bf16-amp --grad-checkpointing --optimizer adamw-fused":
+        (RUN, f"estimate --model {TINY_LLAMA} --trainer grpo --batch-size 8 --seq-len 32 --max-completion-length 32 --beta 0.04 "
+             "--precision bf16-amp --grad-checkpointing --optimizer adamw-fused"),
+    # docs/liger.md
+    "estimate --model qwen2.5-0.5b --batch-size 4 --seq-len 1024 --precision bf16":
+        (RUN, f"estimate --model {TINY_LLAMA} --batch-size 2 --seq-len 64 --precision bf16"),
+    "estimate --model qwen2.5-0.5b --batch-size 4 --seq-len 1024 --precision bf16 --liger":
+        (RUN, f"estimate --model {TINY_LLAMA} --batch-size 2 --seq-len 64 --precision bf16 --liger"),
+    "compare --model qwen2.5-0.5b --batch-size 4 --seq-len 1024 --precision bf16 --techniques bf16,liger,checkpointing+liger":
+        (RUN, f"compare --model {TINY_LLAMA} --batch-size 2 --seq-len 64 --precision bf16 --techniques bf16,liger,checkpointing+liger"),
+    # docs/vlm.md: the tiny configs of the same families
+    "estimate --model qwen2.5-vl-3b --image-size 448 --precision bf16 --lora-rank 16":
+        (RUN, f"estimate --model {FIX}/configs/qwen2.5-vl.json --image-size 56 --precision bf16 --lora-rank 16 --seq-len 32"),
+    "estimate --model qwen2.5-vl-3b --image-size 448 --precision bf16 --freeze visual":
+        (RUN, f"estimate --model {FIX}/configs/qwen2.5-vl.json --image-size 56 --precision bf16 --freeze visual --seq-len 32"),
+    "estimate --model olmoe-1b-7b --lora-rank 16": (RUN, f"estimate --model {FIX}/configs/olmoe.json --lora-rank 16 --seq-len 32"),
+    'estimate --model gpt2 --lora-rank 8 --lora-targets ""': (REFUSED, f'estimate --model {TINY_GPT2} --lora-rank 8 --lora-targets ""'),
+    "estimate --model deberta-v3-base": (RUN, f"estimate --model {FIX}/configs/deberta-v2.json --seq-len 32"),
+    # docs/lengths.md: the page's lengths file, on tiny GPT-2
+    "estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16 --lengths docs/examples/lengths.txt --budget 12GiB":
+        (RUN, f"estimate --model {TINY_GPT2} --batch-size 8 --seq-len 64 --precision amp-bf16 --lengths docs/examples/lengths.txt "
+             "--budget 12GiB"),
+    # docs/configs.md: the axolotl example as written (about 15 s), and refusals of keys not modelled
+    "estimate --config tests/fixtures/axolotl/lora-1b.yml --top 3": (RUN, None),
+    "estimate --config ds.yml": (REFUSED, f"estimate --config {FIX}/axolotl/deepspeed.yml"),
+    "estimate --config k.yml": (REFUSED, f"estimate --config {FIX}/axolotl/lora-kernel.yml"),
     # docs/diffusion.md: as written (the shipped SD-1.5 config on fake tensors: about 12 s), so its module names show
     "estimate --model sd-1.5 --batch-size 8 --image-size 512 --precision amp-bf16 --grad-checkpointing": (RUN, None),
     "estimate --model sd-1.5 --batch-size 8 --image-size 512 --precision amp-bf16 --grad-checkpointing --ema": (RUN, None),
