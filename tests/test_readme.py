@@ -152,6 +152,9 @@ COMMANDS = {
     "estimate --config tests/fixtures/axolotl/lora-1b.yml --top 3": (RUN, None),
     "estimate --config ds.yml": (REFUSED, f"estimate --config {FIX}/axolotl/deepspeed.yml"),
     "estimate --config k.yml": (REFUSED, f"estimate --config {FIX}/axolotl/lora-kernel.yml"),
+    # docs/doctor.md, what changed in the verdicts: an edited OOM message, a log of falling memory
+    "doctor oom oom.txt": (REFUSED, f"doctor oom {FIX}/doctor/oom_edited.txt"),
+    "doctor log train.log": (RUN, f"doctor log {FIX}/doctor/falling.log"),
     # docs/diffusion.md: as written (the shipped SD-1.5 config on fake tensors: about 12 s), so its module names show
     "estimate --model sd-1.5 --batch-size 8 --image-size 512 --precision amp-bf16 --grad-checkpointing": (RUN, None),
     "estimate --model sd-1.5 --batch-size 8 --image-size 512 --precision amp-bf16 --grad-checkpointing --ema": (RUN, None),
