@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from memlens.cli.main import main
+from memlens.core.errors import SpecError
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 
@@ -97,7 +98,10 @@ def _one_line(capsys, *argv):
 
 def test_empty_lora_targets_are_refused_not_read_as_the_default(capsys):
     err = _one_line(capsys, "estimate", "--model", "gpt2", "--lora-rank", "8", "--lora-targets", "")
-    assert err == "ERROR: --lora-targets is empty  HINT: name modules (e.g. q_proj,v_proj, or all-linear), or drop the flag"
+    assert err == "ERROR: --lora-targets is empty  HINT: give --lora-targets a value, or leave it out for its default"
+    with pytest.raises(SpecError) as e:   # a spec file / Python: the spec's own check
+        TrainingSpec.from_dict({"model": "gpt2", "lora_rank": 8, "lora_targets": ""})
+    assert e.value.render() == "ERROR: --lora-targets is empty  HINT: name modules (e.g. q_proj,v_proj, or all-linear), or drop the flag"
 
 
 def test_all_linear_stands_alone(capsys):
