@@ -5,6 +5,7 @@ Run on the GPU machine from the repo root (liger-kernel carried as a wheel; Trit
     python -m pip install --no-deps .whl/*.whl      # liger_kernel-0.8.5 among them
     OUT=./out python bench/gpu_liger.py             # ~5 minutes on an H100
     python bench/gpu_liger.py --dry-run             # CPU only: the estimates, tiny sizes (no GPU, no liger)
+    OUT=./out python bench/gpu_liger.py --only amp  # only the cases whose name contains "amp" (~1 minute)
 
 Each case runs memlens' own prepared step (memlens.step.prepare: the model from its config with random weights,
 liger's own ``apply_liger_kernel_to_<arch>(model=model)`` when --liger, AdamW) in a fresh subprocess for 3
@@ -158,6 +159,9 @@ def main() -> None:
     out = os.environ.get("OUT", "./out")
     os.makedirs(out, exist_ok=True)
     todo = cases(dry)
+    if "--only" in sys.argv:
+        word = sys.argv[sys.argv.index("--only") + 1]
+        todo = [(name, fields) for name, fields in todo if word in name]
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
         ests = {name: pool.submit(estimate, fields) for name, fields in todo}

@@ -348,12 +348,20 @@ def flce_forward_allocations(x, weight, target, bias=None, *, cc: tuple[int, int
 
 
 def _chunk_starts(tokens: int, chunk: int) -> list[int]:
-    """The chunks simulated: the first and, when shorter, the last. Every chunk allocates and frees the same
-    tensors before the next starts (liger dels them at the end of each iteration), so the chunks between repeat
-    the first one's events exactly and change no peak; simulating each of them (up to cdiv(V, H) ~ 170 for Qwen)
-    would only lengthen the event log."""
+    """The chunks simulated: the first, the second and, when shorter, the last. Every chunk allocates and frees the
+    same tensors before the next starts (liger dels them at the end of each iteration), with one exception: under
+    AMP (fp32 weights) the first chunk's ``grad_logits_chunk @ weight`` leaves autocast's cached low-precision copy
+    of the weight (a leaf that requires grad; torch caches it whether or not grad mode is on, and liger's forward
+    runs with it off) alive until autocast exits, so from the second chunk on ``x_chunk @ weight.t()`` casts the
+    weight's transpose (a view: never cached) while that copy lives: one weight-sized copy more than in the first
+    chunk (measured on an H200: bench/results/liger_accuracy.md). The chunks after the second repeat its events
+    exactly and change no peak; simulating each of them (up to cdiv(V, H) ~ 170 for Qwen) would only lengthen the
+    event log."""
+    starts = [0, chunk] if tokens > chunk else [0]
     last = (tokens - 1) // chunk * chunk
-    return [0] if last == 0 or tokens % chunk == 0 else [0, last]
+    if tokens % chunk and last not in starts:
+        starts.append(last)
+    return starts
 
 
 _FUNCTIONS = None

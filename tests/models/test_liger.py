@@ -253,3 +253,57 @@ def test_no_module_global_left_patched(monkeypatch):
     estimate(TrainingSpec(model=LLAMA, batch_size=1, seq_len=32, precision="bf16", liger=True))
     assert len(calls) == 2          # liger's RoPE in both layers' attention (step 2 is written from step 1's events)
     assert (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP) == (rope, norm, mlp)
+
+
+def test_fused_linear_cross_entropy_under_amp_keeps_autocast_cached_weight_copy():
+    """amp-bf16 (fp32 x and weight, bf16 autocast): chunk 1's ``grad_logits @ weight`` casts the leaf weight, which
+    autocast caches until it exits; chunk 2's ``x_chunk @ weight.t()`` casts the transpose (a view: not cached) while
+    that copy lives: two bf16 copies of the weight at the forward peak (measured on an H200, qwen2.5-0.5b)."""
+    from memlens.estimator import cuda_rules as cr
+
+    fake = FakeTensorMode()
+    with fake:
+        x, w, t = _flce_inputs(torch.float32)
+    emu = cr.CudaEmulation(cr.CudaRules(autocast_dtype=torch.bfloat16))
+    log = EventLog()
+    tracker = StorageTracker(log)
+    tracker.on_host((x, w, t))
+    f = liger._functions().FusedLinearCrossEntropy
+    with fake, tracker, emu:
+        with cr.cuda_autocast(emu, torch.bfloat16):
+            loss = f.apply(x, w, t, None, (9, 0), -100)
+            assert len(emu._cache) == 1                  # the weight's bf16 copy, made with grad mode off
+        assert emu._cache == {}
+    a = analyze(log)
+    BT, H, V, chunk = 128, 64, 1000, 8
+    kept = BT * H * 4 + V * H * 4 + BT * 4 + _blocks(BT)   # grad_input, grad_weight (fp32 like x, w), loss_1d, mask
+    w_bf16 = V * H * 2                                      # 128000 bytes, a multiple of 512
+    # chunk 2's matmul: the cached copy, the transpose's copy, x_chunk's bf16 copy and the bf16 logits chunk
+    assert a.peak_allocated_bytes == kept + w_bf16 + w_bf16 + chunk * H * 2 + _blocks(chunk * V * 2)
+    assert a.end_allocated_bytes == BT * H * 4 + V * H * 4 + B512   # the cached copy dies with autocast
+    assert loss.dtype == torch.float32
+
+
+def test_amp_liger_forward_peak_holds_the_tied_weights_cached_copy(tmp_path, monkeypatch):
+    """A tiny tied Llama (H 64, V 1000) at 2 x 64 tokens: with amp-bf16 the forward peak (in the fused loss, from its
+    second chunk on) holds one bf16 copy of the tied embedding/lm_head weight more than its first chunk does; in
+    pure bf16 (no autocast, no cache) every chunk allocates alike."""
+    from memlens.estimator import estimate
+
+    cfg = json.loads(Path(LLAMA).read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    V, H = 1000, 64
+
+    def forward_peaks(precision):
+        spec = TrainingSpec(model=str(path), batch_size=2, seq_len=64, precision=precision, liger=True)
+        every = estimate(spec).by_phase["forward"]["peak_allocated_bytes"]
+        with monkeypatch.context() as m:
+            m.setattr(liger, "_chunk_starts", lambda tokens, chunk: [0])
+            first = estimate(spec).by_phase["forward"]["peak_allocated_bytes"]
+        return every, first
+
+    every, first = forward_peaks("amp-bf16")
+    assert every - first == V * H * 2
+    every, first = forward_peaks("bf16")
+    assert every == first
