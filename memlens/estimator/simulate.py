@@ -479,7 +479,7 @@ class SimulationTracker(StorageTracker):
         self.recomputing = False                  # inside a checkpointed block's recomputation (_wrap_checkpoint_funcs)
         self._passes = {"forward": 0, "backward": 0}
         self.layer_hint = None                    # a tensor whose layer an allocation made from no tensor takes (layer_from)
-        self._made_by: dict[int, int | None] = {}  # this backward's storages -> id of the autograd node that made them
+        self._made_by: dict[int, tuple | None] = {}  # this backward's storages -> the autograd node that made them
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:
@@ -659,7 +659,8 @@ class SimulationTracker(StorageTracker):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b and a.shape == b.shape
                 and a.dtype == b.dtype and a.device == b.device):
             return None
-        if self._made_by.get(self.key_of(b)) != id(node) or self._made_by.get(self.key_of(a)) in (None, id(node)):
+        me = _node_key(node)
+        if self._made_by.get(self.key_of(b)) != me or self._made_by.get(self.key_of(a)) in (None, me):
             return None
         if not any(nxt is not None and hasattr(nxt, "variable") and nxt.variable.shape == a.shape
                    and nxt.variable.dtype == a.dtype for nxt, _ in node.next_functions):
@@ -672,7 +673,7 @@ class SimulationTracker(StorageTracker):
         for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             key = self.key_of(t) if isinstance(t, torch.Tensor) else None
             if key is not None and key >= first_new:
-                self._made_by[key] = id(node) if node is not None else None
+                self._made_by[key] = _node_key(node) if node is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         into = self._buffer_sum_into(args, kwargs) if self.phase == "backward" and func is torch.ops.aten.add.Tensor else None
@@ -713,6 +714,11 @@ class SimulationTracker(StorageTracker):
             if func is torch.ops.aten.addmm.default and thread + "-lt" not in self._workspaces:
                 self._workspace(thread + "-lt", self.gpu.cublaslt_workspace_bytes)
         return out
+
+
+def _node_key(node) -> tuple:
+    """An autograd node told apart without keeping it alive (its Python wrapper, and so ``id``, is made anew)."""
+    return node.name(), node._sequence_nr()
 
 
 def _stealable(t) -> bool:
