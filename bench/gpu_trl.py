@@ -4,7 +4,8 @@ Run on the GPU machine from the repo root (trl, datasets, dill, multiprocess and
 wheels in ./.whl/; no network needed):
 
     python -m pip install --no-deps .whl/*.whl
-    python bench/gpu_trl.py [--out DIR] [--liger] [--model qwen2.5-0.5b] [case-substring ...]
+    python bench/gpu_trl.py [--out DIR] [--liger] [--model qwen2.5-0.5b] [--jobs N] [--cases a,b] [--probe] [case-substring ...]
+    python bench/gpu_trl.py --jobs 5 --probe       # the 9 cases, 5 at once (each < 8 GiB of the 80): about 2 minutes
     python bench/gpu_trl.py --dry-run            # on a CPU: tiny model, the real trainers 2 steps, estimates
 
 Each case runs in its own subprocess (an OOM or a crash loses one case). The model is memlens' built-in config with
@@ -113,6 +114,48 @@ def trl_config(trainer: str, f: dict, extra: dict, out: str, steps: int, liger: 
                           num_generations=f.get("num_generations", 8), **extra)
 
 
+def live_at_peak(trace: list) -> tuple[int, list]:
+    """Replay one device's allocator trace (torch.cuda.memory._snapshot()["device_traces"]): the highest sum of live
+    blocks, and the blocks alive at that moment."""
+    live: dict = {}
+    total = best = at = 0
+    for i, ev in enumerate(trace):
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+            total += ev["size"]
+            if total > best:
+                best, at = total, i
+        elif ev["action"] == "free_completed" and ev["addr"] in live:
+            total -= live.pop(ev["addr"])
+    live = {}
+    for ev in trace[:at + 1]:
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev
+        elif ev["action"] == "free_completed":
+            live.pop(ev["addr"], None)
+    return best, sorted(live.values(), key=lambda ev: -ev["size"])
+
+
+def write_probe(req: dict, snap: dict, max_allocated: int) -> None:
+    """--probe: the blocks allocated in step 2 and alive at its peak, their sizes and innermost Python frames, as
+    OUT/probe_<case>.json. It decides whether the tied embedding's two [V, H] gradients are summed in place at the
+    embedding's backward (autograd's InputBuffer: two [V, H] blocks live there) or into a third block."""
+    import torch
+    import transformers
+
+    trace = max(snap.get("device_traces") or [[]], key=len)
+    peak, blocks = live_at_peak(trace)
+    def frames(ev):
+        return [f"{Path(fr['filename']).name}:{fr['line']} {fr['name']}" for fr in ev.get("frames", [])
+                if fr.get("filename", "").endswith(".py")][:4]
+    out = {"case": req["name"], "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "transformers": transformers.__version__, "max_allocated_last_step": max_allocated,
+           "peak_of_step_2_allocations": peak,   # blocks from before step 2 (weights, Adam state) are not in the trace
+           "blocks": [{"size": b["size"], "frames": frames(b)} for b in blocks[:200]]}
+    Path(req["out"]).mkdir(parents=True, exist_ok=True)
+    (Path(req["out"]) / f"probe_{req['name']}.json").write_text(json.dumps(out, indent=1))
+
+
 def case_main(req: dict) -> dict:
     """One case in this process: the real trainer's peaks, then memlens' estimate."""
     import torch
@@ -148,8 +191,14 @@ def case_main(req: dict) -> dict:
                 torch.cuda.synchronize()
                 if state.global_step == 1:
                     torch.cuda.reset_peak_memory_stats()
+                    if req.get("probe"):
+                        torch.cuda.memory._record_memory_history(max_entries=500000)
                 else:
                     peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
+                    if req.get("probe") and state.global_step == 2:
+                        snap = torch.cuda.memory._snapshot()
+                        torch.cuda.memory._record_memory_history(enabled=None)
+                        write_probe(req, snap, peaks[-1][0])
 
         peft = None
         if f.get("lora_rank"):
@@ -191,23 +240,29 @@ def request(name: str, a, part: str) -> str:
     if a.dry_run:
         f = {**{k: v for k, v in f.items() if k in ("lora_rank", "packing", "beta")}, **TINY[trainer]}
     req = {"name": name, "trainer": trainer, "fields": f, "extra": extra, "model": a.model, "liger": a.liger,
-           "device": "cpu" if a.dry_run else "cuda", "steps": 2 if a.dry_run else 3, "part": part}
+           "device": "cpu" if a.dry_run else "cuda", "steps": 2 if a.dry_run else 3, "part": part,
+           "probe": a.probe and part == "train", "out": str(Path(a.out).resolve())}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(req, fh)
     return fh.name
 
 
 def start(name: str, a, part: str) -> tuple[subprocess.Popen, str]:
-    """The case's estimate (CPU, several at once) or its real run (the GPU, one at a time) in a subprocess."""
+    """The case's estimate (CPU, several at once) or its real run (the GPU, ``--jobs`` at a time) in a subprocess;
+    its stderr goes to a file (a pipe nobody reads while another case is awaited could fill and stall it)."""
     path = request(name, a, part)
     env = {**os.environ, "OMP_NUM_THREADS": "2"} if part == "estimate" else None
-    return subprocess.Popen([sys.executable, __file__, "--case", path], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env), path
+    err = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([sys.executable, __file__, "--case", path], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+    proc.err_file = err
+    return proc, path
 
 
 def finish(name: str, proc: subprocess.Popen, path: str, timeout: float) -> dict:
     try:
-        out, err = proc.communicate(timeout=max(1, timeout))
+        out, _ = proc.communicate(timeout=max(1, timeout))
+        proc.err_file.seek(0)
+        err = proc.err_file.read()
         lines = [ln for ln in out.splitlines() if ln.startswith("{")]
         if proc.returncode == 0 and lines:
             return json.loads(lines[-1])
@@ -217,6 +272,7 @@ def finish(name: str, proc: subprocess.Popen, path: str, timeout: float) -> dict
         proc.communicate()
         return {"case": name, "error": [f"timeout after {CASE_TIMEOUT} s"]}
     finally:
+        proc.err_file.close()
         os.unlink(path)
 
 
@@ -234,6 +290,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def run_cases(names: list[str], a, estimates: dict, t_all: float, out: Path):
+    """The real runs, ``a.jobs`` at a time on the one GPU (each its own process: max_memory_allocated is per
+    process, so a case measures the same beside others; each uses well under 8 GiB of the 80); a row as each ends,
+    in the cases' order."""
+    waiting, running, done = list(names), {}, {}
+    while waiting or running:
+        while waiting and len(running) < a.jobs:
+            n = waiting.pop(0)
+            running[n] = (*start(n, a, "train"), time.perf_counter())
+        n = next(iter(running))        # the oldest first: rows come out in order
+        proc, path, t = running.pop(n)
+        r = finish(n, proc, path, t + CASE_TIMEOUT - time.perf_counter())
+        e = finish(n, *estimates[n], t_all + ESTIMATES_WITHIN - time.perf_counter())
+        r = {**e, **r} if "error" not in e else {**r, "estimate_error": e["error"]}
+        if r.get("real_peak_allocated_bytes") and r.get("estimate_peak_allocated_bytes"):
+            r["allocated_error"] = round(r["estimate_peak_allocated_bytes"] / r["real_peak_allocated_bytes"] - 1, 4)
+            r["reserved_error"] = round(r["estimate_peak_reserved_bytes"] / r["real_peak_reserved_bytes"] - 1, 4)
+        r["case_seconds"] = round(time.perf_counter() - t, 1)
+        done[n] = r
+        with open(out / "gpu_trl.jsonl", "a") as fh:
+            fh.write(json.dumps(r) + "\n")
+        print(f"{n}: {'failed' if 'error' in r else 'ok'} ({r['case_seconds']} s) backbone inputs {r.get('backbone_inputs')}",
+              file=sys.stderr, flush=True)
+        yield r
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("filters", nargs="*", help="run the cases whose name contains one of these")
@@ -241,33 +323,28 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a memlens model (default qwen2.5-0.5b; the tiny Llama with --dry-run)")
     ap.add_argument("--liger", action="store_true", help="use_liger_kernel=True (needs liger-kernel, and memlens' --liger)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: tiny sizes, the real trainers for 2 steps, estimates only")
+    ap.add_argument("--cases", type=lambda v: [c for c in v.split(",") if c], default=None,
+                    help="the cases to run, by exact name, comma-separated (with filters: both must match)")
+    ap.add_argument("--jobs", type=int, default=1, help="real runs at once on the one GPU (each its own process)")
+    ap.add_argument("--probe", action="store_true", help="record step 2's allocations (torch.cuda.memory."
+                    "_record_memory_history) and write the blocks alive at its peak to OUT/probe_<case>.json")
     ap.add_argument("--case", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.jobs < 1:
+        ap.error("--jobs must be at least 1")
     if a.case:
         print(json.dumps(case_main(json.loads(Path(a.case).read_text()))))
         return 0
     a.model = a.model or (os.path.join(ROOT, "tests/fixtures/models/tiny-llama/config.json") if a.dry_run else "qwen2.5-0.5b")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in CASES if not a.filters or any(s in n for s in a.filters)]
+    names = [n for n in CASES if (not a.filters or any(s in n for s in a.filters)) and (not a.cases or n in a.cases)]
+    unknown = sorted(set(a.cases or ()) - set(CASES))
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; the cases: {', '.join(CASES)}")
     t_all = time.perf_counter()
     estimates = {n: start(n, a, "estimate") for n in names}     # the CPU estimates beside the GPU runs
-    rows = []
-    for n in names:
-        t = time.perf_counter()
-        proc, path = start(n, a, "train")
-        r = finish(n, proc, path, CASE_TIMEOUT)
-        e = finish(n, *estimates[n], t_all + ESTIMATES_WITHIN - time.perf_counter())
-        r = {**e, **r} if "error" not in e else {**r, "estimate_error": e["error"]}
-        if r.get("real_peak_allocated_bytes") and r.get("estimate_peak_allocated_bytes"):
-            r["allocated_error"] = round(r["estimate_peak_allocated_bytes"] / r["real_peak_allocated_bytes"] - 1, 4)
-            r["reserved_error"] = round(r["estimate_peak_reserved_bytes"] / r["real_peak_reserved_bytes"] - 1, 4)
-        r["case_seconds"] = round(time.perf_counter() - t, 1)
-        rows.append(r)
-        with open(out / "gpu_trl.jsonl", "a") as fh:
-            fh.write(json.dumps(r) + "\n")
-        print(f"{n}: {'failed' if 'error' in r else 'ok'} ({r['case_seconds']} s) backbone inputs {r.get('backbone_inputs')}",
-              file=sys.stderr, flush=True)
+    rows = [r for r in run_cases(names, a, estimates, t_all, out)]
     print(table(rows))
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -227,3 +227,19 @@ def blocks(spec=None):
     """Four _Blocks in a ModuleList (``blocks``); a batch of 16 (or the spec's) x 64 fp32; loss = sum of the outputs."""
     batch = 16 if spec is None or spec.batch_size == 1 else spec.batch_size
     return _Blocks(4), torch.randn(batch, 64), lambda out, batch: out.sum()
+
+
+class _Tied(torch.nn.Module):
+    """A 1024-token embedding whose weight is also the output projection (tied, as lm_head and embed_tokens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(1024, 1024)
+
+    def forward(self, ids):
+        return torch.tanh(self.emb(ids)) @ self.emb.weight.t()
+
+
+def tied(spec=None):
+    """Tied embedding and head, 1024 x 1024 fp32 (4 MiB); 16 token ids; loss = sum of the logits."""
+    return _Tied(), torch.randint(0, 1024, (16,)), lambda out, batch: out.sum()

@@ -479,6 +479,7 @@ class SimulationTracker(StorageTracker):
         self.recomputing = False                  # inside a checkpointed block's recomputation (_wrap_checkpoint_funcs)
         self._passes = {"forward": 0, "backward": 0}
         self.layer_hint = None                    # a tensor whose layer an allocation made from no tensor takes (layer_from)
+        self._made_by: dict[int, tuple | None] = {}  # this backward's storages -> the autograd node that made them
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:
@@ -639,7 +640,49 @@ class SimulationTracker(StorageTracker):
         self.register(t, Category.WORKSPACE)
         self._workspaces[name] = t
 
+    # ---------------------------------------------------------------- autograd's InputBuffer sums
+    def _buffer_sum_into(self, args, kwargs):
+        """The tensor the engine sums into, in place, when this ``add.Tensor`` is its sum of two gradients of one
+        parameter (a tied weight: ``lm_head.weight is embed_tokens.weight``; torch/csrc/autograd/input_buffer.cpp
+        ``accumulate``), else None. After a node's apply its output ``var`` is added to the buffer's ``old_var``
+        (which another node made): on the GPU in place, into ``old_var`` when the buffer holds the last reference
+        to it and its storage (``can_accumulate_inplace``), else into ``var`` when that is so, else a new tensor.
+        Under a Python dispatch mode, as here, that check fails (the wrappers count as references) and the sum is
+        always a new tensor: memlens sums in place as the GPU does. Told apart from an add inside a backward
+        formula by its operands: ``var`` made by the running node, ``old_var`` by another, the node's output going
+        to the AccumulateGrad of a parameter of that shape. Sums inside the graph (residual streams) stay out of
+        place (not yet measured on a GPU)."""
+        node = torch._C._current_autograd_node()
+        if kwargs or node is None or torch.is_grad_enabled() or len(args) != 2:
+            return None
+        a, b = args
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is not b and a.shape == b.shape
+                and a.dtype == b.dtype and a.device == b.device):
+            return None
+        me = _node_key(node)
+        if self._made_by.get(self.key_of(b)) != me or self._made_by.get(self.key_of(a)) in (None, me):
+            return None
+        if not any(nxt is not None and hasattr(nxt, "variable") and nxt.variable.shape == a.shape
+                   and nxt.variable.dtype == a.dtype for nxt, _ in node.next_functions):
+            return None
+        return next((t for t in (a, b) if _stealable(t)), None)
+
+    def _note_maker(self, out, first_new: int) -> None:
+        """Which autograd node made each new storage of this backward (for :meth:`_is_buffer_sum`)."""
+        node = torch._C._current_autograd_node()
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
+            key = self.key_of(t) if isinstance(t, torch.Tensor) else None
+            if key is not None and key >= first_new:
+                self._made_by[key] = _node_key(node) if node is not None else None
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        into = self._buffer_sum_into(args, kwargs) if self.phase == "backward" and func is torch.ops.aten.add.Tensor else None
+        if into is not None:
+            other = args[1] if into is args[0] else args[0]
+            super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, (into, other), {})
+            return into
+        if self.phase != "backward" and self._made_by:
+            self._made_by.clear()
         if self.phase == "optimizer":
             if func is torch.ops.aten.lift_fresh.default:
                 # `torch.tensor(x)` in an optimizer step: torch's non-fused optimizers keep their step
@@ -649,6 +692,8 @@ class SimulationTracker(StorageTracker):
                 return None
         first_new = self._next
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.phase == "backward":
+            self._note_maker(out, first_new)
         if self.recomputing and self._first("backward"):
             self._count_recompute(func, args, kwargs, out, first_new)
         if self.live_layers is not None and self._next > first_new and self.phase != "forward":
@@ -669,6 +714,22 @@ class SimulationTracker(StorageTracker):
             if func is torch.ops.aten.addmm.default and thread + "-lt" not in self._workspaces:
                 self._workspace(thread + "-lt", self.gpu.cublaslt_workspace_bytes)
         return out
+
+
+def _node_key(node) -> tuple:
+    """An autograd node told apart without keeping it alive (its Python wrapper, and so ``id``, is made anew)."""
+    return node.name(), node._sequence_nr()
+
+
+def _stealable(t) -> bool:
+    """``can_accumulate_inplace`` (input_buffer.cpp) as far as Python sees it: a dense tensor, not a view, alone
+    on a storage it fills (the storage's count: the tensor and the Python storage object made here)."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false  # heavy: torch, loaded on first use
+
+    if t._is_view() or not is_non_overlapping_and_dense_or_false(t) or t.storage_offset():
+        return False
+    st = t.untyped_storage()
+    return st.nbytes() == t.numel() * t.element_size() and torch._C._storage_Use_Count(st._cdata) <= 2
 
 
 @contextlib.contextmanager

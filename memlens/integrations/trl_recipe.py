@@ -14,6 +14,9 @@ use_peft + lora_r ...     lora_rank, lora_alpha (default 32), lora_dropout (defa
 load_in_4bit              qlora (with use_peft)
 ========================  =====================================================================================
 
+The trainer config part (everything but ModelConfig and ScriptArguments) is read as ``--trainer-args`` reads a
+TRL config (trainer_args.spec_fields, integrations/trl_args.py): TRL 1.16's defaults and its refusals.
+
 Which trainer: ``trl sft``/``trl dpo``/``trl grpo`` name it on the command line, not in the file; memlens reads it from
 the fields only one of them has (GRPO: num_generations, max_completion_length, use_vllm, ...; DPO: beta,
 precompute_ref_log_probs, ...; else SFT), or from ``trainer`` given by the caller.
@@ -102,38 +105,11 @@ def model_fields(d: dict, notes: list[str]) -> tuple[dict[str, Any], str]:
 
 
 def trainer_fields(d: dict, trainer: str, weights: str) -> dict[str, Any]:
-    """The SFTConfig / DPOConfig / GRPOConfig part."""
-    reader = getattr(trainer_args, "trl_spec_fields", None)
-    if reader is not None:          # the TRL trainer-config reader (issue 33 item 1), once merged
-        return reader(d, trainer=trainer, weights=weights)
-    # TODO(lead, issue 33): the trl branch's reader of SFTConfig/DPOConfig/GRPOConfig (memlens/integrations/
-    # trainer_args.py) replaces what follows: it applies every TRL default and refuses the fields memlens cannot model.
-    # Until then: the TrainingArguments subset with TRL's own defaults (bf16 on unless fp16, gradient checkpointing on),
-    # and the trainer's length / packing / generation fields.
-    ta = {"bf16": not d.get("fp16"), "gradient_checkpointing": True, **d}
-    out = trainer_args.spec_fields(ta, weights)
-    out.pop("hf_trainer", None)
-    out["trainer"] = trainer
-    if d.get("use_liger_kernel"):
-        out["liger"] = True
-    if trainer in ("sft", "dpo"):
-        out["seq_len"] = int(d.get("max_length") or 1024)
-        if d.get("padding_free"):
-            out["padding_free"] = True
-    if trainer == "sft" and d.get("packing"):
-        out["packing"] = d.get("packing_strategy") or "bfd"
-    if trainer == "dpo" and d.get("precompute_ref_log_probs"):
-        out["precompute_ref_log_probs"] = True
-    if trainer == "grpo":
-        for key in ("num_generations", "max_completion_length", "beta", "steps_per_generation"):
-            if d.get(key) is not None:
-                out[key] = d[key]
-        if d.get("use_vllm"):
-            if d.get("vllm_mode", "colocate") != "colocate":
-                raise SpecError("TRL recipe key vllm_mode: server runs vLLM on another GPU, not modelled here",
-                                hint="use vllm_mode: colocate, or drop use_vllm (HF generate)")
-            out["vllm_gpu_memory_utilization"] = float(d.get("vllm_gpu_memory_utilization") or 0.3)
-    return out
+    """The SFTConfig / DPOConfig / GRPOConfig part, read as ``--trainer-args`` reads a TRL config
+    (trainer_args.spec_fields over integrations/trl_args.py): TRL 1.16's defaults for the fields not written
+    (gradient checkpointing on, bf16 unless fp16, adamw_torch_fused, max_length 1024, num_generations 8, ...), and
+    its refusals (a field of another config, activation_offloading, vLLM's server mode, ...)."""
+    return trainer_args.spec_fields(d, weights, trainer=trainer)
 
 
 def spec_fields(d: dict, trainer: str | None = None) -> tuple[dict[str, Any], list[str]]:

@@ -43,6 +43,43 @@ def test_linear_adamw_state_and_foreach_temporary():
     assert r.by_category["temporaries"] == W + LOSS
 
 
+def test_tied_weight_gradients_are_summed_in_place():
+    """A tied weight gets two gradients (the head's, then the embedding's); autograd's InputBuffer sums them in
+    place on the GPU (input_buffer.cpp accumulate). At the backward's peak: the weight and the two gradients, 3
+    blocks of W, not a fourth for the sum (what the engine does under a dispatch mode, left alone). The head's
+    gradient is TBackward's transposed view (its base alive: not stealable), so the sum goes into the embedding's."""
+    from memlens.core.events import ALLOC, FREE
+    from memlens.estimator.simulate import simulate
+
+    sim = simulate(TrainingSpec(model="tests.tiny_models:tied", optimizer="sgd"))
+    log = sim.log
+    live: dict = {}
+    peak = max((i for i, ev in enumerate(log.events) if ev[0] == ALLOC and ev[5] == "backward"),
+               key=lambda i: analyze_upto(log, i))
+    for ev in log.events[:peak + 1]:
+        if ev[0] == ALLOC:
+            live[ev[1]] = ev[2]
+        elif ev[0] == FREE:
+            live.pop(ev[1], None)
+    assert sorted(v for v in live.values() if v == W) == [W, W, W]
+    assert not any("aten.add.Tensor" in str(ev[6]) for ev in log.events if ev[0] == ALLOC and ev[2] == W)
+
+
+def analyze_upto(log, index: int) -> int:
+    """The allocated bytes (allocator blocks) live after event ``index``."""
+    from memlens.core.events import ALLOC, FREE
+    from memlens.core.ledger import round_size
+
+    live, total = {}, 0
+    for ev in log.events[:index + 1]:
+        if ev[0] == ALLOC:
+            live[ev[1]] = round_size(ev[2]) if ev[2] else 0
+            total += live[ev[1]]
+        elif ev[0] == FREE and ev[1] in live:
+            total -= live.pop(ev[1])
+    return total
+
+
 def test_sgd_momentum_buffer():
     r = estimate(TrainingSpec(model="tests.tiny_models:linear", optimizer="sgd-momentum"))
     assert r.data["steps"][-1]["end_allocated_bytes"] == W + X + 2 * CUBLAS_WORKSPACE_BYTES + W + LOSS

@@ -56,6 +56,17 @@ def test_axolotl_precision_and_defaults():
     assert axolotl.model_of("some-org/Llama-3.2-1B") == "some-org/Llama-3.2-1B"     # not a known mirror: the id as given
 
 
+def test_trl_recipe_takes_trl_defaults(tmp_path):
+    """What a GRPO recipe does not write is GRPOConfig's default, as --trainer-args reads it."""
+    f = tmp_path / "r.yaml"
+    f.write_text(yaml.safe_dump({"model_name_or_path": "gpt2", "num_generations": 4, "per_device_train_batch_size": 8}))
+    fields, _, _ = read_config(f)
+    assert {k: fields[k] for k in ("trainer", "num_generations", "max_completion_length", "beta", "grad_checkpointing",
+                                   "precision", "optimizer", "batch_size", "grad_accum")} == {
+        "trainer": "grpo", "num_generations": 4, "max_completion_length": 512, "beta": 0.0, "grad_checkpointing": True,
+        "precision": "amp-bf16", "optimizer": "adamw-fused", "batch_size": 8, "grad_accum": 1}
+
+
 @pytest.mark.parametrize("extra,message", [
     ({"load_in_8bit": True}, "axolotl key load_in_8bit: 8-bit (LLM.int8) base weights are not modelled (QLoRA's 4-bit NF4 is: adapter qlora)"),
     ({"deepspeed": "deepspeed_configs/zero3_bf16.json"},
@@ -101,7 +112,7 @@ def test_trl_sft_recipe():
     assert fields == {"model": "qwen2.5-0.5b", "attn": "sdpa", "lora_rank": 32, "lora_alpha": 16.0, "lora_dropout": 0.05,
                       "lora_targets": ("all-linear",), "batch_size": 4, "grad_accum": 4, "precision": "bf16-amp",
                       "grad_checkpointing": True, "optimizer": "adamw-fused", "max_grad_norm": 1.0, "compile": False,
-                      "trainer": "sft", "seq_len": 2048, "packing": "bfd"}
+                      "trainer": "sft", "seq_len": 2048, "packing": "bfd", "hf_trainer": True}
     assert notes[-1] == "TRL recipe read as a SFT recipe (bf16 weights as ModelConfig.dtype loads them)"
 
 
@@ -117,6 +128,13 @@ def test_trl_grpo_recipe():
     ({"load_in_8bit": True}, "TRL recipe key load_in_8bit: 8-bit (LLM.int8) base weights are not modelled (4-bit NF4 QLoRA is: load_in_4bit)"),
     ({"attn_implementation": "flex_attention"}, "TRL recipe key attn_implementation: 'flex_attention' is not modelled"),
     ({"dtype": "float8"}, "TRL recipe key dtype: 'float8' is not float32, bfloat16, float16 or auto"),
+    # the trainer config part goes through --trainer-args' reader (integrations/trl_args.py): its refusals
+    ({"activation_offloading": True}, "activation_offloading=True: TRL's activation offloading moves saved tensors to "
+                                      "the CPU with its own hooks, which memlens does not model"),
+    ({"beta": 0.1, "use_weighting": True}, "use_weighting=True: WPO weights need a fifth per-token output of the fused "
+                                           "head, which memlens does not model"),
+    ({"num_generations": 4, "num_iterations": 2}, "num_iterations=2: several iterations over one generation, which "
+                                                  "memlens does not model"),
 ])
 def test_trl_recipe_refusals(tmp_path, extra, message):
     f = tmp_path / "r.yaml"

@@ -103,7 +103,8 @@ def results():
              "dpo-lora": dict(trainer="dpo", lora_rank=8), "dpo-lora-pre": dict(trainer="dpo", lora_rank=8, precompute_ref_log_probs=True),
              "grpo": dict(trainer="grpo", batch_size=8, max_completion_length=16),
              "grpo-beta": dict(trainer="grpo", batch_size=8, max_completion_length=16, beta=0.04),
-             "grpo-vllm": dict(trainer="grpo", batch_size=8, max_completion_length=16, vllm_gpu_memory_utilization=0.3)}
+             "grpo-vllm": dict(trainer="grpo", batch_size=8, max_completion_length=16, vllm_gpu_memory_utilization=0.3),
+             "grpo-ckpt": dict(trainer="grpo", batch_size=8, max_completion_length=16, grad_checkpointing=True)}
     return {k: estimate(spec(**v)) for k, v in cases.items()}
 
 
@@ -127,6 +128,34 @@ def test_grpo_generation_holds_the_kv_cache(results):
     gen = results["grpo"].by_phase["generation"]["peak_allocated_bytes"]
     cache = 2 * 2 * 8 * 2 * (64 + 15) * 16 * 4
     assert gen >= PARAM_BYTES + cache
+
+
+def test_grpo_generation_runs_without_checkpointing(results):
+    """TRL generates with gradient checkpointing disabled (unwrap_model_for_generation); transformers <= 5.17 drops
+    a checkpointed layer's cache in training mode even under no_grad, which made the decode step find no keys.
+    With checkpointing the generation allocates what it does without (nothing is checkpointed there)."""
+    gen = {k: results[k].by_phase["generation"]["peak_allocated_bytes"] for k in ("grpo", "grpo-ckpt")}
+    assert gen["grpo-ckpt"] == gen["grpo"]
+
+
+def test_checkpointing_off_fills_the_cache_and_restores_the_switches():
+    """The path transformers 5.15-5.17 take (GradientCheckpointingLayer in training mode): with the switches off the
+    prefill writes every layer's cache; after, each switch is as it was (one layer left off stays off)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+    from memlens.step.kinds.trl.grpo import checkpointing_off
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(LLAMA))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    layers = model.model.layers
+    layers[1].gradient_checkpointing = False
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad(), checkpointing_off(model):
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        model(input_ids=torch.zeros((2, 5), dtype=torch.long), past_key_values=cache, use_cache=True)
+    assert [tuple(layer.keys.shape) for layer in cache.layers] == [(2, 2, 5, 16)] * len(layers)
+    assert [b.gradient_checkpointing for b in layers] == [True, False]
 
 
 def test_vllm_share_is_reported_and_counted_by_the_fit_rule(results):

@@ -30,6 +30,8 @@ per micro-batch, "optimizer".
 """
 from __future__ import annotations
 
+import contextlib
+
 from .common import accumulate, compute_dtype, no_adapters, reference
 from .fused_head import backbone_of, fused_forward
 
@@ -54,6 +56,23 @@ def _forward_cached(step, base, ids, cache, **kw):
     return outputs_to_fp32(out) if step.spec.autocast_dtype else out
 
 
+@contextlib.contextmanager
+def checkpointing_off(model):
+    """TRL's ``unwrap_model_for_generation`` (trl/models/utils.py): ``gradient_checkpointing_disable()`` around
+    ``generate``, enabled again after. It matters: transformers <= 5.17's ``GradientCheckpointingLayer.__call__``
+    drops ``use_cache`` and the cache of a checkpointed layer in training mode even under no_grad (5.24 checks
+    ``torch.is_grad_enabled()``), so with checkpointing on, generate would run without a KV cache. Each module's
+    ``gradient_checkpointing`` switch is put back as it was (memlens may checkpoint only some blocks)."""
+    was = [(m, m.gradient_checkpointing) for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    for m, _ in was:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m, on in was:
+            m.gradient_checkpointing = on
+
+
 def generate(step, prompt_ids, prompt_mask):
     """HF generate of ``max_completion_length`` tokens for every prompt row (see the module docstring): returns
     ``prompt_completion_ids``. The all-ones attention mask is grown as generate grows it, not passed to the model
@@ -64,7 +83,7 @@ def generate(step, prompt_ids, prompt_mask):
     C = step.spec.max_completion_length
     base, _ = backbone_of(step.model)
     G = prompt_ids.shape[0]
-    with torch.no_grad():
+    with torch.no_grad(), checkpointing_off(step.model):
         cache = DynamicCache(config=base.config)
         out = _forward_cached(step, base, prompt_ids, cache, logits_to_keep=1)    # the prefill
         nxt = _sample(step, out)
