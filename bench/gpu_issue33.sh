@@ -14,5 +14,6 @@ wait
 (OUT="$OUT/vlm" timeout 100 python3 bench/gpu_vlm.py q3b-lora-448 > "$OUT/vlm/table.txt" 2>&1) &
 (OUT="$OUT/liger" timeout 100 python3 bench/gpu_liger.py --only amp > "$OUT/liger/table.txt" 2>&1) &
 wait
+rm -f "$OUT/liger/gpu_liger.jsonl"   # per-step records; gpu_liger_table.jsonl has the rows
 find "$OUT" -type f ! -name '*.jsonl' ! -name 'table.txt' -delete
 for f in "$OUT"/*/table.txt; do echo "== $f"; tail -22 "$f"; done
