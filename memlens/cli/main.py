@@ -85,11 +85,10 @@ def run_verb(module_run, args) -> int:
             traceback.print_exception(cause, file=sys.stderr)
         print(e.render(), file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt:   # main() run in a process of its own handlers (the `memlens` command exits in _exit_now)
         _end_workers()
-        terminated = isinstance(e, Terminated)
-        print("ERROR: terminated (SIGTERM)" if terminated else "ERROR: interrupted (Ctrl-C)", file=sys.stderr)
-        return 143 if terminated else 130
+        print("ERROR: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         return 0
     except Exception as e:  # the user's own code (a factory, a loss function), or an internal bug: one line unless --debug
@@ -103,14 +102,6 @@ def run_verb(module_run, args) -> int:
             return 1
         print(f"ERROR: internal error: {type(e).__name__}: {e}  HINT: rerun with --debug and report it", file=sys.stderr)
         return 1
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (``kill``), raised in the main thread like Ctrl-C's KeyboardInterrupt."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated()
 
 
 def _end_workers() -> None:
@@ -147,25 +138,41 @@ def main(argv: list[str] | None = None) -> int:
     return run_verb(args.func, args)
 
 
+def _exit_now(signum, frame) -> None:
+    """Ctrl-C or ``kill`` of the ``memlens`` command: the workers ended, one line, exit now (130 / 143).
+    Raising KeyboardInterrupt in the main thread instead can land inside a finalizer or a callback that torch's C++
+    code runs during a simulation: swallowed there ("Exception ignored in ...") or fatal ("terminate called after
+    throwing an instance of 'python_error'"), with more lines than the one. A forked worker that inherited this
+    handler ends silently: its parent speaks."""
+    code = 143 if signum == signal.SIGTERM else 130
+    if os.getpid() != _CLI_PID[0]:
+        os._exit(code)
+    _end_workers()
+    try:
+        print("ERROR: terminated (SIGTERM)" if signum == signal.SIGTERM else "ERROR: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    finally:
+        os._exit(code)
+
+
+_CLI_PID = [0]   # the `memlens` command's process (cli())
+
+
 def cli() -> None:
     """The ``memlens`` command: :func:`main`, then an exit that skips the interpreter's last garbage
     collections. With torch and transformers imported they walk millions of objects: about 0.8 s
     of a 6 s estimate on a 2-core machine, for memory the process gives back anyway. Everything is
     still flushed, closed and joined as usual (``atexit`` handlers, finalizers, worker processes);
-    objects in reference cycles are just not collected first."""
-    previous = None
+    objects in reference cycles are just not collected first. Ctrl-C and SIGTERM end it at once (:func:`_exit_now`)."""
+    previous = {}
+    _CLI_PID[0] = os.getpid()
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous = {sig: signal.signal(sig, _exit_now) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = main()
     finally:
-        if previous is not None:        # a caller's own handler (cli() run in a test process) comes back
-            signal.signal(signal.SIGTERM, previous)
-    if code in (130, 143):
-        # interrupted: threads still simulating (fit's and sweep's) would hold the interpreter's exit until they end
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        for sig, handler in previous.items():   # a caller's own handlers (cli() run in a test process) come back
+            signal.signal(sig, handler)
     gc.freeze()
     sys.exit(code)
 
