@@ -235,7 +235,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     for other in step.frozen:       # TRL's reference model beside the policy
         register_model(tracker, other)
     tracker.model = model
-    if source.task == "vlm" and tracker.ops_limit is not None:   # one attention call per window (models/vlm.py)
+    if source.task == "vlm" and tracker.ops_limit is not None:   # one attention call per window, rope index per row (models/vlm.py)
         tracker.ops_limit += extra_forward_ops(step.batch, source.config)
     if step.dp is None:
         register_inputs(tracker, step.batch)

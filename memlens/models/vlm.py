@@ -244,6 +244,8 @@ def _forward_takes(cfg, name: str) -> bool:
     return cls is not None and name in inspect.signature(cls.forward).parameters
 
 
+OPS_PER_ROW = 400     # get_rope_index's Python loop over the batch's rows and each row's images: ~360 ops a row-image
+                      # (counted on tests/fixtures/configs/qwen2.5-vl.json at batch 1, 2, 4: 388, 746, 1462)
 OPS_PER_WINDOW = 40   # ops a vision attention module runs for one window: split views, q/k/v transposes, SDPA, cat
 
 
@@ -261,7 +263,10 @@ def extra_forward_ops(batch, config) -> int:
     window = max(1, getattr(v, "window_size", 0) // v.spatial_merge_size // v.patch_size)
     windows = sum(t * math.ceil(h // v.spatial_merge_size / window) * math.ceil(w // v.spatial_merge_size / window)
                   for t, h, w in values)
-    return OPS_PER_WINDOW * (windows + len(values))
+    ids = batch.get("input_ids")
+    rows = int(ids.shape[0]) if ids is not None and ids.dim() == 2 else 1
+    per_row = max(1, len(values) // rows)                     # images per row
+    return OPS_PER_WINDOW * (windows + len(values)) + OPS_PER_ROW * rows * per_row
 
 
 def _gemma3_batch(spec, cfg, S, text, dev, pix_dtype):

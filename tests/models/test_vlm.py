@@ -116,3 +116,12 @@ def test_builtin_vlms_have_their_published_sizes(name, params):
     with torch.device("meta"):
         model = AutoModelForImageTextToText.from_config(src.config)
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(params, rel=0.01)
+
+
+@pytest.mark.slow
+def test_a_large_micro_batch_estimates_as_fit_probes_it():
+    """get_rope_index loops over the batch's rows in Python: the simulation's per-module op guard allows for it (fit
+    probes micro-batches of 64 and more; at 16 the guard stopped it before)."""
+    small, large = (estimate(TrainingSpec(model=QWEN, image_size=224, seq_len=64, lora_rank=8, batch_size=b)) for b in (4, 16))
+    assert large.peak_allocated_bytes > small.peak_allocated_bytes
+    assert large.data["seq_len"] == small.data["seq_len"]
