@@ -98,10 +98,9 @@ def _local_config(model: str) -> dict | None:
     return cfg if isinstance(cfg, dict) and cfg.get("_class_name") else None
 
 
-def diffusion_source(model: str):
-    """The ModelSource of a built-in diffusion name or a diffusers config, else None (not one)."""
-    from .source import ModelSource  # models/source.py imports this module
-
+def diffusion_config(model: str) -> tuple[str, dict] | None:
+    """(name, diffusers config) of a built-in diffusion name or a diffusers config file, else None (not one);
+    models/source.py makes its ModelSource (kind ``KIND``, task ``TASK``)."""
     doc = _builtin(model)
     cfg = doc["config"] if doc is not None else _local_config(model) if os.path.exists(model.strip()) else None
     if cfg is None:
@@ -112,7 +111,7 @@ def diffusion_source(model: str):
         raise ModelSourceError(f"{name}: diffusers class {cls!r} is not one memlens builds ({', '.join(CLASSES)})",
                                hint="use pkg.module:factory returning (model, batch, loss_fn) for other diffusers models")
     _require_diffusers(name)
-    return ModelSource(name, KIND, TASK, config=dict(cfg))
+    return name, dict(cfg)
 
 
 def _require_diffusers(name: str) -> None:
@@ -310,4 +309,4 @@ def _refuse(spec: TrainingSpec, source) -> None:
                         hint="drop them (the loss is the scripts' MSE against the noise)")
 
 
-__all__ = ["diffusion_source", "build_diffusion", "make_diffusion_batch", "mse_loss", "names", "CLASSES", "LORA_TARGETS"]
+__all__ = ["diffusion_config", "KIND", "TASK", "build_diffusion", "make_diffusion_batch", "mse_loss", "names", "CLASSES", "LORA_TARGETS"]

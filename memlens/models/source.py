@@ -25,7 +25,7 @@ from ..core.errors import ModelSourceError, sentences
 from ..core.quiet import silenced
 from ..core.usercode import first_line, last_user_frame
 from . import registry
-from .diffusion import diffusion_source
+from . import diffusion
 
 TASKS = ("causal-lm", "masked-lm", "seq-classification", "seq2seq", "speech-seq2seq", "image-classification", "clip",
          "vlm", "vision-module", "diffusion", "factory")
@@ -75,8 +75,8 @@ def resolve(model: str) -> ModelSource:
     lib, sep, lib_name = model.partition(":")
     if sep and lib in VISION_LIBRARIES:
         return _vision_library_source(lib, lib_name.strip())
-    if (diffusion := diffusion_source(model)) is not None:   # diffusers' UNets and transformers (models/diffusion.py)
-        return diffusion
+    if (found := diffusion.diffusion_config(model)) is not None:   # diffusers' UNets and transformers (models/diffusion.py)
+        return ModelSource(found[0], diffusion.KIND, diffusion.TASK, config=found[1])
     doc = registry.get(model)
     if doc is not None:
         return ModelSource(doc["name"], "builtin", doc["task"], config=_config_from_dict(doc["config"], doc["name"]))
