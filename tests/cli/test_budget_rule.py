@@ -13,19 +13,13 @@ from memlens.cli.main import main
 from memlens.core.fits import MARGIN_FRACTION, MARGIN_MIN_BYTES, Budget
 from memlens.core.gpus import DEFAULT_GPU, GPUS, gpu_facts
 from memlens.core.units import fmt_bytes
+from tests.cli.cli_support import one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "tests/fixtures/models/tiny-gpt2")
 MiB, GiB = 2**20, 2**30
 CTX = gpu_facts(DEFAULT_GPU).cuda_context_bytes
 
-
-def one_line(capsys, *argv, code=2):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    assert rc == code, err
-    assert err.count("\n") == 1 and err.startswith("ERROR: ") and "  HINT: " in err, err
-    return err.strip()
 
 
 def run_json(capsys, *argv):

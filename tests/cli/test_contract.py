@@ -6,6 +6,7 @@ import textwrap
 import pytest
 
 from memlens.cli.main import main
+from tests.cli.cli_support import one_line
 
 USER_FACTORIES = '''
 import torch
@@ -39,15 +40,6 @@ def user_module(tmp_path, monkeypatch):
     sys.modules.pop("userfac", None)
     yield tmp_path
     sys.modules.pop("userfac", None)
-
-
-def one_line(capsys, *argv, code=2):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    assert rc == code, err
-    assert err.count("\n") == 1 and err.startswith("ERROR: ") and "  HINT: " in err, err
-    assert "Traceback" not in err and "internal error" not in err
-    return err.strip()
 
 
 def test_config_directory_and_binary(capsys, tmp_path):

@@ -2,15 +2,8 @@
 import pytest
 
 from memlens.cli.main import main
+from tests.cli.cli_support import one_line
 
-
-def one_line(capsys, *argv, code=2):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    assert rc == code, err
-    assert err.count("\n") == 1 and err.startswith("ERROR: ") and "  HINT: " in err, err
-    assert "Traceback" not in err and "internal error" not in err
-    return err.strip()
 
 
 NEW = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 23.69 GiB of which {free} is "

@@ -14,18 +14,11 @@ from memlens.core.spec import TrainingSpec
 from memlens.core.techniques import apply
 from memlens.core.units import parse_bytes
 from memlens.explore.compare import row_label, row_specs
+from tests.cli.cli_support import one_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "tests/fixtures/models/tiny-gpt2")
 
-
-def one_line(capsys, *argv, code=2):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    assert rc == code, err
-    assert err.count("\n") == 1 and err.startswith("ERROR: ") and "  HINT: " in err, err
-    assert "Traceback" not in err and "internal error" not in err
-    return err.strip()
 
 
 @pytest.mark.parametrize("verb", [["fit"], ["compare", "--techniques", "fp32"], ["sweep", "--batch-sizes", "1"]])
