@@ -67,14 +67,34 @@ USER_SCRIPT = textwrap.dedent("""
 """)
 
 
+def _torchrun_two_ranks(script, tmp_path):
+    """torchrun with gloo on the CPU, each rank's output in its own log. One more launch only when a rank was killed by
+    a signal with no Python error in its log (CI once saw rank 0 abort, SIGABRT, where 15 local runs passed): a Python
+    error in the script fails at once."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    for attempt in range(2):
+        logs = tmp_path / f"logs{attempt}"
+        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            "--log-dir", str(logs), "--redirects", "3", str(script), str(tmp_path)],
+                           capture_output=True, text=True, timeout=300, env=env)
+        killed = any(f"({sig})" in p.stderr for sig in ("SIGABRT", "SIGSEGV", "SIGBUS"))
+        if p.returncode == 0 or not killed or "Traceback" in _rank_logs(tmp_path):
+            return p
+    return p
+
+
+def _rank_logs(tmp_path) -> str:
+    """What the ranks wrote to stderr (torchrun's own summary names only the exit codes)."""
+    return "\n".join(f"--- {f.relative_to(tmp_path)}\n{f.read_text()[-1500:]}"
+                     for f in sorted(tmp_path.glob("logs*/**/stderr.log")) if f.read_text().strip())
+
+
 @pytest.mark.slow
 def test_memlens_profile_inside_a_users_torchrun_script_gathers_on_rank_0(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(USER_SCRIPT)
-    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 0, p.stderr[-2000:]
+    p = _torchrun_two_ranks(script, tmp_path)
+    assert p.returncode == 0, _rank_logs(tmp_path) or p.stderr[-2000:]
     out = {r: json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)}
     assert out[1]["ranks"] == [] and out[1]["data_rank"] == 1          # the other ranks keep their own result
     peaks = dict(out[0]["ranks"])
