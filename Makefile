@@ -8,8 +8,11 @@ TORCH_PIN ?= torch==2.13.0
 # them too, in a second venv, so that pyproject's ranges stay true.
 LOWEST_PINS ?= transformers==5.15.0 peft==0.18.0 opacus==1.6.0
 LOWEST := .venv-lowest
-# The core suite: spec, ledger, estimate on small models, every spec field, the architectures, the CLI contract.
-CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tests/estimator/test_simulate.py tests/cli tests/step tests/models
+# The core suite: what the installed transformers / peft / opacus change: the spec, the ledger, estimate on small
+# models, every spec field, the step kinds (peft, Opacus, TRL), the architectures, the estimate command. The rest of the
+# CLI (its contract, the fuzz, interrupts, budgets) reads memlens' own code only: it runs once, on the newest versions.
+CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tests/estimator/test_simulate.py \
+	tests/cli/test_estimate_cli.py tests/step tests/models
 
 # pip --no-compile: no byte-compiling of every installed module (torch, transformers, sympy, ... : thousands of files
 # the tests never import); Python compiles what is imported, once, on first import.
