@@ -10,7 +10,7 @@ mode) and a simulated rank of a multi-GPU job all append the same records:
 
 Every record carries the ``rank`` of the process it happened on; allocations also carry the CUDA
 ``stream`` (0: the default stream; collectives run on their own). Records are tuples underneath
-(``ev[0]`` is the kind), so a replay of millions of them stays cheap.
+(``ev.kind`` is the first field), so a replay of millions of them stays cheap; read them by name.
 
 >>> log = EventLog()
 >>> log.alloc("w", 4096, "parameters", log.module_id("fc"), "setup")
@@ -91,7 +91,7 @@ class EventLog:
 def until_done(events: list) -> list:
     """The events up to the "done" mark (storages dying later are teardown, freed at any time)."""
     for i, ev in enumerate(events):
-        if ev[0] == PHASE and ev[1] == "done":
+        if ev.kind == PHASE and ev.name == "done":
             return events[:i + 1]
     return events
 
@@ -103,13 +103,16 @@ def canonical(log: EventLog) -> list:
     mods = log.modules
     out = []
     for ev in until_done(log.events):
-        kind = ev[0]
+        kind = ev.kind
         if kind == PHASE:
             out.append(tuple(ev))
             continue
-        key = names.setdefault(ev[1], len(names))
+        key = names.setdefault(ev.key, len(names))
         if kind == ALLOC:
-            out.append((kind, key, ev[2], ev[3], mods[ev[4]] if ev[4] >= 0 else None) + tuple(ev[5:]))
+            module = mods[ev.module] if ev.module >= 0 else None
+            out.append((kind, key, ev.nbytes, ev.category, module, ev.phase, ev.op, ev.rank, ev.stream))
+        elif kind == FREE:
+            out.append((kind, key, ev.rank))
         else:
-            out.append((kind, key) + tuple(ev[2:]))
+            out.append((kind, key, ev.category, ev.rank))
     return out
