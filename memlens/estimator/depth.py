@@ -537,7 +537,7 @@ def check_middle(log: EventLog, stack: Stack, live: dict, template: int = TEMPLA
                 module = ids.get(stack.rename(log.modules[module], m + 1), -2)
             return ev._replace(key=moved(ev.key), module=module)
         if kind in (FREE, TAG):
-            return ev._replace(key=moved(ev.key))
+            return ev.rekeyed(moved(ev.key))
         return ev
 
     events, n = log.events, len(log.events)

@@ -203,32 +203,47 @@ def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]
     not: sharded parameters / gradients / optimizer states, gathered (unsharded) parameters and
     gradients, collective buffers, activations, temporaries. Returns (bytes of each term live at
     the peak, event ``index``; the most bytes of each term live at any moment), in allocator blocks."""
-    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
-    term = _term_of(wrapper)
-    a = CachingAllocatorModel()
-    live: dict[Any, tuple[int, str]] = {}
-    now: dict[str, int] = {}
+    terms = _TermReplay(log.events, wrapper)
+    now = terms.now
     most: dict[str, int] = {}
     at_peak: dict[str, int] = {}
     for i, ev in enumerate(log.events):
-        k = ev[0]
-        if k == PHASE and ev[1] == "done":
+        if ev.kind == PHASE and ev.name == "done":
             break
-        if k == ALLOC and not a.is_live(ev[1]):
-            t = term(ev[1], final.get(ev[1], ev[3]))
-            size = a.malloc(ev[1], ev[2], ev[8])
-            live[ev[1]] = (size, t)
-            now[t] = now.get(t, 0) + size
-            if now[t] > most.get(t, 0):
-                most[t] = now[t]
-        elif k == FREE and a.is_live(ev[1]):
-            a.free(ev[1])
-            size, t = live.pop(ev[1])
-            now[t] -= size
+        t = terms.apply(ev)
+        if t is not None and now[t] > most.get(t, 0):
+            most[t] = now[t]
         if i == index:
             at_peak = {t: v for t, v in now.items() if v}
     order = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
     return order(at_peak), order(most)
+
+
+class _TermReplay:
+    """The bytes of each term (:func:`peak_terms`) live as a rank's events are replayed through the allocator model."""
+
+    def __init__(self, events: list, wrapper):
+        self.final = {ev.key: ev.category for ev in events if ev.kind == TAG}   # each storage's last tag
+        self.term = _term_of(wrapper)
+        self.allocator = CachingAllocatorModel()
+        self.live: dict[Any, tuple[int, str]] = {}    # key -> (block bytes, term)
+        self.now: dict[str, int] = {}                 # term -> bytes live
+
+    def apply(self, ev) -> str | None:
+        """Apply one event: the term whose bytes it changed, or None (a tag, a mark, a storage not live)."""
+        a, kind = self.allocator, ev.kind
+        if kind == ALLOC and not a.is_live(ev.key):
+            t = self.term(ev.key, self.final.get(ev.key, ev.category))
+            size = a.malloc(ev.key, ev.nbytes, ev.stream)
+            self.live[ev.key] = (size, t)
+            self.now[t] = self.now.get(t, 0) + size
+            return t
+        if kind == FREE and a.is_live(ev.key):
+            a.free(ev.key)
+            size, t = self.live.pop(ev.key)
+            self.now[t] -= size
+            return t
+        return None
 
 
 def _term_of(wrapper):
@@ -270,13 +285,10 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
     if not marks:
         return []
     events = log.events
-    end = min(later) if later else next((i for i, ev in enumerate(events) if ev[0] == PHASE and ev[1] == "done"), len(events))
-    final = {ev[1]: ev[2] for ev in events if ev[0] == TAG}
-    term = _term_of(wrapper)
+    end = min(later) if later else next((i for i, ev in enumerate(events) if ev.kind == PHASE and ev.name == "done"), len(events))
+    terms = _TermReplay(events, wrapper)
+    now = terms.now
     counts = {p["pass"]: p for p in getattr(wrapper, "facts", {}).get("passes", ())}
-    a = CachingAllocatorModel()
-    live: dict[Any, tuple[int, str]] = {}
-    now: dict[str, int] = {}
     out: list[dict[str, Any]] = []
     w, cur = 0, None
     for i in range(end):
@@ -291,18 +303,7 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
                 cur["all_gathers"], cur["reduce_scatters"] = c["all_gathers"], c["reduce_scatters"]
             out.append(cur)
             w += 1
-        ev = events[i]
-        k = ev[0]
-        if k == ALLOC and not a.is_live(ev[1]):
-            t = term(ev[1], final.get(ev[1], ev[3]))
-            size = a.malloc(ev[1], ev[2], ev[8])
-            live[ev[1]] = (size, t)
-            now[t] = now.get(t, 0) + size
-        elif k == FREE and a.is_live(ev[1]):
-            a.free(ev[1])
-            size, t = live.pop(ev[1])
-            now[t] -= size
-        else:
+        if terms.apply(events[i]) is None:
             continue
         total = sum(now.values())
         if cur is not None and total > cur["peak_allocated_bytes"]:

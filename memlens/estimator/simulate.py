@@ -513,11 +513,16 @@ class SimulationTracker(StorageTracker):
         while len(self._module_layers) < len(mods):
             self._module_layers.append(self.stack.layer_of(mods[len(self._module_layers)]))
         for ev in evs[self._scanned:]:
-            if ev[0] == ALLOC:
-                lay = self._module_layers[ev[4]] if ev[4] >= 0 else None
-                self._key_layers[ev[1]] = lay if lay is not None else self.live_layers.get(ev[1])
+            if ev.kind == ALLOC:
+                lay = self._module_layers[ev.module] if ev.module >= 0 else None
+                self._key_layers[ev.key] = lay if lay is not None else self.live_layers.get(ev.key)
         self._scanned = len(evs)
         return self._key_layers.get(key)
+
+    def copy_layers(self, remap: dict) -> None:
+        """Storages written as copies of others (``remap``: original key -> the copy's) take their originals' layers."""
+        for d in (self.live_layers, self._key_layers, self.spanning):
+            d.update({new: d[old] for old, new in remap.items() if old in d})
 
     def register_copy(self, t, of, category, label: str, op: str) -> None:
         """Account ``t``, a copy of ``of`` made before the step (an EMA shadow); in a layer stack it is
@@ -584,7 +589,7 @@ class SimulationTracker(StorageTracker):
         if self._first("forward"):
             self.costs["offload_bytes"] += nbytes
             self.costs["offload_tensors"] += 1
-            if self._category.get(self.key_of(t)) == Category.PARAMETERS:
+            if self.category_of(self.key_of(t)) == Category.PARAMETERS:
                 self.costs["offload_parameter_bytes"] += nbytes
 
     def _count_recompute(self, func, args, kwargs, out, first_new: int) -> None:
