@@ -48,11 +48,9 @@ from ..core.events import (
     Tag,
     until_done,
 )
-from ..core.parallel import is_distributed, sharding_of
 from ..models import build as model_build  # a module: tests replace its _auto_class
 from ..models.build import quiet
 from ..models.source import ModelSource
-from ..step.kinds import kind_for
 
 SHALLOW = 3                # the two shallow models: SHALLOW and SHALLOW + 1 layers
 TEMPLATE = 1               # the layer that is copied (its neighbours are layers on both sides)
@@ -111,17 +109,19 @@ def depth_of(source) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def why_not(spec, source) -> str | None:
-    """Why this spec is simulated whole (None: its layers can be written from a shallow model)."""
+def why_not(plan, source) -> str | None:
+    """Why the step of ``plan`` (:class:`memlens.step.plan.StepPlan`) is simulated whole (None: its layers can be
+    written from a shallow model)."""
+    spec = plan.spec
     n = depth_of(source)
     if n is None:
         return "no num_hidden_layers in the config"
     if n < MIN_LAYERS:
         return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
-    if is_distributed(spec) and (sharding_of(spec).family != "fsdp" or spec.dp):
+    if plan.distributed and (plan.sharding.family != "fsdp" or plan.dp):
         # DDP's buckets and ZeRO-1's optimizer shards are cut by bytes over the whole model, not per layer
         return "several GPUs with DDP, ZeRO-1 or DP-SGD (FSDP2's ranks are written)"
-    kind = kind_for(spec)
+    kind = plan.kind
     if not kind.layers_written:
         return "--compile" if kind.name == "compiled" else f"the {kind.name} step kind"
     if spec.checkpoint_layers is not None:   # normalized: None is all or none (memlens.core.spec)
