@@ -82,8 +82,8 @@ def test_subset_is_simulated_whole():
     from memlens.models.source import resolve
 
     src = resolve("llama-3.1-8b")
-    assert why_not(plan_of(TrainingSpec(model="llama-3.1-8b", grad_checkpointing=True)), src) is None
-    assert "checkpoint-layers" in why_not(plan_of(TrainingSpec(model="llama-3.1-8b", checkpoint_layers=4)), src)
+    assert why_not(plan_of(TrainingSpec(model="llama-3.1-8b", grad_checkpointing=True), source=src), src) is None
+    assert "checkpoint-layers" in why_not(plan_of(TrainingSpec(model="llama-3.1-8b", checkpoint_layers=4), source=src), src)
 
 
 def test_some_blocks_under_compile_or_dp_are_refused_in_one_line():
