@@ -10,7 +10,7 @@ mode) and a simulated rank of a multi-GPU job all append the same records:
 
 Every record carries the ``rank`` of the process it happened on; allocations also carry the CUDA
 ``stream`` (0: the default stream; collectives run on their own). Records are tuples underneath
-(``ev[0]`` is the kind), so a replay of millions of them stays cheap.
+(``ev.kind`` is the first field), so a replay of millions of them stays cheap; read them by name.
 
 >>> log = EventLog()
 >>> log.alloc("w", 4096, "parameters", log.module_id("fc"), "setup")
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 ALLOC, FREE, TAG, PHASE = 0, 1, 2, 3
+_new = tuple.__new__    # a record built from its fields without the constructor's call (logs of millions are rewritten)
 
 
 class Alloc(NamedTuple):
@@ -38,11 +39,22 @@ class Alloc(NamedTuple):
     rank: int = 0
     stream: int = 0
 
+    def rekeyed(self, key: Any) -> "Alloc":
+        """The same allocation of another storage (``_replace(key=key)``, at a third of its cost)."""
+        return _new(Alloc, (ALLOC, key, self.nbytes, self.category, self.module, self.phase, self.op, self.rank, self.stream))
+
+    def resized(self, nbytes: int) -> "Alloc":
+        """The same allocation of another size."""
+        return _new(Alloc, (ALLOC, self.key, nbytes, self.category, self.module, self.phase, self.op, self.rank, self.stream))
+
 
 class Free(NamedTuple):
     kind: int
     key: Any
     rank: int = 0
+
+    def rekeyed(self, key: Any) -> "Free":
+        return _new(Free, (FREE, key, self.rank))
 
 
 class Tag(NamedTuple):
@@ -51,12 +63,19 @@ class Tag(NamedTuple):
     category: str
     rank: int = 0
 
+    def rekeyed(self, key: Any) -> "Tag":
+        return _new(Tag, (TAG, key, self.category, self.rank))
+
 
 class PhaseMark(NamedTuple):
     kind: int
     name: str
     step: int
     rank: int = 0
+
+    def at_step(self, step: int) -> "PhaseMark":
+        """The same mark in step ``step``."""
+        return _new(PhaseMark, (PHASE, self.name, step, self.rank))
 
 
 @dataclass
@@ -91,7 +110,7 @@ class EventLog:
 def until_done(events: list) -> list:
     """The events up to the "done" mark (storages dying later are teardown, freed at any time)."""
     for i, ev in enumerate(events):
-        if ev[0] == PHASE and ev[1] == "done":
+        if ev.kind == PHASE and ev.name == "done":
             return events[:i + 1]
     return events
 
@@ -103,13 +122,16 @@ def canonical(log: EventLog) -> list:
     mods = log.modules
     out = []
     for ev in until_done(log.events):
-        kind = ev[0]
+        kind = ev.kind
         if kind == PHASE:
             out.append(tuple(ev))
             continue
-        key = names.setdefault(ev[1], len(names))
+        key = names.setdefault(ev.key, len(names))
         if kind == ALLOC:
-            out.append((kind, key, ev[2], ev[3], mods[ev[4]] if ev[4] >= 0 else None) + tuple(ev[5:]))
+            module = mods[ev.module] if ev.module >= 0 else None
+            out.append((kind, key, ev.nbytes, ev.category, module, ev.phase, ev.op, ev.rank, ev.stream))
+        elif kind == FREE:
+            out.append((kind, key, ev.rank))
         else:
-            out.append((kind, key) + tuple(ev[2:]))
+            out.append((kind, key, ev.category, ev.rank))
     return out

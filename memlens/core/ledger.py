@@ -26,7 +26,6 @@ Allocator facts modelled (c10/cuda/CUDACachingAllocator.cpp, default settings):
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -258,13 +257,13 @@ class Analysis:
 
 def _apply(sizer, ev) -> int | None:
     """Apply one event to the sizer; returns the bytes allocated (+) or freed (-), None for others."""
-    kind = ev[0]
+    kind = ev.kind
     if kind == ALLOC:
-        if not sizer.is_live(ev[1]):
-            return sizer.malloc(ev[1], ev[2], ev[8]) if len(ev) > 8 and ev[8] else sizer.malloc(ev[1], ev[2])
+        if not sizer.is_live(ev.key):
+            return sizer.malloc(ev.key, ev.nbytes, ev.stream) if ev.stream else sizer.malloc(ev.key, ev.nbytes)
     elif kind == FREE:
-        if sizer.is_live(ev[1]):
-            return -sizer.free(ev[1])
+        if sizer.is_live(ev.key):
+            return -sizer.free(ev.key)
     return None
 
 
@@ -278,9 +277,51 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
     A ``done`` phase mark ends the replay when ``stop_at_done`` (what follows is teardown).
     """
     a = sizer if sizer is not None else CachingAllocatorModel()
+    r = _replay(log, a, stop_at_done)
+    by_cat, live_rows, by_phase_alloc = _breakdown(log, r.effects[:r.effects_at_peak], module_depth)
+    rows = _module_rows(log, live_rows, r.module_peak, module_depth)
+    return Analysis(
+        peak_allocated_bytes=max(r.peak_allocated, 0),
+        peak_reserved_bytes=a.peak_reserved,
+        peak_requested_bytes=r.peak_requested,
+        peak_event=r.peak_event,
+        peak_phase=r.peak_phase,
+        peak_step=r.peak_step,
+        by_category=by_cat,
+        by_module=rows,
+        by_phase={k: v for k, v in r.phase_stats.items() if k != "end"},
+        by_phase_allocated=by_phase_alloc,
+        timeline=downsample(r.points, max_points),
+        steps=[r.step_stats[k] for k in sorted(r.step_stats) if k > 0],
+        end_allocated_bytes=a.allocated,
+        end_reserved_bytes=a.reserved,
+        inactive_split_bytes_at_end=a.inactive_split_bytes,
+        num_segments=a.num_segments,
+    )
+
+
+@dataclass
+class _Replayed:
+    """What one pass over a log through a sizer found (see :func:`_replay`)."""
+
+    peak_event: int                                   # index of the event at the peak allocated (-1: none)
+    peak_allocated: int
+    peak_phase: str
+    peak_step: int
+    peak_requested: int
+    points: list[tuple[int, str, int, int, int]]      # (event index, phase, step, allocated, reserved)
+    phase_stats: dict[str, dict[str, Any]]
+    step_stats: dict[int, dict[str, Any]]
+    module_peak: dict[tuple[int, str], int]           # (module, phase) -> most of its allocations live at once
+    effects: list[tuple[int, int]]                    # (event index, bytes allocated or freed) of events that took effect
+    effects_at_peak: int                              # how many of ``effects`` happened up to the peak
+
+
+def _replay(log: EventLog, a, stop_at_done: bool) -> _Replayed:
+    """Apply every event to the sizer ``a`` once, noting the peaks as they happen."""
     phase, step = "setup", 0
-    peak_i, peak_alloc, peak_phase, peak_step = -1, -1, "setup", 0
-    raw: list[tuple[int, str, int, int, int]] = []   # (event index, phase, step, allocated, reserved)
+    peak_i, peak_alloc, peak_phase, peak_step, at_peak = -1, -1, "setup", 0, 0
+    raw: list[tuple[int, str, int, int, int]] = []
     phase_stats: dict[str, dict[str, Any]] = {}
     step_stats: dict[int, dict[str, Any]] = {}
     mod_live: dict[tuple[int, str], int] = defaultdict(int)
@@ -288,15 +329,15 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
     owner: dict[Any, tuple[int, str]] = {}
     peak_requested = 0
     seen = False
-    effects: list[tuple[int, int]] = []    # (event index, bytes allocated or freed) of events that took effect
+    effects: list[tuple[int, int]] = []
     is_live, malloc, free = a.is_live, a.malloc, a.free
     ps = st = None          # this phase's and step's stats, once something takes effect in them
     for i, ev in enumerate(log.events):
-        kind = ev[0]
+        kind = ev.kind
         if kind == PHASE:
-            if stop_at_done and ev[1] == "done":
+            if stop_at_done and ev.name == "done":
                 break
-            phase, step = ev[1], ev[2]
+            phase, step = ev.name, ev.step
             ps = st = None
             if phase == "end":
                 st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
@@ -306,12 +347,12 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
         if kind == TAG:
             continue
         seen = True
-        key = ev[1]
+        key = ev.key
         if kind == ALLOC:       # _apply, inline: the loop runs once per event of logs of millions
             if is_live(key):
                 continue
-            delta = malloc(key, ev[2], ev[8]) if len(ev) > 8 and ev[8] else malloc(key, ev[2])
-            k = owner[key] = (ev[4], ev[5])
+            delta = malloc(key, ev.nbytes, ev.stream) if ev.stream else malloc(key, ev.nbytes)
+            k = owner[key] = (ev.module, ev.phase)
         elif kind == FREE:
             if not is_live(key):
                 continue
@@ -328,7 +369,7 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
         if a.requested > peak_requested:
             peak_requested = a.requested
         if a.allocated > peak_alloc:
-            peak_alloc, peak_i, peak_phase, peak_step = a.allocated, i, phase, step
+            peak_alloc, peak_i, peak_phase, peak_step, at_peak = a.allocated, i, phase, step, len(effects)
         if ps is None:
             ps = phase_stats.setdefault(phase, {"peak_allocated_bytes": 0, "peak_step": step})
             st = step_stats.setdefault(step, {"step": step, "peak_allocated_bytes": 0})
@@ -339,26 +380,8 @@ def analyze(log: EventLog, max_points: int = 600, module_depth: int | None = Non
         raw.append((i, phase, step, a.allocated, a.reserved))
     if not seen:
         raise ValueError("empty event log")
-    by_cat, live_rows, by_phase_alloc = _breakdown(log, itertools.takewhile(lambda e: e[0] <= peak_i, effects), module_depth)
-    rows = _module_rows(log, live_rows, mod_peak, module_depth)
-    return Analysis(
-        peak_allocated_bytes=max(peak_alloc, 0),
-        peak_reserved_bytes=a.peak_reserved,
-        peak_requested_bytes=peak_requested,
-        peak_event=peak_i,
-        peak_phase=peak_phase,
-        peak_step=peak_step,
-        by_category=by_cat,
-        by_module=rows,
-        by_phase={k: v for k, v in phase_stats.items() if k != "end"},
-        by_phase_allocated=by_phase_alloc,
-        timeline=downsample(raw, max_points),
-        steps=[step_stats[k] for k in sorted(step_stats) if k > 0],
-        end_allocated_bytes=a.allocated,
-        end_reserved_bytes=a.reserved,
-        inactive_split_bytes_at_end=a.inactive_split_bytes,
-        num_segments=a.num_segments,
-    )
+    return _Replayed(peak_i, peak_alloc, peak_phase, peak_step, peak_requested, raw, phase_stats, step_stats,
+                     mod_peak, effects, at_peak)
 
 
 def _module_rows(log: EventLog, live_rows: list[dict[str, Any]], mod_peak: dict[tuple[int, str], int],
@@ -416,15 +439,15 @@ def breakdown_at(log: EventLog, index: int, module_depth: int | None = None, siz
 def _breakdown(log: EventLog, effects: Iterable[tuple[int, int]], module_depth: int | None):
     """:func:`breakdown_at` from the events that took effect up to there, (event index, bytes
     allocated (+) or freed (-)), as a replay found them."""
-    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
+    final = {ev.key: ev.category for ev in log.events if ev.kind == TAG}
     events = log.events
     live: dict[Any, list] = {}
     for i, delta in effects:
         ev = events[i]
-        if ev[0] == ALLOC:
-            live[ev[1]] = [delta, final.get(ev[1], ev[3]), ev[4], ev[5]]
+        if ev.kind == ALLOC:
+            live[ev.key] = [delta, final.get(ev.key, ev.category), ev.module, ev.phase]
         else:
-            live.pop(ev[1], None)
+            live.pop(ev.key, None)
     by_cat: dict[str, int] = {c: 0 for c in CATEGORIES}
     by_mod: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     by_phase: dict[str, int] = defaultdict(int)

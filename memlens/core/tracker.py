@@ -121,6 +121,33 @@ class StorageTracker(TorchDispatchMode):
     def key_of(self, t: torch.Tensor) -> int | None:
         return self._keys.get(id(_local(t).untyped_storage()))
 
+    def category_of(self, key: int, default: str | None = None) -> str | None:
+        """The category the storage ``key`` has now (``default`` if it is not accounted any more)."""
+        return self._category.get(key, default)
+
+    def storage_of(self, key: int):
+        """The live storage accounted under ``key``, or None (gone, or never this tracker's)."""
+        ref = self._refs.get(key)
+        return ref() if ref is not None else None
+
+    # ---------------------------------------------------------------- storages resized in place (FSDP2)
+    def regrown(self, st, category: str, op: Any, stream: int = 0) -> int:
+        """A storage resized back up from 0 bytes: a new allocation under a new key, logged now."""
+        key = self._new_key(st, id(st))
+        self._category[key] = category
+        self.log.alloc(key, st.nbytes(), category, self.module, self.phase, op, stream=stream)
+        return key
+
+    def storage_key(self, st) -> int | None:
+        """The key ``st`` (a storage, not a tensor) is accounted under, or None."""
+        return self._keys.get(id(st))
+
+    def shrunk(self, st) -> None:
+        """A storage about to be resized to 0 bytes: its free, logged now (once; its key is kept for a regrowth)."""
+        key = self._keys.get(id(st))
+        if key is not None and self._category.pop(key, None) is not None:
+            self.log.free(key)
+
     def retag(self, t: torch.Tensor, category: str, only_from: tuple[str, ...] | None = None) -> None:
         key = self.key_of(t)
         if key is None:
@@ -160,6 +187,10 @@ class StorageTracker(TorchDispatchMode):
     def set_phase(self, name: str, step: int) -> None:
         self.phase, self.step = name, step
         self.log.phase(name, step)
+
+    def resume(self, name: str, step: int) -> None:
+        """Go on in phase ``name`` of step ``step`` without logging its mark (its events were written by hand)."""
+        self.phase, self.step = name, step
 
     # ---------------------------------------------------------------- the mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

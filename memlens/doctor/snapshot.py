@@ -283,25 +283,38 @@ class SiteGrowth:
 
 def diff_snapshots(before: dict[str, Any], after: dict[str, Any]) -> list[SiteGrowth]:
     """Allocation sites whose live (allocated) memory grew, largest growth first: leak candidates."""
-    def by_site(snap):
-        out: dict[str, list] = {}
-        for _, b, _ in _blocks(snap):
-            if b.get("state") != _LIVE:
-                continue
-            frames = b.get("frames", [])
-            e = out.setdefault(allocation_site(frames), [0, 0, [s for s in map(_frame_str, _python_frames(frames)[:8]) if s]])
-            e[0] += b["size"]
-            e[1] += 1
-        return out
-
-    a, b = by_site(before), by_site(after)
+    a, b = _live_by_site(before), _live_by_site(after)
+    none = _SiteLive()
     grown = []
     for site in set(a) | set(b):
-        ab, an, _ = a.get(site, [0, 0, []])
-        bb, bn, frames = b.get(site, [0, 0, []])
-        if bb > ab:
-            grown.append(SiteGrowth(site, ab, bb, an, bn, frames or a.get(site, [0, 0, []])[2]))
+        was, now = a.get(site, none), b.get(site, none)
+        if now.bytes > was.bytes:
+            grown.append(SiteGrowth(site, was.bytes, now.bytes, was.blocks, now.blocks, now.frames or was.frames))
     return sorted(grown, key=lambda g: -g.growth_bytes)
+
+
+@dataclass
+class _SiteLive:
+    """The live blocks of one allocation site in a snapshot."""
+
+    bytes: int = 0
+    blocks: int = 0
+    frames: list[str] = field(default_factory=list)
+
+
+def _live_by_site(snap: dict[str, Any]) -> dict[str, _SiteLive]:
+    out: dict[str, _SiteLive] = {}
+    for _, block, _ in _blocks(snap):
+        if block.get("state") != _LIVE:
+            continue
+        frames = block.get("frames", [])
+        where = allocation_site(frames)
+        site = out.get(where)
+        if site is None:
+            site = out[where] = _SiteLive(frames=[s for s in map(_frame_str, _python_frames(frames)[:8]) if s])
+        site.bytes += block["size"]
+        site.blocks += 1
+    return out
 
 
 # ---------------------------------------------------------------- verbs

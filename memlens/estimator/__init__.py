@@ -9,9 +9,10 @@ from __future__ import annotations
 from ..core import progress
 from ..core.errors import MemlensError
 from ..core.ledger import analyze
-from ..core.parallel import is_distributed
 from ..core.result import Result
 from ..core.spec import TrainingSpec
+from ..models.source import resolve as resolve_source
+from ..step.plan import resolve as resolve_plan
 from .formula import formula_estimate
 from .ranks import estimate_ranks
 from .result import simulation_result
@@ -53,10 +54,12 @@ def estimate_with_lengths(spec: TrainingSpec, budget=None, method: str = "simula
 def _estimate(spec: TrainingSpec, method: str, steps: int, source) -> Result:
     if method == "formula":
         return formula_estimate(spec)
-    if is_distributed(spec):
-        return estimate_ranks(spec, steps=steps, source=source)     # one simulation per rank that can differ
+    source = source or resolve_source(spec.model)
+    plan = resolve_plan(spec, fake=True, source=source)
+    if plan.distributed:
+        return estimate_ranks(spec, steps=steps, source=source, plan=plan)     # one simulation per rank that can differ
     from .simulate import simulate  # heavy: imports torch
 
-    sim = simulate(spec, source=source, steps=steps)
+    sim = simulate(spec, source=source, steps=steps, plan=plan)
     progress.stage(f"{spec.describe()}: replaying the allocator")
     return simulation_result(sim, analyze(sim.log))

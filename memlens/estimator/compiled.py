@@ -554,10 +554,6 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     CUDA emulation, autocast): the trace happens under them, outside the storage tracker.
     """
     import torch._inductor.lowering  # noqa: F401 - inductor's decompositions consult it (max-pool's), as compile_fx has it loaded
-    from torch._functorch.aot_autograd import aot_function  # heavy: torch, loaded on first use
-    from torch._functorch.partitioners import min_cut_rematerialization_partition  # heavy: torch, loaded on first use
-    from torch._inductor.decomposition import select_decomp_table  # heavy: torch, loaded on first use
-    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     if not isinstance(batch, dict):
         raise MemlensError("--compile needs a dict batch (keyword inputs)", hint="return a dict batch from the factory")
@@ -568,6 +564,33 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
     brk = loss_graph_break(model)
     owner, loss_fn = brk if brk is not None else (None, None)
     call: dict[str, Any] = {}
+    f = _model_graph_function(model, keys, extra, owner, call, structure)
+    aot = _aot_compiler(rules, fuse)
+    previous = getattr(rules, "fused_attention", None)
+    if rules is not None:
+        rules.fused_attention = OpaqueAttention   # the kernels as opaque ops with the real data dependencies
+        rules.compile_trace = True
+    try:
+        graphs = _Graphs(aot(f))
+        with trace_context(), compiling():
+            inputs = [batch[k] for k in keys]
+            outs = graphs.model_fn(params, *inputs)   # traces and partitions (the outputs are dropped)
+            if call:   # the loss graph: its tensor arguments in order, the rest as the model passed them
+                graphs = _with_loss_graph(graphs, aot, call, loss_fn, structure["loss_args"], outs, inputs)
+            del outs
+    finally:
+        if rules is not None:
+            rules.fused_attention = previous
+            rules.compile_trace = False
+    return CompiledForSimulation(model, graphs, params, structure["spec"], structure["constants"], keys)
+
+
+def _model_graph_function(model, keys: tuple, extra: dict, owner, call: dict, structure: dict):
+    """The function AOTAutograd traces: the model's forward on (parameters, *tensor inputs), returning every tensor
+    leaf of its output, the tensors its non-tensor leaves hold, and (where dynamo breaks the graph at the loss, the
+    loss function of ``owner`` stood in for) the tensors live at the loss call and its tensor arguments. Fills
+    ``structure`` (how to rebuild the output; where the loss' arguments are) and ``call`` (the loss call)."""
+    from torch.utils._pytree import tree_flatten  # heavy: torch, loaded on first use
 
     def stand_in(*args, **kwargs):
         """The loss function while the model's graph is traced: the graph ends here."""
@@ -592,21 +615,37 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
             if not any(t is x for x in outs):
                 outs.append(t)
         if call:   # the loss' tensor arguments: outputs of this graph or its inputs
-            where = []
-            for a in [*call["args"], *call["kwargs"].values()]:
-                if not isinstance(a, torch.Tensor):
-                    continue
-                j = next((i for i, x in enumerate(inputs) if x is a), None)
-                if j is not None:
-                    where.append(("in", j))
-                    continue
-                i = next((i for i, x in enumerate(outs) if x is a), None)
-                if i is None:
-                    outs.append(a)
-                    i = len(outs) - 1
-                where.append(("out", i))
-            structure["loss_args"] = where
+            structure["loss_args"] = _loss_arguments(call, inputs, outs)
         return tuple(outs)
+
+    return f
+
+
+def _loss_arguments(call: dict, inputs: tuple, outs: list) -> list[tuple[str, int]]:
+    """Where each tensor argument of the loss call is: ("in", i) an input of the graph, ("out", i) an output
+    (one is added to ``outs`` for an argument the graph does not return yet)."""
+    where = []
+    for a in [*call["args"], *call["kwargs"].values()]:
+        if not isinstance(a, torch.Tensor):
+            continue
+        j = next((i for i, x in enumerate(inputs) if x is a), None)
+        if j is not None:
+            where.append(("in", j))
+            continue
+        i = next((i for i, x in enumerate(outs) if x is a), None)
+        if i is None:
+            outs.append(a)
+            i = len(outs) - 1
+        where.append(("out", i))
+    return where
+
+
+def _aot_compiler(rules, fuse: bool):
+    """fn -> AOTAutograd's function of it: inductor's decompositions, its pad_mm joint-graph pass and min-cut
+    partitioner, each graph kept as a runner (:func:`boxed_runner`)."""
+    from torch._functorch.aot_autograd import aot_function  # heavy: torch, loaded on first use
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # heavy: torch, loaded on first use
+    from torch._inductor.decomposition import select_decomp_table  # heavy: torch, loaded on first use
 
     def keep(gm, example_inputs):
         return boxed_runner(gm, fuse)
@@ -619,34 +658,24 @@ def compile_for_simulation(model, batch: dict, forward_keys, trace_context: Call
         return aot_function(fn, fw_compiler=keep, bw_compiler=keep, decompositions=select_decomp_table(),
                             partition_fn=partition)
 
-    previous = getattr(rules, "fused_attention", None)
-    if rules is not None:
-        rules.fused_attention = OpaqueAttention   # the kernels as opaque ops with the real data dependencies
-        rules.compile_trace = True
-    try:
-        graphs = _Graphs(aot(f))
-        with trace_context(), compiling():
-            inputs = [batch[k] for k in keys]
-            outs = graphs.model_fn(params, *inputs)   # traces and partitions (the outputs are dropped)
-            if call:   # the loss graph: its tensor arguments in order, the rest as the model passed them
-                args = [_TENSOR if isinstance(a, torch.Tensor) else a for a in call["args"]]
-                kwargs = {k: _TENSOR if isinstance(v, torch.Tensor) else v for k, v in call["kwargs"].items()}
-                call.clear()     # (the traced tensors)
+    return aot
 
-                def loss(*ts):
-                    it = iter(ts)
-                    a = [next(it) if x is _TENSOR else x for x in args]
-                    kw = {k: next(it) if v is _TENSOR else v for k, v in kwargs.items()}
-                    return loss_fn(*a, **kw)
 
-                graphs = _Graphs(graphs.model_fn, aot(loss), structure["loss_args"])
-                graphs.loss_fn(*[outs[i] if w == "out" else inputs[i] for w, i in structure["loss_args"]])   # traces it
-            del outs
-    finally:
-        if rules is not None:
-            rules.fused_attention = previous
-            rules.compile_trace = False
-    return CompiledForSimulation(model, graphs, params, structure["spec"], structure["constants"], keys)
+def _with_loss_graph(graphs: "_Graphs", aot, call: dict, loss_fn, loss_args: list, outs, inputs) -> "_Graphs":
+    """The model's graph and the loss' (traced now on the model graph's outputs and inputs ``loss_args`` names)."""
+    args = [_TENSOR if isinstance(a, torch.Tensor) else a for a in call["args"]]
+    kwargs = {k: _TENSOR if isinstance(v, torch.Tensor) else v for k, v in call["kwargs"].items()}
+    call.clear()     # (the traced tensors)
+
+    def loss(*ts):
+        it = iter(ts)
+        a = [next(it) if x is _TENSOR else x for x in args]
+        kw = {k: next(it) if v is _TENSOR else v for k, v in kwargs.items()}
+        return loss_fn(*a, **kw)
+
+    graphs = _Graphs(graphs.model_fn, aot(loss), loss_args)
+    graphs.loss_fn(*[outs[i] if w == "out" else inputs[i] for w, i in loss_args])   # traces it
+    return graphs
 
 
 _AC_IDS = iter(range(1, 1 << 62))

@@ -48,11 +48,9 @@ from ..core.events import (
     Tag,
     until_done,
 )
-from ..core.parallel import is_distributed, sharding_of
 from ..models import build as model_build  # a module: tests replace its _auto_class
 from ..models.build import quiet
 from ..models.source import ModelSource
-from ..step.kinds import kind_for
 
 SHALLOW = 3                # the two shallow models: SHALLOW and SHALLOW + 1 layers
 TEMPLATE = 1               # the layer that is copied (its neighbours are layers on both sides)
@@ -111,17 +109,19 @@ def depth_of(source) -> int | None:
     return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
-def why_not(spec, source) -> str | None:
-    """Why this spec is simulated whole (None: its layers can be written from a shallow model)."""
+def why_not(plan, source) -> str | None:
+    """Why the step of ``plan`` (:class:`memlens.step.plan.StepPlan`) is simulated whole (None: its layers can be
+    written from a shallow model)."""
+    spec = plan.spec
     n = depth_of(source)
     if n is None:
         return "no num_hidden_layers in the config"
     if n < MIN_LAYERS:
         return f"{n} layers (written from shallow models from {MIN_LAYERS} on)"
-    if is_distributed(spec) and (sharding_of(spec).family != "fsdp" or spec.dp):
+    if plan.distributed and (plan.sharding.family != "fsdp" or plan.dp):
         # DDP's buckets and ZeRO-1's optimizer shards are cut by bytes over the whole model, not per layer
         return "several GPUs with DDP, ZeRO-1 or DP-SGD (FSDP2's ranks are written)"
-    kind = kind_for(spec)
+    kind = plan.kind
     if not kind.layers_written:
         return "--compile" if kind.name == "compiled" else f"the {kind.name} step kind"
     if spec.checkpoint_layers is not None:   # normalized: None is all or none (memlens.core.spec)
@@ -212,11 +212,11 @@ def layers_of(log: EventLog, stack: Stack, live: dict) -> tuple[list, dict]:
     allocs: list = []            # (event index, layer, phase)
     phase = "setup"
     for i, ev in enumerate(events):
-        if ev[0] == PHASE:
-            phase = ev[1]
-        elif ev[0] == ALLOC:
-            lay = module_layer[ev[4]] if ev[4] >= 0 else None
-            allocs.append([i, lay if lay is not None else live.get(ev[1]), phase])
+        if ev.kind == PHASE:
+            phase = ev.name
+        elif ev.kind == ALLOC:
+            lay = module_layer[ev.module] if ev.module >= 0 else None
+            allocs.append([i, lay if lay is not None else live.get(ev.key), phase])
     runs: list = []              # [first, last] positions in allocs of runs of one layer and phase
     for r, a in enumerate(allocs):
         if runs and allocs[runs[-1][0]][1:] == a[1:]:
@@ -229,23 +229,23 @@ def layers_of(log: EventLog, stack: Stack, live: dict) -> tuple[list, dict]:
                 and (cur[1] is None or cur[2] in _POSITIONAL)):
             for r in range(runs[q][0], runs[q][1] + 1):
                 allocs[r][1] = prev[1]
-    key_layer = {events[i][1]: lay for i, lay, _ in allocs}
+    key_layer = {events[i].key: lay for i, lay, _ in allocs}
     alloc_layer = {i: lay for i, lay, _ in allocs}
     owner: list = []
     phase = "setup"
     last = None
     for i, ev in enumerate(events):
-        kind = ev[0]
+        kind = ev.kind
         if kind == ALLOC:
             last = alloc_layer[i]
             owner.append(last)
         elif kind == PHASE:
-            phase = ev[1]
+            phase = ev.name
             owner.append(None)
         elif phase in _POSITIONAL and last is not None:
             owner.append(last)
         else:
-            owner.append(key_layer.get(ev[1]))
+            owner.append(key_layer.get(ev.key))
     _absorb(owner, events, key_layer)
     return owner, key_layer
 
@@ -259,39 +259,40 @@ def _absorb(owner: list, events: list, key_layer: dict) -> None:
     parameter's tensors dies in one go)."""
     phase = ["setup"] * len(events)
     cur = "setup"
+    kinds = [ev.kind for ev in events]
     for i, ev in enumerate(events):
-        if ev[0] == PHASE:
-            cur = ev[1]
+        if ev.kind == PHASE:
+            cur = ev.name
         phase[i] = cur
     i, n = 0, len(owner)
     while i < n:
-        if owner[i] is not None or i == 0 or events[i][0] == PHASE:
+        if owner[i] is not None or i == 0 or kinds[i] == PHASE:
             i += 1
             continue
         j = i
-        while j < n and owner[j] is None and events[j][0] != PHASE:
+        while j < n and owner[j] is None and kinds[j] != PHASE:
             j += 1
         x, y = owner[i - 1], owner[j] if j < n else None
         if (x is not None and y is not None and abs(x - y) <= 1 and phase[i - 1] == phase[j] != "setup"
-                and events[j][0] == ALLOC and (phase[j] in _POSITIONAL or any(events[q][0] == ALLOC for q in range(i, j)))):
+                and kinds[j] == ALLOC and (phase[j] in _POSITIONAL or ALLOC in kinds[i:j])):
             for q in range(i, j):
                 owner[q] = owner[j]
-                if events[q][0] == ALLOC:
-                    key_layer[events[q][1]] = owner[j]
+                if kinds[q] == ALLOC:
+                    key_layer[events[q].key] = owner[j]
         i = j
     for q, ev in enumerate(events):     # frees and tags owned by what they free: its layer may have moved above
-        if ev[0] in (FREE, TAG) and phase[q] not in _POSITIONAL:
-            owner[q] = key_layer.get(ev[1])
+        if ev.kind in (FREE, TAG) and phase[q] not in _POSITIONAL:
+            owner[q] = key_layer.get(ev.key)
     # frees of another layer's storages between two allocations of one layer (a per-parameter loop
     # freeing the previous parameter's scratch at the next one) happen where they happen
-    starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1] or events[i][0] == PHASE or events[i - 1][0] == PHASE]
+    starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1] or kinds[i] == PHASE or kinds[i - 1] == PHASE]
     bounds = list(zip(starts, starts[1:] + [n]))
     for b in range(1, len(bounds) - 1):
         (s0, _), (s1, e1), (s2, _) = bounds[b - 1], bounds[b], bounds[b + 1]
         y = owner[s0]
         if (y is not None and owner[s2] == y and owner[s1] is not None and owner[s1] != y and phase[s0] == phase[s1] == phase[s2]
-                and phase[s1] not in _POSITIONAL and all(events[q][0] in (FREE, TAG) for q in range(s1, e1))
-                and events[e1][0] == ALLOC):
+                and phase[s1] not in _POSITIONAL and all(kinds[q] in (FREE, TAG) for q in range(s1, e1))
+                and kinds[e1] == ALLOC):
             for q in range(s1, e1):
                 owner[q] = y
 
@@ -304,21 +305,22 @@ def _tokens(log: EventLog, stack: Stack, key_layer: dict) -> tuple[dict, dict]:
     seen: dict = {}
     phase = "setup"
     for ev in log.events:
-        if ev[0] == PHASE:
-            phase = ev[1]
+        if ev.kind == PHASE:
+            phase = ev.name
             continue
-        if ev[0] != ALLOC:
+        if ev.kind != ALLOC:
             continue
-        lay = key_layer.get(ev[1])
+        lay = key_layer.get(ev.key)
         if lay is None:
             continue
-        name = log.modules[ev[4]] if ev[4] >= 0 else ""
+        name = log.modules[ev.module] if ev.module >= 0 else ""
         m = stack.layer_of(name)
-        token = (phase, ev[2], ev[3], name if m is None else (m - lay, stack.suffix(name)), ev[5], str(ev[6]), ev[8])
+        where = name if m is None else (m - lay, stack.suffix(name))
+        token = (phase, ev.nbytes, ev.category, where, ev.phase, str(ev.op), ev.stream)
         occ = seen.get((lay, token), 0)
         seen[(lay, token)] = occ + 1
-        place[ev[1]] = (token, occ)
-        back[(lay, token, occ)] = ev[1]
+        place[ev.key] = (token, occ)
+        back[(lay, token, occ)] = ev.key
     return place, back
 
 
@@ -353,7 +355,8 @@ def recorded_sizes(log: EventLog, spanning: dict, copies: int) -> dict:
 
 def _spanning(log: EventLog, spanning: dict) -> list:
     """(key, what allocated it, size) of the allocations made from every layer's tensors, in order."""
-    return [(ev[1], (ev[3], ev[5], str(ev[6]), ev[8]), ev[2]) for ev in log.events if ev[0] == ALLOC and ev[1] in spanning]
+    return [(ev.key, (ev.category, ev.phase, str(ev.op), ev.stream), ev.nbytes)
+            for ev in log.events if ev.kind == ALLOC and ev.key in spanning]
 
 
 def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template: int = TEMPLATE,
@@ -364,124 +367,145 @@ def write_layers(log: EventLog, stack: Stack, live: dict, copies: int, template:
     copy's key (the storages of the template's own events keep their keys)."""
     if copies < 1:
         raise ValueError("copies must be >= 1")
-    d, t, k = stack.depth, template, copies
-    if not 0 < t < d - 1:
-        raise NotPeriodic(f"layer {t} of {d} has no layer on each side")
+    if not 0 < template < stack.depth - 1:
+        raise NotPeriodic(f"layer {template} of {stack.depth} has no layer on each side")
     log = EventLog(events=until_done(log.events), modules=log.modules, rank=log.rank)
-    owner, key_layer = layers_of(log, stack, live)
-    place, back = _tokens(log, stack, key_layer)
+    writer = _LayerWriter(log, stack, live, template, copies, sizes, {} if keys is None else keys)
+    writer.write()
+    return writer.out
 
-    def new(j):
-        return j if j is None or j <= t else j + k
 
-    # the modules: each run of the template's names followed by its copies' (named_modules order)
-    out = EventLog(rank=log.rank)
-    mod_new: dict = {}
-    names = log.modules
-    i = 0
-    while i < len(names):
-        lay = stack.layer_of(names[i])
-        if lay is None:
-            mod_new[(None, i)] = out.module_id(names[i])
-            i += 1
-            continue
-        run = []
-        while i < len(names) and stack.layer_of(names[i]) == lay:
-            run.append(i)
-            i += 1
-        for m in run:
-            mod_new[(None, m)] = out.module_id(stack.rename(names[m], new(lay)))
-        if lay == t:        # the copies' names, in order (an allocation looks its module up by name)
-            for c in range(1, k + 1):
-                for m in run:
-                    out.module_id(stack.rename(names[m], t + c))
+class _LayerWriter:
+    """Writes ``log`` with ``copies`` more layers (:func:`write_layers`): layers above the template
+    are renumbered, the template's events are written once more per copy, with fresh keys."""
 
-    fresh: dict = {} if keys is None else keys
-    next_key = [max((ev[1] for ev in log.events if ev[0] == ALLOC and isinstance(ev[1], int)), default=-1) + 1]
+    def __init__(self, log: EventLog, stack: Stack, live: dict, template: int, copies: int, sizes: dict | None,
+                 fresh: dict):
+        self.log, self.stack, self.t, self.k, self.sizes, self.fresh = log, stack, template, copies, sizes, fresh
+        self.owner, self.key_layer = layers_of(log, stack, live)
+        self.place, self.back = _tokens(log, stack, self.key_layer)
+        self.out = EventLog(rank=log.rank)
+        self.module_layer = [stack.layer_of(name) for name in log.modules]
+        self.module_ids = self._name_modules()
+        self.module_at: dict = {}     # (module, the event's layer, where it is written) -> module id written
+        self.next_key = max((ev.key for ev in log.events if ev.kind == ALLOC and isinstance(ev.key, int)), default=-1) + 1
 
-    def copy_key(c, key):
-        got = fresh.get((c, key))
+    def new(self, j):
+        """Where source layer ``j`` is written (layers above the template move up by the copies)."""
+        return j if j is None or j <= self.t else j + self.k
+
+    def _name_modules(self) -> dict:
+        """The new log's module ids of the source's modules: each run of the template's names
+        followed by its copies' (named_modules order; an allocation looks its module up by name)."""
+        names, stack, out, t = self.log.modules, self.stack, self.out, self.t
+        ids: dict = {}
+        i = 0
+        while i < len(names):
+            lay = stack.layer_of(names[i])
+            if lay is None:
+                ids[i] = out.module_id(names[i])
+                i += 1
+                continue
+            run = []
+            while i < len(names) and stack.layer_of(names[i]) == lay:
+                run.append(i)
+                i += 1
+            for m in run:
+                ids[m] = out.module_id(stack.rename(names[m], self.new(lay)))
+            if lay == t:
+                for c in range(1, self.k + 1):
+                    for m in run:
+                        out.module_id(stack.rename(names[m], t + c))
+        return ids
+
+    def copy_key(self, c: int, key):
+        """The key of copy ``c`` of the template's storage ``key``."""
+        got = self.fresh.get((c, key))
         if got is None:
-            got = fresh[(c, key)] = next_key[0]
-            next_key[0] += 1
+            got = self.fresh[(c, key)] = self.next_key
+            self.next_key += 1
         return got
 
-    def resolve(key, src_layer, at_layer):
+    def resolve(self, key, src_layer, at_layer):
         """The key an event of source layer ``src_layer`` written as layer ``at_layer`` refers to."""
-        j = key_layer.get(key)
+        j = self.key_layer.get(key)
         if j is None:
             return key
-        target = new(j) if src_layer is None else at_layer + (j - src_layer)
+        t, k = self.t, self.k
+        target = self.new(j) if src_layer is None else at_layer + (j - src_layer)
         if t < target <= t + k:
             c, orig = target - t, t
         else:
             c, orig = 0, target if target <= t else target - k
         if orig == j and c == 0:
             return key
-        token, occ = place[key]
-        found = back.get((orig, token, occ))
+        token, occ = self.place[key]
+        found = self.back.get((orig, token, occ))
         if found is None:
             raise NotPeriodic(f"layer {j}'s storage has no counterpart in layer {orig}")
-        return copy_key(c, found) if c else found
+        return self.copy_key(c, found) if c else found
 
-    module_layer = [stack.layer_of(name) for name in names]
-    module_at: dict = {}     # (module, the event's layer, where it is written) -> module id written
+    def module_written(self, module: int, lay, at) -> int:
+        """The module id an allocation of ``module`` by an event of layer ``lay`` written as layer ``at`` gets."""
+        got = self.module_at.get((module, lay, at))
+        if got is None:
+            m = self.module_layer[module]
+            if m is None:
+                got = self.module_ids[module]
+            else:    # the module's layer, at the same distance from the event's layer
+                got = self.out.module_id(self.stack.rename(self.log.modules[module], self.new(m) if lay is None else at + (m - lay)))
+            self.module_at[(module, lay, at)] = got
+        return got
 
-    append = out.events.append
-    make = tuple.__new__      # Alloc(...), Free(...), Tag(...) without their constructors' call
-
-    def emit(evs, lay, c):
+    def emit(self, evs, lay, c: int) -> None:
         """Write the events ``evs`` (of source layer ``lay``) as copy ``c`` of them (0: themselves, renumbered)."""
-        at = new(lay) if c == 0 else t + c
-        grown = sizes if sizes and c == 0 else None     # (its keys: the allocations made from every layer's tensors)
+        at = self.new(lay) if c == 0 else self.t + c
+        grown = self.sizes if self.sizes and c == 0 else None     # (its keys: the allocations made from every layer's tensors)
+        fresh, resolve, module_at, module_written = self.fresh, self.resolve, self.module_at, self.module_written
+        append = self.out.events.append
+        make = tuple.__new__      # Alloc(...), Free(...), Tag(...) without their constructors' call
         for ev in evs:
-            kind = ev[0]
+            kind = ev.kind
             if kind == ALLOC:
-                key = ev[1]
+                key = ev.key
                 if c:
                     key = fresh.get((c, key))
                     if key is None:
-                        key = copy_key(c, ev[1])
-                module = ev[4]
+                        key = self.copy_key(c, ev.key)
+                module = ev.module
                 if module >= 0:
                     got = module_at.get((module, lay, at))
-                    if got is None:
-                        m = module_layer[module]
-                        if m is None:
-                            got = mod_new[(None, module)]
-                        else:    # the module's layer, at the same distance from the event's layer
-                            got = out.module_id(stack.rename(names[module], new(m) if lay is None else at + (m - lay)))
-                        module_at[(module, lay, at)] = got
-                    module = got
-                nbytes = grown.get(ev[1], ev[2]) if grown else ev[2]
-                append(make(Alloc, (ALLOC, key, nbytes, ev[3], module, ev[5], ev[6], ev[7], ev[8])))
+                    module = got if got is not None else module_written(module, lay, at)
+                nbytes = grown.get(ev.key, ev.nbytes) if grown else ev.nbytes
+                append(make(Alloc, (ALLOC, key, nbytes, ev.category, module, ev.phase, ev.op, ev.rank, ev.stream)))
             elif kind == FREE:
-                append(make(Free, (FREE, resolve(ev[1], lay, at), ev[2])))
+                append(make(Free, (FREE, resolve(ev.key, lay, at), ev.rank)))
             elif kind == TAG:
-                append(make(Tag, (TAG, resolve(ev[1], lay, at), ev[2], ev[3])))
+                append(make(Tag, (TAG, resolve(ev.key, lay, at), ev.category, ev.rank)))
             else:
                 append(ev)
 
-    events = log.events
-    n = len(events)
-    # blocks: runs of one layer (None included)
-    starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1]]
-    blocks = [(s, e, owner[s]) for s, e in zip(starts, starts[1:] + [n])]
-    layered = [b for b in range(len(blocks)) if blocks[b][2] is not None]
-    pos = {b: r for r, b in enumerate(layered)}
-    for b, (s, e, lay) in enumerate(blocks):
-        if lay != t:
-            emit(events[s:e], lay, 0)
-            continue
-        r = pos[b]
-        after = r + 1 < len(layered) and blocks[layered[r + 1]][2] == t + 1
-        before = r > 0 and blocks[layered[r - 1]][2] == t + 1
-        if after == before:
-            raise NotPeriodic(f"layer {t}'s events at {s} have no layer {t + 1} on one side")
-        order = [0] + list(range(1, k + 1)) if after else list(range(k, 0, -1)) + [0]
-        for c in order:
-            emit(events[s:e], lay, c)
-    return out
+    def write(self) -> None:
+        """Each run of one layer's events (None included) written in order; the template's runs with
+        their copies after them (where layer t + 1 follows, the forward) or before (the backward)."""
+        events, owner, t, k = self.log.events, self.owner, self.t, self.k
+        n = len(events)
+        starts = [0] + [i for i in range(1, n) if owner[i] != owner[i - 1]]
+        blocks = [(s, e, owner[s]) for s, e in zip(starts, starts[1:] + [n])]
+        layered = [b for b in range(len(blocks)) if blocks[b][2] is not None]
+        pos = {b: r for r, b in enumerate(layered)}
+        for b, (s, e, lay) in enumerate(blocks):
+            if lay != t:
+                self.emit(events[s:e], lay, 0)
+                continue
+            r = pos[b]
+            after = r + 1 < len(layered) and blocks[layered[r + 1]][2] == t + 1
+            before = r > 0 and blocks[layered[r - 1]][2] == t + 1
+            if after == before:
+                raise NotPeriodic(f"layer {t}'s events at {s} have no layer {t + 1} on one side")
+            order = [0] + list(range(1, k + 1)) if after else list(range(k, 0, -1)) + [0]
+            for c in order:
+                self.emit(events[s:e], lay, c)
 
 
 def check_middle(log: EventLog, stack: Stack, live: dict, template: int = TEMPLATE) -> None:
@@ -505,17 +529,15 @@ def check_middle(log: EventLog, stack: Stack, live: dict, template: int = TEMPLA
         return found
 
     def one_on(ev):
-        kind = ev[0]
+        kind = ev.kind
         if kind == ALLOC:
-            module = ev[4]
+            module = ev.module
             m = stack.layer_of(log.modules[module]) if module >= 0 else None
             if m is not None:
                 module = ids.get(stack.rename(log.modules[module], m + 1), -2)
-            return Alloc(ALLOC, moved(ev[1]), ev[2], ev[3], module, *ev[5:])
-        if kind == FREE:
-            return Free(FREE, moved(ev[1]), ev[2])
-        if kind == TAG:
-            return Tag(TAG, moved(ev[1]), ev[2], ev[3])
+            return ev._replace(key=moved(ev.key), module=module)
+        if kind in (FREE, TAG):
+            return ev.rekeyed(moved(ev.key))
         return ev
 
     events, n = log.events, len(log.events)

@@ -20,12 +20,15 @@ from ..core.enums import Category
 from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
 from ..core.optimizers import optimizer_facts
-from ..core.parallel import is_distributed, sharding_of
+from ..core.parallel import sharding_of
+from ..core.precision import precision_of
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..models.build import build, default_seq_len, quiet
 from ..models.source import resolve
+from ..step.kinds import kind_for
 from ..step.parallel.fsdp import find_blocks
+from ..step.plan import StepPlan
 from .result import finish
 
 MiB = 1024 * 1024
@@ -52,15 +55,22 @@ class Term:
     why: str
 
 
-def _counts(spec: TrainingSpec):
+def _plan_of(spec: TrainingSpec) -> StepPlan:
+    """The spec's step plan without the simulation's refusals: the closed form refuses on its own terms (below)."""
+    return StepPlan(spec=spec, sharding=sharding_of(spec), wrapper=None, kind=kind_for(spec),
+                    optimizer=optimizer_facts(spec.optimizer), precision=precision_of(spec))
+
+
+def _counts(plan: StepPlan):
     import torch  # heavy: torch, loaded on first use
 
-    if is_distributed(spec) and sharding_of(spec).name == "none":   # as the simulation says (memlens.step.parallel.base.check)
-        raise MemlensError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
+    spec = plan.spec
+    if plan.distributed and plan.sharding.name == "none":   # as the simulation says (memlens.step.parallel.base.check)
+        raise MemlensError(f"--world-size {plan.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
     if spec.reshard_after_forward is not None and not isinstance(spec.reshard_after_forward, bool):
         raise MemlensError(f"--method formula does not model FSDP2 resharding over {spec.reshard_after_forward} GPUs "
                            "(--reshard-after-forward N)", hint="drop --method formula: the simulation runs FSDP2 itself")
-    if spec.dp:
+    if plan.dp:
         raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
     unmodelled = [flag for flag, on in (("--lora-dropout", spec.lora_dropout), ("--pad-fraction", spec.pad_fraction),
@@ -97,18 +107,19 @@ def _counts(spec: TrainingSpec):
     for b in model.buffers():
         buf += b.numel() * b.element_size()
     block = 0
-    if sharding_of(spec).shards_parameters:   # FSDP2 gathers one block's parameters whole (memlens.step.parallel.fsdp)
+    if plan.sharding.shards_parameters:   # FSDP2 gathers one block's parameters whole (memlens.step.parallel.fsdp)
 
         block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in find_blocks(model)), default=p_bytes)
     return source, p_bytes, t_numel, t_bytes, buf, block
 
 
-def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
-    """(forward/backward terms, optimizer-step terms, facts) of the closed form."""
+def formula_terms(spec: TrainingSpec, plan: StepPlan | None = None) -> tuple[list[Term], list[Term], dict]:
+    """(forward/backward terms, optimizer-step terms, facts) of the closed form (``plan``: the spec's, if made)."""
     if spec.lengths:
         raise MemlensError("--lengths is read by `memlens estimate` (simulated) only: one step has one shape",
                            hint="run memlens estimate --lengths FILE, then use the shape it names here")
-    source, p_bytes, t_numel, t_bytes, buf, block = _counts(spec)
+    plan = plan or _plan_of(spec)
+    source, p_bytes, t_numel, t_bytes, buf, block = _counts(plan)
     ws = 2 * gpu_facts(spec.gpu).cublas_workspace_bytes  # one per handle: forward thread and autograd thread
     cfg = source.config
     text = getattr(cfg, "text_config", None) or cfg
@@ -117,15 +128,47 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", 12)
     V = getattr(text, "vocab_size", 0)
     B = spec.batch_size
-    if source.task in ("causal-lm", "masked-lm", "vlm"):
-        L = default_seq_len(spec, source)
-    elif source.task == "image-classification":
-        v = cfg
-        L = (spec.image_size or v.image_size) ** 2 // v.patch_size**2 + 1
+    if source.task == "image-classification":
+        L = (spec.image_size or cfg.image_size) ** 2 // cfg.patch_size**2 + 1
     else:
         L = default_seq_len(spec, source)
     e = 2 if spec.precision != "fp32" else 4
     fam = FAMILY.get(cfg.model_type, "default")
+    tokens = B * L
+    act, act_why = _activations(spec, fam, layers, heads, B, L, H, e)
+    logits = 0
+    logits_why = ""
+    if source.task in ("causal-lm", "vlm", "masked-lm") and V:
+        # logits in the activation dtype, the fp32 upcast / log-softmax output, and its gradient
+        logits = tokens * V * (e + 4 + 4)
+        logits_why = f"B*L*V logits ({e} B) + fp32 log-softmax ({4} B) + its gradient ({4} B)"
+    bpe = 2 if spec.param_dtype != "float32" else 4
+    st = _states(plan, p_bytes, t_numel, t_bytes, buf, block)
+    fb = [
+        Term(Category.PARAMETERS, st.params + st.gathered, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"
+             + (f"; {st.shard_why}" if st.shard_why else "") + ("; + 2 blocks gathered whole (the one running, the one prefetched)" if st.gathered else "")),
+        Term(Category.GRADIENTS, st.grads + st.bucket, "one gradient per trainable parameter, in its dtype"
+             + ("; + DDP's all-reduce buckets (a copy of the gradients)" if st.bucket else "")),
+        Term(Category.OPTIMIZER_STATE, st.opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
+        Term(Category.ACTIVATIONS, act, act_why),
+        Term(Category.TEMPORARIES, logits, logits_why or "none counted"),
+        Term(Category.WORKSPACE, ws, "cuBLAS workspaces (forward and autograd threads)"),
+    ]
+    opt = [
+        Term(Category.PARAMETERS, st.params, "weights"),
+        Term(Category.GRADIENTS, st.grads + st.bucket, "all gradients exist during the step" + ("; + DDP's buckets" if st.bucket else "")),
+        Term(Category.OPTIMIZER_STATE, st.opt_bytes, "states"),
+        Term(Category.TEMPORARIES, st.opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
+        Term(Category.WORKSPACE, ws, "cuBLAS workspaces"),
+    ]
+    facts = {"hidden_size": H, "layers": layers, "heads": heads, "vocab_size": V, "tokens_per_micro_batch": tokens,
+             "family": fam, "trainable_param_count": t_numel, "param_bytes": p_bytes}
+    return fb, opt, facts
+
+
+def _activations(spec: TrainingSpec, fam: str, layers: int, heads: int, B: int, L: int, H: int, e: int) -> tuple[int, str]:
+    """(bytes, why) of the activations the layers keep: the family's constant per token, fewer under checkpointing,
+    plus eager attention's score matrices."""
     c = ACT_PER_TOKEN[fam]
     tokens = B * L
     ck = layers if spec.checkpoint_layers is None else min(
@@ -144,20 +187,29 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
         extra = layers * B * heads * L * L * (e + 4 + (1 if fam in ("gpt2", "bert") else 0))
         act += extra * (layers - ck) // layers if spec.grad_checkpointing else extra
         act_why += "; eager attention keeps B*heads*L*L scores, probabilities (fp32) and dropout masks per layer"
-    logits = 0
-    logits_why = ""
-    if source.task in ("causal-lm", "vlm", "masked-lm") and V:
-        # logits in the activation dtype, the fp32 upcast / log-softmax output, and its gradient
-        logits = tokens * V * (e + 4 + 4)
-        logits_why = f"B*L*V logits ({e} B) + fp32 log-softmax ({4} B) + its gradient ({4} B)"
-    bpe = 2 if spec.param_dtype != "float32" else 4
-    optimizer = optimizer_facts(spec.optimizer)   # state and step-temporary bytes (memlens.core.optimizers)
-    opt_bytes = optimizer.state_bytes(t_numel, t_bytes)
-    opt_tmp = optimizer.temporary_bytes(t_numel, t_bytes)
+    return act, act_why
+
+
+@dataclass
+class _States:
+    """The model states of one rank, in bytes, as the sharding splits them."""
+
+    params: int
+    grads: int
+    opt_bytes: int
+    opt_tmp: int
+    gathered: int        # FSDP2: two blocks' parameters gathered whole
+    bucket: int          # DDP's all-reduce buckets (a copy of the gradients)
+    shard_why: str
+
+
+def _states(plan: StepPlan, p_bytes: int, t_numel: int, t_bytes: int, buf: int, block: int) -> _States:
+    spec, sh = plan.spec, plan.sharding
+    opt_bytes = plan.optimizer.state_bytes(t_numel, t_bytes)   # state and step-temporary bytes (memlens.core.optimizers)
+    opt_tmp = plan.optimizer.temporary_bytes(t_numel, t_bytes)
     if spec.offload_optimizer:
         opt_bytes, opt_tmp = 0, 0
-    sh = sharding_of(spec)
-    shard = spec.world_size if sh.shards_optimizer_state else 1
+    shard = plan.world_size if sh.shards_optimizer_state else 1
     grads = t_bytes
     params = p_bytes + buf
     if shard > 1:
@@ -172,49 +224,31 @@ def formula_terms(spec: TrainingSpec) -> tuple[list[Term], list[Term], dict]:
     if shard > 1:
         split = ["optimizer states"] + (["gradients"] if sh.shards_gradients else []) + \
             (["parameters"] if sh.shards_parameters else [])
-        shard_why = f"{spec.sharding} over {shard} ranks: {', '.join(split)} / {shard} per rank"
+        shard_why = f"{sh.name} over {shard} ranks: {', '.join(split)} / {shard} per rank"
     if sh.shards_parameters and spec.reshard_after_forward is not False:
         # FSDP2 all-gathers a block's parameters whole before it runs and prefetches the next one: two blocks at a time
         gathered = 2 * block
     bucket = 0
     if sh.family == "ddp" and not spec.gradient_as_bucket_view:
         bucket = grads   # DDP's Reducer copies every gradient into its flat all-reduce buckets (no views)
-    fb = [
-        Term(Category.PARAMETERS, params + gathered, f"{p_bytes / 2**30:.2f} GiB of weights ({bpe} B each unless quantized) + buffers"
-             + (f"; {shard_why}" if shard_why else "") + ("; + 2 blocks gathered whole (the one running, the one prefetched)" if gathered else "")),
-        Term(Category.GRADIENTS, grads + bucket, "one gradient per trainable parameter, in its dtype"
-             + ("; + DDP's all-reduce buckets (a copy of the gradients)" if bucket else "")),
-        Term(Category.OPTIMIZER_STATE, opt_bytes, f"{spec.optimizer}: states per trainable parameter"),
-        Term(Category.ACTIVATIONS, act, act_why),
-        Term(Category.TEMPORARIES, logits, logits_why or "none counted"),
-        Term(Category.WORKSPACE, ws, "cuBLAS workspaces (forward and autograd threads)"),
-    ]
-    opt = [
-        Term(Category.PARAMETERS, params, "weights"),
-        Term(Category.GRADIENTS, grads + bucket, "all gradients exist during the step" + ("; + DDP's buckets" if bucket else "")),
-        Term(Category.OPTIMIZER_STATE, opt_bytes, "states"),
-        Term(Category.TEMPORARIES, opt_tmp, f"{spec.optimizer} multi-tensor (foreach) temporaries, one parameter-sized list"),
-        Term(Category.WORKSPACE, ws, "cuBLAS workspaces"),
-    ]
-    facts = {"hidden_size": H, "layers": layers, "heads": heads, "vocab_size": V, "tokens_per_micro_batch": tokens,
-             "family": fam, "trainable_param_count": t_numel, "param_bytes": p_bytes}
-    return fb, opt, facts
+    return _States(params, grads, opt_bytes, opt_tmp, gathered, bucket, shard_why)
 
 
-def _sharding_note(spec: TrainingSpec) -> str:
-    sh = sharding_of(spec)
+def _sharding_note(plan: StepPlan) -> str:
+    spec, sh = plan.spec, plan.sharding
     if not sh.shards_optimizer_state:
         return "every rank holds the whole model states" + ("" if spec.gradient_as_bucket_view else " plus DDP's gradient buckets")
     split = ", ".join(n for n, on in (("parameters", sh.shards_parameters), ("gradients", sh.shards_gradients)) if on)
     split = f"{split} and optimizer states" if split else "optimizer states"
-    return f"{split} divided by {spec.world_size}" + (
+    return f"{split} divided by {plan.world_size}" + (
         "; two blocks' parameters gathered whole" if sh.shards_parameters and spec.reshard_after_forward is not False else "")
 
 
 def formula_estimate(spec: TrainingSpec) -> Result:
     """The closed-form estimate as a Result (method "formula")."""
     gpu = gpu_facts(spec.gpu)
-    fb, opt, facts = formula_terms(spec)
+    plan = _plan_of(spec)
+    fb, opt, facts = formula_terms(spec, plan)
     fb_total, opt_total = sum(t.bytes for t in fb), sum(t.bytes for t in opt)
     terms = fb if fb_total >= opt_total else opt
     peak = max(fb_total, opt_total)
@@ -231,8 +265,8 @@ def formula_estimate(spec: TrainingSpec) -> Result:
         by_phase={"forward/backward": {"peak_allocated_bytes": fb_total}, "optimizer": {"peak_allocated_bytes": opt_total}},
         notes=["closed form: model states exact, activations from per-family constants (approximate);",
                "peak_reserved_bytes assumes 5% allocator overhead; use --method simulate for exact figures."]
-        + ([f"per rank of {spec.world_size} GPUs ({spec.sharding}): {_sharding_note(spec)}; NCCL's buffers and "
-            "communication temporaries are not counted (--method simulate runs the wrapper)"] if is_distributed(spec) else [])
+        + ([f"per rank of {plan.world_size} GPUs ({plan.sharding.name}): {_sharding_note(plan)}; NCCL's buffers and "
+            "communication temporaries are not counted (--method simulate runs the wrapper)"] if plan.distributed else [])
         + (["--offload-optimizer: optimizer states and step on the CPU (no GPU bytes counted for them)"]
            if spec.offload_optimizer else []),
         data={"method": "formula", "peak_phase": "backward" if fb_total >= opt_total else "optimizer",

@@ -38,7 +38,7 @@ import torch
 from ..core import progress as _progress
 from ..core.enums import Category
 from ..core.errors import SpecError
-from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, Free, PhaseMark, Tag
+from ..core.events import ALLOC, FREE, PHASE, TAG, Free
 from .periodic_dp import DPFirstStep
 from .standins import Meta as _Meta
 from .standins import standin_meta as _standin_meta
@@ -69,20 +69,14 @@ class Repeat:
             return False
         out = tracker.log.events
         for ev in self.segment:
-            kind = ev[0]
-            if kind == PHASE:
-                out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+            if ev.kind == PHASE:
+                out.append(ev.at_step(n))
                 continue
-            new = remap.get(ev[1])
+            new = remap.get(ev.key)
             if new is None:
                 continue            # a one-time allocation, or a tag that would not be emitted again
-            if kind == ALLOC:
-                out.append(Alloc(ALLOC, new, *ev[2:]))
-            elif kind == FREE:
-                out.append(Free(FREE, new, ev[2]))
-            else:
-                out.append(Tag(TAG, new, ev[2], ev[3]))
-        tracker.phase, tracker.step = "backward", n
+            out.append(ev.rekeyed(new))
+        tracker.resume("backward", n)
         _install(tracker, grads)
         grads.clear()               # the parameters hold the gradients now, nothing else
         standin = None
@@ -131,27 +125,27 @@ class FirstStep:
         live: set = set()
         older_tags: dict[Any, str] = {}
         for ev in seg:
-            kind = ev[0]
+            kind = ev.kind
             if kind == ALLOC:
-                allocated[ev[1]] = ev[3]
-                live.add(ev[1])
+                allocated[ev.key] = ev.category
+                live.add(ev.key)
             elif kind == FREE:
-                if ev[1] not in allocated:
+                if ev.key not in allocated:
                     return "step 1 frees a storage made before it"
-                live.discard(ev[1])
+                live.discard(ev.key)
             elif kind == TAG:
-                if ev[1] in allocated:
-                    final[ev[1]] = ev[2]
-                elif older_tags.setdefault(ev[1], ev[2]) != ev[2]:
+                if ev.key in allocated:
+                    final[ev.key] = ev.category
+                elif older_tags.setdefault(ev.key, ev.category) != ev.category:
                     return "step 1 tags a storage made before it twice"
         for key, cat in older_tags.items():
-            if self.tracker._category.get(key) != cat:
+            if self.tracker.category_of(key) != cat:
                 return "step 1 retags a storage made before it"
         # what outlives step 1: everything freed later is not
         outlive = set(live) - {loss_key}      # the loss dies as soon as the step returns
         for ev in events[self.stop:]:
-            if ev[0] == FREE:
-                outlive.discard(ev[1])
+            if ev.kind == FREE:
+                outlive.discard(ev.key)
         odd = [k for k in outlive if final.get(k, allocated[k]) != Category.WORKSPACE]
         if odd:
             return f"{len(odd)} storage(s) made in step 1's forward or backward outlive it"
@@ -217,18 +211,18 @@ class SkipMicroBatches(Exception):
         for _ in range(written):
             remap = {}
             for ev in self.template:
-                kind = ev[0]
+                kind = ev.kind
                 if kind == PHASE:
-                    out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+                    out.append(ev.at_step(n))
                 elif kind == ALLOC:
-                    new = remap[ev[1]] = tracker.new_key()
-                    out.append(Alloc(ALLOC, new, *ev[2:]))
+                    new = remap[ev.key] = tracker.new_key()
+                    out.append(ev.rekeyed(new))
                 elif kind == FREE:
-                    out.append(Free(FREE, prev if ev[1] == self.carried_in else remap[ev[1]], ev[2]))
-                elif ev[1] in remap:
-                    out.append(Tag(TAG, remap[ev[1]], ev[2], ev[3]))
+                    out.append(ev.rekeyed(prev if ev.key == self.carried_in else remap[ev.key]))
+                elif ev.key in remap:
+                    out.append(ev.rekeyed(remap[ev.key]))
             prev = remap[self.carried_out]
-        tracker.phase, tracker.step = "backward", n
+        tracker.resume("backward", n)
         tracker.muted = True
         try:
             loss = self.meta.make()
@@ -331,19 +325,19 @@ class MicroBatches:
         category: dict[Any, str] = {}
         for i in range(m1, m2):
             ev = events[i]
-            kind = ev[0]
+            kind = ev.kind
             if kind == ALLOC:
-                allocated[ev[1]] = i
-                live.add(ev[1])
-                category[ev[1]] = ev[3]
+                allocated[ev.key] = i
+                live.add(ev.key)
+                category[ev.key] = ev.category
             elif kind == FREE:
-                if ev[1] not in allocated:
+                if ev.key not in allocated:
                     return None              # frees a storage made before it
-                live.discard(ev[1])
+                live.discard(ev.key)
             elif kind == TAG:
-                if ev[1] not in allocated:
+                if ev.key not in allocated:
                     return None              # tags a storage made before it
-                category[ev[1]] = ev[2]
+                category[ev.key] = ev.category
         grads: dict[Any, tuple[int, int]] = {}   # gradient key -> where its accumulator started and returned
         seen = set()
         for p, at in post:
@@ -354,7 +348,7 @@ class MicroBatches:
             key = self.tracker.key_of(p.grad)
             if len(starts) != 1 or key is None or key not in allocated or allocated[key] >= starts[0]:
                 return None                  # not run once, or the gradient is a copy it made
-            if any(ev[0] != TAG or ev[1] != key for ev in events[starts[0]:at]):
+            if any(ev.kind != TAG or ev.key != key for ev in events[starts[0]:at]):
                 return None                  # the accumulator did more than tag the gradient it stole
             grads[key] = (starts[0], at)
         if any(p.grad is not None and id(p) not in seen for p in self.params):
@@ -367,9 +361,10 @@ class MicroBatches:
         meta = _standin_meta(self.tracker, loss)
         if meta is None:
             return None
+        rank = events[m1].rank
         frees: dict[int, list] = {}
         for key, (_, at) in grads.items():
-            frees.setdefault(at, []).append(Free(FREE, key, events[m1][3]))
+            frees.setdefault(at, []).append(Free(FREE, key, rank))
         previous = _PreviousLoss()
         template: list[tuple] = []
         for i in range(m1, m2 + 1):
@@ -378,13 +373,13 @@ class MicroBatches:
             if i == m2:
                 break
             ev = events[i]
-            if ev[0] != PHASE and ev[1] in workspace:
+            if ev.kind != PHASE and ev.key in workspace:
                 continue
-            if ev[0] == TAG and ev[1] in grads and grads[ev[1]][0] <= i < grads[ev[1]][1]:
+            if ev.kind == TAG and ev.key in grads and grads[ev.key][0] <= i < grads[ev.key][1]:
                 continue                     # the accumulator's tag: micro-batch 2 adds into .grad instead
             template.append(ev)
-        template.append(Free(FREE, previous, events[m1][3]))
-        return SkipMicroBatches(template, previous, loss, meta, self.tracker._category.get(loss, category[loss]), self.k - 1,
+        template.append(Free(FREE, previous, rank))
+        return SkipMicroBatches(template, previous, loss, meta, self.tracker.category_of(loss, category[loss]), self.k - 1,
                                 label=f"2..{self.k} written from micro-batch 1")
 
     def _plan(self) -> SkipMicroBatches | None:
@@ -393,22 +388,22 @@ class MicroBatches:
         first, second = events[m1:m2], events[m2:m3]
         alive1 = set()
         for ev in first:
-            if ev[0] == ALLOC:
-                alive1.add(ev[1])
-            elif ev[0] == FREE:
-                alive1.discard(ev[1])
+            if ev.kind == ALLOC:
+                alive1.add(ev.key)
+            elif ev.kind == FREE:
+                alive1.discard(ev.key)
         allocated, live, older_frees = {}, set(), []
         for ev in second:
-            kind = ev[0]
+            kind = ev.kind
             if kind == ALLOC:
-                allocated[ev[1]] = ev[3]
-                live.add(ev[1])
+                allocated[ev.key] = ev.category
+                live.add(ev.key)
             elif kind == FREE:
-                if ev[1] in allocated:
-                    live.discard(ev[1])
+                if ev.key in allocated:
+                    live.discard(ev.key)
                 else:
-                    older_frees.append(ev[1])
-            elif kind == TAG and ev[1] not in allocated:
+                    older_frees.append(ev.key)
+            elif kind == TAG and ev.key not in allocated:
                 return None         # a tag on an older storage: not shown to repeat
         if len(older_frees) != 1 or older_frees[0] not in alive1 or len(live) != 1:
             return None
@@ -416,7 +411,7 @@ class MicroBatches:
         meta = _standin_meta(self.tracker, out)
         if meta is None:
             return None
-        cat = self.tracker._category.get(out, allocated[out])
+        cat = self.tracker.category_of(out, allocated[out])
         return SkipMicroBatches(second, older_frees[0], out, meta, cat, self.k - 2, label=f"3..{self.k} written from micro-batch 2")
 
 

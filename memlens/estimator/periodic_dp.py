@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from ..core.enums import Category
-from ..core.events import ALLOC, FREE, PHASE, TAG, Alloc, EventLog, Free, PhaseMark, Tag, canonical
+from ..core.events import ALLOC, FREE, PHASE, TAG, EventLog, Free, canonical
 from .standins import Meta as _Meta
 from .standins import standin_meta as _standin_meta
 
@@ -125,7 +125,7 @@ class DPFirstStep:
                 out.append((what, None, key, _standin_meta(t, key)))
         if any(key is None or meta is None for _, _, key, meta in out):
             return "a storage alive at the last physical batch's start is not logged"
-        return [(what, holder, key, meta, t._category.get(key)) for what, holder, key, meta in out]
+        return [(what, holder, key, meta, t.category_of(key)) for what, holder, key, meta in out]
 
     def _attributes(self) -> list[tuple[Any, str]]:
         """(object, attribute) of every tensor Opacus keeps on a parameter or on its wrappers now."""
@@ -143,25 +143,25 @@ class DPFirstStep:
         end = self.starts.get(3, self.starts[self.dp.n_physical]) if self.dp.n_physical > 2 else len(events)
 
         def span(a: int, b: int) -> tuple[int, int] | None:
-            marks = {ev[1]: j for j, ev in enumerate(events[a:b], a) if ev[0] == PHASE and ev[1] in ("forward", "clip")}
+            marks = {ev.name: j for j, ev in enumerate(events[a:b], a) if ev.kind == PHASE and ev.name in ("forward", "clip")}
             return (marks["forward"], marks["clip"]) if len(marks) == 2 else None
 
         one, two = span(s1, s2), span(s2, end)
         if one is None or two is None:
             return "a physical batch has no forward or no clip phase"
-        made = {ev[1] for ev in events[:s2] if ev[0] == ALLOC}
+        made = {ev.key for ev in events[:s2] if ev.kind == ALLOC}
         held = (set(self.replaced[1]) if self.replaced else set()) | self.loss2     # freed by their own rules
         rest, at = [], {}
         for ev in events[two[0]:two[1]]:
-            if ev[0] == FREE and ev[1] in made:
-                if ev[1] in self.holders:
-                    at.setdefault(len(rest), []).append(self.holders[ev[1]])
-                elif ev[1] not in held:
+            if ev.kind == FREE and ev.key in made:
+                if ev.key in self.holders:
+                    at.setdefault(len(rest), []).append(self.holders[ev.key])
+                elif ev.key not in held:
                     return "physical batch 2 frees a storage of batch 1 that nothing Opacus keeps holds"
                 continue
             rest.append(ev)
-        once = {ev[1] for ev in events[one[0]:one[1]] if ev[0] == ALLOC and ev[3] == Category.WORKSPACE}   # batch 1's alone
-        first = [(j, ev) for j, ev in enumerate(events[one[0]:one[1]], one[0]) if ev[0] == PHASE or ev[1] not in once]
+        once = {ev.key for ev in events[one[0]:one[1]] if ev.kind == ALLOC and ev.category == Category.WORKSPACE}   # batch 1's alone
+        first = [(j, ev) for j, ev in enumerate(events[one[0]:one[1]], one[0]) if ev.kind == PHASE or ev.key not in once]
         mods = self.tracker.log.modules
         if canonical(EventLog(events=rest, modules=mods)) != canonical(EventLog(events=[ev for _, ev in first], modules=mods)):
             return "physical batch 2's forward and backward are not batch 1's"
@@ -194,22 +194,22 @@ class DPFirstStep:
         final: dict[Any, str] = {}
         live: set = set()
         for ev in seg:
-            kind = ev[0]
+            kind = ev.kind
             if kind == ALLOC:
-                allocated[ev[1]] = final[ev[1]] = ev[3]
-                live.add(ev[1])
+                allocated[ev.key] = final[ev.key] = ev.category
+                live.add(ev.key)
             elif kind == FREE:
-                if ev[1] not in allocated:
+                if ev.key not in allocated:
                     return "a physical batch before the last frees a storage made before it"
-                live.discard(ev[1])
+                live.discard(ev.key)
             elif kind == TAG:
-                if ev[1] not in allocated:
+                if ev.key not in allocated:
                     return "a physical batch before the last tags a storage made before it"
-                final[ev[1]] = ev[2]
+                final[ev.key] = ev.category
         outlive = set(live)               # past step 1: one-time workspaces only
         for ev in events[last:]:
-            if ev[0] == FREE:
-                outlive.discard(ev[1])
+            if ev.kind == FREE:
+                outlive.discard(ev.key)
         if any(final[key] != Category.WORKSPACE for key in outlive):
             return "a storage made in a physical batch before the last outlives step 1"
         carried = {c[2] for c in self.carried}
@@ -224,15 +224,15 @@ class DPFirstStep:
             at, keys, loss = self.replaced or (0, [], set())
             freed = []
             for ev in events[at:]:
-                if ev[0] != FREE:
+                if ev.kind != FREE:
                     break
-                freed.append(ev[1])
+                freed.append(ev.key)
             kept = [key for key in keys if key not in freed]
             if None in keys or len(set(freed)) != len(freed) or not set(freed) <= set(keys) or not set(kept) <= loss:
                 return "replacing the held outputs does not free them all at once"
             held_at, order = self.held_at - first, [keys.index(key) for key in kept + freed]
             replaced = [keys.index(key) for key in freed + kept]
-        rank = next((ev[3] for ev in seg if ev[0] == PHASE), 0)
+        rank = next((ev.rank for ev in seg if ev.kind == PHASE), 0)
         return DPRepeat(seg, [key for key in allocated if key not in outlive], self.carried, held_at, order, replaced, rank, k,
                         self.context, replace)
 
@@ -274,21 +274,18 @@ class DPRepeat:
             if j == self.held_at:
                 out.extend(Free(FREE, previous[i], self.rank) for i in self.order)
             out.extend(Free(FREE, key, self.rank) for key in kept.get(j, ()))
-            kind = ev[0]
+            kind = ev.kind
             if kind == PHASE:
-                out.append(PhaseMark(PHASE, ev[1], n, ev[3]))
+                out.append(ev.at_step(n))
                 before = False
                 continue
-            new = remap.get(ev[1])
+            new = remap.get(ev.key)
             if new is None:
                 continue            # a one-time allocation
-            if kind == ALLOC:
-                out.append(Alloc(ALLOC, new, ev[2], ev[3], tracker.module, tracker.phase, *ev[6:]) if before else
-                           Alloc(ALLOC, new, *ev[2:]))
-            elif kind == FREE:
-                out.append(Free(FREE, new, ev[2]))
+            if kind == ALLOC and before:
+                out.append(ev._replace(key=new, module=tracker.module, phase=tracker.phase))
             else:
-                out.append(Tag(TAG, new, ev[2], ev[3]))
+                out.append(ev.rekeyed(new))
         _copy_layers(tracker, remap)
         for key in [*(previous if self.held_at is not None else ()), *(k for keys in kept.values() for k in keys)]:
             tracker.disown(key)
@@ -310,8 +307,8 @@ class DPRepeat:
                 dp.held.clear()
             dp.last_loss = loss
             made.clear()
-            tracker.phase, tracker.module, tracker.category_default = self.context
-            tracker.step = n
+            phase, tracker.module, tracker.category_default = self.context
+            tracker.resume(phase, n)
 
         dp.run(on_phase, resume=(self.last, install))
         return True
@@ -320,13 +317,8 @@ class DPRepeat:
 def _copy_layers(tracker, remap: dict) -> None:
     """The layers (:mod:`.depth`) of the copied storages: a clip-phase allocation's layer is the tensor's it
     was computed from, not its module's, so the copies take their originals'."""
-    live = getattr(tracker, "live_layers", None)
-    if live is None:
-        return
-    for name in ("live_layers", "_key_layers", "spanning"):
-        d = getattr(tracker, name, None)
-        if d is not None:
-            d.update({new: d[old] for old, new in remap.items() if old in d})
+    if getattr(tracker, "live_layers", None) is not None:     # a SimulationTracker labelling layers
+        tracker.copy_layers(remap)
 
 
 def _name(obj, attribute: str) -> str:

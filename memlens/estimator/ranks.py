@@ -29,6 +29,8 @@ from ..models.source import resolve
 from ..step.parallel.ddp import HOLD_STALE_BUCKETS
 from ..step.parallel.fakepg import fake_process_group
 from ..step.parallel.fsdp import FSDPWrapper
+from ..step.plan import StepPlan
+from ..step.plan import resolve as resolve_plan
 from .result import finish, simulation_facts
 
 TOP_MODULES = 40
@@ -39,15 +41,18 @@ STALE_CAUSE = ("DDP's first buckets, dropped when the Reducer rebuilds them at s
                "(memlens.step.parallel.ddp)")
 
 
-def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2, stale_buckets: bool = True):
+def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2, stale_buckets: bool = True,
+                  plan: StepPlan | None = None):
     """One rank of ``spec``'s job simulated in this process (a fake process group around it).
     ``stale_buckets`` False: DDP's old buckets are reaped before its rebuild (the expected case)."""
     from .simulate import simulate  # heavy: imports torch
 
+    source = source or resolve(spec.model)
+    plan = plan or resolve_plan(spec, fake=True, source=source)
     token = HOLD_STALE_BUCKETS.set(stale_buckets)
     try:
-        with fake_process_group(rank, spec.world_size):
-            return simulate(spec, source=source, steps=steps)
+        with fake_process_group(rank, plan.world_size):
+            return simulate(spec, source=source, steps=steps, plan=plan)
     finally:
         HOLD_STALE_BUCKETS.reset(token)
 
@@ -58,39 +63,18 @@ def _held_stale(sim) -> bool:
     return bool(red is not None and red.hold_stale and red.rebuilt)
 
 
-def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
+def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPlan | None = None) -> Result:
     """Per-rank peaks (allocated and reserved), the rank that peaks, each simulated rank's breakdown
-    by category, phase and module, the whole job's memory and NCCL's share (verb "estimate")."""
+    by category, phase and module, the whole job's memory and NCCL's share (verb "estimate").
+    ``plan``: the step's plan, if resolved already."""
     t0 = time.perf_counter()
     source = source or resolve(spec.model)
+    plan = plan or resolve_plan(spec, fake=True, source=source)
     gpu = gpu_facts(spec.gpu)
-    first = simulate_rank(spec, 0, source, steps)
-    groups = first.wrapper.rank_groups()
-    sims = {0: first}
-    for g in groups:
-        if g.rank > 0 and g.rank not in sims:
-            sims[g.rank] = simulate_rank(spec, g.rank, source, steps)
-    # DDP: the old buckets may outlive the rebuild (worst case, simulated above) or be reaped first (expected:
-    # measured on 2 GPUs, Llama-1B bf16 tied, both ranks peaked without them); the headline is the expected one
-    worst: dict[int, Any] = {}
-    if any(_held_stale(x) for x in sims.values()):
-        worst = {r: analyze(x.log) for r, x in sims.items()}
-        sims = {r: simulate_rank(spec, r, source, steps, stale_buckets=False) for r in sims}
-    nccl, nccl_source = nccl_bytes(gpu.name, spec.world_size)
+    groups, sims, worst = _simulate_ranks(plan, source, steps)
+    nccl, nccl_source = nccl_bytes(gpu.name, plan.world_size)
     ctx = gpu.cuda_context_bytes
-    entries: list[dict[str, Any]] = []
-    analyses = {}
-    for g in groups:
-        if g.rank < 0:
-            continue
-        sim = sims[g.rank]
-        a = analyses[g.rank] = analyze(sim.log)
-        entries.append(_rank_entry(g, sim, a, ctx, nccl, group_modules))
-        if worst:
-            w = worst[g.rank]
-            entries[-1]["worst_case"] = {"peak_allocated_bytes": w.peak_allocated_bytes, "peak_reserved_bytes": w.peak_reserved_bytes,
-                                         "nvidia_smi_estimate_bytes": w.peak_reserved_bytes + ctx + (nccl or 0),
-                                         "peak_phase": w.peak_phase, "peak_step": w.peak_step, "cause": STALE_CAUSE}
+    entries, analyses = _entries(groups, sims, worst, ctx, nccl)
     peak = max(entries, key=lambda e: (e["peak_allocated_bytes"], -e["rank"]))
     lo = min(entries, key=lambda e: e["peak_allocated_bytes"])
     for g in groups:
@@ -100,10 +84,8 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
                             "peak_reserved_bytes_between": [lo["peak_reserved_bytes"], peak["peak_reserved_bytes"]]})
     a = analyses[peak["rank"]]
     sim = sims[peak["rank"]]
-    job = _job(entries, spec.world_size, ctx, nccl)
-    imbalance = peak["peak_allocated_bytes"] - lo["peak_allocated_bytes"]
     notes = [
-        f"{spec.sharding} over {spec.world_size} GPUs = {sim.wrapper.strategy}; each rank's micro-batch is --batch-size "
+        f"{plan.sharding.name} over {plan.world_size} GPUs = {sim.wrapper.strategy}; each rank's micro-batch is --batch-size "
         f"{spec.batch_size} (effective batch {spec.effective_batch_size}).",
         "peak_allocated_bytes / peak_reserved_bytes: the rank that peaks (max_memory_allocated / max_memory_reserved on "
         f"its GPU); ranks: {', '.join(_describe_group(e) for e in entries)}.",
@@ -111,26 +93,19 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
         f"nvidia-smi per rank: reserved + CUDA context ({ctx // 2**20} MiB) + NCCL's own buffers "
         + (f"({nccl / 2**20:.0f} MiB, {nccl_source})." if nccl is not None else f"(unknown: {nccl_source})."),
     ]
-    worst_case = None
-    if worst:
-        wpk = max((e for e in entries if e.get("worst_case")), key=lambda e: (e["worst_case"]["peak_allocated_bytes"], -e["rank"]))
-        worst_case = {"rank": wpk["rank"], **wpk["worst_case"]}
-        notes.append(f"peak (expected): without DDP's stale buckets; worst case {_gib(worst_case['peak_allocated_bytes'])} "
-                     f"allocated, {_gib(worst_case['peak_reserved_bytes'])} reserved (rank {wpk['rank']}; worst_case): "
-                     f"{STALE_CAUSE}. Whether a rank sees them depends on the watchdog's timing; on 2 GPUs both ranks of "
-                     "a tied Llama-3.2-1B bf16 job peaked at the expected value.")
+    worst_case = _worst_case(entries, notes) if worst else None
     passes = peak.get("passes") or []
     if passes:
         notes.append(passes_note(passes))
     data = {
         "method": "simulate",
-        "world_size": spec.world_size,
-        "sharding": spec.sharding,
+        "world_size": plan.world_size,
+        "sharding": plan.sharding.name,
         "strategy": sim.wrapper.strategy,
         "peak_rank": peak["rank"],
         "ranks": entries,
-        "rank_imbalance_bytes": imbalance,
-        "job": job,
+        "rank_imbalance_bytes": peak["peak_allocated_bytes"] - lo["peak_allocated_bytes"],
+        "job": _job(entries, plan.world_size, ctx, nccl),
         "nccl": {"bytes_per_rank": nccl, "source": nccl_source},
         "cuda_context_bytes": ctx,
         "nvidia_smi_estimate_bytes": peak["nvidia_smi_estimate_bytes"],
@@ -144,6 +119,54 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None) -> Result:
     return finish(Result(verb="estimate", spec=spec.to_dict(), peak_allocated_bytes=a.peak_allocated_bytes,
                          peak_reserved_bytes=a.peak_reserved_bytes, by_category=dict(a.by_category), by_phase=a.by_phase,
                          by_module=a.by_module, timeline=a.timeline, notes=notes, data=data), spec)
+
+
+def _simulate_ranks(plan: StepPlan, source, steps: int) -> tuple[list, dict, dict]:
+    """(the wrapper's rank groups, rank -> its simulation for each representative, rank -> the analysis of its
+    worst case: DDP's old buckets held past the rebuild, when a rank held them; else empty)."""
+    spec = plan.spec
+    first = simulate_rank(spec, 0, source, steps, plan=plan)
+    groups = first.wrapper.rank_groups()
+    sims = {0: first}
+    for g in groups:
+        if g.rank > 0 and g.rank not in sims:
+            sims[g.rank] = simulate_rank(spec, g.rank, source, steps, plan=plan)
+    # DDP: the old buckets may outlive the rebuild (worst case, simulated above) or be reaped first (expected:
+    # measured on 2 GPUs, Llama-1B bf16 tied, both ranks peaked without them); the headline is the expected one
+    worst: dict[int, Any] = {}
+    if any(_held_stale(x) for x in sims.values()):
+        worst = {r: analyze(x.log) for r, x in sims.items()}
+        sims = {r: simulate_rank(spec, r, source, steps, stale_buckets=False, plan=plan) for r in sims}
+    return groups, sims, worst
+
+
+def _entries(groups: list, sims: dict, worst: dict, ctx: int, nccl: int | None) -> tuple[list[dict[str, Any]], dict]:
+    """Each simulated rank's entry (with its worst case, if any) and rank -> its analysis."""
+    entries: list[dict[str, Any]] = []
+    analyses = {}
+    for g in groups:
+        if g.rank < 0:
+            continue
+        sim = sims[g.rank]
+        a = analyses[g.rank] = analyze(sim.log)
+        entries.append(_rank_entry(g, sim, a, ctx, nccl, group_modules))
+        if worst:
+            w = worst[g.rank]
+            entries[-1]["worst_case"] = {"peak_allocated_bytes": w.peak_allocated_bytes, "peak_reserved_bytes": w.peak_reserved_bytes,
+                                         "nvidia_smi_estimate_bytes": w.peak_reserved_bytes + ctx + (nccl or 0),
+                                         "peak_phase": w.peak_phase, "peak_step": w.peak_step, "cause": STALE_CAUSE}
+    return entries, analyses
+
+
+def _worst_case(entries: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
+    """The rank that peaks highest with DDP's stale buckets, and a note on it."""
+    wpk = max((e for e in entries if e.get("worst_case")), key=lambda e: (e["worst_case"]["peak_allocated_bytes"], -e["rank"]))
+    worst_case = {"rank": wpk["rank"], **wpk["worst_case"]}
+    notes.append(f"peak (expected): without DDP's stale buckets; worst case {_gib(worst_case['peak_allocated_bytes'])} "
+                 f"allocated, {_gib(worst_case['peak_reserved_bytes'])} reserved (rank {wpk['rank']}; worst_case): "
+                 f"{STALE_CAUSE}. Whether a rank sees them depends on the watchdog's timing; on 2 GPUs both ranks of "
+                 "a tied Llama-3.2-1B bf16 job peaked at the expected value.")
+    return worst_case
 
 
 def _rank_entry(g, sim, a, ctx: int, nccl: int | None, group_modules) -> dict[str, Any]:
@@ -203,32 +226,47 @@ def peak_terms(log, index: int, wrapper) -> tuple[dict[str, int], dict[str, int]
     not: sharded parameters / gradients / optimizer states, gathered (unsharded) parameters and
     gradients, collective buffers, activations, temporaries. Returns (bytes of each term live at
     the peak, event ``index``; the most bytes of each term live at any moment), in allocator blocks."""
-    final = {ev[1]: ev[2] for ev in log.events if ev[0] == TAG}
-    term = _term_of(wrapper)
-    a = CachingAllocatorModel()
-    live: dict[Any, tuple[int, str]] = {}
-    now: dict[str, int] = {}
+    terms = _TermReplay(log.events, wrapper)
+    now = terms.now
     most: dict[str, int] = {}
     at_peak: dict[str, int] = {}
     for i, ev in enumerate(log.events):
-        k = ev[0]
-        if k == PHASE and ev[1] == "done":
+        if ev.kind == PHASE and ev.name == "done":
             break
-        if k == ALLOC and not a.is_live(ev[1]):
-            t = term(ev[1], final.get(ev[1], ev[3]))
-            size = a.malloc(ev[1], ev[2], ev[8])
-            live[ev[1]] = (size, t)
-            now[t] = now.get(t, 0) + size
-            if now[t] > most.get(t, 0):
-                most[t] = now[t]
-        elif k == FREE and a.is_live(ev[1]):
-            a.free(ev[1])
-            size, t = live.pop(ev[1])
-            now[t] -= size
+        t = terms.apply(ev)
+        if t is not None and now[t] > most.get(t, 0):
+            most[t] = now[t]
         if i == index:
             at_peak = {t: v for t, v in now.items() if v}
     order = lambda d: dict(sorted(d.items(), key=lambda kv: -kv[1]))  # noqa: E731
     return order(at_peak), order(most)
+
+
+class _TermReplay:
+    """The bytes of each term (:func:`peak_terms`) live as a rank's events are replayed through the allocator model."""
+
+    def __init__(self, events: list, wrapper):
+        self.final = {ev.key: ev.category for ev in events if ev.kind == TAG}   # each storage's last tag
+        self.term = _term_of(wrapper)
+        self.allocator = CachingAllocatorModel()
+        self.live: dict[Any, tuple[int, str]] = {}    # key -> (block bytes, term)
+        self.now: dict[str, int] = {}                 # term -> bytes live
+
+    def apply(self, ev) -> str | None:
+        """Apply one event: the term whose bytes it changed, or None (a tag, a mark, a storage not live)."""
+        a, kind = self.allocator, ev.kind
+        if kind == ALLOC and not a.is_live(ev.key):
+            t = self.term(ev.key, self.final.get(ev.key, ev.category))
+            size = a.malloc(ev.key, ev.nbytes, ev.stream)
+            self.live[ev.key] = (size, t)
+            self.now[t] = self.now.get(t, 0) + size
+            return t
+        if kind == FREE and a.is_live(ev.key):
+            a.free(ev.key)
+            size, t = self.live.pop(ev.key)
+            self.now[t] -= size
+            return t
+        return None
 
 
 def _term_of(wrapper):
@@ -270,13 +308,10 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
     if not marks:
         return []
     events = log.events
-    end = min(later) if later else next((i for i, ev in enumerate(events) if ev[0] == PHASE and ev[1] == "done"), len(events))
-    final = {ev[1]: ev[2] for ev in events if ev[0] == TAG}
-    term = _term_of(wrapper)
+    end = min(later) if later else next((i for i, ev in enumerate(events) if ev.kind == PHASE and ev.name == "done"), len(events))
+    terms = _TermReplay(events, wrapper)
+    now = terms.now
     counts = {p["pass"]: p for p in getattr(wrapper, "facts", {}).get("passes", ())}
-    a = CachingAllocatorModel()
-    live: dict[Any, tuple[int, str]] = {}
-    now: dict[str, int] = {}
     out: list[dict[str, Any]] = []
     w, cur = 0, None
     for i in range(end):
@@ -291,18 +326,7 @@ def pass_peaks(log, marks, wrapper) -> list[dict[str, Any]]:
                 cur["all_gathers"], cur["reduce_scatters"] = c["all_gathers"], c["reduce_scatters"]
             out.append(cur)
             w += 1
-        ev = events[i]
-        k = ev[0]
-        if k == ALLOC and not a.is_live(ev[1]):
-            t = term(ev[1], final.get(ev[1], ev[3]))
-            size = a.malloc(ev[1], ev[2], ev[8])
-            live[ev[1]] = (size, t)
-            now[t] = now.get(t, 0) + size
-        elif k == FREE and a.is_live(ev[1]):
-            a.free(ev[1])
-            size, t = live.pop(ev[1])
-            now[t] -= size
-        else:
+        if terms.apply(events[i]) is None:
             continue
         total = sum(now.values())
         if cur is not None and total > cur["peak_allocated_bytes"]:

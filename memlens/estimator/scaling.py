@@ -87,12 +87,11 @@ def _by_name(events: list) -> list:
     names: dict = {}
     out = []
     for ev in events:
-        if ev[0] == ALLOC and not isinstance(ev[6], str):
-            op = ev[6]
-            name = names.get(op)
+        if ev.kind == ALLOC and not isinstance(ev.op, str):
+            name = names.get(ev.op)
             if name is None:
-                name = names[op] = str(op)
-            ev = Alloc(*ev[:6], name, *ev[7:])
+                name = names[ev.op] = str(ev.op)
+            ev = Alloc(ALLOC, ev.key, ev.nbytes, ev.category, ev.module, ev.phase, name, ev.rank, ev.stream)
         out.append(ev)
     return out
 
@@ -125,12 +124,13 @@ class Trace:
     @cached_property
     def skeleton(self) -> list:
         """The events with allocation sizes left out."""
-        return [ev[:2] + ev[3:] if ev[0] == ALLOC else ev for ev in self.log.events]
+        return [(ALLOC, ev.key, ev.category, ev.module, ev.phase, ev.op, ev.rank, ev.stream) if ev.kind == ALLOC else ev
+                for ev in self.log.events]
 
     @cached_property
     def sizes(self) -> list[int]:
         """Allocation sizes, in order."""
-        return [ev[2] for ev in self.log.events if ev[0] == ALLOC]
+        return [ev.nbytes for ev in self.log.events if ev.kind == ALLOC]
 
     @cached_property
     def facts(self) -> tuple:
@@ -274,11 +274,12 @@ class Regime:
     def _describe(self, e: int) -> str:
         i = -1
         for ev in self.template.log.events:
-            if ev[0] == ALLOC:
+            if ev.kind == ALLOC:
                 i += 1
                 if i == e:
                     mods = self.template.log.modules
-                    return f"{ev[3]} in {mods[ev[4]] if 0 <= ev[4] < len(mods) else '?'} by {ev[6]} during {ev[5]}"
+                    module = mods[ev.module] if 0 <= ev.module < len(mods) else '?'
+                    return f"{ev.category} in {module} by {ev.op} during {ev.phase}"
         return "?"
 
     def _points(self) -> str:
@@ -318,7 +319,7 @@ class Regime:
         t0 = time.perf_counter()
         sizes = iter(self.sizes_at(x))
         tpl, tlog = self.template.sim, self.template.log
-        events = [Alloc(ALLOC, ev[1], next(sizes), *ev[3:]) if ev[0] == ALLOC else ev for ev in tlog.events]
+        events = [ev.resized(next(sizes)) if ev.kind == ALLOC else ev for ev in tlog.events]
         log = EventLog(events=events, modules=tlog.modules, rank=tlog.rank)
         seq_len = x[1] if self.template.facts[6] == "L" else tpl.seq_len
         return replace(tpl, log=log, spec=spec, seq_len=seq_len, seconds=time.perf_counter() - t0, notes=list(tpl.notes),

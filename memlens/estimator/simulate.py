@@ -43,6 +43,8 @@ from ..models.source import ModelSource, resolve
 from ..models.scripted import python_originals
 from ..models.vlm import extra_forward_ops, known_constants
 from ..step import ema
+from ..step.plan import StepPlan
+from ..step.plan import resolve as resolve_plan
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
 
@@ -97,8 +99,10 @@ class _FakeGradScaler:
         pass
 
 
-def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2, repeat: bool = True) -> Simulation:
-    """Run ``steps`` optimizer steps of ``spec`` on fake tensors and log every storage.
+def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int = 2, repeat: bool = True,
+             plan: StepPlan | None = None) -> Simulation:
+    """Run ``steps`` optimizer steps of ``spec`` on fake tensors and log every storage (``plan``: its step's
+    plan, if resolved already).
 
     ``repeat``: write the forward and backward of steps 2.. from step 1's events where that is
     provably the same (:mod:`.periodic`; ``Simulation.later_steps`` says which happened), and a
@@ -109,7 +113,7 @@ def simulate(spec: TrainingSpec, source: ModelSource | None = None, steps: int =
     >>> sim = simulate(TrainingSpec(model="gpt2", batch_size=1, seq_len=32))  # doctest: +SKIP
     """
     source = source or resolve(spec.model)
-    reason = depth.why_not(spec, source) if repeat else "repeat=False"
+    reason = depth.why_not(plan or resolve_plan(spec, fake=True, source=source), source) if repeat else "repeat=False"
     if reason is None:
         try:
             return _from_shallow(spec, source, steps)
@@ -199,36 +203,71 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     step = prepare(spec, fake=True, source=source, autocast=autocast,
                    scaler=_FakeGradScaler() if precision_of(spec).grad_scaler else None)
-    model, fake = step.model, step.fake_mode
+    model = step.model            # the eager model (--compile replaces step.model by its compiled forward)
     _wrap_checkpoint_funcs(model, emulation, tracker)
     _wrap_offload(model, tracker)
     if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)
-        from .compiled import compile_for_simulation  # heavy: imports torch
-
-        if step.step_fn is not None or step.plan.dp:
-            raise MemlensError("--compile is simulated for a model's forward only, not with " +
-                               ("a factory's own step function" if step.step_fn is not None else "--dp"),
-                               hint="drop --compile (the eager estimate is an upper bound of the compiled step)")
-
-        def trace_context():
-            stack = contextlib.ExitStack()
-            for cm in (fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch),
-                       cuda_rules.track_autocast_cache_clears(emulation), emulation,
-                       autocast()):
-                stack.enter_context(cm)
-            return stack
-
-        try:
-            step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context, rules)
-            tracker.ops_limit = None
-        except MemlensError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
-            raise _untraceable(e, spec) from None
+        _compile(spec, step, tracker, emulation, autocast)
     stack = None
     if layers is not None:
         stack = depth.find_stack(model, layers, tracker.module_label)
         tracker.label_layers(stack)
+    _register_before_step(tracker, step, model, source)
+    params = list(model.parameters())
+    hooks = _grad_and_stop_hooks(tracker, params)
+    why_not = ("repeat=False" if not repeat else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
+               else "--compile runs the compiled graph" if spec.compile
+               else f"the {step.plan.kind.name} step kind has phases of its own" if not step.plan.kind.repeats else "")
+    try:
+        runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)   # may refuse (the hooks go in finally)
+        _run_steps(tracker, step, model, emulation, runner, steps, label)
+    except MemlensError:
+        raise
+    except Exception as e:  # data-dependent ops and other untraceable code
+        raise _untraceable(e, spec) from None
+    finally:
+        for h in hooks:
+            h.remove()
+    attention = sorted({f"{c.backend}" for c in rules.attention_calls})
+    sim = Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
+                     attention, time.perf_counter() - t0, notes=_notes(spec, step, model), applied=step.applied, wrapper=step.wrapper,
+                     later_steps=runner.later_steps, later_micro_batches=runner.micro, costs=dict(tracker.costs))
+    if stack is not None:
+        sim.stack, sim.live_layers, sim.spanning = stack, tracker.live_layers, tracker.spanning
+    return sim
+
+
+def _compile(spec: TrainingSpec, step, tracker: SimulationTracker, emulation, autocast) -> None:
+    """--compile: the step's model replaced by the compiler's own joint-graph partition of its forward
+    (estimator/compiled.py), traced under the simulation's modes."""
+    from .compiled import compile_for_simulation  # heavy: imports torch
+
+    if step.step_fn is not None or step.plan.dp:
+        raise MemlensError("--compile is simulated for a model's forward only, not with " +
+                           ("a factory's own step function" if step.step_fn is not None else "--dp"),
+                           hint="drop --compile (the eager estimate is an upper bound of the compiled step)")
+    model = step.model
+
+    def trace_context():
+        stack = contextlib.ExitStack()
+        for cm in (step.fake_mode, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch),
+                   cuda_rules.track_autocast_cache_clears(emulation), emulation,
+                   autocast()):
+            stack.enter_context(cm)
+        return stack
+
+    try:
+        step.model = compile_for_simulation(model, step.batch, step.forward_keys, trace_context, emulation.rules)
+        tracker.ops_limit = None
+    except MemlensError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model AOTAutograd cannot trace
+        raise _untraceable(e, spec) from None
+
+
+def _register_before_step(tracker: SimulationTracker, step, model, source: ModelSource) -> None:
+    """What the step holds before it runs: the (eager) model's parameters and buffers, --ema's shadow copy, TRL's
+    reference model beside the policy, and the batch (DP-SGD: a host dataset, never logged)."""
     register_model(tracker, model)
     for t, p in ema.shadow(step.optimizer):   # --ema: the shadow copy, made at setup (step/ema.py)
         tracker.register_copy(t, p, Category.OPTIMIZER_STATE, ema.LABEL, op="ema")
@@ -242,62 +281,59 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     else:  # DP-SGD: the batch is the host dataset; Opacus' step tags each physical batch, per-sample gradients, Gram matrices
         tracker.on_host(t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor))
         step.dp.observer = tracker
-    params = list(model.parameters())
+
+
+def _grad_and_stop_hooks(tracker: SimulationTracker, params: list) -> list:
+    """Each accumulated gradient tagged as one; a module boundary raises what stopped the simulation
+    (:data:`FORWARD_OPS_LIMIT`). Returns the handles."""
+    from torch.nn.modules.module import (  # heavy: torch, loaded on first use
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
 
     def on_grad(p) -> None:
         if p.grad is None:  # a hook can fire with no gradient (e.g. Swin's relative position tables)
             return
         tracker.retag(p.grad, Category.GRADIENTS)
 
-    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
-
     def stop(*_):
         if tracker.stopped is not None:
             raise tracker.stopped
 
-    from torch.nn.modules.module import (  # heavy: torch, loaded on first use
-        register_module_forward_hook,
-        register_module_forward_pre_hook,
-    )
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in params if p.requires_grad]
+    return hooks + [register_module_forward_pre_hook(stop), register_module_forward_hook(stop)]
 
-    hooks += [register_module_forward_pre_hook(stop), register_module_forward_hook(stop)]
+
+def _run_steps(tracker: SimulationTracker, step, model, emulation, runner: "periodic.Steps", steps: int, label: str) -> None:
+    """The optimizer steps under every mode of the simulation, each phase marked (and charged to its module)."""
+    log = tracker.log
     phase_module = {"forward": log.module_id(OUTSIDE_LABEL), "backward": log.module_id(ROOT_LABEL),
                     "clip": log.module_id(OPTIMIZER_LABEL), "optimizer": log.module_id(OPTIMIZER_LABEL)}
-
     wrapped = step.wrapper.simulation(tracker, step) if step.wrapper is not None else contextlib.nullcontext()
-    why_not = ("repeat=False" if not repeat else "a multi-GPU wrapper's hooks keep state" if step.wrapper is not None
-               else "--compile runs the compiled graph" if spec.compile
-               else f"the {step.plan.kind.name} step kind has phases of its own" if not step.plan.kind.repeats else "")
-    try:
-        runner = periodic.Steps(tracker, step, params, label=label, why_not=why_not)   # may refuse (the hooks go in finally)
-        with fake, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), \
-                cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
-                wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
-            for n in range(1, steps + 1):
-                with ModuleScope(tracker, model) as scope:
-                    def on_phase(name: str, n=n) -> None:
-                        runner.at_phase(name, n)
-                        if name == "forward":
-                            # a checkpointed module's recomputation stops early in backward, its
-                            # forward hook unreached: the next forward starts outside any module
-                            scope.stack.clear()
-                        if name != "end":
-                            progress.stage(f"{label}: step {n} {name}")
-                        tracker.set_phase(name, n)
-                        tracker.module = phase_module.get(name, tracker.module)
-                        tracker.category_default = Category.TEMPORARIES
+    with step.fake_mode, quiet(), _synthetic_batch_shortcuts(), python_originals(model), known_constants(step.batch), \
+            cuda_rules.track_autocast_cache_clears(emulation), emulation, tracker, \
+            wrapped, torch.autograd.graph.saved_tensors_hooks(pack_hook_for(tracker), lambda t: t):
+        for n in range(1, steps + 1):
+            with ModuleScope(tracker, model) as scope:
+                def on_phase(name: str, n=n) -> None:
+                    runner.at_phase(name, n)
+                    if name == "forward":
+                        # a checkpointed module's recomputation stops early in backward, its
+                        # forward hook unreached: the next forward starts outside any module
+                        scope.stack.clear()
+                    if name != "end":
+                        progress.stage(f"{label}: step {n} {name}")
+                    tracker.set_phase(name, n)
+                    tracker.module = phase_module.get(name, tracker.module)
+                    tracker.category_default = Category.TEMPORARIES
 
-                    runner.run(n, on_phase)
-                    tag_optimizer_state(tracker, step.optimizer)
-            tracker.set_phase("done", steps)
-    except MemlensError:
-        raise
-    except Exception as e:  # data-dependent ops and other untraceable code
-        raise _untraceable(e, spec) from None
-    finally:
-        for h in hooks:
-            h.remove()
-    attention = sorted({f"{c.backend}" for c in rules.attention_calls})
+                runner.run(n, on_phase)
+                tag_optimizer_state(tracker, step.optimizer)
+        tracker.set_phase("done", steps)
+
+
+def _notes(spec: TrainingSpec, step, model) -> list[str]:
+    """The step's notes, and what the simulation does not count (uncalibrated conv workspaces, a paged optimizer's states)."""
     notes = list(step.notes)
     if any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()):
         if not conv_workspaces.calibrated(spec.gpu):
@@ -307,12 +343,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     if paged:
         notes.append(f"paged optimizer: {paged / 2**20:.1f} MiB of states in CUDA managed memory, outside the caching allocator "
                      "(not in peak allocated; nvidia-smi shows them while they are on the GPU)")
-    sim = Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
-                     attention, time.perf_counter() - t0, notes=notes, applied=step.applied, wrapper=step.wrapper,
-                     later_steps=runner.later_steps, later_micro_batches=runner.micro, costs=dict(tracker.costs))
-    if stack is not None:
-        sim.stack, sim.live_layers, sim.spanning = stack, tracker.live_layers, tracker.spanning
-    return sim
+    return notes
 
 
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker: SimulationTracker | None = None) -> None:
@@ -513,11 +544,16 @@ class SimulationTracker(StorageTracker):
         while len(self._module_layers) < len(mods):
             self._module_layers.append(self.stack.layer_of(mods[len(self._module_layers)]))
         for ev in evs[self._scanned:]:
-            if ev[0] == ALLOC:
-                lay = self._module_layers[ev[4]] if ev[4] >= 0 else None
-                self._key_layers[ev[1]] = lay if lay is not None else self.live_layers.get(ev[1])
+            if ev.kind == ALLOC:
+                lay = self._module_layers[ev.module] if ev.module >= 0 else None
+                self._key_layers[ev.key] = lay if lay is not None else self.live_layers.get(ev.key)
         self._scanned = len(evs)
         return self._key_layers.get(key)
+
+    def copy_layers(self, remap: dict) -> None:
+        """Storages written as copies of others (``remap``: original key -> the copy's) take their originals' layers."""
+        for d in (self.live_layers, self._key_layers, self.spanning):
+            d.update({new: d[old] for old, new in remap.items() if old in d})
 
     def register_copy(self, t, of, category, label: str, op: str) -> None:
         """Account ``t``, a copy of ``of`` made before the step (an EMA shadow); in a layer stack it is
@@ -584,7 +620,7 @@ class SimulationTracker(StorageTracker):
         if self._first("forward"):
             self.costs["offload_bytes"] += nbytes
             self.costs["offload_tensors"] += 1
-            if self._category.get(self.key_of(t)) == Category.PARAMETERS:
+            if self.category_of(self.key_of(t)) == Category.PARAMETERS:
                 self.costs["offload_parameter_bytes"] += nbytes
 
     def _count_recompute(self, func, args, kwargs, out, first_new: int) -> None:

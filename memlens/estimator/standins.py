@@ -35,6 +35,5 @@ class Meta:
 
 def standin_meta(tracker, key) -> Meta | None:
     """A byte storage the size of the live storage ``key`` (a micro-batch's loss), or None if it is gone."""
-    ref = tracker._refs.get(key)
-    st = ref() if ref is not None else None
+    st = tracker.storage_of(key)
     return None if st is None else Meta((st.nbytes(),), (1,), 0, torch.uint8, st.nbytes())

@@ -73,6 +73,12 @@ class StepPlan:
             return {"dp": "DP-SGD", "compiled": "--compile"}.get(self.kind.name, f"the {self.kind.name} step kind")
         return None
 
+    # ---------------------------------------------------------------- what the estimator asks
+    @property
+    def world_size(self) -> int:
+        """GPUs of the job (1 on one GPU)."""
+        return self.spec.world_size
+
 
 def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None) -> StepPlan:
     """The plan of ``spec``'s step; every field it cannot apply is refused here in one line.

@@ -10,6 +10,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth
 from memlens.estimator.ranks import estimate_ranks
 from memlens.models.source import resolve
+from memlens.step.plan import resolve as plan_of
 from tests.estimator.test_depth import LLAMA, deep
 
 
@@ -34,7 +35,7 @@ def _comparable(r) -> dict:
 def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes):
     model = deep(tmp_path, LLAMA)
     spec = TrainingSpec(model=model, batch_size=2, seq_len=32, **changes)
-    assert depth.why_not(spec, resolve(model)) is None
+    assert depth.why_not(plan_of(spec, source=resolve(model)), resolve(model)) is None
     depth.CHECKED.clear()
     fast = estimate_ranks(spec)
     assert "written from" in fast.data["later_layers"], fast.data["later_layers"]
@@ -52,4 +53,4 @@ def test_fsdp_ranks_written_equal_the_whole_model(tmp_path, monkeypatch, changes
 @pytest.mark.slow
 def test_ddp_and_zero1_ranks_are_simulated_whole(tmp_path, sharding):
     model = deep(tmp_path, LLAMA)
-    assert depth.why_not(TrainingSpec(model=model, world_size=2, sharding=sharding), resolve(model)).startswith("several GPUs with DDP")
+    assert depth.why_not(plan_of(TrainingSpec(model=model, world_size=2, sharding=sharding), source=resolve(model)), resolve(model)).startswith("several GPUs with DDP")

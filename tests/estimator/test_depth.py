@@ -13,6 +13,7 @@ from memlens.estimator import depth, estimate
 from memlens.estimator import simulate as simulate_module
 from memlens.estimator.simulate import _simulate, simulate
 from memlens.models.source import resolve
+from memlens.step.plan import resolve as plan_of
 
 MODELS = Path(__file__).parent.parent / "fixtures" / "models"
 GPT2 = str(MODELS / "tiny-gpt2" / "config.json")
@@ -77,7 +78,7 @@ def test_the_estimate_says_how_the_layers_were_made(tmp_path):
 ])
 def test_specs_simulated_whole(tmp_path, spec_changes, config_changes, reason):
     model = deep(tmp_path, LLAMA, 12, **config_changes)
-    assert depth.why_not(TrainingSpec(model=model, **spec_changes), resolve(model)) == reason
+    assert depth.why_not(plan_of(TrainingSpec(model=model, **spec_changes), source=resolve(model)), resolve(model)) == reason
 
 
 def test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth
 from memlens.estimator.simulate import _simulate, simulate
 from memlens.models.source import resolve
+from memlens.step.plan import resolve as plan_of
 from tests.estimator.test_depth import LLAMA, deep
 
 pytest.importorskip("opacus")
@@ -26,7 +27,7 @@ def test_dp_layers_written_equal_the_whole_model(tmp_path, changes, written):
     depth.CHECKED.clear()
     for i, physical in enumerate((3, 8, 2)):   # 3 of 8: a smaller last physical batch; 8: one; 2: the family checked already
         spec = TrainingSpec(model=model, batch_size=8, physical_batch_size=physical, seq_len=32, dp=True, lora_rank=4, **changes)
-        assert depth.why_not(spec, src) is None
+        assert depth.why_not(plan_of(spec, source=src), src) is None
         fast = simulate(spec, src)
         whole = _simulate(spec, src, 2, True)
         # after the family's check, the 4-layer simulation alone (the norms stacked over every layer sized from its own list)

@@ -13,6 +13,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 from memlens.estimator.depth import why_not
 from memlens.models.checkpoint import checkpoint_blocks
+from memlens.step.plan import resolve as plan_of
 from tests.models.checkpoint_support import lm_loss_and_grads, loss_and_grads, tiny_llama
 from tests.tiny_models import blocks
 
@@ -81,8 +82,8 @@ def test_subset_is_simulated_whole():
     from memlens.models.source import resolve
 
     src = resolve("llama-3.1-8b")
-    assert why_not(TrainingSpec(model="llama-3.1-8b", grad_checkpointing=True), src) is None
-    assert "checkpoint-layers" in why_not(TrainingSpec(model="llama-3.1-8b", checkpoint_layers=4), src)
+    assert why_not(plan_of(TrainingSpec(model="llama-3.1-8b", grad_checkpointing=True), source=src), src) is None
+    assert "checkpoint-layers" in why_not(plan_of(TrainingSpec(model="llama-3.1-8b", checkpoint_layers=4), source=src), src)
 
 
 def test_some_blocks_under_compile_or_dp_are_refused_in_one_line():

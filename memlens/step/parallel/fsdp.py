@@ -299,14 +299,10 @@ def track_storage_resizes(tracker, alloc_storage, free_storage, keys: set, strea
         st = tensor.untyped_storage()
         was = st.nbytes()
         alloc_storage(tensor)
-        sid = id(st)
         if was == 0 and st.nbytes() > 0:
-            key = tracker._new_key(st, sid)
-            tracker._category[key] = Category.PARAMETERS
-            tracker.log.alloc(key, st.nbytes(), Category.PARAMETERS, tracker.module, tracker.phase, "fsdp.alloc_storage",
-                              stream=stream_of())
+            key = tracker.regrown(st, Category.PARAMETERS, "fsdp.alloc_storage", stream=stream_of())
         else:
-            key = tracker._keys.get(sid)
+            key = tracker.storage_key(st)
             if key is not None:
                 tracker.retag(tensor, Category.PARAMETERS)
         if key is not None:
@@ -315,9 +311,7 @@ def track_storage_resizes(tracker, alloc_storage, free_storage, keys: set, strea
     def free(tensor) -> None:
         st = tensor.untyped_storage()
         if st.nbytes() > 0:
-            key = tracker._keys.get(id(st))
-            if key is not None and tracker._category.pop(key, None) is not None:
-                tracker.log.free(key)
+            tracker.shrunk(st)
         free_storage(tensor)
 
     return alloc, free
