@@ -19,7 +19,7 @@ W = 1024 * 1024 * 4          # tests.tiny_models:linear: one 1024 x 1024 fp32 we
 def test_the_plan_holds_the_registered_entries():
     plan = resolve(TrainingSpec(model="tests.tiny_models:linear", optimizer="toy-momentum", step_kind="toy-twice"))
     assert plan.kind is toy_kind.TWICE and plan.optimizer is toy_optimizer.TOY
-    assert not plan.distributed and not plan.dp and plan.whole_stack_why() is None
+    assert not plan.distributed and not plan.dp and not plan.compiled and plan.ranks == 1 and plan.batch_field == "batch_size"
 
 
 def test_a_toy_optimizer_holds_one_buffer_per_parameter():
