@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import json
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
