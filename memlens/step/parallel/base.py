@@ -33,6 +33,7 @@ from typing import Any
 from ...core.errors import SpecError
 from ...core.parallel import sharding_of
 from ...core.spec import TrainingSpec
+from ..fake import materialize_on_fake
 from ..optim import make_optimizer
 
 
@@ -77,7 +78,9 @@ class Wrapper:
         return contextlib.nullcontext()
 
     def wrap(self, model, *, device, fake_mode=None):
-        return model
+        """The model as this rank runs it. By default as it is: on fake tensors, its meta parameters made fake
+        (:func:`memlens.step.prepare` builds a rank's model on the meta device)."""
+        return materialize_on_fake(model, fake_mode) if self.fake and fake_mode is not None else model
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
         return make_optimizer(spec, model, simulate=simulate)
