@@ -60,7 +60,7 @@ def wrapper_for(plan, *, fake: bool) -> Wrapper | None:
     if isinstance(plan, TrainingSpec):
         from ..plan import resolve  # noqa: PLC0415 - the plan imports this package: resolved at call time
 
-        plan = resolve(plan, fake=fake)
+        plan = resolve(plan, fake=fake, refuse=False)      # the multi-GPU refusals are check's, below
     if not plan.distributed:
         return None
     check(plan, fake=fake)
