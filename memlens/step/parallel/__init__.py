@@ -17,8 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...core.errors import SpecError
-from ...core.spec import TrainingSpec
-from .base import RankGroup, Streams, Wrapper, check
+from .base import RankGroup, Streams, Wrapper, as_plan, check
 from .ddp import DDPWrapper, Zero1Wrapper
 from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
@@ -57,10 +56,7 @@ def wrapper_for(plan, *, fake: bool) -> Wrapper | None:
     """The wrapper for the plan's step on this rank (None on one GPU). ``plan``: a StepPlan (a TrainingSpec is
     resolved first). The process group must be up: the fake one of
     :func:`memlens.step.parallel.fakepg.fake_process_group`, or torchrun's."""
-    if isinstance(plan, TrainingSpec):
-        from ..plan import resolve  # noqa: PLC0415 - the plan imports this package: resolved at call time
-
-        plan = resolve(plan, fake=fake, refuse=False)      # the multi-GPU refusals are check's, below
+    plan = as_plan(plan, fake)      # the multi-GPU refusals are check's, below
     if not plan.distributed:
         return None
     check(plan, fake=fake)
