@@ -47,7 +47,8 @@ class StepKind:
     what it cannot run on each rank of a multi-GPU job (None: every sharding). ``run(step, on_phase)``: one
     optimizer step of a :class:`memlens.step.prepare.PreparedStep` (None: the plain loop). ``layers_written``:
     the estimator may write a deep stack's layers from a shallow model's (:mod:`memlens.estimator.depth`);
-    ``repeats``: its later steps repeat the first (:mod:`memlens.estimator.periodic`).
+    ``repeats``: its later steps repeat the first (:mod:`memlens.estimator.periodic`). ``flag``: the flag that
+    selects it, which a kind whose step is its own (TRL's) refuses by that name.
 
     What compare and fit ask of it: ``private`` (it runs DP-SGD: ``plan.dp``), ``compiles`` (``plan.compiled``),
     ``batch_field`` (the field a batch search moves), ``batch_unit(spec)`` (the step between micro-batches; None: 1),
@@ -76,6 +77,12 @@ class StepKind:
     offers: Callable[[TrainingSpec, str], bool] | None = None
     recompute_searched: bool = True
     search_base: Callable[[TrainingSpec], tuple[TrainingSpec, str]] | None = None
+    flag: str = ""                   # the flag that selects it (its refusal by a kind whose step is its own names it)
+
+
+def _refuse_trl_kind(spec: TrainingSpec, task: str | None) -> None:
+    """TRL's refusals; the flags that select another kind (``flag``: --dp, --compile) first among the flags it refuses."""
+    _refuse_trl(spec, task, other_kinds=tuple((k.flag, k.applies(spec)) for k in _KINDS if k.flag))
 
 
 def _refuse_block_plan(spec: TrainingSpec, why: str, hint: str) -> None:
@@ -116,7 +123,7 @@ def _run_dp(step, on_phase):
 
 _KINDS: list[StepKind] = [
     # TRL's trainers first: each refuses --dp / --compile itself (their steps are their own)
-    *(StepKind(name, (lambda s, n=name: s.trainer == n), _refuse_trl, _TRL_RUNS[name], layers_written=False,
+    *(StepKind(name, (lambda s, n=name: s.trainer == n), _refuse_trl_kind, _TRL_RUNS[name], layers_written=False,
                title=_TRL_TITLES[name], setup=_add_reference, repeats=False,
                batch_unit=_grpo_unit if name == "grpo" else None, search_base=_grpo_base if name == "grpo" else None)
       for name in ("sft", "dpo", "grpo")),
@@ -126,10 +133,10 @@ _KINDS: list[StepKind] = [
              title="DP-SGD (Opacus make_private + BatchMemoryManager)", keeps_outputs=True,
              refuse_ranks=check_dp_sharding, private=True, batch_field="physical_batch_size",
              compare_default=techniques.COMPARE_DP, plan_techniques=techniques.PLAN_DP, offers=_dp_offers,
-             recompute_searched=False),
+             recompute_searched=False, flag="--dp"),
     StepKind("compiled", lambda s: s.compile, _refuse_compiled, layers_written=False, title="torch.compile'd model",
              refuse_ranks=_not_per_rank("--compile", "drop --compile to estimate the eager step of each rank"),
-             compiles=True, recompute_searched=False),
+             compiles=True, recompute_searched=False, flag="--compile"),
     StepKind("hf-trainer", lambda s: s.hf_trainer, title="the Hugging Face Trainer's step"),
     StepKind("plain", lambda s: True, title="plain PyTorch step"),
 ]
