@@ -34,8 +34,8 @@ from ..core.parallel import Sharding, data_parallel_ranks, is_distributed, shard
 from ..core.precision import Precision, precision_of
 from ..core.spec import TrainingSpec
 from ..models.liger import refuse as refuse_liger
-from .kinds import StepKind, kind_for
 from .ema import refuse as refuse_ema
+from .kinds import StepKind, kind_for
 from .parallel import check as check_parallel
 from .parallel import wrapper_class
 
