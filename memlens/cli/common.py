@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..core.errors import NoDeviceError, SpecError
 from ..core.gpus import DEFAULT_GPU
+from ..core.parallel import sharding_names
 from ..core.spec import (
     ATTENTION,
     CHECKPOINT_POLICIES,
@@ -16,7 +17,6 @@ from ..core.spec import (
     OPTIMIZERS,
     PACKINGS,
     PRECISIONS,
-    SHARDING,
     TRAINERS,
     TrainingSpec,
 )
@@ -69,6 +69,17 @@ def add_trainer_args(g) -> None:
 def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
     """The spec flags (exact names reused by every verb). Defaults are None so YAML values show through."""
     g = p.add_argument_group("training spec (flags override --config)")
+    _add_model_args(g)
+    _add_memory_args(g)
+    _add_step_args(g)
+    _add_lora_args(g)
+    _add_batch_args(g)
+    _add_dp_args(g)
+    _add_gpus_args(g)
+
+
+def _add_model_args(g) -> None:
+    """Spec flags: the model and what one sample holds."""
     g.add_argument("--config", metavar="SPEC.yaml", help="YAML file with spec fields, an axolotl config or a TRL recipe "
                    "(docs/configs.md; flags given too win)")
     g.add_argument("--model", help="built-in name | Hugging Face id | directory or config.json | pkg.module:factory")
@@ -76,6 +87,10 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--seq-len", type=int, metavar="N", help="tokens per sample (default 512, capped at the model's limit)")
     g.add_argument("--image-size", type=int, metavar="PX", help="image side in pixels (vision models; default from config)")
     g.add_argument("--images-per-sample", type=int, metavar="N", help="images per sample (VLMs; default 1)")
+
+
+def _add_memory_args(g) -> None:
+    """Spec flags: precision, checkpointing and activation offload."""
     g.add_argument("--precision", choices=PRECISIONS, help="fp16/bf16: weights in that dtype; amp-*: fp32 weights under autocast (default fp32)")
     g.add_argument("--grad-checkpointing", action="store_const", const=True, help="recompute activations in backward")
     g.add_argument("--checkpoint-layers", metavar="all|N|I,J,...",
@@ -86,6 +101,10 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--offload-activations", dest="offload_layers", metavar="all|N|I,J,...",
                    help="blocks whose saved activations go to pinned host memory in forward and come back in backward "
                         "(torch.autograd.graph.save_on_cpu): all, the first N, or these block indices")
+
+
+def _add_step_args(g) -> None:
+    """Spec flags: attention, optimizer and the step that runs (the Trainer's, TRL's, compiled, liger, outputs, EMA)."""
     g.add_argument("--attn", choices=ATTENTION, help="attention implementation (default sdpa)")
     g.add_argument("--optimizer", metavar="NAME", help=f"{' | '.join(OPTIMIZERS)} (default adamw = torch's foreach AdamW); "
                    "Trainer optim names (adamw_torch_fused, adafactor, adamw_bnb_8bit, ...) are accepted")
@@ -113,6 +132,10 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--ema", nargs="?", const=True, choices=("foreach",), metavar="foreach",
                    help="EMA weights as diffusers' EMAModel keeps them: a copy of the trainable parameters on the GPU, updated "
                         "after each optimizer step (foreach: its foreach update, one more parameter copy while it runs)")
+
+
+def _add_lora_args(g) -> None:
+    """Spec flags: LoRA / QLoRA, the KV cache and k-bit preparation."""
     g.add_argument("--lora-rank", type=int, metavar="R", help="train LoRA adapters of this rank (base frozen)")
     g.add_argument("--lora-alpha", type=float, metavar="A", help="LoRA alpha (default 2 x rank)")
     g.add_argument("--lora-targets", metavar="M1,M2", help="module names to adapt, e.g. q_proj,v_proj")
@@ -128,20 +151,32 @@ def add_spec_args(p: argparse.ArgumentParser, model_required: bool = False) -> N
     g.add_argument("--kbit-prep", action="store_const", const=True,
                    help="QLoRA: peft's prepare_model_for_kbit_training before LoRA: non-quantized parameters (norms, embeddings, "
                         "lm_head) in fp32, gradient checkpointing as peft enables it, input gradients (needs --qlora)")
+
+
+def _add_batch_args(g) -> None:
+    """Spec flags: padding, sample lengths, frozen parameters and accumulation."""
     g.add_argument("--pad-fraction", type=float, metavar="F", help="text models: share of padding tokens per sample "
                    "(0 <= F < 1; right padding): the batch gets an attention_mask and labels -100 there (default 0: no mask)")
     g.add_argument("--lengths", metavar="FILE", help="the samples' token counts (one per line, a JSON list or a JSON "
                    "{length: count}): the step that peaks, --seq-len being the truncation length (docs/lengths.md)")
     g.add_argument("--freeze", action="append", metavar="PATTERN", help="freeze parameters whose name matches (repeatable), e.g. vision_tower")
     g.add_argument("--grad-accum", type=int, metavar="N", help="micro-batches per optimizer step (default 1)")
+
+
+def _add_dp_args(g) -> None:
+    """Spec flags: DP-SGD with Opacus."""
     g.add_argument("--dp", action="store_const", const=True, help="DP-SGD with Opacus (per-sample gradients)")
     g.add_argument("--physical-batch-size", type=int, metavar="N",
                    help="DP-SGD: Opacus' BatchMemoryManager max_physical_batch_size (the --batch-size logical batch in parts)")
     g.add_argument("--grad-sample-mode", choices=GRAD_SAMPLE_MODES,
                    help="DP-SGD: Opacus' hooks (per-sample gradients) or ghost (ghost clipping, two backward passes) (default hooks)")
     g.add_argument("--noise-multiplier", type=float, metavar="S", help="DP-SGD: noise multiplier (default 1.0; no effect on memory)")
+
+
+def _add_gpus_args(g) -> None:
+    """Spec flags: several GPUs and the GPU the estimate is for."""
     g.add_argument("--world-size", type=int, metavar="N", help="GPUs, one rank each (default 1); --batch-size is per GPU")
-    g.add_argument("--sharding", choices=SHARDING,
+    g.add_argument("--sharding", choices=sharding_names(),   # the registered ones too (memlens.core.parallel.register_sharding)
                    help="how --world-size GPUs train, as the PyTorch settings that realize it: ddp = DistributedDataParallel; "
                         "zero1 = DDP + ZeroRedundancyOptimizer (optimizer states split); zero2 = FSDP2 fully_shard with "
                         "reshard_after_forward=False (gradients and optimizer states split, parameters gathered from forward "

@@ -54,7 +54,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
-    names = parse_techniques(args.techniques) if args.techniques is not None or not spec.dp else None  # --dp: hooks vs ghost vs non-private
+    names = parse_techniques(args.techniques) if args.techniques is not None else None  # None: the step kind's (--dp: hooks vs ghost vs non-private)
     if args.steps < 1:
         raise MemlensError(f"--steps must be >= 1, got {args.steps}", hint="e.g. --steps 3")
     if args.measure:

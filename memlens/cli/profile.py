@@ -17,9 +17,9 @@ import argparse
 import sys
 
 from ..core.errors import MemlensError
-from ..core.parallel import is_distributed
 from ..core.units import fmt_bytes
 from ..report.profile_report import write_report
+from ..step.plan import resolve as resolve_step
 from .common import (
     add_output_args,
     add_spec_args,
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         result, artifacts = profile_job(spec, steps=args.steps, warmup=args.warmup, device=args.device, mode=args.mode,
                                         torch_profiler=args.torch_profiler, snapshot=args.snapshot,
                                         compare_estimate=args.compare_estimate, out_dir=d,
-                                        progress=None if is_distributed(spec) else progress,
+                                        progress=None if resolve_step(spec, refuse=False).distributed else progress,
                                         load_on_cpu=args.load_on_cpu, own_process=True)
     if d is not None:
         write_report(result, d, artifacts.get("memory_snapshot"))

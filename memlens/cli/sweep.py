@@ -34,6 +34,7 @@ from ..report import plots as plots_mod  # a module: have_matplotlib is asked at
 from ..report.opacus_files import write_opacus_files
 from ..report.plots import skip_plots
 from ..report.sweep_plots import plot_sweep
+from ..step.plan import resolve as resolve_step
 from .common import (
     add_budget_args,
     add_output_args,
@@ -182,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _is_dp_sweep(spec, grid) -> bool:
     """A DP-SGD sweep (--dp, or a physical batch axis): it also gets the Opacus profiler's files."""
-    return bool(spec.dp or grid.physical_batch_sizes)
+    return bool(resolve_step(spec, refuse=False).dp or grid.physical_batch_sizes)
 
 
 def _lines(done: int, total: int, key: str, rec) -> None:

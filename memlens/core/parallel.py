@@ -42,7 +42,21 @@ SHARDINGS: dict[str, Sharding] = {s.name: s for s in (
     Sharding("zero3", "fsdp", True, True, True, "FSDP2 fully_shard (reshard_after_forward=True) per block + root"),
     Sharding("fsdp", "fsdp", True, True, True, "FSDP2 fully_shard (reshard_after_forward=True) per block + root"),
 )}
-SHARDING_NAMES: tuple[str, ...] = tuple(SHARDINGS)
+SHARDING_NAMES: tuple[str, ...] = tuple(SHARDINGS)   # the built-in ones; sharding_names() adds the registered
+
+
+def register_sharding(entry: Sharding) -> Sharding:
+    """Add a ``--sharding`` name (its name then validates in a TrainingSpec). How its ranks are wrapped is a
+    wrapper registered beside it (:func:`memlens.step.parallel.register_wrapper`)."""
+    if entry.family not in ("ddp", "fsdp"):
+        raise SpecError(f"sharding {entry.name!r}: family {entry.family!r} is not ddp or fsdp",
+                        hint="a parallelism either keeps whole parameters on each rank (ddp) or shards them (fsdp)")
+    SHARDINGS[entry.name] = entry
+    return entry
+
+
+def sharding_names() -> tuple[str, ...]:
+    return tuple(SHARDINGS)
 
 
 def sharding_of(spec: Any) -> Sharding:
@@ -96,4 +110,4 @@ def check_fields(spec: Any) -> None:
             raise SpecError(f"--bucket-cap-mb must be a positive number, got {spec.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
 
 
-__all__ = ["MAX_WORLD_SIZE", "Sharding", "SHARDINGS", "SHARDING_NAMES", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]
+__all__ = ["MAX_WORLD_SIZE", "Sharding", "SHARDINGS", "SHARDING_NAMES", "register_sharding", "sharding_names", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]

@@ -23,7 +23,7 @@ from .optimizers import (  # noqa: F401 - OPTIMIZERS re-exported
     canonical_optimizer,
     optimizer_names,
 )
-from .parallel import SHARDING_NAMES, check_fields, is_distributed
+from .parallel import SHARDING_NAMES, check_fields, is_distributed, sharding_names
 from .precision import PRECISION_NAMES
 from .precision import PRECISIONS as _PRECISION_FACTS
 
@@ -151,7 +151,7 @@ class TrainingSpec:
                 raise SpecError(f"max-grad-norm must be a number >= 0, got {self.max_grad_norm!r}", hint="e.g. --max-grad-norm 1.0 (0: no clipping)")
             if not self.dp:   # 0 = off, as in the Trainer; under DP-SGD clipping is the point (checked below)
                 object.__setattr__(self, "max_grad_norm", float(self.max_grad_norm) or None)
-        _check_choice("sharding", self.sharding, SHARDING)
+        _check_choice("sharding", self.sharding, sharding_names())
 
         object.__setattr__(self, "gpu", gpu_facts(None if self.gpu is None else str(self.gpu)).name)
         if not isinstance(self.model, str) or not self.model.strip():

@@ -103,7 +103,7 @@ _fp32 = lambda s: s.precision == "fp32"   # noqa: E731
 _no_dp = lambda s: not s.dp               # noqa: E731 - Opacus refuses it (memlens.step.kinds.opacus.check_spec)
 ADAM = ("adamw", "adam", "adamw-fused", "adam-fused")   # full-precision Adam states a switch of optimizer saves
 _full = lambda s: not s.uses_lora          # noqa: E731
-_one_gpu = lambda s: not is_distributed(s) and not s.dp   # noqa: E731 - DP over GPUs: not run yet (issue 10)
+_one_gpu = lambda s: not is_distributed(s)   # noqa: E731 - which of these a step runs is its kind's word (StepKind.offers)
 
 TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("fp32", "fp32", {"precision": "fp32"}, NUMERICS, "fp32 everything: the baseline of mixed precision"),
@@ -141,6 +141,8 @@ TECHNIQUES: dict[str, Technique] = {t.name: t for t in (
     Technique("offload", "CPU offload of the optimizer", {"offload_optimizer": True}, EXACT,
               "ZeRO-Offload: optimizer states and step on the CPU; PCIe transfers each step",
               lambda s: not s.offload_optimizer and not s.uses_lora),
+    Technique("ddp", "DDP over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "ddp"}, EXACT,
+              "the batch split over GPUs, each holding the whole model; gradients all-reduced in buckets", _one_gpu),
     Technique("zero2", "ZeRO-2 over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "zero2"}, EXACT,
               "optimizer states and gradients sharded; batch split over GPUs", _one_gpu),
     Technique("fsdp", "FSDP (ZeRO-3) over {gpus} GPUs", lambda s, c: {"world_size": c.gpus, "sharding": "fsdp"}, EXACT,
@@ -168,6 +170,10 @@ COMPARE_DP = ("non-private", "dp-hooks", "dp-ghost")
 # what a plan tries for a target, in this order (ranking comes after); dp-* apply to --dp specs only
 PLAN = ("amp-bf16", "bf16", "checkpointing", "amp-bf16+checkpointing", "adamw-8bit", "adafactor", "full-8bit",
         "offload", "lora", "qlora", "zero2", "fsdp", "dp-hooks", "dp-ghost")
+# a DP-SGD spec's plan: Opacus runs DPDDP and FSDP2 ghost clipping over GPUs, no sharded optimizer (ZeRO-2)
+PLAN_DP = tuple("ddp" if n == "zero2" else n for n in PLAN)
+# the techniques that spread the job over GPUs (a plan for one GPU leaves them out)
+OVER_GPUS = ("ddp", "zero2", "fsdp")
 # what doctor tries against an OOM, in the order people try them (then combined)
 DOCTOR = ("halve-batch", "checkpointing", "amp-bf16", "adamw-8bit", "lora")
 

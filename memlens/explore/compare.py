@@ -23,6 +23,7 @@ from ..core.fits import Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
+from ..step.plan import resolve as resolve_step
 from .core import CachedEstimator, predict_step_time
 
 DEFAULT_TECHNIQUES = tech.COMPARE_DEFAULT
@@ -74,9 +75,19 @@ def row_label(name: str, before: TrainingSpec, s: TrainingSpec) -> str:
     own = {p.name for p in tech.parts(name)}
     if s.uses_lora and not own & {"lora", "qlora"}:
         label += f" + {'QLoRA' if s.qlora else 'LoRA'} r={s.lora_rank}"
-    if s.dp and tech.kind(name) != tech.PRIVACY:
+    if resolve_step(s, refuse=False).dp and tech.kind(name) != tech.PRIVACY:
         label += f" + DP-SGD ({s.grad_sample_mode})"
     return label
+
+
+def default_techniques(spec: TrainingSpec) -> list[str]:
+    """What compare shows for ``spec`` without --techniques: its step kind's (DP-SGD: hooks vs ghost vs non-private),
+    else the seeds' comparison.
+
+    >>> default_techniques(TrainingSpec(model="gpt2", dp=True))
+    ['non-private', 'dp-hooks', 'dp-ghost']
+    """
+    return list(resolve_step(spec, refuse=False).kind.compare_default or DEFAULT_TECHNIQUES)
 
 
 def parse_techniques(text: str | None) -> list[str]:
@@ -105,7 +116,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     ``label`` names what the row runs (:func:`row_label`). ``given``: the spec fields the user set (the CLI's flags),
     which a technique never changes on the side (QLoRA under ``--precision fp32`` is refused, as estimate refuses it).
     """
-    names = list(techniques) if techniques else list(tech.COMPARE_DP if spec.dp else DEFAULT_TECHNIQUES)
+    names = list(techniques) if techniques else default_techniques(spec)
     est = estimator or CachedEstimator()
     b = optional_budget(budget, margin=margin, context_bytes=context_bytes, gpu=spec.gpu)   # the one rule; None without a budget
     rows: list[dict[str, Any]] = []

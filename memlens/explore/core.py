@@ -20,9 +20,10 @@ from typing import Any, Callable
 from .. import estimator as estimator_pkg  # a module: its estimate is asked at call time (tests replace it)
 from ..core.errors import MemlensError
 from ..core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, INTERCONNECT_BYTES_PER_S, gpu_facts
-from ..core.parallel import data_parallel_ranks, is_distributed, sharding_of
+from ..core.parallel import data_parallel_ranks, sharding_of
 from ..core.spec import TrainingSpec
 from ..estimator.scaling import FORKED_AUTOGRAD, ScalingEstimator, _ForkUnusable
+from ..step.plan import resolve as resolve_step
 from .search import divisors
 
 
@@ -107,7 +108,7 @@ class CachedEstimator:
     def _scalable(spec: TrainingSpec) -> bool:
         """Specs the replay serves (one rank); a sharded spec is simulated per rank, and a --liger spec whole: its fused
         loss's chunk is next_power_of_2 of the tokens (memlens.models.liger.chunk_size), no polynomial in b and L."""
-        return not is_distributed(spec) and not spec.liger
+        return not resolve_step(spec, refuse=False).distributed and not spec.liger
 
     def prepare(self, specs: list[TrainingSpec], progress: Callable[[int, int, TrainingSpec], None] | None = None) -> None:
         """Simulate first the specs that let the others be replayed (see ScalingEstimator.prepare)."""
@@ -171,7 +172,7 @@ class CachedEstimator:
                 r = self.scaler.estimate(spec)
             elif self._fn is None:
                 r = self._elsewhere(spec)
-                if is_distributed(spec):
+                if resolve_step(spec, refuse=False).distributed:
                     with self._lock:
                         self.per_rank += 1
             else:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextvars
 import inspect
 import json
-import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -24,7 +23,6 @@ from ..core import progress as core_progress
 from ..core.errors import MemlensError, NoDeviceError, sentences
 from ..core.fits import RULE, Budget, need_bytes
 from ..core.gpus import gpu_facts, nccl_bytes
-from ..core.parallel import is_distributed
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..core.units import fmt_bytes
@@ -33,6 +31,8 @@ from ..measure.guard import free_cuda_cache, is_oom
 from ..measure.trial import run_trial
 from ..models.checkpoint import find_blocks
 from ..models.source import resolve
+from ..step.plan import StepPlan
+from ..step.plan import resolve as resolve_step
 from .core import (
     CachedEstimator,
     fit_with_accumulation,
@@ -43,21 +43,24 @@ from .search import MAX_BATCH, MAX_TARGET_PER_GPU, Search, max_fitting_budget, v
 
 
 def search_field(spec: TrainingSpec) -> str:
-    """DP-SGD materializes ``physical_batch_size`` samples at once; everything else ``batch_size``."""
-    return "physical_batch_size" if spec.dp else "batch_size"
+    """The field a batch search moves: what the step materializes at once (its kind's word: DP-SGD's
+    ``physical_batch_size``, everything else ``batch_size``)."""
+    return step_plan(spec).batch_field
 
 
 def batch_unit(spec: TrainingSpec) -> int:
-    """The step between micro-batches a spec can take: TRL's GRPO needs the generation batch (micro-batch x
-    steps_per_generation x GPUs) to be a multiple of num_generations (GRPOConfig.__post_init__); others 1.
+    """The step between micro-batches a spec can take (its kind's word: TRL's GRPO needs the generation batch to be a
+    multiple of num_generations; others 1).
 
     >>> batch_unit(TrainingSpec(model="gpt2", trainer="grpo", batch_size=8)), batch_unit(TrainingSpec(model="gpt2"))
     (8, 1)
     """
-    if spec.trainer != "grpo":
-        return 1
-    spg = (spec.steps_per_generation or spec.grad_accum) * spec.world_size
-    return spec.num_generations // math.gcd(spec.num_generations, spg)
+    return step_plan(spec).batch_unit
+
+
+def step_plan(spec: TrainingSpec) -> StepPlan:
+    """The plan of ``spec``'s step, nothing refused (the estimates refuse what they cannot run, each in its row)."""
+    return resolve_step(spec, refuse=False)
 
 
 def first_probes(spec: TrainingSpec, cap: int = MAX_BATCH) -> list[TrainingSpec]:
@@ -104,26 +107,17 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     ``predicted_peak_bytes`` (reserved at max_batch_size), ``micro_batch_size`` and ``grad_accum``
     for the target, ``plan`` (ranked entries) and ``estimates`` (every probe).
     """
-    if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
-        raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
-    n = spec.world_size
-    if target_batch is not None and target_batch % n:
-        raise MemlensError(f"the target batch {target_batch} does not split evenly over --world-size {n} GPUs",
-                           hint=f"use a multiple of {n}, e.g. --target-batch {n * max(1, round(target_batch / n))}")
-    if target_batch is not None and target_batch // n > MAX_TARGET_PER_GPU:
-        raise MemlensError(f"target batch {target_batch:,} is {target_batch // n:,} samples per GPU, above the "
-                           f"{MAX_TARGET_PER_GPU:,} fit searches (the largest micro-batch memlens simulates)",
-                           hint="give the effective batch in samples per optimizer step, e.g. --target-batch 1024")
+    sp = step_plan(spec)
+    n = sp.world_size
+    _check_target(target_batch, n)
     notes_gpus: list[str] = []
     if n > 1 and context_bytes is None:
-        # per GPU, the budget loses the CUDA context and NCCL's own buffers (outside the caching allocator)
-        nccl, src = nccl_bytes(gpu_facts(spec.gpu).name, n)
-        context_bytes = gpu_facts(spec.gpu).cuda_context_bytes + (nccl or 0)
-        notes_gpus.append(f"per GPU: budget - CUDA context - NCCL buffers ({'%.0f MiB' % (nccl / 2**20) if nccl else 'unknown'}: {src})")
+        context_bytes, note = _per_gpu_context(spec.gpu, n)
+        notes_gpus.append(note)
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
     t_start = time.perf_counter()
     est = estimator or CachedEstimator(method=method)
-    f = search_field(spec)
+    f = sp.batch_field
     # the micro-batch is per GPU; the target is the effective batch of the whole job
     per_gpu = (target_batch // n) if target_batch else (spec.batch_size * spec.grad_accum if f == "batch_size" else spec.batch_size)
     target = per_gpu * n
@@ -131,21 +125,10 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         progress("max micro-batch")
     core_progress.advance(0, None, "largest micro-batch")
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
-    grpo = batch_unit(spec) > 1 or spec.trainer == "grpo"
-    if grpo:   # the generation batch kept: steps_per_generation does not follow the accumulation searched away
-        base = spec.replace(grad_accum=1, steps_per_generation=spec.steps_per_generation or spec.grad_accum)
-        plan = False
-    planned = None
-    if plan and getattr(est, "workers", 1) > 1:      # the plan's searches beside this one (worker processes)
-
-        est.start(base)    # fork the workers before any thread exists (memlens.estimator.scaling.ScalingEstimator.start)
-        firsts = first_probes(base, cap)
-        est.begin(firsts)     # this search's first probes first in the workers' queue
-        pool = ThreadPoolExecutor(max_workers=1)
-        planned = pool.submit(contextvars.copy_context().run, make_plan, spec, est, b.usable_bytes, target, gpus=gpus,
-                              field_name=f, progress=progress, prune=not full_plan,
-                              reference=firsts[0] if firsts else None)
-        pool.shutdown(wait=False)
+    fixed = sp.kind.search_base(spec) if sp.kind.search_base is not None else None
+    if fixed is not None:   # its accumulation and plan left as given (GRPO: the generation batch kept)
+        base, plan = fixed[0], False
+    planned = _plan_beside(spec, base, est, b.usable_bytes, target, gpus, f, progress, full_plan, cap) if plan else None
     s = find_max_batch_size(base, b.usable_bytes, estimator=est, cap=cap)
     mbs = s.limit
     data: dict[str, Any] = {"max_batch_size": mbs, "searched_field": f, **b.to_dict(), "target_batch": target,
@@ -159,50 +142,90 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         data.update(world_size=n, per_gpu_target_batch=per_gpu, peak_rank=None)
     peak_alloc = peak_res = None
     if mbs:
-        p = est(base.replace(**{f: mbs}))
-        peak_alloc, peak_res = p.peak_allocated_bytes, p.peak_reserved_bytes
-        if n > 1:
-            data["peak_rank"] = p.peak_rank
-        data["predicted_need_bytes"] = need_bytes(p)
-        if grpo:
-            micro, accum = mbs, spec.grad_accum
-            notes.append(f"GRPO: micro-batches in multiples of {batch_unit(base)} (num_generations {spec.num_generations} must "
-                         "divide the generation batch); accumulation and the plan are left as given")
-        elif f == "batch_size":
-            micro = largest_divisor_at_most(per_gpu, mbs)
-            if per_gpu // micro > 1:   # the accumulated run must fit too (fit_with_accumulation)
-                fitting, acc, rejected = fit_with_accumulation(est, base, per_gpu, micro, b.usable_bytes)
-                for r, rp in rejected:
-                    notes.append(f"micro-batch {r} x accumulation {per_gpu // r} does not fit: the micro-batches after the "
-                                 f"first run with every gradient held ({fmt_bytes(rp.peak_reserved_bytes)} reserved)")
-                data["accumulated_peak_bytes"] = acc.peak_reserved_bytes
-                if not fitting:
-                    data["target_fits"] = False
-                micro = fitting or 1
-            accum = per_gpu // micro
-        if not grpo and f != "batch_size":
-            micro, accum = min(mbs, per_gpu), 1
-        data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum * n,
-                    predicted_peak_bytes=peak_res, predicted_peak_allocated_bytes=peak_alloc)
-        if micro < mbs and f == "batch_size":
-            notes.append(f"micro-batch {micro} (not {mbs}) so that micro x accumulation{' x GPUs' if n > 1 else ''} = {target} exactly")
+        peak_alloc, peak_res = _micro_batch_for_target(spec, base, est, b, mbs, per_gpu, f, n, fixed, data, notes)
     else:
         p1 = est(base.replace(**{f: batch_unit(base)}))
         data.update(micro_batch_size=None, grad_accum=None, effective_batch_size=None, predicted_peak_bytes=None,
                     predicted_peak_allocated_bytes=None, batch1_peak_bytes=need_bytes(p1))
+    data["plan"] = []
     if plan:
         entries = planned.result() if planned is not None else make_plan(spec, est, b.usable_bytes, target, gpus=gpus,
                                                                          field_name=f, progress=progress, prune=not full_plan)
-        data["plan"] = [e.to_dict() for e in entries]
-        data["gpus"] = gpus
-    else:
-        data["plan"] = []
+        data.update(plan=[e.to_dict() for e in entries], gpus=gpus)
     data["estimate_calls"] = est.calls
     data["estimate_seconds"] = round(est.seconds, 2)     # summed over the threads that waited for estimates
     data["seconds"] = round(time.perf_counter() - t_start, 2)   # wall time of the search and the plan
     data["estimator"] = est.stats()
     return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=peak_alloc, peak_reserved_bytes=peak_res,
                   notes=notes, data=data)
+
+
+def _check_target(target_batch: int | None, n: int) -> None:
+    """One line for a target batch fit cannot search (not a whole number, not split over ``n`` GPUs, too large)."""
+    if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
+        raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
+    if target_batch is not None and target_batch % n:
+        raise MemlensError(f"the target batch {target_batch} does not split evenly over --world-size {n} GPUs",
+                           hint=f"use a multiple of {n}, e.g. --target-batch {n * max(1, round(target_batch / n))}")
+    if target_batch is not None and target_batch // n > MAX_TARGET_PER_GPU:
+        raise MemlensError(f"target batch {target_batch:,} is {target_batch // n:,} samples per GPU, above the "
+                           f"{MAX_TARGET_PER_GPU:,} fit searches (the largest micro-batch memlens simulates)",
+                           hint="give the effective batch in samples per optimizer step, e.g. --target-batch 1024")
+
+
+def _per_gpu_context(gpu: str | None, n: int) -> tuple[int, str]:
+    """Per GPU of ``n``, what the budget loses outside the caching allocator: the CUDA context and NCCL's own buffers
+    (bytes, and the note that says so)."""
+    nccl, src = nccl_bytes(gpu_facts(gpu).name, n)
+    return (gpu_facts(gpu).cuda_context_bytes + (nccl or 0),
+            f"per GPU: budget - CUDA context - NCCL buffers ({'%.0f MiB' % (nccl / 2**20) if nccl else 'unknown'}: {src})")
+
+
+def _plan_beside(spec, base, est, usable_bytes, target, gpus, f, progress, full_plan, cap):
+    """The plan's searches started beside the micro-batch search (worker processes); None without workers (the plan
+    is then made after it)."""
+    if getattr(est, "workers", 1) <= 1:
+        return None
+    est.start(base)    # fork the workers before any thread exists (memlens.estimator.scaling.ScalingEstimator.start)
+    firsts = first_probes(base, cap)
+    est.begin(firsts)     # this search's first probes first in the workers' queue
+    pool = ThreadPoolExecutor(max_workers=1)
+    planned = pool.submit(contextvars.copy_context().run, make_plan, spec, est, usable_bytes, target, gpus=gpus,
+                          field_name=f, progress=progress, prune=not full_plan, reference=firsts[0] if firsts else None)
+    pool.shutdown(wait=False)
+    return planned
+
+
+def _micro_batch_for_target(spec, base, est, b, mbs, per_gpu, f, n, fixed, data, notes) -> tuple[int, int]:
+    """The micro-batch and accumulation that keep the per-GPU target under the budget (``data`` and ``notes`` filled);
+    returns the peak allocated and reserved bytes at the largest micro-batch ``mbs``."""
+    p = est(base.replace(**{f: mbs}))
+    if n > 1:
+        data["peak_rank"] = p.peak_rank
+    data["predicted_need_bytes"] = need_bytes(p)
+    if fixed is not None:
+        micro, accum = mbs, spec.grad_accum
+        notes.append(fixed[1])
+    elif f == "batch_size":
+        micro = largest_divisor_at_most(per_gpu, mbs)
+        if per_gpu // micro > 1:   # the accumulated run must fit too (fit_with_accumulation)
+            fitting, acc, rejected = fit_with_accumulation(est, base, per_gpu, micro, b.usable_bytes)
+            for r, rp in rejected:
+                notes.append(f"micro-batch {r} x accumulation {per_gpu // r} does not fit: the micro-batches after the "
+                             f"first run with every gradient held ({fmt_bytes(rp.peak_reserved_bytes)} reserved)")
+            data["accumulated_peak_bytes"] = acc.peak_reserved_bytes
+            if not fitting:
+                data["target_fits"] = False
+            micro = fitting or 1
+        accum = per_gpu // micro
+    else:
+        micro, accum = min(mbs, per_gpu), 1
+    data.update(micro_batch_size=micro, grad_accum=accum, effective_batch_size=micro * accum * n,
+                predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes)
+    if micro < mbs and f == "batch_size" and fixed is None:
+        notes.append(f"micro-batch {micro} (not {mbs}) so that micro x accumulation{' x GPUs' if n > 1 else ''} = "
+                     f"{per_gpu * n} exactly")
+    return p.peak_allocated_bytes, p.peak_reserved_bytes
 
 
 # ---------------------------------------------------------------- real trials
@@ -242,9 +265,10 @@ def verify(spec: TrainingSpec, seed: int, *, device: str = "cuda", memory_fracti
     Seeded by the estimate: seed+1 then seed (or seed+2): 2 trials when the estimate is exact or
     one below. ``memory_fraction`` caps the process (torch.cuda.set_per_process_memory_fraction).
     """
-    if is_distributed(spec):
-        raise MemlensError(f"--verify runs one process; a {spec.world_size}-GPU job runs under torchrun",
-                           hint=f"measure it with `memlens profile --world-size {spec.world_size}` (launches torchrun)")
+    sp = step_plan(spec)
+    if sp.distributed:
+        raise MemlensError(f"--verify runs one process; a {sp.world_size}-GPU job runs under torchrun",
+                           hint=f"measure it with `memlens profile --world-size {sp.world_size}` (launches torchrun)")
     runner = runner or run_trial
     f = search_field(spec)
     base = spec.replace(grad_accum=1) if f == "batch_size" else spec
@@ -370,145 +394,182 @@ def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, marg
     offloaded blocks, each answer checked by its own simulation). ``data["recompute_plan"]`` holds the answer, the
     rows (peaks, fit, seconds added per micro-batch), the probes and the line that applies it.
     """
-    if spec.dp or spec.compile or is_distributed(spec) or spec.offload_optimizer:
-        raise MemlensError("--least-recompute is for one GPU's plain or Trainer step: DP-SGD, --compile, several GPUs and "
-                           "--offload-optimizer are not searched", hint="drop --dp / --compile / --world-size / --offload-optimizer")
+    step_plan(spec).refuse_recompute_search()
     if spec.grad_accum > 1:
         spec = spec.replace(grad_accum=1)
     all_flag = layers is None      # the config's layers: transformers' own switch; else memlens wraps them all
     if layers is None:
-        source = resolve(spec.model)
-        layers = depth_of(source)
-        text = getattr(getattr(source, "config", None), "text_config", None)
-        if layers is None and text is not None and isinstance(getattr(text, "num_hidden_layers", None), int):
-            layers, all_flag = text.num_hidden_layers, False   # a VLM: its language model's layers (the largest stack)
-        if layers is None and source.kind == "factory":   # a factory's model, built on the meta device: its block stack
-            layers, all_flag = _factory_blocks(spec, source), False
+        layers, all_flag = _blocks_of(spec)
     if not layers:
         raise MemlensError(f"--least-recompute needs the number of blocks of {spec.model} (num_hidden_layers in its config)",
                            hint="estimate a subset with --checkpoint-layers N instead")
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
     t0 = time.perf_counter()
-    est = estimator or CachedEstimator(method="simulate")
-    points: dict[tuple, Any] = {}
-    gpu = gpu_facts(spec.gpu)
-
-    def key(policy: str, n: int, m: int = 0) -> tuple:
-        return ("full" if n == 0 else policy, n, m)
-
-    def probe(keys) -> None:
-        keys = [k for k in dict.fromkeys(keys) if k not in points]
-        specs = [recompute_spec(spec, k[1], layers, all_flag, k[0], k[2]) for k in keys]
-        if getattr(est, "workers", 1) > 1 and len(specs) > 1:
-            est.prefetch(specs)                      # side by side in the worker processes
-        for k, s in zip(keys, specs):
-            points[k] = est(s)
-
-    def fits_(k: tuple) -> bool:
-        return need_bytes(points[k]) <= b.usable_bytes
-
-    none = key("full", 0)
-    ends = {p: key(p, layers) for p in POLICIES}
-    probe([none, *ends.values()])
-    # per block: bytes saved and seconds added, from the simulated ends
-    saved = {p: (need_bytes(points[none]) - need_bytes(points[k])) / layers for p, k in ends.items()}
-    cost = {p: _added_seconds(points[k]) / layers for p, k in ends.items()}
-    cheapest = min((cost[p] / saved[p] for p in POLICIES if saved[p] > 0), default=float("inf"))
-    offload = 2 / gpu.pcie_bytes_per_s < cheapest     # the bound: offload can be cheaper per byte than recomputing
-    if offload:
-        k = key("full", 0, layers)
-        probe([k])
-        saved["offload"] = (need_bytes(points[none]) - need_bytes(points[k])) / layers
-        cost["offload"] = _added_seconds(points[k]) / layers
-
-    def line_need(policy: str, n: int, m: int) -> float:
-        return need_bytes(points[none]) - n * saved[policy] - m * saved.get("offload", 0.0)
-
-    answer: tuple | None = None
-    if fits_(none):
-        answer = none
-    else:
-        # the cheapest (policy, N, M) by the line, then N settled exactly for that policy and M
-        options = []
-        for p in POLICIES:
-            if not fits_(ends[p]) and not offload:
-                continue
-            for m in (range(layers + 1) if offload else (0,)):
-                n = next((n for n in range(layers - m + 1) if line_need(p, n, m) <= b.usable_bytes), None)
-                if n is not None and (n or m):
-                    options.append((n * cost[p] + m * cost.get("offload", 0.0), p, n, m))
-        options.sort()
-        for _, p, guess_n, m in options[:3]:
-            top = key(p, layers - m, m)
-            probe([top])
-            if not fits_(top):
-                continue
-            lo, hi = -1, layers - m                  # lo does not fit (or is below 0), hi fits
-            base = key(p, 0, m)
-            probe([base])
-            if fits_(base):
-                hi = 0
-            else:
-                lo = 0
-            guesses = [guess_n - 1, guess_n]
-            while hi - lo > 1:
-                probe([key(p, n, m) for n in guesses if lo < n < hi])
-                for k in sorted(points):
-                    if k[2] == m and (k[0] == p or k[1] == 0) and lo < k[1] < hi:
-                        if fits_(k):
-                            hi = k[1]
-                        else:
-                            lo = k[1]
-                span = hi - lo
-                guesses = [lo + max(1, span // 3), lo + max(1, (2 * span) // 3)]
-            answer = key(p, hi, m)
-            break                                     # the cheapest option by the line that fits at all
-
-    def row(name: str, k: tuple) -> dict[str, Any]:
-        p = points[k]
-        return {"name": name, "checkpoint_layers": k[1], "checkpoint_policy": k[0], "offload_layers": k[2], "layers": layers,
-                "fits": fits_(k), "need_bytes": need_bytes(p), "predicted_peak_bytes": p.peak_reserved_bytes,
-                "predicted_peak_allocated_bytes": p.peak_allocated_bytes, "added_seconds": round(_added_seconds(p), 6),
-                "activation_plan": p.activation_plan, "flags": _flags(k, layers, all_flag)}
-
-    def label(k: tuple) -> str:
-        p, n, m = k
-        what = [] if n == 0 else [f"{'all' if n == layers else f'first {n} of'} {layers}" + ("" if p == "full" else f" {p}")]
-        if m:
-            what.append(f"offload {m}")
-        return ", ".join(what) or "none"
-
-    rows = [row("none", none)] + [row(label(k), k) for k in ends.values()]
-    if offload:
-        rows.append(row(label(key("full", 0, layers)), key("full", 0, layers)))
-    if answer is not None and answer not in [none, *ends.values(), key("full", 0, layers)]:
-        rows.insert(1, row(label(answer), answer))
-    plan: dict[str, Any] = {"layers": layers, "checkpoint_layers": None if answer is None else answer[1],
-                            "checkpoint_policy": None if answer is None else answer[0],
-                            "offload_layers": None if answer is None else answer[2], "fits": answer is not None, "rows": rows,
-                            "offload_weighed": offload,
-                            "per_block": {k: {"bytes_saved": int(saved[k]), "seconds_added": round(cost[k], 6)} for k in saved},
-                            "probes": [{"checkpoint_layers": k[1], "checkpoint_policy": k[0], "offload_layers": k[2],
-                                        "need_bytes": need_bytes(points[k]), "fits": fits_(k)} for k in sorted(points)]}
-    if answer is not None:
-        ap = apply_plan_of(answer[1], answer[0], answer[2])
-        plan.update(apply=ap, code=apply_line(ap), flags=_flags(answer, layers, all_flag),
-                    added_step_seconds=round(_added_seconds(points[answer]), 6),
-                    full_checkpointing_added_seconds=round(_added_seconds(points[ends["full"]]), 6))
-    seconds = round(time.perf_counter() - t0, 2)
+    search = _RecomputeSearch(spec, layers, all_flag, b.usable_bytes, estimator or CachedEstimator(method="simulate"))
+    search.weigh_ends()
+    answer = search.settle()
+    plan = search.plan(answer)
+    gpu = search.gpu
     notes = [f"fits: {RULE}: {b.describe()}",
              "added seconds per micro-batch from the simulation's own counts (activation_plan): recomputed matmul FLOPs at "
              f"the {gpu.name}'s dense peak plus recomputed bytes at its DRAM bandwidth (a roofline bound), offloaded bytes "
              "both ways at its PCIe rate"]
-    if not offload:
+    if not search.offload:
         notes.append("activation offload not weighed: a block offloaded frees at most the bytes it sends to the host, each "
                      f"sent and fetched back over PCIe ({gpu.pcie_bytes_per_s / 1e9:.0f} GB/s), which costs more per byte than "
                      "recomputing here")
-    best = points[answer] if answer is not None else None
-    data: dict[str, Any] = {"recompute_plan": plan, **b.to_dict(), "batch_size": spec.batch_size, "estimate_calls": len(points),
-                            "seconds": seconds, "estimator": est.stats(), "method": "simulate"}
+    best = search.points[answer] if answer is not None else None
+    data: dict[str, Any] = {"recompute_plan": plan, **b.to_dict(), "batch_size": spec.batch_size,
+                            "estimate_calls": len(search.points), "seconds": round(time.perf_counter() - t0, 2),
+                            "estimator": search.est.stats(), "method": "simulate"}
     return Result(verb="fit", spec=spec.to_dict(), peak_allocated_bytes=best.peak_allocated_bytes if best else None,
                   peak_reserved_bytes=best.peak_reserved_bytes if best else None, notes=notes, data=data)
+
+
+def _blocks_of(spec: TrainingSpec) -> tuple[int | None, bool]:
+    """(the model's number of blocks, whether --grad-checkpointing checkpoints them all): the config's layers; a VLM's
+    language model's (the largest stack); a factory's block stack, built on the meta device (memlens wraps those)."""
+    source = resolve(spec.model)
+    layers = depth_of(source)
+    text = getattr(getattr(source, "config", None), "text_config", None)
+    if layers is None and text is not None and isinstance(getattr(text, "num_hidden_layers", None), int):
+        return text.num_hidden_layers, False
+    if layers is None and source.kind == "factory":
+        return _factory_blocks(spec, source), False
+    return layers, True
+
+
+class _RecomputeSearch:
+    """The probes of one least-recompute search: each key ``(policy, checkpointed blocks N, offloaded blocks M)``
+    estimated once (``points``); per block, the bytes each technique saves and the seconds it adds (``saved``,
+    ``cost``), from the simulated ends."""
+
+    def __init__(self, spec: TrainingSpec, layers: int, all_flag: bool, usable_bytes: int, est) -> None:
+        self.spec, self.layers, self.all_flag, self.usable, self.est = spec, layers, all_flag, usable_bytes, est
+        self.points: dict[tuple, Any] = {}
+        self.gpu = gpu_facts(spec.gpu)
+        self.none = self.key("full", 0)
+        self.ends = {p: self.key(p, layers) for p in POLICIES}
+        self.saved: dict[str, float] = {}
+        self.cost: dict[str, float] = {}
+        self.offload = False
+
+    @staticmethod
+    def key(policy: str, n: int, m: int = 0) -> tuple:
+        return ("full" if n == 0 else policy, n, m)
+
+    def probe(self, keys) -> None:
+        keys = [k for k in dict.fromkeys(keys) if k not in self.points]
+        specs = [recompute_spec(self.spec, k[1], self.layers, self.all_flag, k[0], k[2]) for k in keys]
+        if getattr(self.est, "workers", 1) > 1 and len(specs) > 1:
+            self.est.prefetch(specs)                      # side by side in the worker processes
+        for k, s in zip(keys, specs):
+            self.points[k] = self.est(s)
+
+    def fits(self, k: tuple) -> bool:
+        return need_bytes(self.points[k]) <= self.usable
+
+    def weigh_ends(self) -> None:
+        """Simulate none and all blocks under each policy (and all offloaded, where offload can be cheaper per byte than
+        recomputing: it frees at most what it sends, sent and fetched back over PCIe)."""
+        none, layers = self.none, self.layers
+        self.probe([none, *self.ends.values()])
+        self.saved = {p: (need_bytes(self.points[none]) - need_bytes(self.points[k])) / layers for p, k in self.ends.items()}
+        self.cost = {p: _added_seconds(self.points[k]) / layers for p, k in self.ends.items()}
+        cheapest = min((self.cost[p] / self.saved[p] for p in POLICIES if self.saved[p] > 0), default=float("inf"))
+        self.offload = 2 / self.gpu.pcie_bytes_per_s < cheapest
+        if self.offload:
+            k = self.key("full", 0, layers)
+            self.probe([k])
+            self.saved["offload"] = (need_bytes(self.points[none]) - need_bytes(self.points[k])) / layers
+            self.cost["offload"] = _added_seconds(self.points[k]) / layers
+
+    def _line_need(self, policy: str, n: int, m: int) -> float:
+        return need_bytes(self.points[self.none]) - n * self.saved[policy] - m * self.saved.get("offload", 0.0)
+
+    def _options(self) -> list[tuple[float, str, int, int]]:
+        """(seconds added, policy, N, M) of every mix the line says fits, cheapest first."""
+        options = []
+        for p in POLICIES:
+            if not self.fits(self.ends[p]) and not self.offload:
+                continue
+            for m in (range(self.layers + 1) if self.offload else (0,)):
+                n = next((n for n in range(self.layers - m + 1) if self._line_need(p, n, m) <= self.usable), None)
+                if n is not None and (n or m):
+                    options.append((n * self.cost[p] + m * self.cost.get("offload", 0.0), p, n, m))
+        return sorted(options)
+
+    def settle(self) -> tuple | None:
+        """The answer: none if it fits; else the cheapest mix by the line that fits at all, its N settled exactly."""
+        if self.fits(self.none):
+            return self.none
+        for _, p, guess_n, m in self._options()[:3]:
+            top = self.key(p, self.layers - m, m)
+            self.probe([top])
+            if self.fits(top):
+                return self.key(p, self._bisect(p, m, guess_n), m)
+        return None
+
+    def _bisect(self, p: str, m: int, guess_n: int) -> int:
+        """The fewest checkpointed blocks that fit under policy ``p`` with ``m`` offloaded (the top fits): bisected from
+        the line's guess, then the bracket cut in thirds, until N fits and N - 1 does not (both simulated)."""
+        lo, hi = -1, self.layers - m                  # lo does not fit (or is below 0), hi fits
+        base = self.key(p, 0, m)
+        self.probe([base])
+        if self.fits(base):
+            hi = 0
+        else:
+            lo = 0
+        guesses = [guess_n - 1, guess_n]
+        while hi - lo > 1:
+            self.probe([self.key(p, n, m) for n in guesses if lo < n < hi])
+            for k in sorted(self.points):
+                if k[2] == m and (k[0] == p or k[1] == 0) and lo < k[1] < hi:
+                    if self.fits(k):
+                        hi = k[1]
+                    else:
+                        lo = k[1]
+            span = hi - lo
+            guesses = [lo + max(1, span // 3), lo + max(1, (2 * span) // 3)]
+        return hi
+
+    def _row(self, name: str, k: tuple) -> dict[str, Any]:
+        p, layers = self.points[k], self.layers
+        return {"name": name, "checkpoint_layers": k[1], "checkpoint_policy": k[0], "offload_layers": k[2], "layers": layers,
+                "fits": self.fits(k), "need_bytes": need_bytes(p), "predicted_peak_bytes": p.peak_reserved_bytes,
+                "predicted_peak_allocated_bytes": p.peak_allocated_bytes, "added_seconds": round(_added_seconds(p), 6),
+                "activation_plan": p.activation_plan, "flags": _flags(k, layers, self.all_flag)}
+
+    def _label(self, k: tuple) -> str:
+        p, n, m = k
+        what = [] if n == 0 else [f"{'all' if n == self.layers else f'first {n} of'} {self.layers}" + ("" if p == "full" else f" {p}")]
+        if m:
+            what.append(f"offload {m}")
+        return ", ".join(what) or "none"
+
+    def plan(self, answer: tuple | None) -> dict[str, Any]:
+        """The recompute plan: the answer, the rows (none, each end, the answer), per block, the probes, how to apply it."""
+        all_off = self.key("full", 0, self.layers)
+        rows = [self._row("none", self.none)] + [self._row(self._label(k), k) for k in self.ends.values()]
+        if self.offload:
+            rows.append(self._row(self._label(all_off), all_off))
+        if answer is not None and answer not in [self.none, *self.ends.values(), all_off]:
+            rows.insert(1, self._row(self._label(answer), answer))
+        plan: dict[str, Any] = {"layers": self.layers, "checkpoint_layers": None if answer is None else answer[1],
+                                "checkpoint_policy": None if answer is None else answer[0],
+                                "offload_layers": None if answer is None else answer[2], "fits": answer is not None,
+                                "rows": rows, "offload_weighed": self.offload,
+                                "per_block": {k: {"bytes_saved": int(self.saved[k]), "seconds_added": round(self.cost[k], 6)}
+                                              for k in self.saved},
+                                "probes": [{"checkpoint_layers": k[1], "checkpoint_policy": k[0], "offload_layers": k[2],
+                                            "need_bytes": need_bytes(self.points[k]), "fits": self.fits(k)}
+                                           for k in sorted(self.points)]}
+        if answer is not None:
+            ap = apply_plan_of(answer[1], answer[0], answer[2])
+            plan.update(apply=ap, code=apply_line(ap), flags=_flags(answer, self.layers, self.all_flag),
+                        added_step_seconds=round(_added_seconds(self.points[answer]), 6),
+                        full_checkpointing_added_seconds=round(_added_seconds(self.points[self.ends["full"]]), 6))
+        return plan
 
 
 def _factory_blocks(spec: TrainingSpec, source) -> int | None:

@@ -30,9 +30,9 @@ from typing import Any, Callable
 from ..core import progress as core_progress
 from ..core import techniques
 from ..core.errors import MemlensError
-from ..core.parallel import data_parallel_ranks
 from ..core.spec import TrainingSpec
 from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
+from ..step.plan import resolve as resolve_step
 from .core import CachedEstimator, need_bytes, predict_step_time
 from .search import divisors as divisors_of
 from .search import max_fitting_among
@@ -48,13 +48,20 @@ class Candidate:
 
 
 def candidates(spec: TrainingSpec, gpus: int = 8, lora_rank: int = 16) -> list[Candidate]:
-    """The settings a plan considers for ``spec``: the technique table's plan entries that change something."""
+    """The settings a plan considers for ``spec``: the plan entries of its step kind (the technique table's by default)
+    that change something and that the kind runs (DP-SGD: DDP, and FSDP with ghost clipping, over GPUs).
+
+    >>> dp = TrainingSpec(model="gpt2", batch_size=16, dp=True, grad_sample_mode="ghost")
+    >>> [c.technique for c in candidates(dp) if c.changes.get("world_size")]
+    ['ddp', 'fsdp']
+    """
     ctx = techniques.Context(gpus=gpus, lora_rank=lora_rank)
+    sp = resolve_step(spec, refuse=False)
     out: list[Candidate] = [Candidate("as given", {}, EXACT, "only accumulation if the micro-batch must shrink")]
-    for name in techniques.PLAN:
-        if name in ("zero2", "fsdp") and gpus <= 1:
+    for name in sp.kind.plan_techniques or techniques.PLAN:
+        if name in techniques.OVER_GPUS and gpus <= 1:
             continue
-        if not techniques.applies(spec, name):
+        if not techniques.applies(spec, name) or not sp.offers(name):
             continue
         out.append(Candidate(techniques.title(name, ctx), techniques.changes(spec, name, ctx), techniques.kind(name),
                              techniques.cost(name), name))
@@ -130,7 +137,7 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError as e:
         return fail(e.message)
-    n = data_parallel_ranks(s)
+    n = resolve_step(s, refuse=False).ranks
     if target_batch % n:
         return fail(f"the target batch {target_batch} does not split evenly over {n} GPUs", n)
     per_gpu = target_batch // n
@@ -211,7 +218,7 @@ def best_gpu_seconds(spec: TrainingSpec, cand: Candidate, p, target_batch: int) 
         s = spec.replace(grad_accum=1, **cand.changes)
     except MemlensError:
         return None
-    n = data_parallel_ranks(s)
+    n = resolve_step(s, refuse=False).ranks
     if target_batch % n:
         return None
     per_gpu = target_batch // n
@@ -331,7 +338,7 @@ class _PlanRun:
             if out is not None:
                 why, best, by = out
                 fut.set_result(Decision(False, best))
-                n = self.spec.replace(**c.changes).world_size if "world_size" in c.changes else 1
+                n = resolve_step(self.spec.replace(**c.changes), refuse=False).world_size if "world_size" in c.changes else 1
                 return PlanEntry(c.name, c.kind, c.tradeoff, c.changes, None, None, None, None, None, None, None, None,
                                  gpus=n, not_searched=why, flags=_flags(c.changes, None, None, self.field),
                                  extra={"best_gpu_seconds": best, "not_searched_for": by})

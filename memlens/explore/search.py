@@ -230,31 +230,15 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
     if not vals:
         return Search(0, trials)
     lo_i, hi_i = -1, len(vals)              # vals[lo_i] fits (-1: none known), vals[hi_i] does not (len: none known)
-
-    def bracket() -> None:
-        """Narrow (lo_i, hi_i) by every point estimated (monotone: a point that fits makes every value
-        at or below it fit, one that does not every value at or above it)."""
-        nonlocal lo_i, hi_i
-        for x, v in sorted(seen.items()):
-            if v <= budget:
-                i = max((j for j in range(len(vals)) if vals[j] <= x), default=-1)
-                if lo_i < i < hi_i:
-                    lo_i = i
-        for x, v in sorted(seen.items(), reverse=True):
-            if v > budget:
-                i = min((j for j in range(len(vals)) if vals[j] >= x), default=len(vals))
-                if lo_i < i < hi_i:
-                    hi_i = i
-
     merge_known()
-    bracket()
+    lo_i, hi_i = _bracket(vals, seen, budget, lo_i, hi_i)
     if hi_i == len(vals):
         if run(len(vals) - 1):
             return Search(vals[-1], trials)
         hi_i = len(vals) - 1
     guesses = 0
     while True:
-        bracket()
+        lo_i, hi_i = _bracket(vals, seen, budget, lo_i, hi_i)
         if hi_i - lo_i <= 1:
             break
         nxt = _guess(vals, seen, budget, lo_i, hi_i, slope) if guesses < 3 else None
@@ -267,6 +251,22 @@ def max_fitting_among(values: list[int], value: Callable[[int], float], budget: 
         else:
             hi_i = nxt
     return Search(vals[lo_i] if lo_i >= 0 else 0, trials)
+
+
+def _bracket(vals: list[int], seen: dict[int, float], budget: float, lo_i: int, hi_i: int) -> tuple[int, int]:
+    """(lo_i, hi_i) narrowed by every point estimated (monotone: a point that fits makes every value at or below it
+    fit, one that does not every value at or above it)."""
+    for x, v in sorted(seen.items()):
+        if v <= budget:
+            i = max((j for j in range(len(vals)) if vals[j] <= x), default=-1)
+            if lo_i < i < hi_i:
+                lo_i = i
+    for x, v in sorted(seen.items(), reverse=True):
+        if v > budget:
+            i = min((j for j in range(len(vals)) if vals[j] >= x), default=len(vals))
+            if lo_i < i < hi_i:
+                hi_i = i
+    return lo_i, hi_i
 
 
 def _guess(vals: list[int], seen: dict[int, float], budget: float, lo_i: int, hi_i: int,

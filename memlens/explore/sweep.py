@@ -34,6 +34,7 @@ from ..core.fits import RULE, Budget, fits, optional_budget
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..measure.trial import run_trial
+from ..step.plan import resolve as resolve_step
 from .compare import technique_spec
 from .core import CachedEstimator, predict_step_time
 
@@ -164,62 +165,15 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
     if not runnable:
         raise MemlensError(f"no valid cell in the grid ({cells[0].skip})", hint="e.g. physical batch sizes must be <= batch sizes")
     if gpus is not None:
-        check_gpu_list(gpus, {c.spec.world_size for c in runnable}, measure)
-    out = Path(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise MemlensError(f"cannot create output directory {out}: {e.strerror}", hint="choose a writable out directory") from None
-    path = out / RESULTS
-    done = read_results(path)
-    if done and not resume:
-        raise MemlensError(f"{path} already holds {len(done)} finished cells", hint="add --resume to continue that sweep, or choose another --out")
-    if resume and done:
-        _check_same_sweep(done, cells)
+        check_gpu_list(gpus, {_gpus_of(c.spec) for c in runnable}, measure)
+    path, done = _open_results(Path(out), resume, cells)
     done_before = bool(done)
-    _drop_torn_tail(path)
     est = estimator or CachedEstimator()
-    frac = None
-    if measure and b is not None and device.startswith("cuda"):
-        import torch  # heavy: torch, loaded on first use
-
-        frac = min(1.0, (b.budget_bytes - b.context_bytes) / torch.cuda.get_device_properties(0).total_memory)
-    total = len(cells)
-    state = {"n": 0}
-    lock = threading.Lock()
-
-    def finish(c: Cell, rec: dict[str, Any] | None) -> None:
-        with lock:
-            if rec is not None:
-                _append(path, rec)
-                done[c.key] = rec
-            state["n"] += 1
-            if progress:
-                progress(state["n"], total, c.key, rec)
-
+    frac = _memory_fraction(b, device) if measure else None
+    fin = _Finish(path, done, len(cells), progress)
     est.prepare([c.spec for c in cells if c.spec is not None and c.key not in done],
-                progress=lambda i, n, s: core_progress.advance(0, total, f"tracing {i}/{n}: {s.describe()}"))
-    todo: list[tuple[Cell, dict[str, Any]]] = []
-    errors: list[MemlensError] = []
-    for c in cells:
-        if c.key in done:
-            finish(c, None)
-            continue
-        core_progress.advance(state["n"], total, c.key)
-        rec: dict[str, Any] = {"key": c.key, **c.params}
-        if c.spec is None:
-            rec.update(status="skipped", error=c.skip)
-            finish(c, rec)
-            continue
-        rec["spec"] = c.spec.to_dict()
-        rec["_t0"] = time.perf_counter()
-        err = _estimate_cell(c, rec, est, b, measure, detailed)
-        if err is not None:
-            errors.append(err)
-        if measure:
-            todo.append((c, rec))
-        else:
-            finish(c, _closed(rec))
+                progress=lambda i, n, s: core_progress.advance(0, len(cells), f"tracing {i}/{n}: {s.describe()}"))
+    todo, errors = _estimate_cells(cells, fin, est, b, measure, detailed)
     if not measure and not done_before and errors and len(errors) == len(runnable):
         path.unlink(missing_ok=True)   # no cell could be estimated: the spec itself is wrong, said in one line
         raise errors[0]
@@ -236,14 +190,94 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         for k in ("error", "detail", "ranks", "peak_rank", "gpus"):
             if t.get(k) is not None:
                 rec[k] = t[k]
-        finish(c, _closed(rec))
+        fin(c, _closed(rec))
 
     if gpus is None or not todo:
         for c, rec in todo:
             measure_cell(c, rec, None)
     else:
         _run_on_gpus(todo, gpus, measure_cell)
-    rows = [done[c.key] for c in cells]
+    return _sweep_result(spec, grid, [done[c.key] for c in cells], est, b, measure, device, path, frac, detailed, steps, gpus)
+
+
+def _gpus_of(spec: TrainingSpec) -> int:
+    """GPUs a cell's job takes (its step plan's world size)."""
+    return resolve_step(spec, refuse=False).world_size
+
+
+def _open_results(out: Path, resume: bool, cells: list[Cell]) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """(the results file under ``out``, the cells it holds finished): refused in one line when it holds another sweep,
+    or finished cells without ``resume``; a torn last line dropped."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MemlensError(f"cannot create output directory {out}: {e.strerror}", hint="choose a writable out directory") from None
+    path = out / RESULTS
+    done = read_results(path)
+    if done and not resume:
+        raise MemlensError(f"{path} already holds {len(done)} finished cells", hint="add --resume to continue that sweep, or choose another --out")
+    if resume and done:
+        _check_same_sweep(done, cells)
+    _drop_torn_tail(path)
+    return path, done
+
+
+def _memory_fraction(b: Budget | None, device: str) -> float | None:
+    """The share of the GPU a measured cell may have under the budget (None: no budget, or not CUDA)."""
+    if b is None or not device.startswith("cuda"):
+        return None
+    import torch  # heavy: torch, loaded on first use
+
+    return min(1.0, (b.budget_bytes - b.context_bytes) / torch.cuda.get_device_properties(0).total_memory)
+
+
+class _Finish:
+    """A cell finished: its row appended to the results file (and kept), the progress told (one thread at a time)."""
+
+    def __init__(self, path: Path, done: dict[str, dict[str, Any]], total: int, progress) -> None:
+        self.path, self.done, self.total, self.progress = path, done, total, progress
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, c: Cell, rec: dict[str, Any] | None) -> None:
+        with self.lock:
+            if rec is not None:
+                _append(self.path, rec)
+                self.done[c.key] = rec
+            self.n += 1
+            if self.progress:
+                self.progress(self.n, self.total, c.key, rec)
+
+
+def _estimate_cells(cells: list[Cell], fin: _Finish, est: CachedEstimator, b: Budget | None, measure: bool,
+                    detailed: bool) -> tuple[list[tuple[Cell, dict[str, Any]]], list[MemlensError]]:
+    """Estimate every cell not done before (estimated cells finish here); returns the cells left to measure, with
+    their rows, and the estimates' errors."""
+    todo: list[tuple[Cell, dict[str, Any]]] = []
+    errors: list[MemlensError] = []
+    for c in cells:
+        if c.key in fin.done:
+            fin(c, None)
+            continue
+        core_progress.advance(fin.n, fin.total, c.key)
+        rec: dict[str, Any] = {"key": c.key, **c.params}
+        if c.spec is None:
+            rec.update(status="skipped", error=c.skip)
+            fin(c, rec)
+            continue
+        rec["spec"] = c.spec.to_dict()
+        rec["_t0"] = time.perf_counter()
+        err = _estimate_cell(c, rec, est, b, measure, detailed)
+        if err is not None:
+            errors.append(err)
+        if measure:
+            todo.append((c, rec))
+        else:
+            fin(c, _closed(rec))
+    return todo, errors
+
+
+def _sweep_result(spec, grid, rows, est, b, measure, device, path, frac, detailed, steps, gpus) -> Result:
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["status"]] = counts.get(r["status"], 0) + 1
@@ -257,7 +291,6 @@ def sweep(spec: TrainingSpec, grid: Grid, *, out: str | Path, measure: bool = Fa
         "status: ok | oom | timeout | crash | skipped (invalid combination) | oom-estimated (estimated peak reserved above "
         "the usable memory: budget - CUDA context - margin, the fit rule of fit and compare)"]
         + ([f"fits: {RULE}: {b.describe()}"] + ([b.warning] if b.warning else []) if b is not None else []), data=data)
-
 
 
 def _estimate_cell(c: Cell, rec: dict[str, Any], est: CachedEstimator, budget: Budget | None, measure: bool,
@@ -333,7 +366,7 @@ def _run_on_gpus(todo: list, gpus: list[int], measure_cell) -> None:
 
     threads = []
     for c, rec in todo:
-        need = c.spec.world_size
+        need = _gpus_of(c.spec)
         with cond:
             cond.wait_for(lambda: len(free) >= need or errors)
             if errors:

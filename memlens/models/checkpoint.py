@@ -264,16 +264,12 @@ class Applied(list):
         return {"checkpointed": list(self), "checkpoint_policy": self.policy, "offloaded": self.offloaded}
 
 
-def refuse_plan(spec) -> None:
-    """Refuse, in one line, a spec whose step cannot take a block plan (selective checkpointing or offload)."""
+def block_plan_flag(spec) -> str | None:
+    """The flag of the block plan ``spec`` asks for beyond plain checkpointing (selective checkpointing or offloaded
+    activations; None: none). A step kind that cannot take one refuses it naming this flag (memlens.step.kinds)."""
     if spec.checkpoint_policy == "full" and spec.offload_layers is None:
-        return
-    what = "--checkpoint-policy selective" if spec.checkpoint_policy != "full" else "--offload-activations"
-    if spec.compile:
-        raise SpecError(f"{what} with --compile: the compiled graph's own partition decides what is saved", hint=f"drop {what} or --compile")
-    if spec.dp and (spec.grad_sample_mode or "hooks") == "hooks":
-        raise SpecError(f"{what} with --dp hooks: Opacus' per-sample gradient hooks need every layer's activations as they are",
-                        hint=f"drop {what}, or use --grad-sample-mode ghost")
+        return None
+    return "--checkpoint-policy selective" if spec.checkpoint_policy != "full" else "--offload-activations"
 
 
 def plan_of(plan: dict | Any) -> dict:

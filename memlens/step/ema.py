@@ -24,23 +24,23 @@ step (transformers' Trainer has no EMA), FSDP2 sharding (a shadow of sharded DTe
 from __future__ import annotations
 
 from ..core.errors import SpecError
-from ..core.parallel import is_distributed, sharding_of
 from ..core.spec import TrainingSpec
 
 ATTR = "memlens_ema"       # on the optimizer: (EMAModel, the parameters it tracks)
 LABEL = "(ema weights)"    # the module label its shadow is accounted under
 
 
-def refuse(spec: TrainingSpec) -> None:
-    """What ``--ema`` cannot be combined with, in one line each."""
-    if not spec.ema:
+def refuse(plan) -> None:
+    """What ``--ema`` cannot be combined with, in one line each (``plan``: the step's
+    :class:`memlens.step.plan.StepPlan`; :func:`memlens.step.plan.resolve` asks)."""
+    if not plan.spec.ema:
         return
-    if spec.dp:
+    if plan.dp:
         raise SpecError("--ema with --dp is not modelled (Opacus' DP-SGD step)", hint="drop --ema or --dp")
-    if spec.hf_trainer:
+    if plan.hf_trainer:
         raise SpecError("--ema with --hf-trainer: transformers' Trainer keeps no EMA weights", hint="drop --ema (a callback's EMA is not modelled)")
-    if is_distributed(spec) and sharding_of(spec).family == "fsdp":
-        raise SpecError(f"--ema with --sharding {spec.sharding} is not modelled (a shadow of FSDP2's sharded parameters)",
+    if plan.distributed and plan.sharding.family == "fsdp":
+        raise SpecError(f"--ema with --sharding {plan.sharding.name} is not modelled (a shadow of FSDP2's sharded parameters)",
                         hint="use --sharding ddp or zero1, or drop --ema")
 
 
@@ -49,7 +49,6 @@ def attach(spec: TrainingSpec, model, optimizer, applied: list[str]):
     (:func:`update` runs it after each step). Returns the optimizer."""
     if not spec.ema:
         return optimizer
-    refuse(spec)
     try:
         from diffusers.training_utils import EMAModel  # optional: diffusers (memlens[diffusion])
     except ImportError:

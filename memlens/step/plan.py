@@ -4,32 +4,37 @@ The plan holds one registry entry per decision, each owning its facts and its on
 
 - ``sharding`` (:mod:`memlens.core.parallel`): one GPU, DDP, ZeRO-1, FSDP2 and what each shards;
   ``wrapper`` the class that wraps a rank (:mod:`memlens.step.parallel`);
-- ``kind`` (:mod:`memlens.step.kinds`): plain, the Trainer's, compiled, DP-SGD; how it runs and which fast
-  paths of the estimator may serve it;
+- ``kind`` (:mod:`memlens.step.kinds`): plain, the Trainer's, compiled, DP-SGD, TRL's; how it runs, what it refuses
+  (alone and over several GPUs), which fast paths of the estimator may serve it, which batch field a search
+  moves and which techniques compare and fit offer it;
 - ``optimizer`` (:mod:`memlens.core.optimizers`): state and temporary bytes, how it is built;
 - ``precision`` (:mod:`memlens.core.precision`): weights dtype, autocast dtype, GradScaler.
 
 :func:`memlens.step.prepare` builds the step the plan says; the estimator, the closed form, compare /
-sweep / fit and the profiler ask the plan rather than the spec's fields.
+sweep / fit and the profiler ask the plan rather than the spec's fields: :attr:`StepPlan.distributed`,
+:attr:`StepPlan.dp` and :attr:`StepPlan.compiled` are the one definition of each. ``resolve(spec, refuse=False)``
+builds the same plan without its refusals, for what explore asks of a spec before (or instead of) estimating it.
 
 >>> from memlens.core.spec import TrainingSpec
 >>> p = resolve(TrainingSpec(model="gpt2", precision="amp-fp16", world_size=2, sharding="ddp"))
 >>> p.distributed, p.sharding.family, p.kind.name, p.precision.grad_scaler, p.optimizer.adam_like
 (True, 'ddp', 'plain', True, True)
+>>> p.world_size, p.ranks, p.dp, p.compiled, p.batch_field
+(2, 2, False, False, 'batch_size')
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..core.errors import SpecError
 from ..core.optimizers import Optimizer, optimizer_facts
-from ..core.parallel import Sharding, is_distributed, sharding_of
+from ..core.parallel import Sharding, data_parallel_ranks, is_distributed, sharding_of
 from ..core.precision import Precision, precision_of
 from ..core.spec import TrainingSpec
-from ..models.checkpoint import refuse_plan
 from ..models.liger import refuse as refuse_liger
+from .ema import refuse as refuse_ema
 from .kinds import StepKind, kind_for
 from .parallel import check as check_parallel
 from .parallel import wrapper_class
@@ -48,13 +53,36 @@ class StepPlan:
     optimizer: Optimizer
     precision: Precision
 
+    # ---------------------------------------------------------------- the one definition of each
     @property
     def distributed(self) -> bool:
+        """A job of several ranks (each simulated, or run under torchrun)."""
         return is_distributed(self.spec)
 
     @property
+    def world_size(self) -> int:
+        """GPUs of the job (1 on one GPU)."""
+        return self.spec.world_size
+
+    @property
+    def ranks(self) -> int:
+        """Ranks that each take a micro-batch (the whole world of a data-parallel job; 1 on one GPU)."""
+        return data_parallel_ranks(self.spec)
+
+    @property
     def dp(self) -> bool:
-        return self.kind.name == "dp"
+        """The step runs DP-SGD (its kind is a private one: Opacus')."""
+        return self.kind.private
+
+    @property
+    def compiled(self) -> bool:
+        """The model runs torch.compile'd."""
+        return self.kind.compiles
+
+    @property
+    def hf_trainer(self) -> bool:
+        """The step is a transformers Trainer's (the Trainer's own, TRL's subclasses, or compiled by the Trainer)."""
+        return self.spec.hf_trainer
 
     @property
     def grad_scaler(self) -> bool:
@@ -65,13 +93,26 @@ class StepPlan:
         """The loop holds the model's outputs through backward (the spec's word, else the step kind's habit)."""
         return self.kind.keeps_outputs if self.spec.keep_outputs is None else self.spec.keep_outputs
 
-    def whole_stack_why(self) -> str | None:
-        """Why the estimator must simulate every layer of this step (None: layers may be written from a shallow model)."""
-        if self.distributed:
-            return "several GPUs"
-        if not self.kind.layers_written:
-            return {"dp": "DP-SGD", "compiled": "--compile"}.get(self.kind.name, f"the {self.kind.name} step kind")
-        return None
+    # ---------------------------------------------------------------- what the explorers ask (the kind's answers)
+    @property
+    def batch_field(self) -> str:
+        """The spec field a batch search moves: what the step materializes at once (DP-SGD: physical batches)."""
+        return self.kind.batch_field
+
+    @property
+    def batch_unit(self) -> int:
+        """The step between micro-batches this step can take (1 unless its kind says otherwise: GRPO)."""
+        return self.kind.batch_unit(self.spec) if self.kind.batch_unit is not None else 1
+
+    def offers(self, technique: str) -> bool:
+        """Does this step's kind run ``technique`` of :mod:`memlens.core.techniques` (besides the table's own rule)?"""
+        return self.kind.offers is None or self.kind.offers(self.spec, technique)
+
+    def refuse_recompute_search(self) -> None:
+        """One line when fit's least-recompute search does not serve this step (one GPU's plain or Trainer step)."""
+        if not self.kind.recompute_searched or self.distributed or self.spec.offload_optimizer:
+            raise SpecError("--least-recompute is for one GPU's plain or Trainer step: DP-SGD, --compile, several GPUs and "
+                            "--offload-optimizer are not searched", hint="drop --dp / --compile / --world-size / --offload-optimizer")
 
     # ---------------------------------------------------------------- what the estimator asks
     @property
@@ -80,25 +121,40 @@ class StepPlan:
         return self.spec.world_size
 
 
-def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None) -> StepPlan:
+def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None, refuse: bool = True) -> StepPlan:
     """The plan of ``spec``'s step; every field it cannot apply is refused here in one line.
 
     ``fake``: the step runs on fake tensors (estimate) rather than a real device. ``source``: the resolved
-    model source, when known (its task decides some refusals).
+    model source, when known (its task decides some refusals). ``refuse=False``: the same registry entries,
+    nothing refused (a multi-GPU spec no wrapper takes gets ``wrapper=None``): what compare, sweep and fit ask
+    of a spec they may not estimate.
     """
+    plan = StepPlan(spec=spec, sharding=sharding_of(spec), wrapper=None, kind=kind_for(spec),
+                    optimizer=optimizer_facts(spec.optimizer), precision=precision_of(spec))
+    if refuse:
+        _refuse(plan, fake, source)
+    try:
+        return replace(plan, wrapper=wrapper_class(plan))
+    except SpecError:
+        if refuse:
+            raise
+        return plan
+
+
+def _refuse(plan: StepPlan, fake: bool, source: Any) -> None:
+    """Every refusal of the plan's entries, in the order a user meets them."""
+    spec, kind = plan.spec, plan.kind
     task = getattr(source, "task", None)
     if source is not None:
         _refuse_for_source(spec, source)
-    check_parallel(spec, fake=fake)             # what one rank of a multi-GPU job cannot apply
-    if not is_distributed(spec) and spec.offload_optimizer:
+    check_parallel(plan, fake=fake)             # what one rank of a multi-GPU job cannot apply
+    if not plan.distributed and spec.offload_optimizer:
         raise SpecError("--offload-optimizer is not simulated or run by this step yet",
                         hint="use --method formula, or drop --offload-optimizer")
     if spec.qlora and not fake:
         raise SpecError("--qlora on a real device needs bitsandbytes' 4-bit layers, which this step does not build",
                         hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
-    kind = kind_for(spec)
-    kind.refuse(spec, task)
-    refuse_plan(spec)                           # selective checkpointing / offload: not with --compile or DP hooks
+    kind.refuse(spec, task)                     # the kind's own (selective checkpointing / offload with --compile, DP hooks)
     if source is not None:
         refuse_liger(spec, source, fake)        # --liger: the architectures liger patches and memlens models
     if spec.loss != "model" and task not in (None, "causal-lm", "vlm"):
@@ -107,8 +163,7 @@ def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None) -> Ste
     if kind.name == "hf-trainer" and (spec.loss != "model" or spec.keep_outputs):
         raise SpecError("the Trainer's step takes the model's own loss and keeps no outputs (--loss / --keep-outputs)",
                         hint="drop --loss / --keep-outputs with --hf-trainer (a custom compute_loss is a factory's step)")
-    return StepPlan(spec=spec, sharding=sharding_of(spec), wrapper=wrapper_class(spec), kind=kind,
-                    optimizer=optimizer_facts(spec.optimizer), precision=precision_of(spec))
+    refuse_ema(plan)                            # --ema: not with DP-SGD, the Trainer's step, FSDP2
 
 
 def _refuse_for_source(spec: TrainingSpec, source) -> None:

@@ -300,3 +300,19 @@ def test_the_accumulated_run_must_fit_too():
     d = r.data
     assert (d["max_batch_size"], d["micro_batch_size"], d["grad_accum"]) == (8, 4, 4)
     assert any("8 x accumulation 2 does not fit" in n for n in r.notes)
+
+
+# ---------------------------------------------------------------- DP-SGD over GPUs: what its step kind runs
+def test_a_dp_sgd_plan_offers_the_gpus_opacus_runs():
+    """Opacus runs DPDDP (ddp) and, with ghost clipping, FSDP2 (ghost_fsdp); never a sharded optimizer (zero2)."""
+    hooks = TrainingSpec(model=TINY_GPT2, batch_size=8, seq_len=32, dp=True, physical_batch_size=4)
+    over = lambda s: {c.technique: c.changes for c in candidates(s, gpus=2) if "world_size" in c.changes}  # noqa: E731
+    assert over(hooks) == {"ddp": {"world_size": 2, "sharding": "ddp"}}
+    assert list(over(hooks.replace(grad_sample_mode="ghost"))) == ["ddp", "fsdp"]
+    assert list(over(TrainingSpec(model=TINY_GPT2, batch_size=8, seq_len=32))) == ["zero2", "fsdp"]   # the plain step's plan
+    assert over(hooks) and not over(hooks.replace(world_size=2, sharding="ddp"))     # already over GPUs: nothing more
+    # the DDP entry is searched like the others: its physical batch, per GPU, of the logical batch split over 2 GPUs
+    est = CachedEstimator(fn=lambda s: Point(s.physical_batch_size * GiB, s.physical_batch_size * GiB))
+    ddp = next(c for c in candidates(hooks, gpus=2) if c.technique == "ddp")
+    e = plan_entry(hooks, ddp, est, 3 * GiB, target_batch=8, field_name="physical_batch_size")
+    assert (e.error, e.gpus, e.micro_batch, e.effective_batch) == (None, 2, 2, 8)

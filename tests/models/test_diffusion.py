@@ -10,6 +10,7 @@ from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 from memlens.models.build import build
 from memlens.models.source import resolve
+from memlens.step.plan import resolve as resolve_plan
 
 pytest.importorskip("diffusers")
 
@@ -259,7 +260,7 @@ def test_ema_refusals(kw, message):
     from memlens.step import ema
 
     with pytest.raises(SpecError, match=message):
-        ema.refuse(TrainingSpec(model="gpt2", ema=True, **kw))
+        ema.refuse(resolve_plan(TrainingSpec(model="gpt2", ema=True, **kw), refuse=False))
 
 
 def test_ema_spec_field():

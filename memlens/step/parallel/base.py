@@ -19,8 +19,10 @@ reduce_dtype=float32)`` (fp32 sharded parameters and optimizer, bf16 compute, fp
 reduction; no autocast); ``fp32`` / ``bf16`` run without a policy. DDP keeps the single-GPU
 precision (autocast for ``amp-*``).
 
-A wrapper is chosen by :func:`wrapper_for` from an ordered registry, so a later kind of step (DP-SGD
-over DDP, FSDP2 ghost clipping) registers its own ahead of these with :func:`register_wrapper`.
+A wrapper is chosen by :func:`memlens.step.parallel.wrapper_for` from an ordered registry that asks the step's plan,
+so a later kind of step (DP-SGD over DDP, FSDP2 ghost clipping) or parallelism registers its own ahead of these
+with :func:`memlens.step.parallel.register_wrapper`. The refusals of a multi-GPU plan are :func:`check`'s; the step
+kind's own are its ``refuse_ranks`` (:mod:`memlens.step.kinds`).
 """
 from __future__ import annotations
 
@@ -29,10 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.errors import SpecError
-from ...core.optimizers import optimizer_facts
-from ...core.parallel import is_distributed, sharding_of
-from ...core.precision import precision_of
+from ...core.parallel import sharding_of
 from ...core.spec import TrainingSpec
+from ..fake import materialize_on_fake
 from ..optim import make_optimizer
 
 
@@ -77,7 +78,9 @@ class Wrapper:
         return contextlib.nullcontext()
 
     def wrap(self, model, *, device, fake_mode=None):
-        return model
+        """The model as this rank runs it. By default as it is: on fake tensors, its meta parameters made fake
+        (:func:`memlens.step.prepare` builds a rank's model on the meta device)."""
+        return materialize_on_fake(model, fake_mode) if self.fake and fake_mode is not None else model
 
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
         return make_optimizer(spec, model, simulate=simulate)
@@ -94,37 +97,46 @@ class Wrapper:
         return model
 
 
-def check(spec: TrainingSpec, *, fake: bool) -> None:
-    """One line for every multi-GPU combination that cannot be simulated or run (never ignored)."""
-    if not is_distributed(spec):
+def check(plan, *, fake: bool) -> None:
+    """One line for every multi-GPU combination of the plan (:class:`memlens.step.plan.StepPlan`) that cannot be
+    simulated or run (never ignored): the sharding's own, then the step kind's (``StepKind.refuse_ranks``).
+    A TrainingSpec is resolved first (nothing else refused)."""
+    plan = as_plan(plan, fake)
+    if not plan.distributed:
         return
-    sh = sharding_of(spec)
+    spec, sh = plan.spec, plan.sharding
     if sh.name == "none":
-        raise SpecError(f"--world-size {spec.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
+        raise SpecError(f"--world-size {plan.world_size} needs --sharding", hint="add --sharding ddp (or zero1, zero2, zero3, fsdp)")
     if spec.offload_optimizer:
-        raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
+        raise SpecError(f"--offload-optimizer with --sharding {sh.name} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
-    if spec.dp:
-        check_dp_sharding(spec)        # DPDDP, or Opacus' ghost_fsdp under fsdp/zero3; one line for the rest
     if spec.qlora:
-        raise SpecError(f"--qlora with --sharding {spec.sharding} is not simulated per rank",
+        raise SpecError(f"--qlora with --sharding {sh.name} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
-    if getattr(spec, "compile", False):
-        raise SpecError(f"--compile with --sharding {spec.sharding} is not simulated per rank",
-                        hint="drop --compile to estimate the eager step of each rank")
-    if getattr(spec, "hf_trainer", False):
-        raise SpecError(f"the Trainer's step (--hf-trainer) with --sharding {spec.sharding} is not simulated per rank",
+    if plan.kind.refuse_ranks is not None:
+        plan.kind.refuse_ranks(plan)   # DP-SGD: DPDDP or ghost_fsdp; --compile: not per rank
+    if plan.hf_trainer:
+        raise SpecError(f"the Trainer's step (--hf-trainer) with --sharding {sh.name} is not simulated per rank",
                         hint="drop --hf-trainer: the plain step of each rank is simulated")
     if sh.family == "fsdp":
-        if precision_of(spec).grad_scaler:
-            raise SpecError(f"amp-fp16 with --sharding {spec.sharding} needs FSDP2 loss scaling, which memlens does not model",
+        if plan.precision.grad_scaler:
+            raise SpecError(f"amp-fp16 with --sharding {sh.name} needs FSDP2 loss scaling, which memlens does not model",
                             hint="use --precision amp-bf16 (MixedPrecisionPolicy bf16) or bf16")
-        if optimizer_facts(spec.optimizer).bitsandbytes:
-            raise SpecError(f"--optimizer {spec.optimizer} with --sharding {spec.sharding} (bitsandbytes on DTensor shards) is not modelled",
+        if plan.optimizer.bitsandbytes:
+            raise SpecError(f"--optimizer {spec.optimizer} with --sharding {sh.name} (bitsandbytes on DTensor shards) is not modelled",
                             hint="use --optimizer adamw, or --sharding ddp")
-    if sh.name == "zero1" and optimizer_facts(spec.optimizer).bitsandbytes:
+    if sh.name == "zero1" and plan.optimizer.bitsandbytes:
         raise SpecError(f"--optimizer {spec.optimizer} with --sharding zero1 is not modelled",
                         hint="use --optimizer adamw, or --sharding ddp")
+
+
+def as_plan(plan, fake: bool):
+    """``plan``, or the plan of a TrainingSpec (resolved with nothing refused: a caller that holds only the spec)."""
+    if isinstance(plan, TrainingSpec):
+        from ..plan import resolve  # noqa: PLC0415 - the plan imports this package: resolved at call time
+
+        return resolve(plan, fake=fake, refuse=False)
+    return plan
 
 
 @dataclass
@@ -157,18 +169,18 @@ def _default_stream():
     return torch.cpu._default_cpu_stream
 
 
-def check_dp_sharding(spec: TrainingSpec) -> None:
-    """One line for a DP-SGD sharding Opacus does not run: it runs DPDDP (ddp) and FSDP2 ghost clipping
-    (``ghost_fsdp``: Opacus' FSDP2Wrapper re-shards every layer after forward)."""
-    sh = sharding_of(spec)
+def check_dp_sharding(plan) -> None:
+    """One line for a DP-SGD sharding Opacus does not run (the DP-SGD step kind's ``refuse_ranks``): it runs DPDDP
+    (ddp) and FSDP2 ghost clipping (``ghost_fsdp``: Opacus' FSDP2Wrapper re-shards every layer after forward)."""
+    spec, sh = plan.spec, plan.sharding
     if sh.name == "ddp":
         return
     if sh.family != "fsdp":
-        raise SpecError(f"DP-SGD with --sharding {spec.sharding}: Opacus runs DPDDP (ddp) or FSDP2 ghost clipping "
+        raise SpecError(f"DP-SGD with --sharding {sh.name}: Opacus runs DPDDP (ddp) or FSDP2 ghost clipping "
                         "(ghost_fsdp), not a sharded optimizer", hint="use --sharding ddp, or --sharding fsdp --grad-sample-mode ghost")
     if (spec.grad_sample_mode or "hooks") != "ghost":
-        raise SpecError(f"DP-SGD with --sharding {spec.sharding} needs --grad-sample-mode ghost: Opacus supports FSDP "
+        raise SpecError(f"DP-SGD with --sharding {sh.name} needs --grad-sample-mode ghost: Opacus supports FSDP "
                         "only with ghost clipping (ghost_fsdp)", hint="add --grad-sample-mode ghost, or use --sharding ddp")
     if not sh.shards_parameters or spec.reshard_after_forward is False:
-        raise SpecError(f"DP-SGD with --sharding {spec.sharding}: Opacus' FSDP2Wrapper takes no reshard_after_forward "
+        raise SpecError(f"DP-SGD with --sharding {sh.name}: Opacus' FSDP2Wrapper takes no reshard_after_forward "
                         "(its layers re-shard after forward)", hint="use --sharding fsdp (or zero3)")

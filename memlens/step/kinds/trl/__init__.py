@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from . import dpo, grpo, sft
 from .common import add_reference, refuse_trl
+from .grpo import batch_unit, search_base
 
 TITLES = {"sft": "TRL SFTTrainer's step (fused LM head, packing)",
           "dpo": "TRL DPOTrainer's step (chosen + rejected rows, reference log-probs)",
           "grpo": "TRL GRPOTrainer's step (generation, then training on the completions)"}
 RUNS = {"sft": sft.run, "dpo": dpo.run, "grpo": grpo.run}
 
-__all__ = ["TITLES", "RUNS", "refuse_trl", "add_reference"]
+__all__ = ["TITLES", "RUNS", "refuse_trl", "add_reference", "batch_unit", "search_base"]

@@ -6,20 +6,22 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ....core.errors import SpecError
+from ....core.parallel import is_distributed
 from ....core.spec import TrainingSpec
 
 
-def refuse_trl(spec: TrainingSpec, task: str | None) -> None:
-    """What none of the TRL steps is modelled with, one line each."""
+def refuse_trl(spec: TrainingSpec, task: str | None, other_kinds: tuple[tuple[str, bool], ...] = ()) -> None:
+    """What none of the TRL steps is modelled with, one line each. ``other_kinds``: (flag, given) of the flags that
+    select another step kind (--dp, --compile: memlens.step.kinds), refused first."""
     name = f"TRL's {spec.trainer.upper()} trainer"
     if task not in (None, "causal-lm"):
         raise SpecError(f"{name} is modelled for causal language models, not {task}",
                         hint="use a causal LM (--model qwen2.5-0.5b), or --trainer hf")
-    for flag, given in (("--dp", spec.dp), ("--compile", spec.compile), ("--pad-fraction", spec.pad_fraction),
+    for flag, given in (*other_kinds, ("--pad-fraction", spec.pad_fraction),
                         ("--loss", spec.loss != "model"), ("--keep-outputs", spec.keep_outputs), ("--qlora", spec.qlora),
                         ("--offload-optimizer", spec.offload_optimizer), ("--checkpoint-layers", spec.checkpoint_layers is not None),
                         ("--offload-activations", spec.offload_layers is not None),
-                        ("--world-size", spec.world_size > 1)):
+                        ("--world-size", is_distributed(spec))):
         if given:
             raise SpecError(f"{flag} with {name} is not modelled", hint=f"drop {flag} (or use --trainer hf)")
 

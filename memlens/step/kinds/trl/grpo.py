@@ -31,9 +31,33 @@ per micro-batch, "optimizer".
 from __future__ import annotations
 
 import contextlib
+import math
 
+from ....core.parallel import data_parallel_ranks
 from .common import accumulate, compute_dtype, no_adapters, reference
 from .fused_head import backbone_of, fused_forward
+
+
+
+def batch_unit(spec) -> int:
+    """The step between micro-batches GRPO can take: the generation batch (micro-batch x steps_per_generation x
+    GPUs) must be a multiple of num_generations (GRPOConfig.__post_init__).
+
+    >>> from memlens.core.spec import TrainingSpec
+    >>> batch_unit(TrainingSpec(model="gpt2", trainer="grpo", batch_size=8))
+    8
+    """
+    spg = (spec.steps_per_generation or spec.grad_accum) * data_parallel_ranks(spec)
+    return spec.num_generations // math.gcd(spec.num_generations, spg)
+
+
+def search_base(spec):
+    """(the spec whose micro-batch fit searches, the note that says so): the generation batch kept, so
+    steps_per_generation does not follow an accumulation searched away; accumulation and the plan left as given."""
+    base = spec.replace(grad_accum=1, steps_per_generation=spec.steps_per_generation or spec.grad_accum)
+    return base, (f"GRPO: micro-batches in multiples of {batch_unit(base)} (num_generations {spec.num_generations} must "
+                  "divide the generation batch); accumulation and the plan are left as given")
+
 
 OUTPUTS = ("log_probs", "entropy")      # GRPOTrainer.__init__: add_fused_lm_head(outputs=...)
 EPSILON = 0.2                            # GRPOConfig.epsilon
