@@ -87,4 +87,4 @@ def test_an_estimate_writes_only_declared_fields():
     r = estimate(TrainingSpec(model="tests.tiny_models:linear"))
     assert r.data.extra == {} and r.data.method == "simulate" and r.data.fit["fits"] is True
     assert set(r.to_dict()) - {"schema_version", "memlens_version", "created_at"} <= set(SCHEMA["properties"]) | set(
-        PAYLOADS["estimate"].names())
+        PAYLOADS["estimate"].declared())

@@ -53,13 +53,17 @@ class Payload(MutableMapping):
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        """The declared fields, the verb's own first (the JSON's order), then the base's."""
-        own = [f.name for f in fields(cls) if f.name not in _BASE]
-        return tuple(own) + tuple(n for n in _BASE if n != "extra")
+        """The verb's own declared fields, in the JSON's order (the base's, which any verb may carry, apart)."""
+        return tuple(f.name for f in fields(cls) if f.name not in _BASE)
+
+    @classmethod
+    def declared(cls) -> tuple[str, ...]:
+        """Every declared field: the verb's own, then the base's (``plots_skipped``)."""
+        return cls.names() + tuple(n for n in _BASE if n != "extra")
 
     # -- mapping protocol (fields left UNSET count as absent)
     def __getitem__(self, key: str) -> Any:
-        if key in self.names():
+        if key in self.declared():
             v = getattr(self, key)
             if v is UNSET:
                 raise KeyError(key)
@@ -67,13 +71,13 @@ class Payload(MutableMapping):
         return self.extra[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in self.names():
+        if key in self.declared():
             setattr(self, key, value)
         else:
             self.extra[key] = value
 
     def __delitem__(self, key: str) -> None:
-        if key in self.names():
+        if key in self.declared():
             if getattr(self, key) is UNSET:
                 raise KeyError(key)
             setattr(self, key, UNSET)
@@ -81,7 +85,7 @@ class Payload(MutableMapping):
             del self.extra[key]
 
     def __iter__(self) -> Iterator[str]:
-        for n in self.names():
+        for n in self.declared():
             if getattr(self, n) is not UNSET:
                 yield n
         yield from self.extra
@@ -94,7 +98,7 @@ class Payload(MutableMapping):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Payload":
-        known = set(cls.names())
+        known = set(cls.declared())
         p = cls(**{k: v for k, v in d.items() if k in known})
         p.extra.update({k: v for k, v in d.items() if k not in known})
         return p

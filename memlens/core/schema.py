@@ -79,11 +79,8 @@ def payload_schema(cls: type[Payload]) -> dict[str, Any]:
     for klass in reversed(cls.__mro__):
         if isinstance(klass, type) and issubclass(klass, Payload):
             notes.update(_comments(klass))
-    props = {}
-    for f in fields(cls):
-        if f.name == "extra":
-            continue
-        props[f.name] = {**json_type(f.type), **({"description": notes[f.name]} if f.name in notes else {})}
+    types = {f.name: f.type for f in fields(cls)}
+    props = {n: {**json_type(types[n]), **({"description": notes[n]} if n in notes else {})} for n in cls.declared()}
     out: dict[str, Any] = {"properties": props}
     if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):     # a docstring written, not the dataclass's own
         out["description"] = " ".join(cls.__doc__.split())

@@ -21,11 +21,6 @@ def _set(p: Payload) -> set[str]:
     return {n for n in p.names() if getattr(p, n) is not UNSET}
 
 
-def _own(p) -> list[str]:
-    """The verb's own fields (not the base's: plots_skipped is the rendering's, set only when PNGs are skipped)."""
-    return [n for n in p.names() if n not in Payload.names()]
-
-
 def _written(r: Result) -> dict:
     d = json.loads(r.to_json())
     d.pop("created_at")
@@ -51,7 +46,7 @@ def test_oom_payload_every_field_from_a_real_message(name, tmp_path):
     r = diagnose_oom(text)
     d = r.data
     assert isinstance(d, DoctorOomPayload) and d.extra == {}
-    assert _set(d) == set(_own(d)) - {"estimate"}          # every field but the configuration's estimate
+    assert _set(d) == set(d.names()) - {"estimate"}          # every field but the configuration's estimate
     assert d.diagnosis == truth["expected_diagnosis"] and d.reasons and d.advice
     assert d.form == "torch>=2.1" and d.device_type == "cuda" and d.device_index == 0 and d.messages_found == 1
     # the message prints two decimals of GiB: within half a hundredth of a GiB of what the GPU run asked
@@ -82,10 +77,10 @@ def test_snapshot_payload_and_its_diff_from_the_gpu_snapshots(tmp_path):
     alone = doctor_snapshot(before).data
     assert isinstance(alone, DoctorSnapshotPayload) and alone.extra == {}
     diff_fields = {"snapshot_after", "after_allocated_bytes", "after_reserved_bytes", "allocated_growth_bytes", "grown_sites"}
-    assert _set(alone) == set(_own(alone)) - diff_fields and not diff_fields & set(alone.to_dict())
+    assert _set(alone) == set(alone.names()) - diff_fields and not diff_fields & set(alone.to_dict())
     r = doctor_snapshot(before, diff_with=after)
     d = r.data
-    assert _set(d) == set(_own(d)) and d.extra == {}
+    assert _set(d) == set(d.names()) and d.extra == {}
     assert d.snapshot == str(before) and d.snapshot_after == str(after)
     assert d.reserved_unallocated_bytes == d.reserved_bytes - d.allocated_bytes and d.live_blocks == 22
     assert d.segments_count == 4 and d.timeline_axis == "time_us" and d.trace_entries > 0
@@ -101,7 +96,7 @@ def test_stats_payload_from_a_real_memory_stats_dump(tmp_path):
     raw = json.loads(path.read_text())
     r = doctor_stats(path)
     d = r.data
-    assert isinstance(d, DoctorStatsPayload) and d.extra == {} and _set(d) == set(_own(d))
+    assert isinstance(d, DoctorStatsPayload) and d.extra == {} and _set(d) == set(d.names())
     assert d.stats_file == str(path) and list(d.to_dict())[0] == "stats_file"
     assert d.allocated_bytes == raw["allocated_bytes.all.current"] and d.reserved_peak_bytes == raw["reserved_bytes.all.peak"]
     assert d.inactive_split_bytes == raw["inactive_split_bytes.all.current"] and d.num_ooms == raw["num_ooms"]
@@ -116,7 +111,7 @@ def test_log_payload_from_the_seed_log_and_a_watch_csv(tmp_path):
     r = doctor_log((FIXTURES / "seed_exercise_9_8.log").read_text(), capacity_bytes=24 * 10**9, source="train.log")
     d = r.data
     assert isinstance(d, DoctorLogPayload) and d.extra == {}
-    assert _set(d) == set(_own(d)) - {"notes_on_axis"} and "notes_on_axis" not in d.to_dict()
+    assert _set(d) == set(d.names()) - {"notes_on_axis"} and "notes_on_axis" not in d.to_dict()
     assert d.source == "train.log" and d.source_format == "lines" and d.memory_key == "Memory" and d.x_axis == "step"
     assert d.readings == 9 and d.first_bytes == 18_200_000_000 and d.last_bytes == 24_200_000_000
     assert d.verdict == "leak" and d.pattern == "accelerating" and d.trend_model == "quadratic"
@@ -132,7 +127,7 @@ def test_log_payload_from_the_seed_log_and_a_watch_csv(tmp_path):
 @pytest.mark.parametrize("verb,cls", [("doctor.oom", DoctorOomPayload), ("doctor.snapshot", DoctorSnapshotPayload),
                                       ("doctor.stats", DoctorStatsPayload), ("doctor.log", DoctorLogPayload)])
 def test_an_old_json_keeps_its_unknown_keys_and_leaves_absent_ones_absent(verb, cls, tmp_path):
-    first, missing = _own(cls)[:2]               # a field the old JSON has, and one it lacks
+    first, missing = cls.names()[:2]               # a field the old JSON has, and one it lacks
     old = {"verb": verb, first: "x", "field_of_another_version": {"a": 1}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     r = Result.load(tmp_path / "old.json")
