@@ -2,7 +2,8 @@
 
 A Result is a flat JSON object with one top-level schema for every verb. Memory verbs fill the
 common memory fields; each verb's own fields are its typed payload (:mod:`.payloads`: e.g. ``rows``
-for sweep, ``plan`` for fit), flattened beside them. Tables, CSV, PNG and HTML are renderings of it.
+for sweep, ``plan`` for fit), flattened beside them. Its JSON Schema is generated from these dataclasses
+(:mod:`.schema`). Tables, CSV, PNG and HTML are renderings of it (memlens.report).
 
 >>> r = Result(verb="estimate", peak_allocated_bytes=1024, data={"method": "simulate"})
 >>> d = r.to_dict()
@@ -23,9 +24,8 @@ from .errors import MemlensError
 from .payloads import Payload, payload_for
 from .version import __version__, environment
 
+# the JSON's version (docs/result.schema.json, memlens.core.schema): bumped when a field is removed or retyped
 SCHEMA_VERSION = "1"
-
-from .enums import CATEGORIES, STEP_PHASES  # noqa: F401 - re-exported for renderers
 
 # the notebook view is a rendering: memlens.report.notebook registers it (import memlens does), core never imports report
 _HTML_VIEW: list[Callable[["Result"], str]] = []
