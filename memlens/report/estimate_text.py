@@ -3,7 +3,7 @@ closed-form terms and modules of an estimate Result. Data in, text out: nothing 
 from __future__ import annotations
 
 from ..core.errors import MemlensError
-from ..core.payloads import EstimatePayload
+from ..core.payloads import EstimatePayload, given
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..core.units import fmt_bytes
@@ -51,7 +51,7 @@ def _headline(result: Result, d: EstimatePayload):
         head.append(f"{fmt_bytes(result.peak_reserved_bytes)}  (max_memory_reserved: caching allocator segments)\n")
     if d.cuda_context_bytes:
         head.append("nvidia-smi     ", style="bold")
-        head.append(f"~{fmt_bytes(d.nvidia_smi_estimate_bytes)}  (reserved + ~{fmt_bytes(d.cuda_context_bytes)} CUDA context"
+        head.append(f"~{fmt_bytes(given(d.nvidia_smi_estimate_bytes))}  (reserved + ~{fmt_bytes(d.cuda_context_bytes)} CUDA context"
                     f"{_nccl_words(d)})\n")
     if d.fit_verdict:
         head.append("GPU            ", style="bold")
@@ -82,7 +82,7 @@ def _nccl_words(d: EstimatePayload) -> str:
 def _category_table(result: Result, d: EstimatePayload):
     from rich.table import Table  # rich: tables only, not for --json
 
-    cats = Table(title="at the peak, by category" + (f" (rank {d.peak_rank})" if d.ranks else ""), title_justify="left")
+    cats = Table(title="at the peak, by category" + (f" (rank {given(d.peak_rank)})" if d.ranks else ""), title_justify="left")
     cats.add_column("category")
     cats.add_column("bytes", justify="right")
     cats.add_column("share", justify="right")
@@ -144,7 +144,7 @@ def _ranks_table(d: EstimatePayload):
     """One row per simulated (or measured) rank: its peaks and what nvidia-smi would show."""
     from rich.table import Table  # rich: tables only, not for --json
 
-    t = Table(title=f"per rank ({d.sharding} over {d.world_size} GPUs: {d.strategy or ''})", title_justify="left")
+    t = Table(title=f"per rank ({given(d.sharding)} over {given(d.world_size)} GPUs: {d.strategy or ''})", title_justify="left")
     for col in ("ranks", "peak allocated", "peak reserved", "nvidia-smi", "peak phase", "largest terms at the peak"):
         t.add_column(col, justify="left" if col in ("ranks", "peak phase", "largest terms at the peak") else "right")
     for e in d.ranks:

@@ -18,7 +18,7 @@ import io
 import pickle
 from pathlib import Path
 
-from ..core.payloads import ProfilePayload
+from ..core.payloads import ProfilePayload, given
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from . import plots as plots_mod  # a module: have_matplotlib is asked at call time
@@ -285,7 +285,7 @@ def ranks_html(result: Result) -> str:
     job = d.job or {}
     parts = [f"<h2>Ranks ({len(ranks)}; * the rank that peaks)</h2>",
              _table(["rank", "peak allocated", "peak reserved", "nvidia-smi (NVML, this process)", "peak phase", "device"], rows),
-             f"<div class='note'>imbalance: {_e(fmt_bytes(d.rank_imbalance_bytes))} between the highest and the lowest "
+             f"<div class='note'>imbalance: {_e(fmt_bytes(given(d.rank_imbalance_bytes)))} between the highest and the lowest "
              f"rank's peak allocated; whole job: allocated {_e(fmt_bytes(job.get('peak_allocated_bytes_sum')))}, reserved "
              f"{_e(fmt_bytes(job.get('peak_reserved_bytes_sum')))}"
              + (f", NVML {_e(fmt_bytes(job['nvml_process_used_bytes_sum']))}" if job.get("nvml_process_used_bytes_sum") else "")
@@ -326,11 +326,11 @@ def _head_html(result: Result, d: ProfilePayload) -> list[str]:
     cuda = str(d.device or "").startswith("cuda")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>",
              f"<h1>{_e(title)}</h1>",
-             f"<div class='sub'>device {_e(d.device)}{_e(' (' + env['device_name'] + ')' if env.get('device_name') else '')} · mode "
-             f"{_e(d.mode)} · torch {_e(env.get('torch'))} · measured by {_e(d.measured_by)}</div>"]
+             f"<div class='sub'>device {_e(given(d.device))}{_e(' (' + env['device_name'] + ')' if env.get('device_name') else '')} · mode "
+             f"{_e(given(d.mode))} · torch {_e(env.get('torch'))} · measured by {_e(given(d.measured_by))}</div>"]
     kpis = [("peak allocated", fmt_bytes(result.peak_allocated_bytes), "max_memory_allocated()" if cuda else "live storages"),
             ("peak reserved", fmt_bytes(result.peak_reserved_bytes), "max_memory_reserved()" if cuda else "CPU: same as allocated"),
-            ("peak phase", f"{d.peak_phase} (step {d.peak_step})", "where the peak happened")]
+            ("peak phase", f"{given(d.peak_phase)} (step {given(d.peak_step)})", "where the peak happened")]
     nv = d.nvml or {}
     if nv.get("available"):
         kpis.append(("nvidia-smi (this process)", fmt_bytes(nv.get("process_used_bytes")), "NVML: reserved + CUDA context"))
@@ -342,7 +342,7 @@ def _head_html(result: Result, d: ProfilePayload) -> list[str]:
 
 def _peak_html(result: Result, d: ProfilePayload, pngs: dict[str, bytes]) -> list[str]:
     """Every phase's peak; at the peak by category, by the phase that allocated it, the pictures and the modules."""
-    parts = ["<h2>Peak of every phase" + (f" (rank {d.peak_rank}, the rank that peaks)" if d.ranks else "") + "</h2>",
+    parts = ["<h2>Peak of every phase" + (f" (rank {given(d.peak_rank)}, the rank that peaks)" if d.ranks else "") + "</h2>",
              _table(["phase", "peak allocated", "step", "peak reserved"],
                     [[ph, fmt_bytes(v["peak_allocated_bytes"]), v.get("peak_step"), fmt_bytes(v.get("peak_reserved_bytes"))]
                      for ph, v in result.by_phase.items()])]
@@ -351,8 +351,8 @@ def _peak_html(result: Result, d: ProfilePayload, pngs: dict[str, bytes]) -> lis
         parts.append("<h2>At the peak, by category</h2>")
         parts.append(_table(["category", "bytes", "share of peak"],
                             [[k, fmt_bytes(v), f"{100 * v / total:.1f}%"] for k, v in result.by_category.items() if v]))
-        parts.append(f"<div class='note'>categories sum to {fmt_bytes(d.categories_sum_bytes)} "
-                     f"({_pct(d.categories_error)} of the peak before the unattributed row)</div>")
+        parts.append(f"<div class='note'>categories sum to {fmt_bytes(given(d.categories_sum_bytes))} "
+                     f"({_pct(given(d.categories_error))} of the peak before the unattributed row)</div>")
     if d.by_operation:
         parts.append("<h2>By operation (which phase allocated what was live at the peak)</h2>")
         parts.append(_table(["allocated in", "bytes live at the peak"], [[k, fmt_bytes(v)] for k, v in d.by_operation.items()]))

@@ -2,7 +2,7 @@
 the model load, the allocator, the estimate beside the measurement and torch.profiler's top operators."""
 from __future__ import annotations
 
-from ..core.payloads import UNSET, ProfilePayload
+from ..core.payloads import UNSET, ProfilePayload, given
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from .text import console
@@ -15,7 +15,7 @@ def render_profile(result: Result) -> None:
     _headline(c, result, d)
     if d.ranks:
         c.print(_ranks_table(d))
-        c.print(f"  imbalance between ranks: {fmt_bytes(d.rank_imbalance_bytes)} (peak allocated)")
+        c.print(f"  imbalance between ranks: {fmt_bytes(given(d.rank_imbalance_bytes))} (peak allocated)")
     for t in _memory_tables(result, d):
         c.print(t)
     _setup_lines(c, d)
@@ -31,11 +31,11 @@ def render_profile(result: Result) -> None:
 def _headline(c, result: Result, d: ProfilePayload) -> None:
     spec = result.spec or {}
     steps = d.profiled_steps if d.profiled_steps is not UNSET else len(d.steps or [])
-    c.print(f"[bold]memlens profile[/bold] {spec.get('model', '')} on {d.device} ({d.mode} mode, "
+    c.print(f"[bold]memlens profile[/bold] {spec.get('model', '')} on {given(d.device)} ({given(d.mode)} mode, "
             f"{steps} steps after {d.warmup_steps or 0} warmup)")
     what = "max_memory_allocated()" if str(d.device or "").startswith("cuda") else "live tensor storages (CPU ledger)"
-    c.print(f"  peak allocated [bold]{fmt_bytes(result.peak_allocated_bytes)}[/bold] ({what}) in {d.peak_phase} "
-            f"of step {d.peak_step}; peak reserved {fmt_bytes(result.peak_reserved_bytes)}")
+    c.print(f"  peak allocated [bold]{fmt_bytes(result.peak_allocated_bytes)}[/bold] ({what}) in {given(d.peak_phase)} "
+            f"of step {given(d.peak_step)}; peak reserved {fmt_bytes(result.peak_reserved_bytes)}")
     nv = d.nvml or {}
     if nv.get("available"):
         c.print(f"  nvidia-smi for this process {fmt_bytes(nv['process_used_bytes'])} (NVML: reserved + CUDA context + libraries)")
@@ -60,7 +60,7 @@ def _memory_tables(result: Result, d: ProfilePayload) -> list:
     from rich.table import Table  # rich: tables only, not for --json
 
     out = []
-    t = Table(title="peak of every phase" + (f" (rank {d.peak_rank})" if d.ranks else ""), box=None)
+    t = Table(title="peak of every phase" + (f" (rank {given(d.peak_rank)})" if d.ranks else ""), box=None)
     t.add_column("phase")
     t.add_column("peak allocated", justify="right")
     t.add_column("step", justify="right")
