@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from .core.version import __version__
+from .report import notebook as _notebook  # noqa: F401 - registers a Result's Jupyter view (light: no torch)
 
 # Each name is imported on first use (PEP 562), so `import memlens` imports neither torch nor the
 # verbs a program does not call (`memlens doctor` never imports torch; `memlens estimate` no doctor).

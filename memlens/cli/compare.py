@@ -13,10 +13,10 @@ import argparse
 import sys
 
 from ..core.errors import MemlensError
-from ..core.units import fmt_bytes
 from ..explore.compare import compare, parse_techniques
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.compare_plots import plot_compare
+from ..report.compare_text import render_compare
 from ..report.plots import skip_plots
 from .common import (
     add_budget_args,
@@ -75,62 +75,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
     else:
-        render(result)
+        render_compare(result)
         if od is not None:
             print(f"written to {od}/ (result.json{', compare.png' if (od / 'compare.png').exists() else ''})")
     return 0
-
-
-def _pct(x) -> str:
-    return "-" if x is None else f"{x * 100:+.1f}%"
-
-
-def render(result) -> None:
-    from rich.console import Console  # rich: tables only, not for --json
-    from rich.table import Table  # rich: tables only, not for --json
-
-    c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-    d = result.data
-    measured = d["measured"]
-    t = Table(title=f"{result.spec['model']}: techniques vs {d['baseline']}" + (f" (measured on {d['device']})" if measured else " (estimated)"),
-              title_justify="left")
-    budget = "usable_bytes" in d
-    cols = ["technique", "kind", "config", "est. peak alloc", "est. vs base"] + (["fits"] if budget else [])
-    if measured:
-        cols += ["measured peak", "vs base", "est. error", "step", "overhead", "loss (steps)"]
-    else:
-        cols += ["step (pred.)", "overhead (pred.)"]
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("technique", "config", "loss (steps)") else "right", no_wrap=col != "config")
-    for r in d["rows"]:
-        if r["status"] == "invalid":
-            t.add_row(r.get("label") or r["technique"], "-", f"[red]{r['error']}[/red]", *["-"] * (len(cols) - 3))
-            continue
-        row = [r.get("label") or r["technique"], r.get("kind", ""), r.get("describe", ""),
-               fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "[dim]n/a[/dim]",
-               _pct(-r["estimated_saving"]) if r.get("estimated_saving") is not None else "-"]
-        if budget:
-            row.append("-" if r.get("fits") is None else ("yes" if r["fits"] else "[red]no[/red]"))
-        if measured:
-            if r["status"] != "ok":
-                row += [f"[red]{r['status']}[/red]", "-", "-", "-", "-", (r.get("error") or "")[:50]]
-            else:
-                row += [fmt_bytes(r.get("measured_peak_allocated_bytes")) if r.get("measured_peak_allocated_bytes") else "not measured",
-                        _pct(-r["saving"]) if r.get("saving") is not None and r.get("measured_peak_allocated_bytes") else "-",
-                        _pct(r.get("estimate_error")), f"{r['step_seconds'] * 1000:.0f} ms" if r.get("step_seconds") else "-",
-                        _pct(r.get("time_overhead")), " ".join(f"{x:.4f}" for x in (r.get("losses") or []) if x is not None)]
-        else:
-            row += [f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-", _pct(r.get("predicted_time_overhead"))]
-        t.add_row(*row)
-    c.print(t)
-    if budget:
-        c.print(f"[dim]fits: peak reserved + CUDA context <= budget - margin: peak reserved <= {fmt_bytes(d['usable_bytes'])} "
-                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context {fmt_bytes(d['context_bytes'])} - margin {fmt_bytes(d['margin_bytes'])})[/dim]")
-    if d["rows"]:
-        c.print(f"[dim]each row is its technique applied on top of the baseline ({d['baseline']}: {d['rows'][0].get('describe', '')})[/dim]")
-    for r in d["rows"]:
-        if r.get("estimate_error_message"):
-            c.print(f"[dim]{r['technique']}: no estimate ({r['estimate_error_message']})[/dim]")
 
 
 if __name__ == "__main__":

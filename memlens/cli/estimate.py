@@ -20,7 +20,7 @@ from ..models import registry
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.plots import skip_plots, timeline_png
 from ..report.profile_report import timeline_csv
-from ..report.table import print_memory
+from ..report.estimate_text import render_estimate
 from .common import (
     add_output_args,
     add_spec_args,
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
     else:
-        print_memory(result, top_modules=args.top)
+        render_estimate(result, top_modules=args.top)
         for line in getattr(args, "config_notes", None) or []:
             print(line)
         if "lengths" in result.data:

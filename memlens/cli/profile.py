@@ -17,9 +17,9 @@ import argparse
 import sys
 
 from ..core.errors import MemlensError
-from ..core.units import fmt_bytes
 from ..report.profile_report import write_report
 from ..step.plan import resolve as resolve_step
+from ..report.profile_text import render_profile
 from .common import (
     add_output_args,
     add_spec_args,
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
     else:
-        render(result)
+        render_profile(result)
         if d is not None:
             files = sorted(p.name for p in d.iterdir() if p.is_file())
             _console().print(f"[dim]written to {d}/ ({', '.join(files)})[/dim]")
@@ -105,100 +105,6 @@ def _console():
     from rich.console import Console  # rich: tables only, not for --json
 
     return Console(soft_wrap=False)
-
-
-def render(result) -> None:
-    """The terminal summary of a profile Result."""
-    from rich.table import Table  # rich: tables only, not for --json
-
-    c = _console()
-    d = result.data
-    spec = result.spec or {}
-    c.print(f"[bold]memlens profile[/bold] {spec.get('model', '')} on {d.get('device')} ({d.get('mode')} mode, "
-            f"{d.get('profiled_steps', len(d.get('steps', [])))} steps after {d.get('warmup_steps', 0)} warmup)")
-    what = "max_memory_allocated()" if str(d.get("device", "")).startswith("cuda") else "live tensor storages (CPU ledger)"
-    c.print(f"  peak allocated [bold]{fmt_bytes(result.peak_allocated_bytes)}[/bold] ({what}) in {d.get('peak_phase')} "
-            f"of step {d.get('peak_step')}; peak reserved {fmt_bytes(result.peak_reserved_bytes)}")
-    nv = d.get("nvml") or {}
-    if nv.get("available"):
-        c.print(f"  nvidia-smi for this process {fmt_bytes(nv['process_used_bytes'])} (NVML: reserved + CUDA context + libraries)")
-    if d.get("ranks"):
-        t = Table(title=f"per rank ({len(d['ranks'])} ranks; * the rank that peaks)", box=None)
-        for col in ("rank", "peak allocated", "peak reserved", "nvidia-smi (NVML)", "peak phase"):
-            t.add_column(col, justify="left" if col in ("rank", "peak phase") else "right")
-        for r in d["ranks"]:
-            nvr = (r.get("nvml") or {})
-            t.add_row(f"{r['rank']}{' *' if r['rank'] == d.get('peak_rank') else ''}", fmt_bytes(r["peak_allocated_bytes"]),
-                      fmt_bytes(r["peak_reserved_bytes"]), fmt_bytes(nvr["process_used_bytes"]) if nvr.get("available") else "-",
-                      f"{r.get('peak_phase')} (step {r.get('peak_step')})")
-        c.print(t)
-        c.print(f"  imbalance between ranks: {fmt_bytes(d.get('rank_imbalance_bytes'))} (peak allocated)")
-    t = Table(title="peak of every phase" + (f" (rank {d['peak_rank']})" if d.get("ranks") else ""), box=None)
-    t.add_column("phase")
-    t.add_column("peak allocated", justify="right")
-    t.add_column("step", justify="right")
-    for ph, v in result.by_phase.items():
-        t.add_row(ph, fmt_bytes(v["peak_allocated_bytes"]), str(v.get("peak_step")))
-    c.print(t)
-    if result.by_category:
-        total = result.peak_allocated_bytes or 1
-        t = Table(title="at the peak, by category", box=None)
-        t.add_column("category")
-        t.add_column("bytes", justify="right")
-        t.add_column("share", justify="right")
-        for k, v in result.by_category.items():
-            if v:
-                t.add_row(k, fmt_bytes(v), f"{100 * v / total:.1f}%")
-        c.print(t)
-    if d.get("by_component"):
-        t = Table(title="at the peak, by component", box=None)
-        t.add_column("component")
-        t.add_column("bytes", justify="right")
-        for r in d["by_component"]:
-            t.add_row(r["component"], fmt_bytes(r["bytes"]))
-        c.print(t)
-    if result.by_module:
-        t = Table(title="top modules", box=None)
-        for col in ("module", "live at peak", "forward peak", "backward peak"):
-            t.add_column(col, justify="left" if col == "module" else "right")
-        for r in result.by_module[:10]:
-            t.add_row(r["module"] + (" [LoRA]" if r.get("lora") else ""), fmt_bytes(r["bytes"]),
-                      fmt_bytes(r.get("forward_peak_bytes")), fmt_bytes(r.get("backward_peak_bytes")))
-        c.print(t)
-    ml = d.get("model_load") or {}
-    if "loaded_bytes" in ml:
-        c.print(f"  model load: {fmt_bytes(ml['loaded_bytes'])} allocated vs {fmt_bytes(ml['theoretical_param_bytes'])} of parameters "
-                f"(overhead {fmt_bytes(ml['overhead_bytes'])}: buffers, batch, rounding)")
-    if "allocated_after_move_bytes" in ml:
-        c.print(f"  loaded on the CPU in {ml['cpu_build_seconds']} s (device allocated {fmt_bytes(ml['allocated_after_cpu_load_bytes'])}), "
-                f"moved to the device in {ml['move_seconds']} s: allocated {fmt_bytes(ml['allocated_after_move_bytes'])}, "
-                f"reserved {fmt_bytes(ml['reserved_after_move_bytes'])}")
-    al = d.get("allocator")
-    if al:
-        c.print(f"  allocator: reserved-allocated {fmt_bytes(al['reserved_unallocated_bytes'])}, inactive split "
-                f"{fmt_bytes(al['inactive_split_bytes'])} (fragmentation {100 * al['fragmentation']:.1f}%), "
-                f"alloc retries {al['num_alloc_retries']}, OOMs {al['num_ooms']}")
-    ce = d.get("compare_estimate")
-    if ce:
-        if not ce.get("available"):
-            c.print(f"  [yellow]estimate unavailable: {ce.get('reason')}[/yellow]")
-        else:
-            t = Table(title="estimate vs measured", box=None)
-            for col in ("figure", "estimated", "measured", "error"):
-                t.add_column(col, justify="left" if col == "figure" else "right")
-            for r in ce["rows"] + ce["by_phase"] + ce["by_category"]:
-                t.add_row(r["name"], fmt_bytes(r["estimated_bytes"]), fmt_bytes(r["measured_bytes"]),
-                          "-" if r["error"] is None else f"{100 * r['error']:+.2f}%")
-            c.print(t)
-    tp = d.get("torch_profiler")
-    if tp:
-        t = Table(title="torch.profiler: top operators by time", box=None)
-        t.add_column("operator")
-        t.add_column("calls", justify="right")
-        t.add_column(tp["time_key"], justify="right")
-        for r in tp["by_time"][:8]:
-            t.add_row(r["name"], str(r["calls"]), f"{r[tp['time_key']]:.0f}")
-        c.print(t)
 
 
 if __name__ == "__main__":

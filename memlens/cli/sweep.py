@@ -26,15 +26,15 @@ from pathlib import Path
 
 from ..core.errors import MemlensError
 from ..core.fits import optional_budget
-from ..core.units import fmt_bytes
 from ..explore.compare import parse_techniques
-from ..explore.sweep import Grid, grid_cells, sweep, write_csv
+from ..explore.sweep import Grid, grid_cells, sweep
 from ..models.source import resolve
 from ..report import plots as plots_mod  # a module: have_matplotlib is asked at call time
 from ..report.opacus_files import write_opacus_files
 from ..report.plots import skip_plots
 from ..report.sweep_plots import plot_sweep
 from ..step.plan import resolve as resolve_step
+from ..report.sweep_text import render_sweep, write_csv
 from .common import (
     add_budget_args,
     add_output_args,
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(result)
     else:
-        render(result)
+        render_sweep(result)
         print(f"written to {od}/ (results.jsonl, sweep.csv, result.json, {len(plots)} plots)")
     return 0
 
@@ -190,37 +190,6 @@ def _lines(done: int, total: int, key: str, rec) -> None:
     """Not on a terminal: one line per finished cell on stderr (a log, where a bar would be noise)."""
     status = "done before (resume)" if rec is None else rec.get("status")
     print(f"[{done}/{total}] {key}: {status}", file=sys.stderr, flush=True)
-
-
-def render(result) -> None:
-    from rich.console import Console  # rich: tables only, not for --json
-    from rich.table import Table  # rich: tables only, not for --json
-
-    c = Console(soft_wrap=False, width=None if sys.stdout.isatty() else 200)
-    d = result.data
-    e = d.get("estimator") or {}
-    how = f"; estimates: {e['simulations']} simulated, {e['replays']} replayed" if "simulations" in e else ""
-    t = Table(title=f"{result.spec['model']}: sweep ({'measured on ' + d['device'] if d['measured'] else 'estimated'}); "
-              + ", ".join(f"{k}: {v}" for k, v in d["status_counts"].items()) + how, title_justify="left")
-    cols = ["cell", "status", "est. peak alloc"] + (["measured peak", "est. error", "step"] if d["measured"] else ["est. reserved", "step (pred.)"])
-    for col in cols:
-        t.add_column(col, justify="left" if col in ("cell", "status") else "right")
-    for r in d["rows"]:
-        st = r["status"] if r["status"] == "ok" else f"[red]{r['status']}[/red]"
-        row = [r["key"], st, fmt_bytes(r.get("estimated_peak_allocated_bytes")) if r.get("estimated_peak_allocated_bytes") else "-"]
-        if d["measured"]:
-            m, e = r.get("peak_allocated_bytes"), r.get("estimated_peak_allocated_bytes")
-            row += [fmt_bytes(m) if m else "-", f"{(e / m - 1) * 100:+.1f}%" if m and e else "-",
-                    f"{r['step_seconds'] * 1000:.0f} ms" if r.get("step_seconds") else "-"]
-        else:
-            row += [fmt_bytes(r.get("estimated_peak_reserved_bytes")) if r.get("estimated_peak_reserved_bytes") else "-",
-                    f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-"]
-        t.add_row(*row)
-    c.print(t)
-    if "usable_bytes" in d:
-        c.print(f"[dim]fits: peak reserved + CUDA context <= budget - margin: peak reserved <= {fmt_bytes(d['usable_bytes'])} "
-                f"(budget {fmt_bytes(d['budget_bytes'])} - CUDA context {fmt_bytes(d['context_bytes'])} - margin "
-                f"{fmt_bytes(d['margin_bytes'])})[/dim]")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@ import time
 
 from ..core.errors import MemlensError
 from ..core.result import Result
-from ..core.units import fmt_bytes
 from ..measure import nvml
 from ..measure.nvml import CSV_COLUMNS
+from ..report.watch_text import print_watch, watch_table
 from .common import positive, whole
 
 
@@ -63,9 +63,9 @@ def run(args: argparse.Namespace, sleep=time.sleep) -> int:
                 sys.stdout.write(_result(sample).to_json(indent=2 if count == 1 else None) + "\n")
                 sys.stdout.flush()
             elif live is not None:
-                live.update(_table(sample), refresh=True)
+                live.update(watch_table(_result(sample)), refresh=True)
             else:
-                _print(sample)
+                print_watch(_result(sample))
     finally:
         if live is not None:
             live.stop()
@@ -94,28 +94,6 @@ def _exists_nonempty(path: str) -> bool:
 def _result(sample) -> Result:
     warnings = [f"GPU {g['index']}: {g['risk']['message']}" for g in sample["gpus"] if g["risk"]["level"] != "ok"]
     return Result(verb="watch", data={"time_s": sample["time_s"], "gpus": sample["gpus"]}, notes=warnings)
-
-
-def _table(sample):
-    from rich.table import Table  # rich: tables only, not for --json
-
-    t = Table(title=f"GPU memory (NVML used), t={sample['time_s']:.0f}s", box=None)
-    for col in ("gpu", "name / process", "used", "total", "used %", "trend / risk"):
-        t.add_column(col, justify="right" if col in ("used", "total", "used %") else "left")
-    for g in sample["gpus"]:
-        r = g["risk"]
-        style = {"ok": "green", "warn": "yellow", "critical": "bold red"}[r["level"]]
-        t.add_row(str(g["index"]), g["name"], fmt_bytes(g["used_bytes"]), fmt_bytes(g["total_bytes"]),
-                  f"{100 * g['used_fraction']:.0f}%", f"[{style}]{r['level']}: {r['message']}[/{style}]")
-        for p in g["processes"]:
-            t.add_row("", f"  {p['pid']} {p['name'][:50]}", fmt_bytes(p["used_bytes"]), "", "", "")
-    return t
-
-
-def _print(sample) -> None:
-    from rich.console import Console  # rich: tables only, not for --json
-
-    Console(soft_wrap=False).print(_table(sample))
 
 
 if __name__ == "__main__":

@@ -35,19 +35,35 @@ class _Unset:
 UNSET: Any = _Unset()
 
 
+def given(value: Any) -> Any:
+    """A field's value, None where it was never set (for a renderer that writes null for an absent field).
+
+    >>> given(UNSET), given(0)
+    (None, 0)
+    """
+    return None if value is UNSET else value
+
+
 @dataclass
 class Payload(MutableMapping):
     """Base of every verb's payload: declared fields (UNSET = absent) plus ``extra``."""
 
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    plots_skipped: str | None = UNSET             # any verb: why its PNGs were not drawn (report.plots.skip_plots)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name != "extra")
+        """The verb's own declared fields, in the JSON's order (the base's, which any verb may carry, apart)."""
+        return tuple(f.name for f in fields(cls) if f.name not in _BASE)
+
+    @classmethod
+    def declared(cls) -> tuple[str, ...]:
+        """Every declared field: the verb's own, then the base's (``plots_skipped``)."""
+        return cls.names() + tuple(n for n in _BASE if n != "extra")
 
     # -- mapping protocol (fields left UNSET count as absent)
     def __getitem__(self, key: str) -> Any:
-        if key in self.names():
+        if key in self.declared():
             v = getattr(self, key)
             if v is UNSET:
                 raise KeyError(key)
@@ -55,13 +71,13 @@ class Payload(MutableMapping):
         return self.extra[key]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        if key in self.names():
+        if key in self.declared():
             setattr(self, key, value)
         else:
             self.extra[key] = value
 
     def __delitem__(self, key: str) -> None:
-        if key in self.names():
+        if key in self.declared():
             if getattr(self, key) is UNSET:
                 raise KeyError(key)
             setattr(self, key, UNSET)
@@ -69,7 +85,7 @@ class Payload(MutableMapping):
             del self.extra[key]
 
     def __iter__(self) -> Iterator[str]:
-        for n in self.names():
+        for n in self.declared():
             if getattr(self, n) is not UNSET:
                 yield n
         yield from self.extra
@@ -82,10 +98,13 @@ class Payload(MutableMapping):
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Payload":
-        known = set(cls.names())
+        known = set(cls.declared())
         p = cls(**{k: v for k, v in d.items() if k in known})
         p.extra.update({k: v for k, v in d.items() if k not in known})
         return p
+
+
+_BASE = tuple(f.name for f in fields(Payload))
 
 
 @dataclass
@@ -127,6 +146,17 @@ class EstimatePayload(Payload):
     liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
     outside_allocator_bytes: int | None = UNSET   # TRL GRPO with vLLM colocated: its share of the GPU (not in the peaks;
                                                   # the fit rule adds it to the need)
+    compile_model: str | None = UNSET             # --compile: how the compiled step is modelled (estimator.compiled.MODEL)
+    lengths: dict | None = UNSET                  # --lengths: the sample lengths the peak was taken over (estimator.lengths)
+    # several GPUs (estimator.ranks): the job, its wrapper and every rank; the headline figures are the peak rank's
+    world_size: int | None = UNSET
+    sharding: str | None = UNSET
+    strategy: str | None = UNSET                  # what the wrapper does, in words
+    wrapper: dict | None = UNSET                  # the wrapper's facts (buckets, shards, groups)
+    peak_rank: int | None = UNSET
+    rank_imbalance_bytes: int | None = UNSET      # peak allocated of the rank that peaks minus the lowest
+    job: dict | None = UNSET                      # every rank's peaks summed (gpus, peak_*_bytes_sum, nvidia_smi_bytes_sum)
+    nccl: dict | None = UNSET                     # NCCL's own buffers per rank (bytes_per_rank, source)
 
 
 @dataclass
@@ -155,6 +185,28 @@ class ProfilePayload(Payload):
     by_component: list | None = UNSET             # by_module summed per component (attention, mlp, embedding, norm, lora ...)
     dp: dict | None = UNSET                       # DP-SGD: Opacus' settings and the physical batches
     ranks: list | None = UNSET                    # several GPUs: each rank's profile
+    profiled_steps_peak_allocated_bytes: int | None = UNSET   # the profiled steps alone (setup readings excluded)
+    categories_sum_bytes: int | None = UNSET      # full/ledger mode: the categories summed (= the measured peak)
+    categories_error: float | None = UNSET        # (categories_sum - peak) / peak
+    lora_bytes_at_peak: int | None = UNSET
+    by_operation: dict | None = UNSET             # allocated at the end of each phase (start, forward, backward, ...)
+    param_count: int | None = UNSET
+    trainable_param_count: int | None = UNSET
+    theoretical_param_bytes: int | None = UNSET   # parameters' numel x element size
+    buffer_bytes: int | None = UNSET
+    total_memory_bytes: int | None = UNSET        # the device's total memory (CUDA)
+    memory_snapshot: dict | None = UNSET          # --snapshot: its totals and top sites
+    untracked_at_start_bytes: int | None = UNSET  # device memory no tracked tensor owns when profiling starts
+    integration: str | None = UNSET               # the callback that profiled (transformers.Trainer, lightning.Trainer)
+    # several GPUs (measure.gather): this rank, or the job with every rank in ``ranks``
+    rank: int | None = UNSET
+    world_size: int | None = UNSET
+    peak_rank: int | None = UNSET
+    rank_imbalance_bytes: int | None = UNSET
+    job: dict | None = UNSET
+    launcher: dict | None = UNSET                 # the torchrun command that ran the ranks
+    max_memory_allocated_bytes: int | None = UNSET   # a rank's process counters at its end
+    max_memory_reserved_bytes: int | None = UNSET
 
 
 @dataclass
@@ -164,6 +216,13 @@ class ComparePayload(Payload):
     measured: bool | None = UNSET
     device: str | None = UNSET
     estimate_calls: int | None = UNSET
+    estimator: dict | None = UNSET                # the estimator's work: simulations, replays (explore.core.CachedEstimator.stats)
+    budget_bytes: int | None = UNSET              # with --budget: the fit rule's figures (core.fits.Budget.to_dict)
+    context_bytes: int | None = UNSET
+    margin_bytes: int | None = UNSET
+    usable_bytes: int | None = UNSET
+    budget_source: str | None = UNSET
+    budget_warning: str | None = UNSET
 
 
 @dataclass
@@ -179,6 +238,13 @@ class SweepPayload(Payload):
     detailed: bool | None = UNSET                 # cells carry ``detail`` (category, phase, component at the peak)
     steps: int | None = UNSET                     # optimizer steps per measured cell
     seed_files: list | None = UNSET               # the Opacus profiler's files written (seeds/004)
+    gpus: list | None = UNSET                     # --gpus: the GPUs the measured cells ran on
+    estimator: dict | None = UNSET                # the estimator's work: simulations, replays
+    context_bytes: int | None = UNSET             # with --budget: the fit rule's figures (core.fits.Budget.to_dict)
+    margin_bytes: int | None = UNSET
+    usable_bytes: int | None = UNSET
+    budget_source: str | None = UNSET
+    budget_warning: str | None = UNSET
 
 
 @dataclass
@@ -201,6 +267,20 @@ class FitPayload(Payload):
     estimates: list | None = UNSET
     method: str | None = UNSET
     recompute_plan: dict | None = UNSET           # --least-recompute: N of L blocks checkpointed, rows none/N/all, code
+    budget_warning: str | None = UNSET            # the budget taken as the GPU's total memory (core.fits.Budget)
+    batch_size: int | None = UNSET                # --least-recompute: the micro-batch searched
+    batch1_peak_bytes: int | None = UNSET         # nothing fits: what batch 1 needs
+    accumulated_peak_bytes: int | None = UNSET    # the target batch's accumulation, simulated
+    target_fits: bool | None = UNSET              # False: the accumulated step does not fit
+    world_size: int | None = UNSET                # --gpus N: the per-GPU search
+    per_gpu_target_batch: int | None = UNSET
+    peak_rank: int | None = UNSET
+    gpus: int | None = UNSET
+    verify: dict | None = UNSET                   # --verify: the real trials on the GPU
+    estimate_calls: int | None = UNSET
+    estimate_seconds: float | None = UNSET        # summed over the threads that waited for estimates
+    seconds: float | None = UNSET                 # wall time of the search and the plan
+    estimator: dict | None = UNSET                # the estimator's work: simulations, replays, per rank
 
 
 @dataclass
@@ -388,7 +468,17 @@ PAYLOADS: dict[str, type[Payload]] = {
 
 
 def payload_for(verb: str, data: dict[str, Any] | Payload | None) -> Payload:
-    """``data`` as the verb's payload class (a dict is converted; unknown verbs get the base)."""
+    """``data`` as the verb's payload class (a dict is converted; unknown verbs get the base). A payload
+    of another verb's class is refused: the JSON schema of a verb is its class.
+
+    >>> payload_for("fit", EstimatePayload())
+    Traceback (most recent call last):
+    ...
+    TypeError: a 'fit' Result takes a FitPayload, not EstimatePayload
+    """
+    cls = PAYLOADS.get(verb, Payload)
     if isinstance(data, Payload):
+        if type(data) is not cls:
+            raise TypeError(f"a {verb!r} Result takes a {cls.__name__}, not {type(data).__name__}")
         return data
-    return PAYLOADS.get(verb, Payload).from_dict(dict(data or {}))
+    return cls.from_dict(dict(data or {}))

@@ -2,7 +2,8 @@
 
 A Result is a flat JSON object with one top-level schema for every verb. Memory verbs fill the
 common memory fields; each verb's own fields are its typed payload (:mod:`.payloads`: e.g. ``rows``
-for sweep, ``plan`` for fit), flattened beside them. Tables, CSV, PNG and HTML are renderings of it.
+for sweep, ``plan`` for fit), flattened beside them. Its JSON Schema is generated from these dataclasses
+(:mod:`.schema`). Tables, CSV, PNG and HTML are renderings of it (memlens.report).
 
 >>> r = Result(verb="estimate", peak_allocated_bytes=1024, data={"method": "simulate"})
 >>> d = r.to_dict()
@@ -17,16 +18,23 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import MemlensError
-from .notebook import result_html
 from .payloads import Payload, payload_for
 from .version import __version__, environment
 
+# the JSON's version (docs/result.schema.json, memlens.core.schema): bumped when a field is removed or retyped
 SCHEMA_VERSION = "1"
 
-from .enums import CATEGORIES, STEP_PHASES  # noqa: F401 - re-exported for renderers
+# the notebook view is a rendering: memlens.report.notebook registers it (import memlens does), core never imports report
+_HTML_VIEW: list[Callable[["Result"], str]] = []
+
+
+def register_html_view(view: Callable[["Result"], str]) -> None:
+    """Set the function that renders a Result as HTML for Jupyter (one view: the last registered)."""
+    _HTML_VIEW[:] = [view]
+
 
 _CORE = (
     "verb", "spec", "peak_allocated_bytes", "peak_reserved_bytes", "by_category", "by_phase",
@@ -48,7 +56,7 @@ class Result:
     timeline: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     environment: dict[str, Any] = field(default_factory=dict)
-    data: Payload = field(default_factory=Payload)   # the verb's own fields (a dict is converted)
+    data: Payload = None   # type: ignore[assignment] - the verb's own fields: its payload (a dict or None is converted)
 
     def __post_init__(self) -> None:
         self.data = payload_for(self.verb, self.data)
@@ -70,9 +78,10 @@ class Result:
         out.update(extra)
         return out
 
-    def _repr_html_(self) -> str:
-        """What Jupyter shows: the summary, the main tables and the timeline inline."""
-        return result_html(self)
+    def _repr_html_(self) -> str | None:
+        """What Jupyter shows: the summary, the main tables and the timeline inline (the view that
+        :mod:`memlens.report.notebook` registers; without it, None: Jupyter shows the repr)."""
+        return _HTML_VIEW[0](self) if _HTML_VIEW else None
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_json_default)

@@ -6,6 +6,7 @@ from ..core.fits import Budget, fits
 from ..core.gpus import gpu_facts, nccl_bytes
 from ..core.ledger import group_modules
 from ..core.parallel import is_distributed
+from ..core.payloads import UNSET, EstimatePayload
 from ..core.precision import precision_of
 from ..core.result import Result
 from ..core.spec import checkpoint_layers_text
@@ -41,12 +42,24 @@ def simulation_result(sim, a) -> Result:
     spec = sim.spec
     gpu = gpu_facts(spec.gpu)
     ctx = gpu.cuda_context_bytes
+    data = EstimatePayload(
+        method="simulate",
+        cuda_context_bytes=ctx,
+        nvidia_smi_estimate_bytes=a.peak_reserved_bytes + ctx,
+        gpu=gpu.to_dict(),
+        **simulation_facts(sim, a),
+        by_component=by_component(a.by_module),
+        simulate_seconds=round(sim.seconds, 3),
+        later_steps=sim.later_steps,
+        later_micro_batches=sim.later_micro_batches or UNSET,
+        later_layers=sim.later_layers or UNSET,
+    )
     r = Result(
         verb="estimate",
         spec=spec.to_dict(),
         peak_allocated_bytes=a.peak_allocated_bytes,
         peak_reserved_bytes=a.peak_reserved_bytes,
-        by_category={k: v for k, v in a.by_category.items()},
+        by_category=dict(a.by_category),
         by_phase=a.by_phase,
         by_module=a.by_module,
         timeline=a.timeline,
@@ -55,26 +68,15 @@ def simulation_result(sim, a) -> Result:
             "peak_reserved_bytes what max_memory_reserved() reads (caching allocator segments).",
             f"nvidia-smi shows about {ctx // 2**20} MiB more per process: the CUDA context (cuda_context_bytes).",
         ],
-        data={
-            "method": "simulate",
-            "cuda_context_bytes": ctx,
-            "nvidia_smi_estimate_bytes": a.peak_reserved_bytes + ctx,
-            "gpu": gpu.to_dict(),
-            **simulation_facts(sim, a),
-            "by_component": by_component(a.by_module),
-            "simulate_seconds": round(sim.seconds, 3),
-            "later_steps": sim.later_steps,
-            **({"later_micro_batches": sim.later_micro_batches} if sim.later_micro_batches else {}),
-            **({"later_layers": sim.later_layers} if sim.later_layers else {}),
-        },
+        data=data,
     )
     if spec.liger:
         from ..models.liger import liger_facts  # noqa: PLC0415 - only for --liger
 
-        r.data["liger"] = liger_facts(spec, sim.source, sim.seq_len)
+        data.liger = liger_facts(spec, sim.source, sim.seq_len)
     plan = activation_plan(sim)
     if plan is not None:
-        r.data["activation_plan"] = plan
+        data.activation_plan = plan
         r.notes.append(plan["summary"])
     r.notes.extend(sim.notes)
     outside_allocator(r, spec)
@@ -83,7 +85,7 @@ def simulation_result(sim, a) -> Result:
     if spec.compile:
         from .compiled import MODEL  # heavy: imports torch
 
-        r.data["compile_model"] = MODEL
+        data.compile_model = MODEL
         r.notes.append(f"--compile: {MODEL}.")
     return finish(r, spec)
 
@@ -147,8 +149,8 @@ def outside_allocator(r: Result, spec) -> None:
         return
     g = gpu_facts(spec.gpu)
     b = int(u * g.total_memory_bytes)
-    r.data["outside_allocator_bytes"] = b
-    r.data["nvidia_smi_estimate_bytes"] = r.data.get("nvidia_smi_estimate_bytes", 0) + b
+    r.data.outside_allocator_bytes = b
+    r.data.nvidia_smi_estimate_bytes = (r.data.nvidia_smi_estimate_bytes or 0) + b
     r.notes.append(f"vLLM colocated (vllm_gpu_memory_utilization {u:g}) reserves {fmt_bytes(b)} of the {g.name} outside "
                    "torch's caching allocator (not simulated, not in the peaks); the fit verdict adds it (outside_allocator_bytes)")
 

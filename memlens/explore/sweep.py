@@ -1,5 +1,5 @@
 """`sweep`: a grid over batch size x sequence length x LoRA rank x physical batch x technique,
-estimated or measured, as a CSV (its pictures: memlens.report.sweep_plots).
+estimated or measured (its CSV and table: memlens.report.sweep_text; its pictures: memlens.report.sweep_plots).
 
 The Opacus profiler's flags map onto it (seeds/004): ``--batch_sizes`` -> ``batch_sizes``,
 ``--seq_lengths`` -> ``seq_lens``, ``--lora_ranks`` -> ``lora_ranks``,
@@ -19,7 +19,6 @@ a crash or a hang marks that cell and the sweep goes on.
 """
 from __future__ import annotations
 
-import csv
 import json
 import os
 import threading
@@ -391,17 +390,3 @@ def _check_same_sweep(done: dict[str, dict[str, Any]], cells: list[Cell]) -> Non
         rec = done.get(c.key)
         if rec and c.spec is not None and rec.get("spec") and TrainingSpec.from_dict(rec["spec"]) != c.spec:
             raise MemlensError(f"cell {c.key!r} in the results has another spec", hint="resume with the same spec flags, or choose another --out")
-
-
-# ---------------------------------------------------------------- outputs
-CSV_COLUMNS = ("key", "technique", "batch_size", "seq_len", "lora_rank", "physical_batch_size", "status",
-               "peak_allocated_bytes", "peak_reserved_bytes", "estimated_peak_allocated_bytes", "estimated_peak_reserved_bytes",
-               "estimated_fits", "step_seconds", "predicted_step_seconds", "error")
-
-
-def write_csv(result: Result, path) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        for r in result.data["rows"]:
-            w.writerow({k: r.get(k) for k in CSV_COLUMNS})

@@ -32,8 +32,7 @@ from typing import Callable
 
 from ..core.errors import MemlensError, NoDeviceError
 from ..core.units import fmt_bytes, parse_bytes
-from ..report.doctor_plots import _pyplot, _save
-from ..report.plots import bytes_unit, legend_outside, time_unit
+from ..report.monitor_plot import plot_monitor
 
 
 @dataclass
@@ -228,28 +227,9 @@ class Monitor:
         return path
 
     def plot(self, path: str | Path) -> Path:
-        """PNG of allocated and reserved over time, with the threshold and the alerts."""
-        # the renderers (and matplotlib behind them) load only when a plot is asked for
-
-        plt = _pyplot()
-        hist = list(self.history)
-        div, unit = bytes_unit(max([r.reserved_bytes for r in hist] + [self._threshold_bytes or 0]))
-        t0 = hist[0].time_s if hist else 0.0
-        per, tunit = time_unit(hist[-1].time_s - t0 if hist else 0.0)
-        xs = [(r.time_s - t0) / per for r in hist]
-        fig, ax = plt.subplots(figsize=(9, 4))
-        ax.plot(xs, [r.allocated_bytes / div for r in hist], label="allocated")
-        ax.plot(xs, [r.reserved_bytes / div for r in hist], label="reserved", alpha=0.7)
-        if self._threshold_bytes:
-            ax.axhline(self._threshold_bytes / div, color="red", lw=1, label=f"threshold {self._threshold_bytes / div:.2f} {unit}")
-        for i, a in enumerate(self.alerts):
-            ax.axvline((a.time_s - t0) / per, color="red", ls=":", lw=1, label="alert" if i == 0 else None)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel(f"time since the first sample ({tunit})")
-        ax.set_ylabel(unit)
-        ax.grid(alpha=0.3)
-        legend_outside(ax)
-        return _save(fig, plt, path)
+        """PNG of allocated and reserved over time, with the threshold and the alerts (drawn by
+        :func:`memlens.report.monitor_plot.plot_monitor`)."""
+        return plot_monitor(list(self.history), self._threshold_bytes, self.alerts, path)
 
 
 class StepTrend:

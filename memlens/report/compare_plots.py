@@ -4,14 +4,15 @@ the --budget, what a step may reserve under it (budget - CUDA context - margin),
 whole GPU of the spec. :func:`compare_figure` returns the Figure (tests read its bars and lines)."""
 from __future__ import annotations
 
-from typing import Any
 
 from ..core.errors import MemlensError
 from ..core.fits import Budget
+from ..core.payloads import ComparePayload
+from ..core.result import Result
 from .plots import bytes_unit, legend_outside, pyplot
 
 
-def _gpu_usable(result: Any) -> tuple[str, int] | None:
+def _gpu_usable(result: Result) -> tuple[str, int] | None:
     """(name, usable bytes) of the spec's GPU used whole: its total less its CUDA context and the rule's margin."""
     gpu = (result.spec or {}).get("gpu")
     try:
@@ -21,15 +22,15 @@ def _gpu_usable(result: Any) -> tuple[str, int] | None:
     return b.source.removeprefix("total memory of the "), b.usable_bytes
 
 
-def compare_figure(result: Any):
+def compare_figure(result: Result):
     """Bars of peak reserved per technique; budget, usable and the GPU's usable memory as labelled lines."""
     plt = pyplot()
-    rows = [r for r in result.data["rows"] if r.get("estimated_peak_reserved_bytes") or r.get("measured_peak_reserved_bytes")]
+    d: ComparePayload = result.data
+    rows = [r for r in d.rows if r.get("estimated_peak_reserved_bytes") or r.get("measured_peak_reserved_bytes")]
     est = [r.get("estimated_peak_reserved_bytes") or 0 for r in rows]
     meas = [r.get("measured_peak_reserved_bytes") or 0 for r in rows]
     has_meas = any(meas)
-    d = result.data
-    budget, usable = d.get("budget_bytes"), d.get("usable_bytes")
+    budget, usable = d.budget_bytes or None, d.usable_bytes or None
     gpu = _gpu_usable(result)
     # the whole GPU's line is drawn where it is on the scale of the bars and the budget, else named in the legend
     near = max(est + meas + [budget or 0])
@@ -71,7 +72,7 @@ def compare_figure(result: Any):
     return fig
 
 
-def plot_compare(result: Any, path) -> None:
+def plot_compare(result: Result, path) -> None:
     """Write :func:`compare_figure` as a PNG."""
     plt = pyplot()
     fig = compare_figure(result)

@@ -6,7 +6,7 @@ from pathlib import Path
 from ..core.payloads import DoctorLogPayload, DoctorSnapshotPayload
 from ..core.result import Result
 from ..core.units import fmt_bytes
-from .plots import bytes_unit, legend_outside, relative_times
+from .plots import bytes_unit, legend_outside, relative_times, save_png
 from .plots import pyplot as _pyplot
 
 
@@ -38,7 +38,7 @@ def plot_log(result: Result, path: str | Path) -> Path:
     ax.set_title("memory per step")
     ax.grid(alpha=0.3)
     legend_outside(ax)
-    return _save(fig, plt, path)
+    return save_png(fig, plt, path)
 
 
 def plot_snapshot(result: Result, path: str | Path) -> Path:
@@ -82,11 +82,4 @@ def plot_snapshot(result: Result, path: str | Path) -> Path:
         ax2.text(0.5, 0.5, "no segment has free pieces", ha="center", va="center", transform=ax2.transAxes)
     ax2.set_title("segments with the most free (inactive) bytes")
     fig.tight_layout()
-    return _save(fig, plt, path)
-
-
-def _save(fig, plt, path: str | Path) -> Path:
-    path = Path(path)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return save_png(fig, plt, path)

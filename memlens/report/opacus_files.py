@@ -23,11 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from ..core.components import COMPONENTS
-from .plots import heatmap, legend_outside, pyplot, relative_times
+from ..core.payloads import SweepPayload, given
+from ..core.result import Result
+from .plots import heatmap, legend_outside, pyplot, relative_times, save_png
 
 GIB = 2**30
 BASIC = ("memory_profile_results.json", "memory_profile_summary.csv", "memory_analysis_overview.png", "memory_heatmap.png")
 DETAILED = ("detailed_memory_results.json", "detailed_memory_analysis.png", "operation_level_breakdown.png")
+AXES = ("batch_size", "seq_length", "max_physical_batch_size", "lora_rank")   # what a grid varies, in the profiler's names
 SUMMARY_COLUMNS = ("config", "seq_length", "batch_size", "max_physical_batch_size", "lora_rank", "technique", "status",
                    "peak_memory_allocated_gb", "peak_memory_reserved_gb", "estimated_peak_allocated_gb",
                    "estimate_error_pct", "step_seconds", "error")
@@ -37,10 +40,10 @@ def _gb(v) -> float | None:
     return round(v / GIB, 4) if v else None
 
 
-def cell_rows(result) -> list[dict[str, Any]]:
+def cell_rows(result: Result) -> list[dict[str, Any]]:
     """One flat record per cell, in grid order, with the Opacus profiler's names."""
     out = []
-    for i, r in enumerate(result.data["rows"], 1):
+    for i, r in enumerate(result.data.rows, 1):
         spec = r.get("spec") or {}
         m, e = r.get("peak_allocated_bytes"), r.get("estimated_peak_allocated_bytes")
         out.append({
@@ -59,14 +62,14 @@ def cell_rows(result) -> list[dict[str, Any]]:
     return out
 
 
-def write_opacus_files(result, out_dir, *, detailed: bool = False, plots: bool = True) -> list[Path]:
+def write_opacus_files(result: Result, out_dir, *, detailed: bool = False, plots: bool = True) -> list[Path]:
     """Write the Opacus profiler's files into ``out_dir``; returns the paths written."""
     out = Path(out_dir)
     rows = cell_rows(result)
-    d = result.data
-    config = {"model_name": (result.spec or {}).get("model"), "spec": result.spec, "grid": d.get("grid"),
-              "num_steps": d.get("steps"), "measured": d.get("measured"), "device": d.get("device"),
-              "status_counts": d.get("status_counts"), "memlens_results": "results.jsonl"}
+    d: SweepPayload = result.data
+    config = {"model_name": (result.spec or {}).get("model"), "spec": result.spec, "grid": given(d.grid),
+              "num_steps": given(d.steps), "measured": given(d.measured), "device": given(d.device),
+              "status_counts": given(d.status_counts), "memlens_results": "results.jsonl"}
     written = []
     p = out / "memory_profile_results.json"
     p.write_text(json.dumps({"config": config, "results": [{k: v for k, v in r.items() if k != "detail"} for r in rows]},
@@ -97,21 +100,28 @@ def _value(r) -> float | None:
     return v / GIB if v and r["status"] == "ok" else None
 
 
-def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
+def _plots(result: Result, rows: list[dict[str, Any]], out: Path, detailed: bool) -> list[Path]:
     plt = pyplot()
-    budget = result.data.get("budget_bytes")
+    d: SweepPayload = result.data
+    budget = d.budget_bytes or None
     top_bytes = max([r["peak_memory_allocated_bytes"] or r["estimated_peak_allocated_bytes"] or 0 for r in rows] + [budget or 0, 1])
-    written: list[Path] = []
-    measured = bool(result.data.get("measured"))
-    what = "measured" if measured else "estimated"
+    what = "measured" if d.measured else "estimated"
     model = (result.spec or {}).get("model", "")
-    # overview: peak against each axis that varies, one line per value of the others
-    axes_names = [a for a in ("batch_size", "seq_length", "max_physical_batch_size", "lora_rank")
-                  if len({r[a] for r in rows}) > 1] or ["batch_size"]
+    written = [_overview(plt, result, rows, out, budget, top_bytes, what),
+               _heatmaps(plt, rows, out, budget, top_bytes, model, what)]
+    written += _timelines(plt, rows, out)
+    if detailed:
+        written += _detailed_plots(plt, rows, out, model, what)
+    return written
+
+
+def _overview(plt, result: Result, rows: list[dict[str, Any]], out: Path, budget: int | None, top_bytes: int, what: str) -> Path:
+    """Peak against each axis that varies, one line per value of the others; OOMs as crosses."""
+    axes_names = [a for a in AXES if len({r[a] for r in rows}) > 1] or ["batch_size"]
     n = len(axes_names)
     fig, axs = plt.subplots(1, n, figsize=(5 * n, 4), squeeze=False)
     for ax, x in zip(axs[0], axes_names):
-        others = [a for a in ("batch_size", "seq_length", "max_physical_batch_size", "lora_rank") if a != x]
+        others = [a for a in AXES if a != x]
         groups: dict[tuple, list] = {}
         oom_seen = False
         for r in rows:
@@ -136,10 +146,13 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
             legend_outside(ax, below=True, fontsize=7, ncol=1)
     spec = result.spec or {}
     ranks = (f", per rank of {spec.get('sharding')} x {spec.get('world_size')}" if (spec.get("world_size") or 1) > 1 else "")
-    fig.suptitle(f"{model}: DP-SGD memory ({what}{ranks}; x = OOM)", fontsize=10)
+    fig.suptitle(f"{spec.get('model', '')}: DP-SGD memory ({what}{ranks}; x = OOM)", fontsize=10)
     fig.tight_layout()
-    written.append(_save(fig, plt, out / "memory_analysis_overview.png"))
-    # heatmap: batch x seq, one panel per (rank, physical batch)
+    return save_png(fig, plt, out / "memory_analysis_overview.png", dpi=100)
+
+
+def _heatmaps(plt, rows: list[dict[str, Any]], out: Path, budget: int | None, top_bytes: int, model: str, what: str) -> Path:
+    """Batch x sequence length, one panel per (LoRA rank, physical batch, technique)."""
     panels: dict[tuple, list] = {}
     for r in rows:
         panels.setdefault((r["lora_rank"], r["max_physical_batch_size"], r["technique"]), []).append(r)
@@ -156,8 +169,12 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
         ax.set_title(", ".join(f"{n}={v}" for n, v in zip(("LoRA r", "pb", ""), key) if v is not None) or "cells", fontsize=8)
     fig.suptitle(f"{model}: peak allocated ({what})", fontsize=10)
     fig.tight_layout()
-    written.append(_save(fig, plt, out / "memory_heatmap.png"))
-    # one timeline per configuration
+    return save_png(fig, plt, out / "memory_heatmap.png", dpi=100)
+
+
+def _timelines(plt, rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    """One timeline per configuration that has one."""
+    written = []
     for r in rows:
         tl = r["timeline"]
         if not tl:
@@ -177,9 +194,7 @@ def _plots(result, rows, out: Path, detailed: bool) -> list[Path]:
         ax.set_ylabel("allocated (GiB)")
         ax.set_title(f"config {r['config']}: {r['key']} ({r['status']})", fontsize=9)
         fig.tight_layout()
-        written.append(_save(fig, plt, out / f"memory_timeline_config_{r['config']}.png"))
-    if detailed:
-        written += _detailed_plots(plt, rows, out, model, what)
+        written.append(save_png(fig, plt, out / f"memory_timeline_config_{r['config']}.png", dpi=100))
     return written
 
 
@@ -191,9 +206,9 @@ def _detailed_plots(plt, rows, out: Path, model: str, what: str) -> list[Path]:
     for ax, key, names in ((a1, "by_component", COMPONENTS), (a2, "by_category", None)):
         series: dict[str, list[float]] = {}
         for i, r in enumerate(det):
-            d = r["detail"]
-            vals = ({c["component"]: c["bytes"] for c in d.get("by_component") or []} if key == "by_component"
-                    else dict(d.get("by_category") or {}))
+            detail = r["detail"]
+            vals = ({c["component"]: c["bytes"] for c in detail.get("by_component") or []} if key == "by_component"
+                    else dict(detail.get("by_category") or {}))
             for name, v in vals.items():
                 series.setdefault(name, [0.0] * len(det))[i] = v / GIB
         order = [n for n in (names or sorted(series)) if n in series]
@@ -208,7 +223,7 @@ def _detailed_plots(plt, rows, out: Path, model: str, what: str) -> list[Path]:
             legend_outside(ax, below=True, fontsize=7, ncol=3)
     fig.suptitle(f"{model}: what is live at the peak ({what})", fontsize=10)
     fig.tight_layout()
-    written.append(_save(fig, plt, out / "detailed_memory_analysis.png"))
+    written.append(save_png(fig, plt, out / "detailed_memory_analysis.png", dpi=100))
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(det) + 4), 4))
     phases = [ph for ph in ("forward", "backward", "clip", "optimizer") if any(ph in (r["detail"].get("by_phase") or {}) for r in det)]
     w = 0.8 / max(len(phases), 1)
@@ -222,11 +237,5 @@ def _detailed_plots(plt, rows, out: Path, model: str, what: str) -> list[Path]:
     if phases:
         legend_outside(ax, fontsize=7)
     fig.tight_layout()
-    written.append(_save(fig, plt, out / "operation_level_breakdown.png"))
+    written.append(save_png(fig, plt, out / "operation_level_breakdown.png", dpi=100))
     return written
-
-
-def _save(fig, plt, path: Path) -> Path:
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..core.errors import MemlensError
-from ..core.units import bytes_unit  # noqa: F401 - the pictures' unit, shared with core.notebook
+from ..core.result import Result
+from ..core.units import bytes_unit  # noqa: F401 - the pictures' unit, shared with report.notebook
 
 _PHASE_COLOURS = {"setup": "#95a5a6", "forward": "#3498db", "backward": "#e67e22", "optimizer": "#27ae60", "end": "#7f8c8d"}
 
@@ -21,10 +22,10 @@ def have_matplotlib() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def skip_plots(result: Any, names: Sequence[str] = ()) -> None:
+def skip_plots(result: Result, names: Sequence[str] = ()) -> None:
     """Record in the Result that its PNGs were not drawn, and why, and say so on stderr (one line:
     the terminal is where a user looks, not result.json)."""
-    result.data["plots_skipped"] = PLOTS_SKIPPED
+    result.data.plots_skipped = PLOTS_SKIPPED
     if PLOTS_SKIPPED not in result.notes:
         result.notes.append(PLOTS_SKIPPED)
     print(skipped_line(names), file=sys.stderr)
@@ -165,6 +166,14 @@ def heatmap(fig, ax, cells: dict, xs: Sequence, ys: Sequence, *, budget_bytes: i
     return cb
 
 
+def save_png(fig, plt, path: str | Path, dpi: int = 110) -> Path:
+    """Write ``fig`` as a PNG (tight bounding box) and close it."""
+    path = Path(path)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
 def pyplot():
     """matplotlib.pyplot on the Agg backend, or one clear line if matplotlib is missing."""
     try:
@@ -178,13 +187,13 @@ def pyplot():
     return plt
 
 
-def timeline_png(result: Any, path: Any) -> Any:
+def timeline_png(result: Result, path: Any) -> Any:
     """Allocated and reserved memory over the step(s), coloured by phase, with the peak marked."""
     plt = pyplot()
-    d = result.to_dict() if hasattr(result, "to_dict") else result
-    tl = d.get("timeline") or []
+    tl = result.timeline or []
+    peak = result.peak_allocated_bytes
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    div, unit = bytes_unit(max([p["reserved_bytes"] for p in tl] + [d.get("peak_allocated_bytes") or 0]))
+    div, unit = bytes_unit(max([p["reserved_bytes"] for p in tl] + [peak or 0]))
     if tl:
         xs = list(range(len(tl)))
         ax.plot(xs, [p["reserved_bytes"] / div for p in tl], color="#bdc3c7", lw=1.2, label="reserved")
@@ -194,14 +203,12 @@ def timeline_png(result: Any, path: Any) -> Any:
         for ph, c in _PHASE_COLOURS.items():
             if any(p["phase"] == ph for p in tl):
                 ax.plot([], [], color=c, label=f"allocated: {ph}")
-        if d.get("peak_allocated_bytes"):
-            ax.axhline(d["peak_allocated_bytes"] / div, color="#c0392b", ls="--", lw=1,
-                       label=f"peak allocated {d['peak_allocated_bytes'] / div:.2f} {unit}")
+        if peak:
+            ax.axhline(peak / div, color="#c0392b", ls="--", lw=1, label=f"peak allocated {peak / div:.2f} {unit}")
         ax.set_xlabel("allocation events (sampled, in program order)")
         ax.set_ylim(bottom=0)
     ax.set_ylabel(unit)
-    spec = d.get("spec") or {}
-    ax.set_title(f"memlens {d.get('verb', '')}: {spec.get('model', '')} memory over the training steps")
+    ax.set_title(f"memlens {result.verb}: {(result.spec or {}).get('model', '')} memory over the training steps")
     ax.grid(alpha=0.3)
     legend_outside(ax)
     fig.tight_layout()

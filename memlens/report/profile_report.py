@@ -18,6 +18,7 @@ import io
 import pickle
 from pathlib import Path
 
+from ..core.payloads import ProfilePayload, given
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from . import plots as plots_mod  # a module: have_matplotlib is asked at call time
@@ -273,18 +274,18 @@ def rank_lanes_svg(ranks: list[dict], width: int = 1000, lane: int = 70) -> str:
 
 def ranks_html(result: Result) -> str:
     """The per-rank section of a report: a table and a lane per rank."""
-    d = result.data
-    ranks = d["ranks"]
+    d: ProfilePayload = result.data
+    ranks = d.ranks
     rows = []
     for r in ranks:
         nv = r.get("nvml") or {}
-        rows.append([f"{r['rank']}{' *' if r['rank'] == d.get('peak_rank') else ''}", fmt_bytes(r.get("peak_allocated_bytes")),
+        rows.append([f"{r['rank']}{' *' if r['rank'] == d.peak_rank else ''}", fmt_bytes(r.get("peak_allocated_bytes")),
                      fmt_bytes(r.get("peak_reserved_bytes")), fmt_bytes(nv.get("process_used_bytes")) if nv.get("available") else "-",
                      f"{r.get('peak_phase')} (step {r.get('peak_step')})", r.get("device_name") or r.get("device") or ""])
-    job = d.get("job") or {}
+    job = d.job or {}
     parts = [f"<h2>Ranks ({len(ranks)}; * the rank that peaks)</h2>",
              _table(["rank", "peak allocated", "peak reserved", "nvidia-smi (NVML, this process)", "peak phase", "device"], rows),
-             f"<div class='note'>imbalance: {_e(fmt_bytes(d.get('rank_imbalance_bytes')))} between the highest and the lowest "
+             f"<div class='note'>imbalance: {_e(fmt_bytes(given(d.rank_imbalance_bytes)))} between the highest and the lowest "
              f"rank's peak allocated; whole job: allocated {_e(fmt_bytes(job.get('peak_allocated_bytes_sum')))}, reserved "
              f"{_e(fmt_bytes(job.get('peak_reserved_bytes_sum')))}"
              + (f", NVML {_e(fmt_bytes(job['nvml_process_used_bytes_sum']))}" if job.get("nvml_process_used_bytes_sum") else "")
@@ -301,88 +302,13 @@ def ranks_html(result: Result) -> str:
 def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
     """One self-contained HTML page (inline CSS, PNGs as data: URIs)."""
     pngs = render_pngs(result) if pngs is None else pngs
-    d = result.data
-    spec = result.spec or {}
-    title = f"memlens profile: {spec.get('model', 'your loop')}"
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>{_e(title)}</h1>",
-             f"<div class='sub'>device {_e(d.get('device'))}{_e(' (' + result.environment['device_name'] + ')' if result.environment.get('device_name') else '')} · mode "
-             f"{_e(d.get('mode'))} · torch {_e(result.environment.get('torch'))} · measured by {_e(d.get('measured_by'))}</div>"]
-    kpis = [("peak allocated", fmt_bytes(result.peak_allocated_bytes), "max_memory_allocated()" if str(d.get("device", "")).startswith("cuda") else "live storages"),
-            ("peak reserved", fmt_bytes(result.peak_reserved_bytes), "max_memory_reserved()" if str(d.get("device", "")).startswith("cuda") else "CPU: same as allocated"),
-            ("peak phase", f"{d.get('peak_phase')} (step {d.get('peak_step')})", "where the peak happened")]
-    nv = d.get("nvml") or {}
-    if nv.get("available"):
-        kpis.append(("nvidia-smi (this process)", fmt_bytes(nv.get("process_used_bytes")), "NVML: reserved + CUDA context"))
-    parts.append("".join(f"<div class='kpi'><b>{_e(v)}</b><span>{_e(k)}: {_e(s)}</span></div>" for k, v, s in kpis))
-    if spec:
-        parts.append(f"<div class='note'>spec: {_e(', '.join(f'{k}={v}' for k, v in spec.items() if v not in (None, False, (), [])))}</div>")
-    if d.get("ranks"):
+    d: ProfilePayload = result.data
+    parts = _head_html(result, d)
+    if d.ranks:
         parts.append(ranks_html(result))
-    # phases
-    parts.append("<h2>Peak of every phase" + (f" (rank {d.get('peak_rank')}, the rank that peaks)" if d.get("ranks") else "") + "</h2>")
-    parts.append(_table(["phase", "peak allocated", "step", "peak reserved"],
-                        [[ph, fmt_bytes(v["peak_allocated_bytes"]), v.get("peak_step"), fmt_bytes(v.get("peak_reserved_bytes"))]
-                         for ph, v in result.by_phase.items()]))
-    if result.by_category:
-        total = result.peak_allocated_bytes or 1
-        parts.append("<h2>At the peak, by category</h2>")
-        parts.append(_table(["category", "bytes", "share of peak"],
-                            [[k, fmt_bytes(v), f"{100 * v / total:.1f}%"] for k, v in result.by_category.items() if v]))
-        parts.append(f"<div class='note'>categories sum to {fmt_bytes(d.get('categories_sum_bytes'))} "
-                     f"({_pct(d.get('categories_error'))} of the peak before the unattributed row)</div>")
-    if d.get("by_operation"):
-        parts.append("<h2>By operation (which phase allocated what was live at the peak)</h2>")
-        parts.append(_table(["allocated in", "bytes live at the peak"], [[k, fmt_bytes(v)] for k, v in d["by_operation"].items()]))
-    for name, caption in (("snapshots.png", "Snapshots"), ("timeline.png", "Timeline"), ("categories.png", "Category stack at the peak"),
-                          ("modules.png", "Top modules")):
-        if name in pngs:
-            b64 = base64.b64encode(pngs[name]).decode()
-            parts.append(f"<h2>{caption}</h2><img alt='{name}' src='data:image/png;base64,{b64}'>")
-    if result.by_module:
-        parts.append("<h2>Modules (top 25)</h2>")
-        rows = result.by_module[:25]
-        lora = any(r.get("lora") for r in result.by_module)     # the LoRA column only on a run with LoRA
-        parts.append(_table(["module", "live at the peak", "forward peak", "backward peak"] + (["LoRA"] if lora else []),
-                            [[r["module"], fmt_bytes(r["bytes"]), fmt_bytes(r.get("forward_peak_bytes")),
-                              fmt_bytes(r.get("backward_peak_bytes"))] + (["yes" if r.get("lora") else ""] if lora else [])
-                             for r in rows]))
-    ml = d.get("model_load")
-    if ml:
-        parts.append("<h2>Model load</h2>")
-        rows = [["parameters (theoretical)", fmt_bytes(ml.get("theoretical_param_bytes"))], ["buffers", fmt_bytes(ml.get("buffer_bytes"))],
-                ["batch", fmt_bytes(ml.get("batch_bytes"))]]
-        if "loaded_bytes" in ml:
-            rows += [["allocated by loading", fmt_bytes(ml["loaded_bytes"])], ["overhead vs parameters", f"{fmt_bytes(ml['overhead_bytes'])} ({_pct(ml.get('overhead_fraction'))})"]]
-        if "allocated_after_move_bytes" in ml:
-            rows += [["device allocated after loading on the CPU", fmt_bytes(ml["allocated_after_cpu_load_bytes"])],
-                     ["device allocated after .to(device)", fmt_bytes(ml["allocated_after_move_bytes"])],
-                     ["device reserved after .to(device)", fmt_bytes(ml["reserved_after_move_bytes"])]]
-        parts.append(_table(["", "bytes"], rows))
-    al = d.get("allocator")
-    if al:
-        parts.append("<h2>Allocator (memory_stats) and NVML</h2>")
-        lab = al.get("labels", {})
-        rows = [[k, fmt_bytes(al[k]) if k.endswith("bytes") else al[k], lab.get(k, "")]
-                for k in ("reserved_unallocated_bytes", "inactive_split_bytes", "fragmentation", "num_alloc_retries", "num_ooms")]
-        if nv:
-            rows.append(["nvml process used", fmt_bytes(nv.get("process_used_bytes")) if nv.get("available") else f"n/a ({nv.get('reason')})", nv.get("label", "")])
-        parts.append(_table(["figure", "value", "what it is"], rows))
-    ce = d.get("compare_estimate")
-    if ce and ce.get("available"):
-        parts.append("<h2>Estimate vs measured</h2>")
-        rows = [[r["name"], fmt_bytes(r["estimated_bytes"]), fmt_bytes(r["measured_bytes"]), _pct(r["error"])]
-                for r in ce["rows"] + ce["by_phase"] + ce["by_category"]]
-        parts.append(_table(["figure", "estimated", "measured", "error"], rows))
-        parts.append(f"<div class='note'>{_e(ce.get('note'))}</div>")
-    tp = d.get("torch_profiler")
-    if tp:
-        parts.append("<h2>torch.profiler: top operators</h2>")
-        tk, mk = tp["time_key"], tp["memory_key"]
-        parts.append(_table(["operator (by time)", "calls", tk], [[r["name"], r["calls"], f"{r[tk]:.0f}"] for r in tp["by_time"][:12]]))
-        parts.append(_table(["operator (by memory)", "calls", mk], [[r["name"], r["calls"], fmt_bytes(r[mk])] for r in tp["by_memory"][:12]]))
-        if tp.get("chrome_trace"):
-            parts.append(f"<div class='note'>Chrome trace: <code>{_e(tp['chrome_trace'])}</code> (open in chrome://tracing or ui.perfetto.dev)</div>")
+    parts += _peak_html(result, d, pngs)
+    parts += _setup_html(d)
+    parts += _tools_html(d)
     parts.append("<h2>Snapshots</h2>")
     parts.append(_table(["label", "allocated", "reserved", "peak since previous"],
                         [[p["label"], fmt_bytes(p["allocated_bytes"]), fmt_bytes(p["reserved_bytes"]), fmt_bytes(p["peak_allocated_bytes"])]
@@ -390,3 +316,107 @@ def report_html(result: Result, pngs: dict[str, bytes] | None = None) -> str:
     parts.append("<h2>Notes</h2><ul>" + "".join(f"<li class='note'>{_e(n)}</li>" for n in result.notes) + "</ul>")
     parts.append("</body></html>")
     return "\n".join(parts)
+
+
+def _head_html(result: Result, d: ProfilePayload) -> list[str]:
+    """Title, device and mode, the headline figures and the spec."""
+    spec = result.spec or {}
+    env = result.environment
+    title = f"memlens profile: {spec.get('model', 'your loop')}"
+    cuda = str(d.device or "").startswith("cuda")
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>{_e(title)}</h1>",
+             f"<div class='sub'>device {_e(given(d.device))}{_e(' (' + env['device_name'] + ')' if env.get('device_name') else '')} · mode "
+             f"{_e(given(d.mode))} · torch {_e(env.get('torch'))} · measured by {_e(given(d.measured_by))}</div>"]
+    kpis = [("peak allocated", fmt_bytes(result.peak_allocated_bytes), "max_memory_allocated()" if cuda else "live storages"),
+            ("peak reserved", fmt_bytes(result.peak_reserved_bytes), "max_memory_reserved()" if cuda else "CPU: same as allocated"),
+            ("peak phase", f"{given(d.peak_phase)} (step {given(d.peak_step)})", "where the peak happened")]
+    nv = d.nvml or {}
+    if nv.get("available"):
+        kpis.append(("nvidia-smi (this process)", fmt_bytes(nv.get("process_used_bytes")), "NVML: reserved + CUDA context"))
+    parts.append("".join(f"<div class='kpi'><b>{_e(v)}</b><span>{_e(k)}: {_e(s)}</span></div>" for k, v, s in kpis))
+    if spec:
+        parts.append(f"<div class='note'>spec: {_e(', '.join(f'{k}={v}' for k, v in spec.items() if v not in (None, False, (), [])))}</div>")
+    return parts
+
+
+def _peak_html(result: Result, d: ProfilePayload, pngs: dict[str, bytes]) -> list[str]:
+    """Every phase's peak; at the peak by category, by the phase that allocated it, the pictures and the modules."""
+    parts = ["<h2>Peak of every phase" + (f" (rank {given(d.peak_rank)}, the rank that peaks)" if d.ranks else "") + "</h2>",
+             _table(["phase", "peak allocated", "step", "peak reserved"],
+                    [[ph, fmt_bytes(v["peak_allocated_bytes"]), v.get("peak_step"), fmt_bytes(v.get("peak_reserved_bytes"))]
+                     for ph, v in result.by_phase.items()])]
+    if result.by_category:
+        total = result.peak_allocated_bytes or 1
+        parts.append("<h2>At the peak, by category</h2>")
+        parts.append(_table(["category", "bytes", "share of peak"],
+                            [[k, fmt_bytes(v), f"{100 * v / total:.1f}%"] for k, v in result.by_category.items() if v]))
+        parts.append(f"<div class='note'>categories sum to {fmt_bytes(given(d.categories_sum_bytes))} "
+                     f"({_pct(given(d.categories_error))} of the peak before the unattributed row)</div>")
+    if d.by_operation:
+        parts.append("<h2>By operation (which phase allocated what was live at the peak)</h2>")
+        parts.append(_table(["allocated in", "bytes live at the peak"], [[k, fmt_bytes(v)] for k, v in d.by_operation.items()]))
+    for name, caption in (("snapshots.png", "Snapshots"), ("timeline.png", "Timeline"), ("categories.png", "Category stack at the peak"),
+                          ("modules.png", "Top modules")):
+        if name in pngs:
+            b64 = base64.b64encode(pngs[name]).decode()
+            parts.append(f"<h2>{caption}</h2><img alt='{name}' src='data:image/png;base64,{b64}'>")
+    if result.by_module:
+        parts.append("<h2>Modules (top 25)</h2>")
+        lora = any(r.get("lora") for r in result.by_module)     # the LoRA column only on a run with LoRA
+        parts.append(_table(["module", "live at the peak", "forward peak", "backward peak"] + (["LoRA"] if lora else []),
+                            [[r["module"], fmt_bytes(r["bytes"]), fmt_bytes(r.get("forward_peak_bytes")),
+                              fmt_bytes(r.get("backward_peak_bytes"))] + (["yes" if r.get("lora") else ""] if lora else [])
+                             for r in result.by_module[:25]]))
+    return parts
+
+
+def _setup_html(d: ProfilePayload) -> list[str]:
+    """What loading the model cost; the caching allocator's counters and NVML."""
+    parts = []
+    ml = d.model_load
+    if ml:
+        parts.append("<h2>Model load</h2>")
+        rows = [["parameters (theoretical)", fmt_bytes(ml.get("theoretical_param_bytes"))], ["buffers", fmt_bytes(ml.get("buffer_bytes"))],
+                ["batch", fmt_bytes(ml.get("batch_bytes"))]]
+        if "loaded_bytes" in ml:
+            rows += [["allocated by loading", fmt_bytes(ml["loaded_bytes"])],
+                     ["overhead vs parameters", f"{fmt_bytes(ml['overhead_bytes'])} ({_pct(ml.get('overhead_fraction'))})"]]
+        if "allocated_after_move_bytes" in ml:
+            rows += [["device allocated after loading on the CPU", fmt_bytes(ml["allocated_after_cpu_load_bytes"])],
+                     ["device allocated after .to(device)", fmt_bytes(ml["allocated_after_move_bytes"])],
+                     ["device reserved after .to(device)", fmt_bytes(ml["reserved_after_move_bytes"])]]
+        parts.append(_table(["", "bytes"], rows))
+    al = d.allocator
+    if al:
+        nv = d.nvml or {}
+        parts.append("<h2>Allocator (memory_stats) and NVML</h2>")
+        lab = al.get("labels", {})
+        rows = [[k, fmt_bytes(al[k]) if k.endswith("bytes") else al[k], lab.get(k, "")]
+                for k in ("reserved_unallocated_bytes", "inactive_split_bytes", "fragmentation", "num_alloc_retries", "num_ooms")]
+        if nv:
+            rows.append(["nvml process used", fmt_bytes(nv.get("process_used_bytes")) if nv.get("available") else f"n/a ({nv.get('reason')})",
+                         nv.get("label", "")])
+        parts.append(_table(["figure", "value", "what it is"], rows))
+    return parts
+
+
+def _tools_html(d: ProfilePayload) -> list[str]:
+    """The estimate beside the measurement (--compare-estimate) and torch.profiler's top operators."""
+    parts = []
+    ce = d.compare_estimate
+    if ce and ce.get("available"):
+        parts.append("<h2>Estimate vs measured</h2>")
+        rows = [[r["name"], fmt_bytes(r["estimated_bytes"]), fmt_bytes(r["measured_bytes"]), _pct(r["error"])]
+                for r in ce["rows"] + ce["by_phase"] + ce["by_category"]]
+        parts.append(_table(["figure", "estimated", "measured", "error"], rows))
+        parts.append(f"<div class='note'>{_e(ce.get('note'))}</div>")
+    tp = d.torch_profiler
+    if tp:
+        parts.append("<h2>torch.profiler: top operators</h2>")
+        tk, mk = tp["time_key"], tp["memory_key"]
+        parts.append(_table(["operator (by time)", "calls", tk], [[r["name"], r["calls"], f"{r[tk]:.0f}"] for r in tp["by_time"][:12]]))
+        parts.append(_table(["operator (by memory)", "calls", mk], [[r["name"], r["calls"], fmt_bytes(r[mk])] for r in tp["by_memory"][:12]]))
+        if tp.get("chrome_trace"):
+            parts.append(f"<div class='note'>Chrome trace: <code>{_e(tp['chrome_trace'])}</code> (open in chrome://tracing or ui.perfetto.dev)</div>")
+    return parts

@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times
+from ..core.payloads import SweepPayload
+from ..core.result import Result
+from .plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times, save_png
 
 OOM_STATUSES = ("oom", "oom-estimated")
 
@@ -35,24 +37,23 @@ def _groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return g
 
 
-def _limits(result: Any) -> tuple[int | None, int | None]:
+def _limits(result: Result) -> tuple[int | None, int | None]:
     """(budget, usable): the --budget, and what the rule lets a cell reserve under it (None where it is the budget)."""
-    d = result.data
-    budget = d.get("budget_bytes")
-    usable = d.get("usable_bytes")
+    d: SweepPayload = result.data
+    budget, usable = d.budget_bytes or None, d.usable_bytes or None
     return budget, (usable if usable and usable != budget else None)
 
 
-def _what(result: Any) -> str:
-    return "measured" if result.data.get("measured") else "estimated"
+def _what(result: Result) -> str:
+    return "measured" if result.data.measured else "estimated"
 
 
-def heatmap_figures(result: Any) -> dict[str, Any]:
+def heatmap_figures(result: Result) -> dict[str, Any]:
     """group name -> a batch x seq-len heatmap of peak reserved (Figure)."""
     plt = pyplot()
     budget, usable = _limits(result)
     out = {}
-    for gname, grows in _groups(result.data["rows"]).items():
+    for gname, grows in _groups(result.data.rows).items():
         bs = sorted({r["batch_size"] for r in grows if r.get("batch_size") is not None})
         ls = sorted({r["seq_len"] for r in grows if r.get("seq_len") is not None}) or [None]
         if not bs:
@@ -69,13 +70,13 @@ def heatmap_figures(result: Any) -> dict[str, Any]:
     return out
 
 
-def memory_vs_batch_figure(result: Any):
+def memory_vs_batch_figure(result: Result):
     """Peak reserved against the batch size, one line per (group, seq len), y from zero; the budget (and the
     usable memory) as labelled lines; cells that do not fit as crosses of their line's colour, labelled, at their
     own reserved figure (above the line they failed), or on the top edge when measured without a figure.
     None when no cell has a figure."""
     plt = pyplot()
-    rows = result.data["rows"]
+    rows = result.data.rows
     budget, usable = _limits(result)
     limit = usable or budget
     figures = [reserved(r) or 0 for r in rows]
@@ -157,29 +158,23 @@ def cell_timeline_figure(row: dict[str, Any]):
     return fig
 
 
-def plot_sweep(result: Any, out_dir) -> list[Path]:
+def plot_sweep(result: Result, out_dir) -> list[Path]:
     """heatmap_<group>.png (batch x seq, per technique / rank / physical batch), memory_vs_batch.png,
     timelines/<cell>.png for cells with a timeline (at most 48). Returns the paths written."""
     plt = pyplot()
     out_dir = Path(out_dir)
     written: list[Path] = []
     for gname, fig in heatmap_figures(result).items():
-        written.append(_save(fig, plt, out_dir / f"heatmap_{_safe(gname)}.png"))
+        written.append(save_png(fig, plt, out_dir / f"heatmap_{_safe(gname)}.png", dpi=100))
     fig = memory_vs_batch_figure(result)
     if fig is not None:
-        written.append(_save(fig, plt, out_dir / "memory_vs_batch.png"))
-    tl = [r for r in result.data["rows"] if r.get("timeline")]
+        written.append(save_png(fig, plt, out_dir / "memory_vs_batch.png", dpi=100))
+    tl = [r for r in result.data.rows if r.get("timeline")]
     if tl:
         (out_dir / "timelines").mkdir(exist_ok=True)
     for r in tl[:48]:
-        written.append(_save(cell_timeline_figure(r), plt, out_dir / "timelines" / f"{_safe(r['key'])}.png", dpi=90))
+        written.append(save_png(cell_timeline_figure(r), plt, out_dir / "timelines" / f"{_safe(r['key'])}.png", dpi=90))
     return written
-
-
-def _save(fig, plt, path: Path, dpi: int = 100) -> Path:
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return path
 
 
 def _safe(s: str) -> str:

@@ -14,7 +14,8 @@ from explore_support import GiB, N, fake_estimator
 
 from memlens.cli.main import main
 from memlens.core.errors import MemlensError
-from memlens.explore.sweep import RESULTS, Grid, grid_cells, read_results, sweep, write_csv
+from memlens.explore.sweep import RESULTS, Grid, grid_cells, read_results, sweep
+from memlens.report.sweep_text import write_csv
 from memlens.report.sweep_plots import plot_sweep
 from memlens.core.spec import TrainingSpec
 

@@ -25,14 +25,14 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "doctor"
 
 
 def _capture(monkeypatch, module) -> list:
-    """Keep the figures a module saves (its _save closes them otherwise)."""
+    """Keep the figures a module saves (its save_png closes them otherwise)."""
     figs: list = []
 
     def keep(fig, plt_, path, *a, **k):
         figs.append(fig)
         return Path(path)
 
-    monkeypatch.setattr(module, "_save", keep)
+    monkeypatch.setattr(module, "save_png", keep)
     return figs
 
 

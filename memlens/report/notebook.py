@@ -1,5 +1,6 @@
 """A Result as HTML for Jupyter (``Result._repr_html_``): the verb's summary, its main tables and
-the timeline inline (a base64 PNG with matplotlib, else an inline SVG drawn here).
+the timeline inline (an SVG drawn here). Importing this module registers the view with
+:mod:`memlens.core.result` (``import memlens`` does it), so the Result itself stays data.
 
 >>> from memlens.core.result import Result
 >>> r = Result(verb="estimate", peak_allocated_bytes=3 * 1024**2, by_category={"parameters": 1024**2})
@@ -11,7 +12,10 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .units import bytes_unit, fmt_bytes
+from ..core import result as _result
+from ..core.result import Result
+from ..core.payloads import UNSET, DoctorLogPayload, EstimatePayload, FitPayload, Payload, ProfilePayload
+from ..core.units import bytes_unit, fmt_bytes
 
 _CSS = ("font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;font-size:13px;max-width:980px")
 _TABLE = "border-collapse:collapse;margin:4px 0 10px 0"
@@ -30,20 +34,14 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return f"<table style='{_TABLE}'><tr>{head}</tr>{body}</table>"
 
 
-def _fits(result: Any) -> str | None:
-    """The fit verdict, where the verb made one (a budget was given)."""
-    d = result.data
-    if d.get("fit_verdict"):           # estimate: the fit rule against the GPU it is for
-        return d["fit_verdict"]
-    for key in ("fits", "estimated_fits"):
-        v = d.get(key)
-        if isinstance(v, bool):
-            budget = d.get("budget_bytes")
-            return ("fits" if v else "does NOT fit") + (f" the budget {fmt_bytes(budget)}" if budget else "")
-    if d.get("max_batch_size") is not None:
-        return f"largest batch that fits: {d.get('max_batch_size')}" + (f" (budget {fmt_bytes(d.get('budget_bytes'))})" if d.get("budget_bytes") else "")
-    if d.get("verdict"):
-        return f"verdict: {d.get('verdict')}"
+def _fits(d: Payload) -> str | None:
+    """The fit verdict, where the verb made one: an estimate against its GPU, fit's largest batch, a log's trend."""
+    if isinstance(d, EstimatePayload) and d.fit_verdict:     # the fit rule against the GPU it is for
+        return d.fit_verdict
+    if isinstance(d, FitPayload) and d.max_batch_size is not UNSET and d.max_batch_size is not None:
+        return f"largest batch that fits: {d.max_batch_size}" + (f" (budget {fmt_bytes(d.budget_bytes)})" if d.budget_bytes else "")
+    if isinstance(d, DoctorLogPayload) and d.verdict:
+        return f"verdict: {d.verdict}"
     return None
 
 
@@ -70,13 +68,13 @@ def timeline_svg(timeline: list[dict[str, Any]], width: int = 900, height: int =
     return "".join(out)
 
 
-def _timeline_html(result: Any) -> str:
+def _timeline_html(result: Result) -> str:
     if not result.timeline:
         return ""
     return timeline_svg(result.timeline)   # inline SVG: no matplotlib, no image files, sharp at any zoom
 
 
-def result_html(result: Any, top_modules: int = 10) -> str:
+def result_html(result: Result, top_modules: int = 10) -> str:
     """The HTML a notebook shows for a Result."""
     spec = result.spec or {}
     title = f"memlens {result.verb}" + (f": {spec.get('model')}" if spec.get("model") else "")
@@ -86,9 +84,10 @@ def result_html(result: Any, top_modules: int = 10) -> str:
         summary.append(("peak allocated", fmt_bytes(result.peak_allocated_bytes)))
     if result.peak_reserved_bytes is not None:
         summary.append(("peak reserved", fmt_bytes(result.peak_reserved_bytes)))
-    if result.data.get("peak_phase"):
-        summary.append(("peak phase", f"{result.data.get('peak_phase')} (step {result.data.get('peak_step')})"))
-    fits = _fits(result)
+    d = result.data
+    if isinstance(d, (EstimatePayload, ProfilePayload)) and d.peak_phase:
+        summary.append(("peak phase", f"{d.peak_phase} (step {d.peak_step if d.peak_step is not UNSET else None})"))
+    fits = _fits(d)
     if fits:
         summary.append(("fit", fits))
     if summary:
@@ -113,7 +112,10 @@ def result_html(result: Any, top_modules: int = 10) -> str:
     tl = _timeline_html(result)
     if tl:
         parts.append("<h4 style='margin:6px 0 0'>Timeline</h4>" + tl)
-    if result.data.get("plots_skipped"):
-        parts.append(f"<div style='color:#666'>{_e(result.data['plots_skipped'])}</div>")
+    if d.plots_skipped:
+        parts.append(f"<div style='color:#666'>{_e(d.plots_skipped)}</div>")
     parts.append("</div>")
     return "".join(parts)
+
+
+_result.register_html_view(result_html)
