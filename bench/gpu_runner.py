@@ -225,10 +225,11 @@ def select(cases: Sequence[Case], filters: Sequence[str] | None) -> list[Case]:
 
 def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: str, filters: Sequence[str] | None = None,
               dry: bool = False, fresh: bool = False, timeout: float = DEFAULT_TIMEOUT, launcher: Sequence[str] | None = None,
-              env: dict | None = None, columns: Sequence | None = None, env_file: bool = True,
+              env: dict | None = None, columns: Sequence | None = None, env_file: str | bool = True,
               quiet: bool = False) -> list[dict]:
     """Run the (filtered) cases not already done in OUT/jsonl, one subprocess each; print a line per case as it ends and
-    a markdown table of every case's last record; return the records of this run."""
+    a markdown table of every case's last record; return the records of this run. ``env_file``: the versions and
+    device are written to OUT/<jsonl stem>_env.json (or this name; False: not at all) before a real run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / jsonl
@@ -239,7 +240,7 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
     done = done_names(path)
     logs = out / "logs" / Path(jsonl).stem
     if env_file and not dry and any(c.name not in done for c in todo):
-        write_env(out / f"{Path(jsonl).stem}_env.json")
+        write_env(out / (env_file if isinstance(env_file, str) else f"{Path(jsonl).stem}_env.json"))
     recs = []
     for case in todo:
         if case.name in done:
@@ -302,10 +303,17 @@ def _cell(f: Callable, r: dict) -> str:
 
 # ---- the command line every script shares -------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """Filters may come after flags (``OUT --dry-run q3b``): positionals are parsed intermixed."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102
+        return self.parse_intermixed_args(args, namespace)
+
+
 def runner_args(description: str, *, out_positional: bool = False, timeout: float = DEFAULT_TIMEOUT) -> argparse.ArgumentParser:
     """The flags every GPU script takes: filters (case-name substrings), --dry-run, --fresh, --timeout, --list and the
     output folder (OUT env or ./out; a first positional OUT_DIR where the script was documented that way)."""
-    ap = argparse.ArgumentParser(description=description)
+    ap = _Parser(description=description)
     if out_positional:
         ap.add_argument("out", help="output folder (the JSONL and the logs go there)")
     else:
@@ -329,11 +337,18 @@ def list_or_run(a: argparse.Namespace, cases: Iterable, **kw) -> list[dict]:
 
 def write_env(path: Path) -> None:
     """torch / transformers / device versions, from a subprocess (this process never creates a CUDA context)."""
-    code = ("import json, torch, transformers\n"
+    code = ("import importlib, json, os, torch, transformers\n"
             "d = {'torch': torch.__version__, 'transformers': transformers.__version__, 'gpus': torch.cuda.device_count()}\n"
+            "for lib in ('accelerate', 'peft', 'timm', 'torchvision', 'opacus', 'trl', 'diffusers', 'liger_kernel'):\n"
+            "    try:\n"
+            "        d[lib] = importlib.import_module(lib).__version__\n"
+            "    except Exception:\n"
+            "        d[lib] = None\n"
             "if torch.cuda.is_available():\n"
             "    p = torch.cuda.get_device_properties(0)\n"
-            "    d.update(device=p.name, total_memory=p.total_memory, cudnn=torch.backends.cudnn.version())\n"
+            "    d.update(device=p.name, total_memory=p.total_memory, cudnn=torch.backends.cudnn.version(),\n"
+            "             nccl='.'.join(map(str, torch.cuda.nccl.version())),\n"
+            "             nccl_env={k: v for k, v in os.environ.items() if k.startswith('NCCL_')})\n"
             "print(json.dumps(d))\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     if r.returncode == 0:
