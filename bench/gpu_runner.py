@@ -26,7 +26,8 @@ What it guarantees:
 - ``launcher``: a command prefix instead of ``python`` (e.g. torchrun's ``-m torch.distributed.run --standalone
   --nproc-per-node 2``): each rank runs the case function and writes its own record; the case's line then holds
   ``ranks`` (sorted by RANK), and an ``error`` if a rank failed or is missing;
-- ``--dry-run`` is handed to the case function (tiny sizes, estimates only) so the whole path runs on a CPU.
+- ``--dry-run`` is handed to the case function (tiny sizes, estimates only) so the whole path runs on a CPU; its
+  lines go to OUT/<jsonl stem>_dry.jsonl (a dry run never makes a real run skip a case).
 
 Record keys the runner writes: ``name``, ``seconds`` (wall time of the subprocess), ``returncode``, and on failure
 ``error`` (+ ``traceback`` / ``stderr_tail``). The case function's dict is merged in (its own ``name`` is ignored).
@@ -232,6 +233,8 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
     device are written to OUT/<jsonl stem>_env.json (or this name; False: not at all) before a real run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if dry:   # a dry run's lines never make a real run skip its cases
+        jsonl = f"{Path(jsonl).stem}_dry{Path(jsonl).suffix}"
     path = out / jsonl
     if fresh and path.exists():
         path.unlink()

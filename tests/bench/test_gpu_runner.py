@@ -63,7 +63,7 @@ def test_filters_dry_run_and_the_table_of_last_records(tmp_path, capsys):
         "|---|---:|---:|---:|---:|---:|\n"
         "| q3b-448 | 0.000 | - | 0.000 | +11.11% | - |\n"
         "| boom-x | ERROR RuntimeError: CUDA out of memory. Tried to allocate 3 GiB | | | | |\n")
-    assert read_jsonl(tmp_path / "t.jsonl")[0]["dry"] is True
+    assert read_jsonl(tmp_path / "t_dry.jsonl")[0]["dry"] is True and not (tmp_path / "t.jsonl").exists()
 
 
 def test_a_launcher_job_gathers_one_record_a_rank(tmp_path):
