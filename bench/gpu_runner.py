@@ -30,7 +30,7 @@ What it guarantees:
   lines go to OUT/<jsonl stem>_dry.jsonl (a dry run never makes a real run skip a case).
 
 Record keys the runner writes: ``name``, ``seconds`` (wall time of the subprocess), ``returncode``, and on failure
-``error`` (+ ``traceback`` / ``stderr_tail``). The case function's dict is merged in (its own ``name`` is ignored).
+``error`` (+ ``oom``: the exception was CUDA's out-of-memory; ``traceback`` / ``stderr_tail``). The case function's dict is merged in (its own ``name`` is ignored).
 """
 from __future__ import annotations
 
@@ -387,6 +387,7 @@ def child(req_path: str) -> None:
         rec.update(got or {})
     except BaseException as e:  # noqa: BLE001 - the case's failure is its record; the runner goes on
         rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        rec["oom"] = type(e).__name__ == "OutOfMemoryError" or "out of memory" in str(e).lower()
         rec["traceback"] = traceback.format_exc()[-3000:]
     result.write_text(json.dumps(rec, default=str))
     sys.stdout.flush()

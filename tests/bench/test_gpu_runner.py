@@ -26,7 +26,7 @@ def test_a_raising_case_is_its_own_line_and_the_next_case_still_runs(tmp_path):
     recs = _run(tmp_path, ["boom", "ok"])
     boom, ok = read_jsonl(tmp_path / "t.jsonl")
     assert boom["name"] == "boom" and boom["error"] == "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB"
-    assert "raise RuntimeError" in boom["traceback"] and boom["returncode"] == 3
+    assert "raise RuntimeError" in boom["traceback"] and boom["returncode"] == 3 and boom["oom"] is True
     assert ok == recs[1] and ok["max_allocated"] == 9 and ok["estimated_peak_allocated"] == 10 and "error" not in ok
     assert ok["dry"] is False and ok["returncode"] == 0
 
