@@ -82,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
     else:
         render(result)
+        mn = result.data.get("multinode")
+        if mn:
+            nodes = ", ".join(f"node {n['node']} ({n['hostname']}): ranks {', '.join(map(str, n['ranks']))}"
+                              for n in result.data.get("nodes") or [])
+            _console().print(f"  {mn['nnodes']} nodes x {mn['nproc_per_node']} ranks ({mn['rendezvous']} rendezvous at "
+                             f"{mn['rdzv_endpoint']}): {mn['note']}" + (f"; {nodes}" if nodes else ""))
         if d is not None:
             files = sorted(p.name for p in d.iterdir() if p.is_file())
             _console().print(f"[dim]written to {d}/ ({', '.join(files)})[/dim]")
