@@ -227,9 +227,10 @@ def select(cases: Sequence[Case], filters: Sequence[str] | None) -> list[Case]:
 def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: str, filters: Sequence[str] | None = None,
               dry: bool = False, fresh: bool = False, timeout: float = DEFAULT_TIMEOUT, launcher: Sequence[str] | None = None,
               env: dict | None = None, columns: Sequence | None = None, env_file: str | bool = True,
-              quiet: bool = False) -> list[dict]:
+              meta: Callable[[Case], dict] | None = None, quiet: bool = False) -> list[dict]:
     """Run the (filtered) cases not already done in OUT/jsonl, one subprocess each; print a line per case as it ends and
-    a markdown table of every case's last record; return the records of this run. ``env_file``: the versions and
+    a markdown table of every case's last record; return the records of this run. ``meta(case)``: fields the parent
+    adds to the case's record (e.g. its spec beside a launcher job's ranks). ``env_file``: the versions and
     device are written to OUT/<jsonl stem>_env.json (or this name; False: not at all) before a real run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -251,6 +252,8 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
                 print(f"{case.name:45s} done (in {path.name}), skipped", flush=True)
             continue
         rec = run_one(case, fn, out=out, logs=logs, dry=dry, timeout=timeout, launcher=launcher, env=env)
+        if meta is not None:
+            rec = {"name": rec["name"], **meta(case), **{k: v for k, v in rec.items() if k != "name"}}
         with open(path, "a") as f:
             f.write(json.dumps(rec, default=str) + "\n")
         recs.append(rec)

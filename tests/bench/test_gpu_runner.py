@@ -68,7 +68,8 @@ def test_filters_dry_run_and_the_table_of_last_records(tmp_path, capsys):
 
 def test_a_launcher_job_gathers_one_record_a_rank(tmp_path):
     launcher = [sys.executable, str(Path(__file__).resolve().parent / "fake_launcher.py"), "2"]
-    (rec,) = _run(tmp_path, ["job"], fn=CASES + ":rank_record", launcher=launcher)
+    (rec,) = _run(tmp_path, ["job"], fn=CASES + ":rank_record", launcher=launcher, meta=lambda c: {"spec": c.payload["n"]})
+    assert rec["spec"] == 2 and list(rec)[:3] == ["name", "spec", "ranks"]
     assert rec["ranks"] == [{"rank": 0, "world": 2, "n": 2}, {"rank": 1, "world": 2, "n": 2}] and "error" not in rec
 
 
