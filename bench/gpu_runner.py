@@ -43,8 +43,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -227,10 +229,11 @@ def select(cases: Sequence[Case], filters: Sequence[str] | None) -> list[Case]:
 def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: str, filters: Sequence[str] | None = None,
               dry: bool = False, fresh: bool = False, timeout: float = DEFAULT_TIMEOUT, launcher: Sequence[str] | None = None,
               env: dict | None = None, columns: Sequence | None = None, env_file: str | bool = True,
-              meta: Callable[[Case], dict] | None = None, quiet: bool = False) -> list[dict]:
+              meta: Callable[[Case], dict] | None = None, jobs: int = 1, quiet: bool = False) -> list[dict]:
     """Run the (filtered) cases not already done in OUT/jsonl, one subprocess each; print a line per case as it ends and
     a markdown table of every case's last record; return the records of this run. ``meta(case)``: fields the parent
-    adds to the case's record (e.g. its spec beside a launcher job's ranks). ``env_file``: the versions and
+    adds to the case's record (e.g. its spec beside a launcher job's ranks). ``jobs``: cases at once (each its own
+    process; allocator statistics are per process, so cases may share one GPU). ``env_file``: the versions and
     device are written to OUT/<jsonl stem>_env.json (or this name; False: not at all) before a real run."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -245,21 +248,31 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
     logs = out / "logs" / Path(jsonl).stem
     if env_file and not dry and any(c.name not in done for c in todo):
         write_env(out / (env_file if isinstance(env_file, str) else f"{Path(jsonl).stem}_env.json"))
+    lock = threading.Lock()
     recs = []
-    for case in todo:
-        if case.name in done:
-            if not quiet:
-                print(f"{case.name:45s} done (in {path.name}), skipped", flush=True)
-            continue
+
+    def one(case: Case) -> None:
         rec = run_one(case, fn, out=out, logs=logs, dry=dry, timeout=timeout, launcher=launcher, env=env)
         if meta is not None:
             rec = {"name": rec["name"], **meta(case), **{k: v for k, v in rec.items() if k != "name"}}
-        with open(path, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
-        recs.append(rec)
-        if not quiet:
-            print(f"{case.name:45s} {rec['seconds']:6.1f}s {'ERROR ' + rec['error'][:100] if 'error' in rec else 'ok'}",
-                  flush=True)
+        with lock:
+            with open(path, "a") as f:
+                f.write(json.dumps(rec, default=str) + "\n")
+            recs.append(rec)
+            if not quiet:
+                print(f"{case.name:45s} {rec['seconds']:6.1f}s {'ERROR ' + rec['error'][:100] if 'error' in rec else 'ok'}",
+                      flush=True)
+
+    for case in todo:
+        if case.name in done and not quiet:
+            print(f"{case.name:45s} done (in {path.name}), skipped", flush=True)
+    pending = [c for c in todo if c.name not in done]
+    if jobs > 1:
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(one, pending))
+    else:
+        for case in pending:
+            one(case)
     if not quiet:
         names = {c.name for c in todo}
         print("\n" + table([r for n, r in last_records(read_jsonl(path)).items() if n in names], columns), flush=True)

@@ -41,3 +41,10 @@ def by_name(name: str, payload, dry: bool) -> dict:
 def rank_record(name: str, payload, dry: bool) -> dict:
     """A launcher job's rank: the runner sets nothing; the job's own RANK tells which record this is."""
     return {"world": int(os.environ.get("WORLD_SIZE", "1")), "n": payload["n"]}
+
+
+def span(name: str, payload, dry: bool) -> dict:
+    """Sleeps a little and returns when it ran (cases at once overlap)."""
+    t0 = time.time()
+    time.sleep(payload["sleep"])
+    return {"start": t0, "end": time.time()}

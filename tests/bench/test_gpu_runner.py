@@ -80,3 +80,11 @@ def test_the_shared_flags_keep_a_positional_out_dir_where_scripts_had_one():
     assert b.filters == ["q3b"] and b.timeout == 9.0
     assert table([{"name": "n", "max_allocated": 2**30}], [("real", lambda r: r["max_allocated"] >> 30)]) == \
         "| case | real |\n|---|---:|\n| n | 1 |"
+
+
+def test_jobs_run_cases_side_by_side_each_in_its_own_process(tmp_path):
+    cases = [Case(n, {"sleep": 0.5}) for n in ("a", "b")]
+    recs = run_cases(cases, CASES + ":span", out=tmp_path, jsonl="t.jsonl", jobs=2, quiet=True, env_file=False)
+    a, b = sorted(recs, key=lambda r: r["name"])
+    assert a["start"] < b["end"] and b["start"] < a["end"]          # the two processes overlapped
+    assert sorted(r["name"] for r in read_jsonl(tmp_path / "t.jsonl")) == ["a", "b"]
