@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_runner import list_or_run, off, runner_args  # noqa: E402
+from bench.gpu_runner import estimate_spec, list_or_run, off, runner_args  # noqa: E402
 
 JSONL = "gpu_moe_probe.jsonl"
 CONFIG = {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "hidden_size": 1024, "intermediate_size": 512,
@@ -78,9 +78,7 @@ def case(name: str, fields: dict, dry: bool) -> dict:
         rec["expert_dtype"] = str(next(p.dtype for n, p in step.model.named_parameters() if "experts" in n))
         step.run(lambda ph: None)
         rec.update(kernels(step))
-    from bench.gpu_vlm import estimate_fields
-
-    est = estimate_fields(fields)
+    est = estimate_spec(fields)
     rec.update({k: est[k] for k in ("estimated_peak_allocated", "estimated_peak_reserved", "estimate_seconds")})
     return rec
 

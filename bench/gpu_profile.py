@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_runner import gib, list_or_run, runner_args  # noqa: E402
+from bench.gpu_runner import estimate_spec, gib, list_or_run, runner_args  # noqa: E402
 
 STEPS = 4
 WARMUP = 2
@@ -189,9 +189,7 @@ def make_fixture(out: str) -> None:
 def case(name: str, payload: dict, dry: bool) -> dict:
     """One case in its own subprocess (bench/gpu_runner.py); --dry-run: the estimate only (CPU)."""
     if dry:
-        from bench.gpu_vlm import estimate_fields
-
-        return estimate_fields(payload["fields"])
+        return estimate_spec(payload["fields"])
     return run_case(name, payload["fields"], payload["estimate"])
 
 

@@ -17,7 +17,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.gpu_runner import gib, list_or_run, runner_args  # noqa: E402
+from bench.gpu_runner import estimate_spec, gib, list_or_run, runner_args  # noqa: E402
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASES = {
@@ -79,9 +79,7 @@ def run_case(fields: dict) -> dict:
 def case(name: str, fields: dict, dry: bool) -> dict:
     """One case in its own subprocess (bench/gpu_runner.py); --dry-run: the estimate only (CPU)."""
     if dry:
-        from bench.gpu_vlm import estimate_fields
-
-        return estimate_fields(fields)
+        return estimate_spec(fields)
     return run_case(fields)
 
 

@@ -374,6 +374,18 @@ def write_env(path: Path) -> None:
         path.write_text(r.stdout.strip().splitlines()[-1] + "\n")
 
 
+def estimate_spec(fields: dict) -> dict:
+    """memlens' estimate of a spec on this machine's CPU (fake tensors): what a case's dry run (or its comparison)
+    records beside the real peak."""
+    from memlens.core.spec import TrainingSpec  # heavy: memlens and torch, in the case's process only
+    from memlens.estimator import estimate  # heavy: as above
+
+    t = time.perf_counter()
+    r = estimate(TrainingSpec(**fields))
+    return {"estimated_peak_allocated": r.peak_allocated_bytes, "estimated_peak_reserved": r.peak_reserved_bytes,
+            "estimate_seconds": round(time.perf_counter() - t, 1), "estimate_notes": list(r.notes)}
+
+
 # ---- the child ----------------------------------------------------------------------------------------------------
 
 def load_fn(ref: str) -> Callable:

@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_runner import list_or_run, runner_args  # noqa: E402
+from bench.gpu_runner import estimate_spec, list_or_run, runner_args  # noqa: E402
 
 STEPS = 3
 
@@ -84,9 +84,7 @@ def run_case(name: str, fields: dict) -> dict:
 def case(name: str, fields: dict, dry: bool) -> dict:
     """One case in its own subprocess (bench/gpu_runner.py): the real steps; --dry-run: the estimate only (CPU)."""
     if dry:
-        from bench.gpu_vlm import estimate_fields
-
-        return estimate_fields(fields)
+        return estimate_spec(fields)
     return run_case(name, fields)
 
 

@@ -21,11 +21,10 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_runner import gib, list_or_run, off, runner_args  # noqa: E402
+from bench.gpu_runner import estimate_spec, gib, list_or_run, off, runner_args  # noqa: E402
 
 JSONL = "gpu_vlm.jsonl"
 STEPS = 3
@@ -53,13 +52,9 @@ def dry_fields(fields: dict) -> dict:
 
 
 def estimate_fields(fields: dict) -> dict:
-    from memlens.core.spec import TrainingSpec
-    from memlens.estimator import estimate
-
-    t = time.perf_counter()
-    r = estimate(TrainingSpec(**fields))
-    return {"estimated_peak_allocated": r.peak_allocated_bytes, "estimated_peak_reserved": r.peak_reserved_bytes,
-            "estimate_seconds": round(time.perf_counter() - t, 1), "notes": [n for n in r.notes if "image" in n]}
+    r = estimate_spec(fields)
+    r["notes"] = [n for n in r.pop("estimate_notes") if "image" in n]
+    return r
 
 
 def measure(name: str, fields: dict) -> dict:
