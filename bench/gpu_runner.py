@@ -194,20 +194,45 @@ def run_one(case: Case, fn: Callable | str, *, out: Path, logs: Path, dry: bool,
     t0 = time.time()
     timed_out = None
     with open(log, "w") as lf:
+        # its own session, so that a timeout kills the whole case (a launcher's ranks too); _RUNNING lets a runner
+        # that is stopped (SIGTERM from `timeout`, Ctrl-C) stop its cases, which its signals no longer reach
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT, cwd=ROOT, env=_child_env(case, env),
                                 start_new_session=True)
+        _RUNNING.add(proc)
         try:
             rc = proc.wait(timeout=case.timeout or timeout)
         except subprocess.TimeoutExpired:
             timed_out = case.timeout or timeout
             _kill_group(proc)
             rc = proc.wait()
+        except BaseException:
+            _kill_group(proc)
+            proc.wait(timeout=10)     # reaped here: no zombie left for an init that may not reap
+            raise
+        finally:
+            _RUNNING.discard(proc)
     rec = _gather(work, rc, timed_out, log, bool(launcher))
     for f in work.iterdir():
         f.unlink()
     work.rmdir()
     return {"name": case.name, **{k: v for k, v in rec.items() if k != "name"}, "returncode": rc,
             "seconds": round(time.time() - t0, 1)}
+
+
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def _stop_all(signum, frame) -> None:
+    """SIGTERM / SIGHUP of the runner: kill every running case's process group, then leave as the signal would."""
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+    raise SystemExit(128 + signum)
+
+
+def _on_stop() -> None:
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _stop_all)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -250,6 +275,7 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
         write_env(out / (env_file if isinstance(env_file, str) else f"{Path(jsonl).stem}_env.json"))
     lock = threading.Lock()
     recs = []
+    _on_stop()
 
     def one(case: Case) -> None:
         rec = run_one(case, fn, out=out, logs=logs, dry=dry, timeout=timeout, launcher=launcher, env=env)

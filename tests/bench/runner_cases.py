@@ -29,6 +29,7 @@ def killed(name: str, payload, dry: bool) -> dict:
 
 
 def hangs(name: str, payload, dry: bool) -> dict:
+    (Path(payload["out"]) / "pid").write_text(str(os.getpid()))
     _ran(name, payload)
     time.sleep(60)
     return {}

@@ -88,3 +88,29 @@ def test_jobs_run_cases_side_by_side_each_in_its_own_process(tmp_path):
     a, b = sorted(recs, key=lambda r: r["name"])
     assert a["start"] < b["end"] and b["start"] < a["end"]          # the two processes overlapped
     assert sorted(r["name"] for r in read_jsonl(tmp_path / "t.jsonl")) == ["a", "b"]
+
+
+def test_a_runner_stopped_by_sigterm_stops_its_running_case(tmp_path):
+    """`timeout 400 python bench/gpu_x.py` sends SIGTERM to the runner; its case runs in a session of its own (so a
+    timeout can kill a launcher's ranks), which that signal does not reach: the runner kills it before leaving."""
+    import signal
+    import subprocess
+    import time
+
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})\n"
+            "from bench.gpu_runner import Case, run_cases\n"
+            f"run_cases([Case('hangs', {{'n': 1, 'out': {str(tmp_path)!r}}})], {FN!r}, out={str(tmp_path)!r}, "
+            "jsonl='t.jsonl', quiet=True, env_file=False)\n")
+    runner = subprocess.Popen([sys.executable, "-c", code])
+    for _ in range(100):          # the case has started when it wrote ran.txt
+        if _ran(tmp_path):
+            break
+        time.sleep(0.05)
+    child = int((tmp_path / "pid").read_text())
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=10) == 128 + signal.SIGTERM
+    for _ in range(40):            # killed (SIGKILL to its group), and reaped by the runner before it left
+        if not Path(f"/proc/{child}").exists():
+            break
+        time.sleep(0.05)
+    assert _ran(tmp_path) == ["hangs"] and not Path(f"/proc/{child}").exists()
