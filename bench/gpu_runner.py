@@ -223,16 +223,23 @@ _RUNNING: set[subprocess.Popen] = set()
 
 
 def _stop_all(signum, frame) -> None:
-    """SIGTERM / SIGHUP of the runner: kill every running case's process group, then leave as the signal would."""
+    """SIGTERM / SIGHUP / SIGINT of the runner: kill every running case's process group (cases side by side too), then
+    leave as the signal would."""
     for proc in list(_RUNNING):
         _kill_group(proc)
     raise SystemExit(128 + signum)
 
 
-def _on_stop() -> None:
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _stop_all)
+def _on_stop() -> dict:
+    """Install _stop_all (main thread only); the handlers it replaced, for _restore."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, _stop_all) for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)}
+
+
+def _restore(old: dict) -> None:
+    for sig, handler in old.items():
+        signal.signal(sig, handler)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -275,7 +282,6 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
         write_env(out / (env_file if isinstance(env_file, str) else f"{Path(jsonl).stem}_env.json"))
     lock = threading.Lock()
     recs = []
-    _on_stop()
 
     def one(case: Case) -> None:
         rec = run_one(case, fn, out=out, logs=logs, dry=dry, timeout=timeout, launcher=launcher, env=env)
@@ -293,12 +299,16 @@ def run_cases(cases: Iterable, fn: Callable | str, *, out: str | Path, jsonl: st
         if case.name in done and not quiet:
             print(f"{case.name:45s} done (in {path.name}), skipped", flush=True)
     pending = [c for c in todo if c.name not in done]
-    if jobs > 1:
-        with ThreadPoolExecutor(jobs) as pool:
-            list(pool.map(one, pending))
-    else:
-        for case in pending:
-            one(case)
+    old = _on_stop()
+    try:
+        if jobs > 1:
+            with ThreadPoolExecutor(jobs) as pool:
+                list(pool.map(one, pending))
+        else:
+            for case in pending:
+                one(case)
+    finally:
+        _restore(old)
     if not quiet:
         names = {c.name for c in todo}
         print("\n" + table([r for n, r in last_records(read_jsonl(path)).items() if n in names], columns), flush=True)
