@@ -11,7 +11,8 @@ Two rendezvous, as torchrun has them (torch/distributed/run.py):
 - with ``--node-rank K``: static (``--rdzv-backend static``), node 0 hosts the store on HOST:PORT and node K's ranks
   are K*P .. K*P+P-1 (the classic ``--nnodes N --node-rank K --master-addr`` launch).
 
-Inside ``srun`` (one memlens task per node), what the flags leave out comes from Slurm's environment: the number of
+Inside ``srun`` over several nodes (one memlens task per node), the job is one of several nodes without a flag, and
+what the flags leave out comes from Slurm's environment: the number of
 nodes from SLURM_NNODES, this node from SLURM_NODEID, the endpoint from MASTER_ADDR / MASTER_PORT (the convention of
 Slurm launch scripts: ``export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1)``), the
 rendezvous id from SLURM_JOB_ID, the ranks per node from SLURM_GPUS_ON_NODE.
@@ -75,9 +76,12 @@ def nodes_from(*, nnodes: int | None, nproc_per_node: int | None, rdzv_endpoint:
                node_rank: int | None = None, world_size: int | None = None, env: Mapping[str, str] | None = None,
                asked: bool | None = None) -> Nodes | None:
     """The job's nodes from the flags, Slurm's environment filling what they leave out; None for a one-node job.
-    ``asked``: a multi-node flag was given (the Slurm environment alone never makes a job multi-node)."""
+    ``asked``: a multi-node flag was given, or this is a step of ``srun`` over several nodes (SLURM_STEP_ID with
+    SLURM_NNODES > 1; an sbatch script's own shell is no step, and stays one node)."""
     env = os.environ if env is None else env
-    asked = asked if asked is not None else any(v is not None for v in (nnodes, nproc_per_node, rdzv_endpoint, node_rank))
+    if asked is None:
+        flags = any(v is not None for v in (nnodes, nproc_per_node, rdzv_endpoint, node_rank))
+        asked = flags or ("SLURM_STEP_ID" in env and (_int(env, "SLURM_NNODES") or 1) > 1)
     if not asked:
         return None
     in_slurm = "SLURM_JOB_ID" in env and _int(env, "SLURM_NNODES") is not None

@@ -31,14 +31,17 @@ def test_flags_make_a_c10d_job_and_node_rank_a_static_one():
     assert s.rendezvous == "static" and torchrun_command(8, "R.json", s)[-5:-3] == ["--rdzv-id=memlens-profile", "--node-rank=1"]
     assert "--rdzv-backend=static" in torchrun_command(8, "R.json", s)
     assert torchrun_command(2, "R.json")[3:5] == ["--standalone", "--nproc-per-node=2"]     # one node: as before
-    assert nodes_from(nnodes=None, nproc_per_node=None, env=SLURM) is None                 # Slurm alone: one node
+    assert nodes_from(nnodes=None, nproc_per_node=None, env=SLURM) is None          # an sbatch shell (no step): one node
     assert nodes_from(nnodes=2, nproc_per_node=None, rdzv_endpoint="h:1", world_size=6, env={}).nproc_per_node == 3
 
 
 def test_inside_srun_slurm_fills_what_the_flags_leave_out():
     n = nodes_from(nnodes=None, nproc_per_node=4, env=SLURM)
     assert (n.nnodes, n.node_rank, n.rdzv_endpoint, n.rdzv_id, n.source) == (2, 1, "gpu-a01:29600", "4242", "slurm")
-    assert nodes_from(nnodes=None, nproc_per_node=None, env=SLURM, asked=True).nproc_per_node == 4   # SLURM_GPUS_ON_NODE
+    step = {**SLURM, "SLURM_STEP_ID": "0"}                                            # a step of srun: no flag needed
+    assert nodes_from(nnodes=None, nproc_per_node=None, env=step) == Nodes(
+        nnodes=2, nproc_per_node=4, rdzv_endpoint="gpu-a01:29600", node_rank=1, rdzv_id="4242", source="slurm")
+    assert nodes_from(nnodes=None, nproc_per_node=None, env={**step, "SLURM_NNODES": "1", "SLURM_NTASKS": "1"}) is None
     n = nodes_from(nnodes=2, nproc_per_node=4, rdzv_endpoint="x:1", node_rank=0, env=SLURM)
     assert (n.node_rank, n.rdzv_endpoint, n.source) == (0, "x:1", "flags")
     assert nodes_from(nnodes=None, nproc_per_node=4, env={**SLURM, "MASTER_PORT": ""}).rdzv_endpoint == "gpu-a01:29500"
