@@ -27,10 +27,16 @@ What it guarantees:
   --nproc-per-node 2``): each rank runs the case function and writes its own record; the case's line then holds
   ``ranks`` (sorted by RANK), and an ``error`` if a rank failed or is missing;
 - ``--dry-run`` is handed to the case function (tiny sizes, estimates only) so the whole path runs on a CPU; its
-  lines go to OUT/<jsonl stem>_dry.jsonl (a dry run never makes a real run skip a case).
+  lines go to OUT/<jsonl stem>_dry.jsonl (a dry run never makes a real run skip a case);
+- ``jobs=N``: N cases at once, each its own process (allocator statistics are per process, so small cases may share
+  one GPU); ``meta(case)``: fields the runner adds to the case's line (e.g. its spec beside a launcher's ranks);
+- a runner stopped by SIGTERM (``timeout``), SIGHUP or Ctrl-C kills the cases it is running before it leaves;
+- before a real run the versions and the device go to OUT/<jsonl stem>_env.json (from a subprocess: the runner
+  never creates a CUDA context); a markdown table of every case's last line is printed at the end (``columns``).
 
 Record keys the runner writes: ``name``, ``seconds`` (wall time of the subprocess), ``returncode``, and on failure
-``error`` (+ ``oom``: the exception was CUDA's out-of-memory; ``traceback`` / ``stderr_tail``). The case function's dict is merged in (its own ``name`` is ignored).
+``error`` (+ ``oom``: the exception was CUDA's out-of-memory; ``traceback`` / ``stderr_tail``). The case function's
+dict is merged in (its own ``name`` is ignored).
 """
 from __future__ import annotations
 
