@@ -8,11 +8,11 @@ Run on the GPU machine from the repo root (diffusers carried as a wheel), about 
 
 Each case runs memlens' reference step (memlens.step.prepare on the device: the diffusers model with
 random weights, the batch diffusers' training scripts feed it, MSE against the noise, AdamW, diffusers'
-EMAModel for --ema) in its own subprocess, so an OOM loses one case: one warm-up optimizer step, then
+EMAModel for --ema) in its own subprocess (bench/gpu_runner.py), so an OOM loses one case: one warm-up optimizer step, then
 the peak over STEPS more (torch.cuda.max_memory_allocated / memory_stats reserved peak, reset after the
 warm-up). Meanwhile worker processes estimate every case on the CPU (fake tensors, never CUDA). Each
 measurement is appended to $OUT/measured_gpu_diffusion.jsonl as its case ends (its output in
-$OUT/<case>.log); the rows joined with their estimates go to $OUT/gpu_diffusion.jsonl, and a markdown
+$OUT/logs/measured_gpu_diffusion/<case>.log; a case measured there already is skipped, --fresh starts over); the rows joined with their estimates go to $OUT/gpu_diffusion.jsonl, and a markdown
 table is printed last.
 """
 from __future__ import annotations
@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import as_cases, last_records, read_jsonl, run_cases, runner_args, select  # noqa: E402
 
 STEPS = 2            # measured steps after the warm-up step
 JSONL = "gpu_diffusion.jsonl"
@@ -107,25 +108,10 @@ def estimate_case(fields: dict) -> dict:
             "estimated_optimizer_state": r.by_category.get("optimizer_state")}
 
 
-def child(out: str, name: str, dry: bool) -> None:
-    fields = dict(CASES)[name]
+def case(name: str, fields: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py): the reference step on the GPU (the CPU with --dry-run)."""
     fields = tiny(fields) if dry else fields
-    try:
-        rec = {"name": name, "spec": fields, **measure(fields, "cpu" if dry else "cuda")}
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        oom = "out of memory" in str(e).lower()
-        rec = {"name": name, "spec": fields, "error": ("OOM: " if oom else "") + f"{type(e).__name__}: {str(e)[:400]}",
-               "traceback": traceback.format_exc()[-2000:]}
-    with open(os.path.join(out, "measured_" + JSONL), "a") as f:
-        f.write(json.dumps(rec) + "\n")
-
-
-def _measured(out: str, name: str) -> dict:
-    path = os.path.join(out, "measured_" + JSONL)
-    rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    return next((r for r in reversed(rows) if r["name"] == name), {"name": name, "error": "no record (crashed or timed out)"})
+    return {"spec": fields, **measure(fields, "cpu" if dry else "cuda")}
 
 
 def _gib(b) -> str:
@@ -144,42 +130,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    if args[:1] == ["--child"]:
-        child(out, args[1], "--dry-run" in args)
+def main(argv: list[str] | None = None) -> None:
+    a = runner_args(__doc__.splitlines()[0], timeout=TIMEOUT).parse_args(argv)
+    todo = select(as_cases(CASES), a.filters)
+    if a.list:
+        print("\n".join(c.name for c in todo))
         return
-    dry = "--dry-run" in args
-    wanted = [a for a in args if not a.startswith("--")]
-    cases = [(n, f) for n, f in CASES if not wanted or any(w in n for w in wanted)]
+    os.makedirs(a.out, exist_ok=True)
     # the estimates on the CPU (fake tensors; a spawned process each, never CUDA) while the cases run one by one on the GPU
-    pool = ProcessPoolExecutor(max_workers=max(1, min(len(cases), (os.cpu_count() or 2) // 2)), mp_context=mp.get_context("spawn"))
-    estimates = {name: pool.submit(estimate_case, tiny(fields) if dry else fields) for name, fields in cases}
-    measured = []
-    for name, fields in cases:
-        t = time.time()
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--dry-run"] if dry else [])
-        log = os.path.join(out, f"{name}.log")
-        with open(log, "w") as f:   # the child's output to a file (warnings, an OOM's traceback)
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True)
-            try:
-                proc.wait(timeout=TIMEOUT)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        rec = {**_measured(out, name), "rc": proc.returncode, "seconds": round(time.time() - t, 1)}
-        if proc.returncode and "error" not in rec:
-            lines = open(log).read().strip().splitlines()
-            rec["error"] = lines[-1][:300] if lines else f"exit {proc.returncode}"
-        measured.append(rec)
-        print(f"{name:40s} rc={proc.returncode} {rec['seconds']:6.1f}s measured={_gib(rec.get('max_allocated'))} "
-              f"{rec.get('error') or ''}", flush=True)
+    pool = ProcessPoolExecutor(max_workers=max(1, min(len(todo), (os.cpu_count() or 2) // 2)), mp_context=mp.get_context("spawn"))
+    estimates = {c.name: pool.submit(estimate_case, tiny(c.payload) if a.dry_run else c.payload) for c in todo}
+    run_cases(todo, case, out=a.out, jsonl="measured_" + JSONL, dry=a.dry_run, fresh=a.fresh, timeout=a.timeout, quiet=True)
+    measured = last_records(read_jsonl(os.path.join(a.out, f"measured_{JSONL[:-6]}{'_dry' if a.dry_run else ''}.jsonl")))
     rows = []
-    for rec in measured:
-        rec.update(estimates[rec["name"]].result())
-        with open(os.path.join(out, JSONL), "a") as f:
+    for c in todo:
+        rec = {**measured.get(c.name, {"name": c.name, "error": "no record"}), **estimates[c.name].result()}
+        if rec.get("oom"):
+            rec["error"] = "OOM: " + rec["error"]
+        print(f"{c.name:40s} {rec.get('seconds', 0):6.1f}s measured={_gib(rec.get('max_allocated'))} {rec.get('error') or ''}",
+              flush=True)
+        with open(os.path.join(a.out, JSONL), "a") as f:
             f.write(json.dumps(rec) + "\n")
         rows.append(rec)
     pool.shutdown()

@@ -1,6 +1,7 @@
 """Capture the real-GPU fixtures of `memlens doctor` and `memlens watch` (run once on a CUDA machine).
 
-    python bench/gpu_doctor.py OUT_DIR        # about a minute; then copy OUT_DIR/* to tests/fixtures/doctor/
+    python bench/gpu_doctor.py OUT_DIR        # about a minute; then copy the fixture files of OUT_DIR to tests/fixtures/doctor/
+                                              # (not logs/ nor gpu_doctor_parts.jsonl, the runner's record of the parts)
 
 Writes, each part in its own process so that one failing leaves the others (see bench_summary.json):
   gpu_oom_plain.txt / .json           OOM of a job bigger than the GPU           (diagnosis: capacity)
@@ -23,13 +24,16 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 MIB = 1024**2
 GIB = 1024**3
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench.gpu_runner import last_records, list_or_run, read_jsonl, runner_args  # noqa: E402
 
 
 def _truth(out: Path, name: str, msg: str, requested: int, **extra) -> None:
@@ -213,6 +217,15 @@ PARTS = {
 }
 
 
+def run_part(name: str, out: str, dry: bool) -> dict:
+    """One part in its own subprocess (bench/gpu_runner.py): the fixture files it wrote."""
+    if dry:
+        return {"dry_run": "GPU only"}
+    before = {p.name: p.stat().st_mtime for p in Path(out).iterdir() if p.is_file()}
+    PARTS[name](Path(out))
+    return {"files": sorted(p.name for p in Path(out).iterdir() if p.is_file() and before.get(p.name) != p.stat().st_mtime)}
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--part":
         if argv[1] == "hold":
@@ -220,25 +233,17 @@ def main(argv: list[str]) -> int:
             return 0
         PARTS[argv[1]](Path(argv[2]))
         return 0
-    if len(argv) != 1:
-        print(__doc__)
-        return 2
-    out = Path(argv[0])
+    a = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=90).parse_args(argv)
+    out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    summary = {}
     t0 = time.time()
-    for name in PARTS:
-        t = time.time()
-        try:
-            r = subprocess.run([sys.executable, str(HERE), "--part", name, str(out)],
-                               capture_output=True, text=True, timeout=90)
-            summary[name] = {"ok": r.returncode == 0, "seconds": round(time.time() - t, 1),
-                             "error": r.stderr.strip()[-1500:] if r.returncode else ""}
-        except Exception:
-            summary[name] = {"ok": False, "seconds": round(time.time() - t, 1), "error": traceback.format_exc()[-1500:]}
+    list_or_run(a, [(name, str(out)) for name in PARTS], fn=run_part, jsonl="gpu_doctor_parts.jsonl", env_file=False,
+                columns=[("files", lambda r: ", ".join(r.get("files", [])))])
+    if a.dry_run or a.list:
+        return 0
+    summary = {r["name"]: {"ok": "error" not in r, "seconds": r.get("seconds"), "error": r.get("error", "")}
+               for r in last_records(read_jsonl(out / "gpu_doctor_parts.jsonl")).values()}
     (out / "bench_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    for name, s in summary.items():
-        print(f"{name:15s} {'ok' if s['ok'] else 'FAILED':6s} {s['seconds']:5.1f}s  {s['error'].splitlines()[-1] if s['error'] else ''}")
     files = sorted(p.name for p in out.iterdir() if p.is_file())
     print(f"{len(files)} files in {out} ({time.time() - t0:.0f}s): {', '.join(files)}")
     return 0

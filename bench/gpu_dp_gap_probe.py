@@ -1,8 +1,9 @@
 """Why real Opacus DP-SGD steps on tied-embedding LoRA models peak above memlens' estimate.
 
 Self-contained (torch, transformers, peft, opacus only; does NOT import memlens, whose package is
-being refactored while this runs). Each case runs in a fresh subprocess (own caching allocator);
-several cases run side by side on one GPU (allocator statistics are per process).
+being refactored while this runs). Each case runs in a fresh subprocess (bench/gpu_runner.py: own caching
+allocator; cases already in OUT_DIR/gpu_dp_gap_probe_partial.jsonl are skipped, --fresh starts over); several
+cases run side by side on one GPU (GAP_WORKERS or --jobs, default 4; allocator statistics are per process).
 
 Per case: the model is built from bench/gpu_dp_gap_<model>.json with random weights directly on
 the device in bf16 (tied or untied lm_head), peft LoRA r16, Opacus 1.6 make_private (hooks or
@@ -30,12 +31,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+if os.path.dirname(HERE) not in sys.path:
+    sys.path.insert(0, os.path.dirname(HERE))
+from bench.gpu_runner import Case, last_records, read_jsonl, run_cases, runner_args  # noqa: E402  (no memlens import)
 GiB = 2 ** 30
 QV = ["q_proj", "v_proj"]
 QKVO = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -427,17 +429,12 @@ def _by_phase(items):
 
 
 # ------------------------------------------------------------------------------------------- driver
-def child(case_name, out_json, cpu_test=False):
-    case = next(c for c in CASES if c["name"] == case_name)
+def case(name, c, dry):
+    """One case in its own subprocess (bench/gpu_runner.py); dry (--cpu-test): tiny configs on the CPU."""
     t0 = time.time()
-    try:
-        rec = run_case(case, cpu_test=cpu_test)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-        rec = {"case": case, "error": repr(e)[:500], "tb": traceback.format_exc()[-3000:]}
+    rec = run_case(c, cpu_test=dry)
     rec["wall_s"] = round(time.time() - t0, 1)
-    with open(out_json, "w") as f:
-        json.dump(rec, f)
+    return rec
 
 
 def summary_lines(rec):
@@ -464,54 +461,48 @@ def summary_lines(rec):
     return L
 
 
-def main():
-    if sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], cpu_test=len(sys.argv) > 4 and sys.argv[4] == "cpu")
-        return
-    cpu_test = sys.argv[1] == "--cpu-test"
-    out = "/tmp/gpu_dp_gap_cpu" if cpu_test else sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    tmp = os.path.join("/tmp", "gpu_dp_gap_cases")
-    os.makedirs(tmp, exist_ok=True)
-    wanted = sys.argv[2:]
-    cases = [c for c in CASES if not wanted or any(w in c["name"] for w in wanted)]
+def probe_args(argv, cpu_out):
+    """OUT_DIR [names] | --cpu-test [names] (the documented forms) on the runner's flags; GAP/NU env knobs kept."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--cpu-test" in argv:
+        argv = [cpu_out, "--dry-run"] + [a for a in argv if a != "--cpu-test"]
+    ap = runner_args(__doc__.splitlines()[0], out_positional=True)
+    ap.add_argument("--jobs", type=int, default=None, help="cases at once on the one GPU")
+    return ap.parse_args(argv)
+
+
+def versions(mods, cpu_test):
     import torch
+
     env = {"torch": torch.__version__}
-    for m in ("transformers", "peft", "opacus"):
-        env[m] = __import__(m).__version__
+    for m in mods:
+        try:
+            env[m] = __import__(m).__version__
+        except Exception as e:  # noqa: BLE001
+            env[m] = f"missing: {e!r}"[:200]
     if not cpu_test:
         env["device"] = torch.cuda.get_device_name(0)
+    return env
+
+
+CHILD_ENV = {"OMP_NUM_THREADS": "2", "TORCH_SYMBOLIZE_MODE": os.environ.get("TORCH_SYMBOLIZE_MODE", "dladdr")}
+
+
+def main(argv=None):
+    a = probe_args(argv, "/tmp/gpu_dp_gap_cpu")
+    cases = [c for c in CASES if not a.filters or any(w in c["name"] for w in a.filters)]
+    if a.list:
+        print("\n".join(c["name"] for c in cases))
+        return
+    env = versions(("transformers", "peft", "opacus"), a.dry_run)
     print(json.dumps(env), flush=True)
-    workers = int(os.environ.get("GAP_WORKERS", "4"))
-    timeout = int(os.environ.get("GAP_TIMEOUT", "300"))
-
-    import threading
-    lock = threading.Lock()
-
-    def go(c):
-        path = os.path.join(tmp, c["name"] + ".json")
-        t = time.time()
-        envv = dict(os.environ, OMP_NUM_THREADS="2", TORCH_SYMBOLIZE_MODE=os.environ.get("TORCH_SYMBOLIZE_MODE", "dladdr"))
-        try:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", c["name"], path] + (["cpu"] if cpu_test else []),
-                               capture_output=True, text=True, timeout=timeout, env=envv)
-            rc, err = r.returncode, (r.stderr or "")[-1500:]
-        except subprocess.TimeoutExpired:
-            rc, err = "timeout", ""
-        try:
-            rec = json.load(open(path))
-        except Exception:  # noqa: BLE001
-            rec = {"case": c, "error": f"rc={rc} {err}"}
-        with lock:
-            with open(os.path.join(out, "gpu_dp_gap_probe_partial.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        print(f"{c['name']:40s} rc={rc} {time.time() - t:6.1f}s "
-              f"{'ERR ' + rec['error'][:200] if 'error' in rec else '%.3f GiB' % (rec.get('max_alloc_steps23', 0) / GiB)}", flush=True)
-        return rec
-
-    with ThreadPoolExecutor(workers) as ex:
-        recs = list(ex.map(go, cases))
-    with open(os.path.join(out, "gpu_dp_gap_probe.jsonl"), "w") as f:
+    jsonl = "gpu_dp_gap_probe_partial.jsonl"
+    run_cases([Case(c["name"], c) for c in cases], case, out=a.out, jsonl=jsonl, dry=a.dry_run, fresh=a.fresh,
+              timeout=int(os.environ.get("GAP_TIMEOUT", a.timeout)), jobs=a.jobs or int(os.environ.get("GAP_WORKERS", "4")),
+              env=CHILD_ENV, meta=lambda c: {"case": c.payload}, env_file=False, quiet=True)
+    got = last_records(read_jsonl(os.path.join(a.out, jsonl.replace(".jsonl", "_dry.jsonl") if a.dry_run else jsonl)))
+    recs = [got.get(c["name"], {"case": c, "error": "no record"}) for c in cases]
+    with open(os.path.join(a.out, "gpu_dp_gap_probe.jsonl"), "w") as f:
         f.write(json.dumps({"env": env}) + "\n")
         for r in recs:
             f.write(json.dumps(r) + "\n")
@@ -524,7 +515,7 @@ def main():
             lines.append(f"{r['case']['name']:40s} {r.get('max_alloc_steps23', 0) / GiB:8.3f}  end_alloc {r['steps'][-1]['end_alloc'] / GiB:7.3f}  "
                          f"record_start {r.get('alloc_at_record_start', 0) / GiB:7.3f}")
     txt = "\n".join(lines)
-    open(os.path.join(out, "gpu_dp_gap_probe_summary.txt"), "w").write(txt + "\n")
+    open(os.path.join(a.out, "gpu_dp_gap_probe_summary.txt"), "w").write(txt + "\n")
     print(txt[-9000:])
 
 

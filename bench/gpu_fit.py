@@ -7,7 +7,8 @@ default 5% margin); (2) an exhaustive search runs every batch 1, 2, 3, ... in on
 until two batches in a row OOM (each batch: 3 optimizer steps; cache emptied between batches);
 (3) `verify` finds the limit with real steps in fresh capped subprocesses, seeded by the estimate,
 and its trials are counted; (4) the trials doubling + bisection would need are counted on the
-exhaustive outcomes. Appends OUT_DIR/gpu_fit.jsonl; writes gpu_fit.md.
+exhaustive outcomes. Each case runs in its own subprocess (bench/gpu_runner.py; cases already in the JSONL are
+skipped, --fresh starts over, --dry-run: the estimates only). Appends OUT_DIR/gpu_fit.jsonl; writes gpu_fit.md.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import done_names, list_or_run, runner_args  # noqa: E402
 
 CASES = [
     ("gpt2-fp32-L1024", dict(model="gpt2", seq_len=1024, precision="fp32"), "16GiB"),
@@ -92,25 +95,70 @@ def _estimate(case) -> dict:
                                    "predicted_peak_allocated_bytes", "estimates", "estimate_calls", "estimate_seconds")}
 
 
-def main() -> None:
-    if sys.argv[1] == "--exhaustive":
-        fields, frac, bmax = json.loads(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
-        rows = exhaustive(fields, frac, bmax)
-        print("EXHAUSTIVE " + json.dumps(rows), flush=True)
-        return
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
+def case(name: str, payload: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py): the exhaustive search (a capped subprocess of its own),
+    then `verify`; --dry-run: the estimate only (already in the payload)."""
+    fields, budget, est = payload["fields"], payload["budget"], payload["estimate"]
+    if dry:
+        return {"estimate": est}
     import torch
 
-    from memlens.explore.fit import verify
-    from memlens.explore.search import doubling_bisection
     from memlens.core.spec import TrainingSpec
     from memlens.core.units import parse_bytes
+    from memlens.explore.fit import verify
 
     total = torch.cuda.get_device_properties(0).total_memory
     env = {"device": torch.cuda.get_device_name(0), "total_memory": total, "torch": torch.__version__}
-    wanted = sys.argv[2:]
-    cases = [c for c in CASES if not wanted or any(w in c[0] for w in wanted)]
+    t0 = time.time()
+    spec = TrainingSpec(**fields)
+    bb = parse_bytes(budget)
+    frac = bb / total
+    e = est["max_batch_size"]
+    rec = {"spec": spec.to_dict(), "budget_bytes": bb, "memory_fraction": frac, "env": env, "estimate": est}
+    p = subprocess.run([sys.executable, __file__, "--exhaustive", json.dumps(fields), str(frac), str(e + 8)],
+                       capture_output=True, text=True, timeout=300)
+    rows = next((json.loads(ln[len("EXHAUSTIVE "):]) for ln in p.stdout.splitlines() if ln.startswith("EXHAUSTIVE ")), None)
+    if rows is None:
+        rec["exhaustive_error"] = (p.stderr or "")[-1500:]
+    else:
+        rec.update(limits(rows))
+    try:
+        v = verify(spec, e, memory_fraction=frac, timeout=240, steps=3)
+        rec["verify"] = {"limit": v.limit, "trials": v.trials, "n_trials": len(v.trials)}
+    except Exception as ex:  # noqa: BLE001
+        rec["verify_error"] = f"{type(ex).__name__}: {ex}"
+    rec["case_seconds"] = time.time() - t0
+    return rec
+
+
+def limits(rows: list[dict]) -> dict:
+    """The real limit of the exhaustive rows, and the trials doubling + bisection would need on them."""
+    from memlens.explore.search import doubling_bisection
+
+    limit = 0
+    for x in rows:
+        if not x["fits"]:
+            break
+        limit = x["batch"]
+    table = {x["batch"]: x["fits"] for x in rows}
+    db = doubling_bisection(lambda b: table.get(b, b <= limit))
+    return {"exhaustive": rows, "real_limit": limit, "monotone": all(not x["fits"] for x in rows if x["batch"] > limit),
+            "doubling_bisection_trials": len(db.trials), "doubling_bisection_batches": [t["batch"] for t in db.trials]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--exhaustive"]:
+        fields, frac, bmax = json.loads(argv[1]), float(argv[2]), int(argv[3])
+        rows = exhaustive(fields, frac, bmax)
+        print("EXHAUSTIVE " + json.dumps(rows), flush=True)
+        return
+    a = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=900).parse_args(argv)
+    done = set() if a.fresh else done_names(os.path.join(a.out, "gpu_fit_dry.jsonl" if a.dry_run else "gpu_fit.jsonl"))
+    cases = [c for c in CASES if (not a.filters or any(w in c[0] for w in a.filters)) and c[0] not in done]
+    if a.list or not cases:
+        print("\n".join(c[0] for c in cases) or "every case is done (--fresh runs them again)")
+        return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
@@ -118,41 +166,11 @@ def main() -> None:
     with ProcessPoolExecutor(len(cases), mp_context=mp.get_context("spawn")) as ex:   # estimates on the CPU, in parallel
         ests = list(ex.map(_estimate, cases))
     print(f"estimates: {time.time() - t_est:.0f}s", flush=True)
-    for (name, fields, budget), est in zip(cases, ests):
-        t0 = time.time()
-        spec = TrainingSpec(**fields)
-        bb = parse_bytes(budget)
-        frac = bb / total
-        e = est["max_batch_size"]
-        rec = {"name": name, "spec": spec.to_dict(), "budget_bytes": bb, "memory_fraction": frac, "env": env, "estimate": est}
-        p = subprocess.run([sys.executable, __file__, "--exhaustive", json.dumps(fields), str(frac), str(e + 8)],
-                           capture_output=True, text=True, timeout=300)
-        rows = next((json.loads(ln[len("EXHAUSTIVE "):]) for ln in p.stdout.splitlines() if ln.startswith("EXHAUSTIVE ")), None)
-        if rows is None:
-            rec["exhaustive_error"] = (p.stderr or "")[-1500:]
-        else:
-            rec["exhaustive"] = rows
-            limit = 0
-            for x in rows:
-                if not x["fits"]:
-                    break
-                limit = x["batch"]
-            rec["real_limit"] = limit
-            rec["monotone"] = all(not x["fits"] for x in rows if x["batch"] > limit)
-            table = {x["batch"]: x["fits"] for x in rows}
-            db = doubling_bisection(lambda b: table.get(b, b <= limit))
-            rec["doubling_bisection_trials"] = len(db.trials)
-            rec["doubling_bisection_batches"] = [t["batch"] for t in db.trials]
-        try:
-            v = verify(spec, e, memory_fraction=frac, timeout=240, steps=3)
-            rec["verify"] = {"limit": v.limit, "trials": v.trials, "n_trials": len(v.trials)}
-        except Exception as ex:  # noqa: BLE001
-            rec["verify_error"] = f"{type(ex).__name__}: {ex}"
-        rec["seconds"] = time.time() - t0
-        with open(os.path.join(out, "gpu_fit.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(name, "estimate", e, "real", rec.get("real_limit"), "verify", rec.get("verify", {}).get("limit"),
-              rec.get("verify", {}).get("n_trials"), "doubling", rec.get("doubling_bisection_trials"), f"{rec['seconds']:.0f}s", flush=True)
+    list_or_run(a, [(n, {"fields": f, "budget": b, "estimate": e}) for (n, f, b), e in zip(cases, ests)], fn=case,
+                jsonl="gpu_fit.jsonl", env_file=False,
+                columns=[("estimate", lambda r: r["estimate"]["max_batch_size"]), ("real", lambda r: r.get("real_limit")),
+                         ("verify", lambda r: r["verify"]["limit"]), ("verify trials", lambda r: r["verify"]["n_trials"]),
+                         ("doubling trials", lambda r: r.get("doubling_bisection_trials"))])
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ Run on the GPU machine from the repo root (each part ~4 minutes on an H100 80 GB
     python bench/gpu_generality.py OUT_DIR --part 1     # eager steps of memlens' loop
     python bench/gpu_generality.py OUT_DIR --part 2     # the HF Trainer and torch.compile cases
 
-Each case runs in a fresh subprocess and appends one JSON line to OUT_DIR/gpu_generality.jsonl:
+Each case runs in a fresh subprocess (bench/gpu_runner.py; cases already there are skipped, --fresh starts over,
+--dry-run estimates on the CPU) and appends one JSON line to OUT_DIR/gpu_generality.jsonl:
 max_memory_allocated / max_memory_reserved over 3 optimizer steps, per-step peaks, what the
 step ran. Trainer
 cases run transformers.Trainer.train() for 3 steps on the model memlens builds and write their
@@ -15,14 +16,14 @@ CPU after the measurement ("estimate_here"), so bench/generality_accuracy.py can
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import list_or_run, runner_args  # noqa: E402
 
 STEPS = 3
 JSONL = "gpu_generality.jsonl"
@@ -104,63 +105,29 @@ def estimate_here(fields: dict) -> dict:
             "estimate_seconds": time.perf_counter() - t}
 
 
-def child(out: str, name: str) -> None:
-    from bench.generality_cases import CASES, TRAINER_ARGS
+def case(name: str, payload: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py); --dry-run: the estimate only (CPU)."""
+    from bench.generality_cases import TRAINER_ARGS
 
-    kind, fields = next((k, f) for n, k, f in CASES if n == name)
-    try:
-        rec = run_trainer_case(name, fields, TRAINER_ARGS[name], out) if kind == "trainer" else run_spec_case(name, fields)
-        if str(fields["model"]).startswith(("timm:", "torchvision:")):
-            rec["estimate_here"] = estimate_here(fields)
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        rec = {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-    with open(os.path.join(out, JSONL), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+    kind, fields, out = payload["kind"], payload["fields"], payload["out"]
+    if dry:
+        return {"kind": kind, **estimate_here(fields)}
+    rec = run_trainer_case(name, fields, TRAINER_ARGS[name], out) if kind == "trainer" else run_spec_case(name, fields)
+    if str(fields["model"]).startswith(("timm:", "torchvision:")):
+        rec["estimate_here"] = estimate_here(fields)
+    return rec
 
 
-def main() -> None:
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    if len(sys.argv) > 2 and sys.argv[2] == "--child":
-        child(out, sys.argv[3])
-        return
+def main(argv: list[str] | None = None) -> None:
     from bench.generality_cases import CASES, PART2
 
-    part = sys.argv[sys.argv.index("--part") + 1] if "--part" in sys.argv else "all"
-    wanted = [a for a in sys.argv[2:] if not a.startswith("--") and a not in ("1", "2")]
-    import torch
-    import transformers
-
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0),
-           "total_memory": torch.cuda.get_device_properties(0).total_memory, "cudnn": torch.backends.cudnn.version()}
-    for lib in ("timm", "torchvision", "accelerate"):
-        try:
-            env[lib] = __import__(lib).__version__
-        except ImportError:
-            env[lib] = None
-    with open(os.path.join(out, "gpu_generality_env.json"), "w") as f:
-        json.dump(env, f)
-    rows = []
-    for name, _, _ in CASES:
-        if (part == "1" and name in PART2) or (part == "2" and name not in PART2):
-            continue
-        if wanted and not any(w in name for w in wanted):
-            continue
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, out, "--child", name], capture_output=True, text=True, timeout=420)
-        tail = (r.stderr or "").strip().splitlines()[-1:] if r.returncode else []
-        print(f"{name:45s} rc={r.returncode} {time.time() - t:5.1f}s {tail}", flush=True)
-    for line in open(os.path.join(out, JSONL)):
-        rec = json.loads(line)
-        rows.append(rec)
-    print(f"\n{'case':45s} {'max allocated':>14s} {'max reserved':>13s}")
-    for rec in rows:
-        if "error" in rec:
-            print(f"{rec['name']:45s} ERROR {rec['error'][:80]}")
-        else:
-            print(f"{rec['name']:45s} {rec['max_allocated'] / 2**30:11.3f} GiB {rec['max_reserved'] / 2**30:10.3f} GiB")
+    ap = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=420)
+    ap.add_argument("--part", choices=("1", "2", "all"), default="all", help="1: eager steps, 2: Trainer and compile")
+    a = ap.parse_args(argv)
+    out = os.path.abspath(a.out)
+    cases = [(n, {"kind": k, "fields": f, "out": out}) for n, k, f in CASES
+             if not (a.part == "1" and n in PART2) and not (a.part == "2" and n not in PART2)]
+    list_or_run(a, cases, fn=case, jsonl=JSONL)
 
 
 if __name__ == "__main__":

@@ -15,17 +15,19 @@ Writes OUT_DIR/gpu_generality_calibrate.jsonl, one line per measurement:
 - ``compile``: torch.compile'd steps of two models at sizes outside the accuracy set
   (max_memory_allocated over 3 steps), for the gap between the compiled step and memlens'
   model of it (bench/generality_accuracy.py reads them when they are in the same OUT_DIR).
-Each group runs in its own subprocess.
+Each group runs in its own subprocess (bench/gpu_runner.py: a group that crashes loses only itself; a group already
+run, in OUT_DIR/gpu_generality_calibrate_runs.jsonl, is skipped: --fresh runs them all again).
 """
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import list_or_run, runner_args  # noqa: E402
+
 JSONL = "gpu_generality_calibrate.jsonl"
 
 # (N, C_in, C_out, H, kernel, stride, groups): none of the accuracy set's layer shapes at its batch sizes
@@ -134,32 +136,27 @@ def _emit(out: str, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def main() -> None:
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    if len(sys.argv) > 3 and sys.argv[2] == "--child":
-        what = sys.argv[3]
-        try:
-            if what == "conv":
-                conv_group(out)
-            elif what == "optim":
-                optim_group(out)
-            else:
-                compile_case(out, what)
-        except Exception as e:  # noqa: BLE001
-            _emit(out, {"group": what, "error": f"{type(e).__name__}: {str(e)[:400]}"})
-        return
-    import torch
+def group(name: str, out: str, dry: bool) -> dict:
+    """One group (conv, optim) or compile case in its own subprocess (bench/gpu_runner.py). The measurements go to
+    gpu_generality_calibrate.jsonl as before (conv_workspace_fit.py reads them); the run's line, to ..._runs.jsonl."""
+    if dry:
+        return {"dry_run": "GPU microbenchmarks: nothing to estimate"}
+    before = _count(out)
+    if name == "conv":
+        conv_group(out)
+    elif name == "optim":
+        optim_group(out)
+    else:
+        compile_case(out, name)
+    return {"lines": _count(out) - before}
 
-    with open(os.path.join(out, "gpu_generality_calibrate_env.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "cudnn": torch.backends.cudnn.version()}, f)
-    wanted = sys.argv[2:] or ["conv", "optim", "compile"]
-    jobs = [w for w in ("conv", "optim") if w in wanted] + ([n for n, _ in COMPILE_CASES] if "compile" in wanted else [])
-    for job in jobs:
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, out, "--child", job], capture_output=True, text=True, timeout=400)
-        tail = (r.stderr or "").strip().splitlines()[-1:] if r.returncode else []
-        print(f"{job:45s} rc={r.returncode} {time.time() - t:5.1f}s {tail}", flush=True)
+
+def _count(out: str) -> int:
+    p = os.path.join(out, JSONL)
+    return sum(1 for _ in open(p)) if os.path.exists(p) else 0
+
+
+def summary(out: str) -> None:
     for line in open(os.path.join(out, JSONL)):
         rec = json.loads(line)
         if rec.get("group") == "conv":
@@ -170,6 +167,18 @@ def main() -> None:
             print("optim", {k: v for k, v in rec.items() if k not in ("group", "sizes")})
         else:
             print(rec.get("name"), rec.get("max_allocated"), rec.get("error", ""))
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=400).parse_args(argv)
+    wanted = a.filters or ["conv", "optim", "compile"]
+    a.filters = None
+    jobs = [w for w in ("conv", "optim") if w in wanted] + ([n for n, _ in COMPILE_CASES] if "compile" in wanted else [])
+    out = os.path.abspath(a.out)
+    list_or_run(a, [(j, out) for j in jobs], fn=group, jsonl="gpu_generality_calibrate_runs.jsonl",
+                env_file="gpu_generality_calibrate_env.json", columns=[("lines", lambda r: r.get("lines", "-"))])
+    if not a.dry_run and not a.list and os.path.exists(os.path.join(out, JSONL)):
+        summary(out)
 
 
 if __name__ == "__main__":

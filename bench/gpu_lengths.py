@@ -5,7 +5,7 @@ Run on the GPU machine from the repo root (about 2-3 minutes on an H100):
     python bench/gpu_lengths.py                 # results under $OUT (default ./out)
     python bench/gpu_lengths.py --dry-run       # CPU: the estimates only, on a tiny model (checks the script)
 
-Each case runs in its own subprocess. It builds the model with memlens' own builder (random weights) and its
+Each case runs in its own subprocess (bench/gpu_runner.py; resumed, --fresh starts over). It builds the model with memlens' own builder (random weights) and its
 prepared step (memlens.step.prepare, the code `estimate` simulates), then trains one optimizer step per
 micro-batch in file order, each batch padded to its longest sample (truncated at max_length), as a sequential
 sampler and a pad-to-longest collator hand them over. Per step: torch.cuda.max_memory_allocated (reset at each
@@ -15,14 +15,14 @@ $OUT/gpu_lengths.jsonl; a markdown table last.
 """
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import gib, list_or_run, runner_args  # noqa: E402
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "fixtures", "tiny-llama")
 
@@ -91,46 +91,33 @@ def measure(fields: dict, shapes: list[list[int]], device: str = "cuda") -> dict
     return {"steps": peaks, "max_reserved": torch.cuda.memory_stats()["reserved_bytes.all.peak"] if cuda else 0}
 
 
-def child(name: str, dry: bool, out: str) -> None:
-    fields, lengths = (DRY if dry else CASES)[name]
-    rec: dict = {"name": name, "fields": fields, "lengths": lengths}
-    try:
-        rec.update(predict(fields, lengths))
-        if dry:
-            rec["cpu_steps_ran"] = len(measure(fields, rec["shapes"], device="cpu")["steps"])
-        else:
-            rec.update(measure(fields, rec["shapes"]))
-            real = max(rec["steps"], key=lambda s: s["peak_allocated"])
-            rec["measured_worst_step"] = real["step"]
-            # steps 1..: step 1 has no optimizer state yet, so only later steps are compared with the estimate
-            rec["measured_at_predicted_step"] = rec["steps"][rec["worst_step"] - 1]["peak_allocated"]
-            rec["error_pct"] = round(100 * (rec["estimate_worst_step"] / rec["measured_at_predicted_step"] - 1), 3)
-    except Exception as e:  # noqa: BLE001 - one case's failure is its record
-        rec["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-    with open(os.path.join(out, "gpu_lengths.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+def case(name: str, payload: list, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py); --dry-run: the real steps on the CPU (peaks 0)."""
+    fields, lengths = payload
+    rec: dict = {"fields": fields, "lengths": lengths}
+    rec.update(predict(fields, lengths))
+    if dry:
+        rec["cpu_steps_ran"] = len(measure(fields, rec["shapes"], device="cpu")["steps"])
+        return rec
+    rec.update(measure(fields, rec["shapes"]))
+    real = max(rec["steps"], key=lambda s: s["peak_allocated"])
+    rec["measured_worst_step"] = real["step"]
+    # steps 1..: step 1 has no optimizer state yet, so only later steps are compared with the estimate
+    rec["measured_at_predicted_step"] = rec["steps"][rec["worst_step"] - 1]["peak_allocated"]
+    rec["error_pct"] = round(100 * (rec["estimate_worst_step"] / rec["measured_at_predicted_step"] - 1), 3)
+    return rec
 
 
-def main() -> None:
-    dry = "--dry-run" in sys.argv
-    out = os.environ.get("OUT", "out")
-    os.makedirs(out, exist_ok=True)
-    if "--child" in sys.argv:
-        child(sys.argv[sys.argv.index("--child") + 1], dry, out)
-        return
-    for name in (DRY if dry else CASES):
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--dry-run"] if dry else [])
-        subprocess.run(cmd, timeout=400, check=False)
-    recs = [json.loads(line) for line in open(os.path.join(out, "gpu_lengths.jsonl"))]
-    print("| case | predicted peak step (shape) | measured peak step | estimate | measured at that step | error |")
-    print("|---|---|---|---|---|---|")
-    for r in recs:
-        if "error" in r:
-            print(f"| {r['name']} | ERROR {r['error']} | | | | |")
-            continue
-        print(f"| {r['name']} | {r['worst_step']} ({r['worst_shape'][0]} x {r['worst_shape'][1]}) | {r.get('measured_worst_step', '-')} "
-              f"| {r['estimate_worst_step'] / 2**30:.3f} GiB | "
-              + (f"{r['measured_at_predicted_step'] / 2**30:.3f} GiB | {r['error_pct']:+.2f}% |" if "error_pct" in r else "- | - |"))
+COLUMNS = [("predicted peak step (shape)", lambda r: f"{r['worst_step']} ({r['worst_shape'][0]} x {r['worst_shape'][1]})"),
+           ("measured peak step", lambda r: r.get("measured_worst_step", "-")),
+           ("estimate GiB", lambda r: gib(r["estimate_worst_step"])),
+           ("measured at that step GiB", lambda r: gib(r.get("measured_at_predicted_step"))),
+           ("error", lambda r: f"{r['error_pct']:+.2f}%" if "error_pct" in r else "-")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = runner_args(__doc__.splitlines()[0], timeout=400).parse_args(argv)
+    list_or_run(a, list((DRY if a.dry_run else CASES).items()), fn=case, jsonl="gpu_lengths.jsonl", columns=COLUMNS)
 
 
 if __name__ == "__main__":

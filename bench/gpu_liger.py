@@ -8,7 +8,8 @@ Run on the GPU machine from the repo root (liger-kernel carried as a wheel; Trit
     OUT=./out python bench/gpu_liger.py --only amp  # only the cases whose name contains "amp" (~1 minute)
 
 Each case runs memlens' own prepared step (memlens.step.prepare: the model from its config with random weights,
-liger's own ``apply_liger_kernel_to_<arch>(model=model)`` when --liger, AdamW) in a fresh subprocess for 3
+liger's own ``apply_liger_kernel_to_<arch>(model=model)`` when --liger, AdamW) in a fresh subprocess
+(bench/gpu_runner.py: cases already in gpu_liger.jsonl are skipped, --fresh starts over) for 3
 optimizer steps and appends one JSON line to $OUT/gpu_liger.jsonl as it finishes: max_memory_allocated per step
 (reset at each step), the peak over steps 2-3 (after warm-up: Triton compiles on step 1) and over all, the
 reserved peak, what liger picked (its version, Triton's, whether NVIDIA's CuTe DSL is importable: liger's RoPE
@@ -19,13 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.gpu_runner import as_cases, last_records, read_jsonl, run_cases, runner_args, select  # noqa: E402
 
 STEPS = 3
 CASE_TIMEOUT = 180
@@ -119,16 +121,10 @@ def estimate(fields: dict) -> dict:
             "estimate_liger": r.data.get("liger"), "estimate_seconds": round(time.perf_counter() - t, 2)}
 
 
-def child(name: str, fields_json: str, out: str) -> None:
-    try:
-        rec = measure(name, json.loads(fields_json))
-    except Exception as e:  # noqa: BLE001
-        import traceback
-
-        rec = {"name": name, "spec": json.loads(fields_json), "error": f"{type(e).__name__}: {str(e)[:500]}",
-               "traceback": traceback.format_exc()[-3000:]}
-    with open(os.path.join(out, JSONL), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+def case(name: str, fields: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py); --dry-run: nothing on the device (estimates run in the
+    pool of main)."""
+    return {"spec": fields, "dry_run": True} if dry else measure(name, fields)
 
 
 def _pct(est: int | None, real: int | None) -> str:
@@ -151,55 +147,32 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], sys.argv[4])
+def main(argv: list[str] | None = None) -> None:
+    ap = runner_args(__doc__.splitlines()[0], timeout=CASE_TIMEOUT)
+    ap.add_argument("--only", help="only the cases whose name contains this word (as a filter)")
+    a = ap.parse_args(argv)
+    a.filters = a.filters + ([a.only] if a.only else [])
+    todo = select(as_cases(cases(a.dry_run)), a.filters)
+    if a.list:
+        print("\n".join(c.name for c in todo))
         return
-    dry = "--dry-run" in sys.argv
-    out = os.environ.get("OUT", "./out")
-    os.makedirs(out, exist_ok=True)
-    todo = cases(dry)
-    if "--only" in sys.argv:
-        word = sys.argv[sys.argv.index("--only") + 1]
-        todo = [(name, fields) for name, fields in todo if word in name]
+    os.makedirs(a.out, exist_ok=True)
     t0 = time.time()
     with ProcessPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        ests = {name: pool.submit(estimate, fields) for name, fields in todo}
-        rows = []
-        for name, fields in todo:
-            if dry:
-                rec = {"name": name, "spec": fields, "dry_run": True}
-            else:
-                t = time.time()
-                try:
-                    r = subprocess.run([sys.executable, __file__, "--child", name, json.dumps(fields), out], capture_output=True,
-                                       text=True, timeout=CASE_TIMEOUT, cwd=ROOT)
-                    tail = (r.stderr or "").strip().splitlines()[-1:] if r.returncode else []
-                except subprocess.TimeoutExpired:
-                    tail = ["timeout"]
-                print(f"{name:45s} {time.time() - t:5.1f}s {tail}", flush=True)
-                rec = None
-            rows.append((name, rec))
-        measured = {}
-        if not dry and os.path.exists(os.path.join(out, JSONL)):
-            for line in open(os.path.join(out, JSONL)):
-                rec = json.loads(line)
-                measured[rec["name"]] = rec
-        final = []
-        for name, rec in rows:
-            rec = rec or measured.get(name) or {"name": name, "error": "no record (crash or timeout)"}
-            rec.update(ests[name].result())
-            final.append(rec)
-    with open(os.path.join(out, "gpu_liger_estimates.jsonl" if dry else "gpu_liger_table.jsonl"), "w") as f:
+        ests = {c.name: pool.submit(estimate, c.payload) for c in todo}    # the CPU estimates beside the GPU cases
+        run_cases(todo, case, out=a.out, jsonl=JSONL, dry=a.dry_run, fresh=a.fresh, timeout=a.timeout, quiet=True)
+        measured = last_records(read_jsonl(os.path.join(a.out, "gpu_liger_dry.jsonl" if a.dry_run else JSONL)))
+        final = [{**measured.get(c.name, {"name": c.name, "error": "no record"}), **ests[c.name].result()} for c in todo]
+    with open(os.path.join(a.out, "gpu_liger_estimates.jsonl" if a.dry_run else "gpu_liger_table.jsonl"), "w") as f:
         for rec in final:
             f.write(json.dumps(rec) + "\n")
-    if dry:
+    if a.dry_run:
         for rec in final:
             est = rec.get("estimated_peak_allocated")
             print(f"{rec['name']:45s} estimate {est / 2**30 if est else float('nan'):.3f} GiB {rec.get('estimate_error', '')}")
     else:
         print(table(final))
-    print(f"\n{len(final)} cases in {time.time() - t0:.0f} s; records in {out}")
+    print(f"\n{len(final)} cases in {time.time() - t0:.0f} s; records in {a.out}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Run on the GPU machine from the repo root (about 2 minutes on an H100):
     python bench/gpu_moe_probe.py --dry-run  # CPU: estimates only (the same small OLMoE)
 
 The model: an OLMoE-shaped config (16 experts, top-4, H 1024, I 512, 4 layers, vocab 8192; written to
-OUT/olmoe-probe.json). Each case in its own subprocess: does the step run, which experts implementation
+OUT/olmoe-probe.json). Each case in its own subprocess (bench/gpu_runner.py; resumed, --fresh starts over): does the step run, which experts implementation
 transformers chose, which CUDA kernels the grouped matmuls ran (torch.profiler over one step: the
 CUTLASS bf16 grouped GEMM, or the fallback's per-expert GEMMs), whether ``torch._grouped_mm`` was
 called; real peak = torch.cuda.max_memory_allocated / max_memory_reserved over steps 2-3 of memlens'
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import estimate_spec, list_or_run, off, runner_args  # noqa: E402
 
 JSONL = "gpu_moe_probe.jsonl"
 CONFIG = {"model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "hidden_size": 1024, "intermediate_size": 512,
@@ -58,78 +58,50 @@ def kernels(step) -> dict:
             "gemm_kernels": gemm}
 
 
-def child(out: str, name: str, dry: bool) -> None:
-    fields = {**dict(next(f for n, f in CASES if n == name)), "model": os.path.join(out, "olmoe-probe.json")}
-    rec: dict = {"name": name, "fields": fields}
-    try:
-        if not dry:
-            import torch
+def case(name: str, fields: dict, dry: bool) -> dict:
+    """One case, in its own subprocess (bench/gpu_runner.py); an error is the answer (does it run?)."""
+    rec: dict = {"fields": fields}
+    if not dry:
+        import torch
 
-            from bench.gpu_truth import run_case
-            from memlens.core.spec import TrainingSpec
-            from memlens.step import prepare
+        from bench.gpu_truth import run_case
+        from memlens.core.spec import TrainingSpec
+        from memlens.step import prepare
 
-            r = run_case(name, fields)
-            rec.update({k: r[k] for k in ("max_reserved", "param_bytes", "start_allocated")},
-                       max_allocated=max(s["peak_allocated"] for s in r["steps"]),
-                       max_allocated_after_warmup=max(s["peak_allocated"] for s in r["steps"][1:]))
-            step = prepare(TrainingSpec(**fields), device=torch.device("cuda"))
-            cfg = step.model.config
-            rec["experts_implementation"] = getattr(cfg, "_experts_implementation", None)
-            rec["expert_dtype"] = str(next(p.dtype for n, p in step.model.named_parameters() if "experts" in n))
-            step.run(lambda ph: None)
-            rec.update(kernels(step))
-        from bench.gpu_vlm import estimate_fields
-
-        est = estimate_fields(fields)
-        rec.update({k: est[k] for k in ("estimated_peak_allocated", "estimated_peak_reserved", "estimate_seconds")})
-    except Exception as e:  # noqa: BLE001 - the question is whether it runs: the error is the answer
-        import traceback
-
-        rec["error"] = f"{type(e).__name__}: {str(e)[:500]}"
-        rec["traceback"] = traceback.format_exc()[-3000:]
-    with open(os.path.join(out, JSONL), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+        r = run_case(name, fields)
+        rec.update({k: r[k] for k in ("max_reserved", "param_bytes", "start_allocated")},
+                   max_allocated=max(s["peak_allocated"] for s in r["steps"]),
+                   max_allocated_after_warmup=max(s["peak_allocated"] for s in r["steps"][1:]))
+        step = prepare(TrainingSpec(**fields), device=torch.device("cuda"))
+        cfg = step.model.config
+        rec["experts_implementation"] = getattr(cfg, "_experts_implementation", None)
+        rec["expert_dtype"] = str(next(p.dtype for n, p in step.model.named_parameters() if "experts" in n))
+        step.run(lambda ph: None)
+        rec.update(kernels(step))
+    est = estimate_spec(fields)
+    rec.update({k: est[k] for k in ("estimated_peak_allocated", "estimated_peak_reserved", "estimate_seconds")})
+    return rec
 
 
-def table(out: str) -> str:
-    rows = ["| case | runs | experts impl | grouped_mm calls | kernels | real alloc (2-3) | memlens alloc | off |",
-            "|---|---|---|---:|---|---:|---:|---:|"]
-    mib = lambda b: f"{b / 2**20:.1f} MiB" if b else "-"   # noqa: E731
-    for line in open(os.path.join(out, JSONL)):
-        r = json.loads(line)
-        real, est = r.get("max_allocated_after_warmup"), r.get("estimated_peak_allocated")
-        off = f"{(est - real) / real:+.2%}" if real and est else "-"
-        runs = "ERROR " + r["error"][:70] if "error" in r else "yes"
-        ks = ", ".join(k[:40] for k in r.get("gemm_kernels", [])[:3])
-        rows.append(f"| {r['name']} | {runs} | {r.get('experts_implementation', '-')} | {r.get('grouped_mm_calls', '-')} | {ks} "
-                    f"| {mib(real)} | {mib(est)} | {off} |")
-    return "\n".join(rows)
+def mib(b) -> str:
+    return f"{b / 2**20:.1f} MiB" if b else "-"
 
 
-def main() -> None:
-    out = os.environ.get("OUT", "./out")
-    os.makedirs(out, exist_ok=True)
-    args = sys.argv[1:]
-    dry = "--dry-run" in args
-    if args[:1] == ["--child"]:
-        child(out, args[1], dry)
-        return
-    with open(os.path.join(out, "olmoe-probe.json"), "w") as f:
+COLUMNS = [("experts impl", lambda r: r.get("experts_implementation", "-")),
+           ("grouped_mm calls", lambda r: r.get("grouped_mm_calls", "-")),
+           ("kernels", lambda r: ", ".join(k[:40] for k in r.get("gemm_kernels", [])[:3])),
+           ("real alloc (2-3)", lambda r: mib(r.get("max_allocated_after_warmup"))),
+           ("memlens alloc", lambda r: mib(r.get("estimated_peak_allocated"))),
+           ("off", lambda r: off(r.get("estimated_peak_allocated"), r.get("max_allocated_after_warmup")))]
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = runner_args(__doc__.splitlines()[0]).parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    model = os.path.abspath(os.path.join(a.out, "olmoe-probe.json"))
+    with open(model, "w") as f:
         json.dump(CONFIG, f)
-    path = os.path.join(out, JSONL)
-    wanted = [a for a in args if not a.startswith("--")]
-    if os.path.exists(path) and not wanted:   # a run of some cases (names given) adds to the last full run's lines
-        os.remove(path)
-    for name, _ in CASES:
-        if wanted and not any(w in name for w in wanted):
-            continue
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, "--child", name] + (["--dry-run"] if dry else []),
-                           capture_output=True, text=True, timeout=240)
-        tail = (r.stderr or "").strip().splitlines()[-1:] if r.returncode else []
-        print(f"{name:24s} rc={r.returncode} {time.time() - t:5.1f}s {tail}", flush=True)
-    print("\n" + table(out))
+    list_or_run(a, [(n, {**f, "model": model}) for n, f in CASES], fn=case, jsonl=JSONL, columns=COLUMNS)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@ dropout / gradient checkpointing, fp32 weights under bf16 autocast, QLoRA loaded
 
 Self-contained (torch, transformers, peft, bitsandbytes and the stdlib; does NOT import memlens, whose
 package changes while this runs). Reuses bench.gpu_dp_gap_probe's Marks phase markers and analyze()
-peak replay. Each case runs in a fresh subprocess (own caching allocator; allocator statistics are
-per process); a few run side by side on one GPU.
+peak replay. Each case runs in a fresh subprocess (bench/gpu_runner.py: own caching allocator, allocator
+statistics per process; cases already in OUT_DIR/gpu_newuser_partial.jsonl are skipped, --fresh starts over); a
+few run side by side on one GPU (NU_WORKERS or --jobs, default 3).
 
 Per case: the model is built from bench/gpu_newuser_<model>.json with random weights directly on the
 device (QLoRA: saved once with save_pretrained, then from_pretrained with a BitsAndBytesConfig),
@@ -20,16 +21,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 from bench.gpu_dp_gap_probe import Marks, _describe, _is_marker, analyze  # noqa: E402
+from bench.gpu_runner import Case, last_records, read_jsonl, run_cases  # noqa: E402
 
 GiB = 2 ** 30
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -311,24 +311,12 @@ def all_groups(snap, peak_i, marker_names):
 
 
 # ------------------------------------------------------------------------------------------- driver
-def child(case_name, out_json, cpu_test=False):
+def case(name, c, dry):
+    """One case (or the QLoRA checkpoint save) in its own subprocess (bench/gpu_runner.py); dry: --cpu-test."""
     t0 = time.time()
-    if case_name == "__save_q1b__":
-        try:
-            rec = {"case": {"name": case_name}, **save_q1b(cpu_test)}
-        except Exception as e:  # noqa: BLE001
-            import traceback
-            rec = {"case": {"name": case_name}, "error": repr(e)[:500], "tb": traceback.format_exc()[-3000:]}
-    else:
-        case = next(c for c in CASES if c["name"] == case_name)
-        try:
-            rec = run_case(case, cpu_test=cpu_test)
-        except Exception as e:  # noqa: BLE001
-            import traceback
-            rec = {"case": case, "error": repr(e)[:500], "tb": traceback.format_exc()[-3000:]}
+    rec = {"case": c, **save_q1b(dry)} if name == SAVE else run_case(c, cpu_test=dry)
     rec["wall_s"] = round(time.time() - t0, 1)
-    with open(out_json, "w") as f:
-        json.dump(rec, f)
+    return rec
 
 
 def summary_lines(rec):
@@ -358,77 +346,40 @@ def summary_lines(rec):
     return L
 
 
-def main():
-    if sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], cpu_test=len(sys.argv) > 4 and sys.argv[4] == "cpu")
+SAVE = "__save_q1b__"
+
+
+def main(argv=None):
+    from bench.gpu_dp_gap_probe import CHILD_ENV, probe_args, versions
+
+    a = probe_args(argv, "/tmp/gpu_newuser_cpu")
+    cases = [c for c in CASES if not a.filters or any(w in c["name"] for w in a.filters)]
+    if a.list:
+        print("\n".join(c["name"] for c in cases))
         return
-    cpu_test = sys.argv[1] == "--cpu-test"
-    out = "/tmp/gpu_newuser_cpu" if cpu_test else sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    tmp = os.path.join("/tmp", "gpu_newuser_cases")
-    os.makedirs(tmp, exist_ok=True)
-    wanted = sys.argv[2:]
-    cases = [c for c in CASES if not wanted or any(w in c["name"] for w in wanted)]
-    import torch
-    env = {"torch": torch.__version__}
-    for m in ("transformers", "peft", "accelerate", "bitsandbytes"):
-        try:
-            env[m] = __import__(m).__version__
-        except Exception as e:  # noqa: BLE001
-            env[m] = f"missing: {e!r}"[:200]
-    if not cpu_test:
-        env["device"] = torch.cuda.get_device_name(0)
+    env = versions(("transformers", "peft", "accelerate", "bitsandbytes"), a.dry_run)
     print(json.dumps(env), flush=True)
-    workers = int(os.environ.get("NU_WORKERS", "3"))
-    timeout = int(os.environ.get("NU_TIMEOUT", "300"))
-
-    import threading
-    lock = threading.Lock()
-
-    def go(name, case=None):
-        path = os.path.join(tmp, name + ".json")
-        if os.path.exists(path):
-            os.remove(path)
-        t = time.time()
-        envv = dict(os.environ, OMP_NUM_THREADS="2", TORCH_SYMBOLIZE_MODE=os.environ.get("TORCH_SYMBOLIZE_MODE", "dladdr"))
-        try:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", name, path] + (["cpu"] if cpu_test else []),
-                               capture_output=True, text=True, timeout=timeout, env=envv)
-            rc, err = r.returncode, (r.stderr or "")[-1500:]
-        except subprocess.TimeoutExpired:
-            rc, err = "timeout", ""
-        try:
-            rec = json.load(open(path))
-        except Exception:  # noqa: BLE001
-            rec = {"case": case or {"name": name}, "error": f"rc={rc} {err}"}
-        with lock:
-            with open(os.path.join(out, "gpu_newuser_partial.jsonl"), "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        print(f"{name:32s} rc={rc} {time.time() - t:6.1f}s "
-              f"{'ERR ' + rec['error'][:300] if 'error' in rec else '%.3f GiB' % (rec.get('max_alloc_steps23', 0) / GiB)}", flush=True)
-        return rec
-
+    jsonl = "gpu_newuser_partial.jsonl"
+    run = dict(out=a.out, jsonl=jsonl, dry=a.dry_run, fresh=False, timeout=int(os.environ.get("NU_TIMEOUT", a.timeout)),
+               jobs=a.jobs or int(os.environ.get("NU_WORKERS", "3")), env=CHILD_ENV, meta=lambda c: {"case": c.payload},
+               env_file=False, quiet=True)
+    if a.fresh:
+        run_cases([], case, **{**run, "fresh": True})
+    plain = [Case(c["name"], c) for c in cases if not c["qlora"]]
     need_q = any(c["qlora"] for c in cases)
-    plain = [c for c in cases if not c["qlora"]]
-    qcases = [c for c in cases if c["qlora"]]
-    recs = {}
-    with ThreadPoolExecutor(workers) as ex:
-        futs = {c["name"]: ex.submit(go, c["name"], c) for c in plain}
-        save_rec = go("__save_q1b__") if need_q else None     # meanwhile, on this thread
-        if need_q:
-            print(f"save_q1b: {save_rec}", flush=True)
-            for c in qcases:
-                futs[c["name"]] = ex.submit(go, c["name"], c)
-        for name, f in futs.items():
-            recs[name] = f.result()
-    ordered = [recs[c["name"]] for c in cases]
-    with open(os.path.join(out, "gpu_newuser_probe.jsonl"), "w") as f:
+    # the QLoRA checkpoint is saved beside the plain cases; the QLoRA cases load it, so they come after
+    run_cases(plain + ([Case(SAVE, {"name": SAVE})] if need_q else []), case, **run)
+    run_cases([Case(c["name"], c) for c in cases if c["qlora"]], case, **run)
+    got = last_records(read_jsonl(os.path.join(a.out, jsonl.replace(".jsonl", "_dry.jsonl") if a.dry_run else jsonl)))
+    save_rec = got.get(SAVE) if need_q else None
+    ordered = [got.get(c["name"], {"case": c, "error": "no record"}) for c in cases]
+    with open(os.path.join(a.out, "gpu_newuser_probe.jsonl"), "w") as f:
         f.write(json.dumps({"env": env, "save_q1b": save_rec}) + "\n")
         for r in ordered:
             f.write(json.dumps(r) + "\n")
     lines = [json.dumps(env)]
     for r in ordered:
-        lines += summary_lines(r) if "error" not in r or cpu_test or True else []
+        lines += summary_lines(r)
     lines.append("\n== table (GiB: max_memory_allocated / max_memory_reserved over steps 2-3)")
     for r in ordered:
         if "error" not in r:
@@ -438,7 +389,7 @@ def main():
         else:
             lines.append(f"{r['case']['name']:28s} ERROR {r['error'][:200]}")
     txt = "\n".join(lines)
-    open(os.path.join(out, "gpu_newuser_summary.txt"), "w").write(txt + "\n")
+    open(os.path.join(a.out, "gpu_newuser_summary.txt"), "w").write(txt + "\n")
     print(txt[-11000:])
 
 

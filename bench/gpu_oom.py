@@ -3,7 +3,8 @@ overhead, adaptive micro-batching of a plain loop and of a Hugging Face Trainer 
 
     python bench/gpu_oom.py OUT [part ...]       # parts: see PARTS; default all
 
-Every part runs in a fresh subprocess (its own allocator) and appends JSON lines to OUT/gpu_oom.jsonl
+Every part runs in a fresh subprocess (bench/gpu_runner.py: its own allocator; a part already run, in
+OUT/gpu_oom_parts.jsonl, is skipped, --fresh runs it again) and appends JSON lines to OUT/gpu_oom.jsonl
 as it goes; a table is printed at the end; `python bench/oom_results.py OUT` writes
 bench/results/oom_gpu.{json,md}. OUT/fixtures/* go to tests/fixtures/doctor/ (the tests read them
 when present).
@@ -37,12 +38,13 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 sys.path.insert(0, str(REPO))
+
+from bench.gpu_runner import list_or_run, runner_args  # noqa: E402
 
 MIB, GIB = 2**20, 2**30
 SEED = 0
@@ -533,6 +535,16 @@ PARTS = {
 }
 
 
+def run_part(name: str, out: str, dry: bool) -> dict:
+    """One part in its own subprocess (bench/gpu_runner.py); its measurements go to OUT/gpu_oom.jsonl as before."""
+    if dry:
+        return {"dry_run": "GPU only: nothing to estimate"}
+    path = Path(out) / "gpu_oom.jsonl"
+    before = sum(1 for _ in open(path)) if path.exists() else 0
+    PARTS[name](Path(out))
+    return {"lines": (sum(1 for _ in open(path)) if path.exists() else 0) - before}
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--hold"]:
         hold(argv[1], argv[2])
@@ -557,19 +569,20 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    out = Path(argv[0])
+    a = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=1200).parse_args(argv)
+    out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    wanted = argv[1:] or list(PARTS)
+    unknown = [w for w in a.filters if w not in PARTS]
+    if unknown:
+        sys.exit(f"unknown part(s) {', '.join(unknown)}; the parts: {', '.join(PARTS)}")
+    wanted, a.filters = a.filters or list(PARTS), None
     t0 = time.time()
-    for name in wanted:
-        t = time.time()
-        try:
-            PARTS[name](out)
-            status = "done"
-        except Exception:  # noqa: BLE001 - one part failing leaves the others
-            status = "FAILED"
-            emit(out, {"part": name, "error": traceback.format_exc()[-2000:]})
-        print(f"{name:16s} {status:6s} {time.time() - t:6.1f}s", flush=True)
+    # each part's orchestration in its own process (bench/gpu_runner.py): a part that fails leaves the others; its
+    # GPU work runs in further subprocesses (sub), so no runner process creates a CUDA context
+    list_or_run(a, [(name, str(out)) for name in wanted], fn=run_part, jsonl="gpu_oom_parts.jsonl", env_file=False,
+                columns=[("lines", lambda r: r.get("lines"))])
+    if a.dry_run or a.list:
+        return 0
     print(f"total {time.time() - t0:.0f}s; results in {out / 'gpu_oom.jsonl'}")
     from bench.oom_results import summarize
 

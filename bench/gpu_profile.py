@@ -2,7 +2,8 @@
 
 Run on the GPU machine from a directory holding memlens/ and bench/:
     python bench/gpu_profile.py OUT_DIR [case-substring ...]
-Each case runs in its own subprocess and appends one JSON line to OUT_DIR/profile_accuracy.jsonl:
+Each case runs in its own subprocess (bench/gpu_runner.py; cases already there are skipped, --fresh starts over,
+--dry-run estimates on the CPU) and appends one JSON line to OUT_DIR/profile_accuracy.jsonl:
   - baseline: STEPS reference steps, no profiler (per-step time with a device sync around each step),
     torch.cuda.max_memory_allocated() over them = the truth;
   - phases, full (allocator history) and ledger (dispatch mode) around the same number of steps, in
@@ -25,6 +26,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.gpu_runner import estimate_spec, gib, list_or_run, runner_args  # noqa: E402
+
 STEPS = 4
 WARMUP = 2
 ROUNDS = 3
@@ -36,7 +39,7 @@ CASES = [
 ]
 
 
-def run_case(name: str, fields: dict) -> dict:
+def run_case(name: str, fields: dict, with_estimate: bool = False) -> dict:
     import torch
 
     from memlens.core.spec import TrainingSpec
@@ -118,7 +121,7 @@ def run_case(name: str, fields: dict) -> dict:
             m["allocator"] = {k: v for k, v in r.data.get("allocator", {}).items() if k not in ("labels", "findings")}
             m["nvml"] = r.data.get("nvml")
         rec[mode] = m
-    if "--estimate" in sys.argv:
+    if with_estimate:
         t = time.perf_counter()
         rec["compare_estimate"] = compare_with_estimate(spec, results["full"])
         rec["estimate_seconds"] = time.perf_counter() - t
@@ -183,35 +186,17 @@ def make_fixture(out: str) -> None:
     r.save(os.path.join(out, "gpu_gpt2_history_result.json"))
 
 
-def main() -> None:
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    if len(sys.argv) > 2 and sys.argv[2] == "--make-fixture":
-        make_fixture(out)
-        return
-    if len(sys.argv) > 2 and sys.argv[2] == "--child":
-        name = sys.argv[3]
-        try:
-            rec = run_case(name, dict(CASES)[name])
-        except Exception as e:  # noqa: BLE001
-            import traceback
+def case(name: str, payload: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py); --dry-run: the estimate only (CPU)."""
+    if dry:
+        return estimate_spec(payload["fields"])
+    return run_case(name, payload["fields"], payload["estimate"])
 
-            rec = {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-        with open(os.path.join(out, "profile_accuracy.jsonl"), "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
-        return
-    import torch
 
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        pass
-    wanted = [w for w in sys.argv[2:] if not w.startswith("--")]
-    if "--report" in sys.argv:
-        # the CLI end to end: full mode, torch profiler, memory snapshot, compare-estimate
+def extras(a, out: str) -> None:
+    """--report, --probe, --fixture: the one-off parts, before the cases."""
+    env: dict = {}
+    if a.report:    # the CLI end to end: full mode, torch profiler, memory snapshot, compare-estimate
         t = time.time()
         r = subprocess.run([sys.executable, "-m", "memlens.cli.main", "profile", "--model", "gpt2", "--batch-size", "4",
                             "--seq-len", "512", "--precision", "amp-bf16", "--mode", "full", "--steps", "2",
@@ -220,22 +205,37 @@ def main() -> None:
         with open(os.path.join(out, "gpt2_report_stdout.txt"), "w") as f:
             f.write(r.stdout + "\n--- stderr\n" + r.stderr[-4000:])
         print(f"report rc={r.returncode} {time.time() - t:5.1f}s", flush=True)
-    if "--probe" in sys.argv:
+    if a.probe:
         env["metadata_probe"] = probe_metadata()
         print(json.dumps(env["metadata_probe"]), flush=True)
-    if "--fixture" in sys.argv:
+        with open(os.path.join(out, "profile_probe.json"), "w") as f:
+            json.dump(env, f)
+    if a.fixture:
         t = time.time()
         r = subprocess.run([sys.executable, __file__, out, "--make-fixture"], capture_output=True, text=True, timeout=120)
         print(f"fixture rc={r.returncode} {time.time() - t:5.1f}s {r.stderr[-800:]}", flush=True)
-    with open(os.path.join(out, "profile_env.json"), "w") as f:
-        json.dump(env, f)
-    for name, _ in CASES:
-        if wanted and not any(w in name for w in wanted):
-            continue
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, out, "--child", name], capture_output=True, text=True, timeout=330)
-        tail = (r.stderr or "").strip().splitlines()[-3:] if r.returncode else []
-        print(f"{name:35s} rc={r.returncode} {time.time() - t:5.1f}s {tail}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[1:2] == ["--make-fixture"]:
+        make_fixture(argv[0])
+        return
+    ap = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=330)
+    for flag, what in (("--estimate", "estimate of the same spec vs the full-mode measurement"),
+                       ("--probe", "the allocator's user-metadata probe"), ("--report", "the CLI's complete --out report"),
+                       ("--fixture", "the GPT-2 allocator-history fixture")):
+        ap.add_argument(flag, action="store_true", help=what)
+    a = ap.parse_args(argv)
+    os.makedirs(a.out, exist_ok=True)
+    if not a.dry_run and not a.list:
+        extras(a, a.out)
+    list_or_run(a, [(n, {"fields": f, "estimate": a.estimate}) for n, f in CASES], fn=case, jsonl="profile_accuracy.jsonl",
+                env_file="profile_env.json",
+                columns=[("truth max allocated GiB", lambda r: gib(r.get("truth_max_memory_allocated"))),
+                         *[(f"{m} peak error", lambda r, m=m: f"{r[m]['peak_error']:+.3%}") for m in MODES],
+                         *[(f"{m} overhead", lambda r, m=m: f"{r[m]['overhead']:+.1%}") for m in MODES],
+                         ("memlens allocated GiB (--dry-run)", lambda r: gib(r.get("estimated_peak_allocated")))])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Partial activation checkpointing on a real GPU: peak and step time with none, some and all blocks checkpointed.
 
-    python bench/gpu_recompute.py OUT.jsonl [case-substring ...]      # GPU; each case in a fresh subprocess
+    python bench/gpu_recompute.py OUT.jsonl [case-substring ...]      # GPU; each case in a fresh subprocess (bench/gpu_runner.py, resumed)
 
 The step is memlens' prepared step (memlens.step.prepare, the code `estimate` simulates), so the same spec is
 estimated on the CPU by bench/recompute_accuracy.py. Per case: max_memory_allocated / max_memory_reserved over
@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.gpu_runner import estimate_spec, gib, list_or_run, runner_args  # noqa: E402
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASES = {
@@ -75,27 +76,23 @@ def run_case(fields: dict) -> dict:
             "max_reserved": torch.cuda.max_memory_reserved(), "step_seconds": statistics.median(times), "times": times}
 
 
-def main() -> None:
-    out = sys.argv[1]
-    if len(sys.argv) > 2 and sys.argv[2] == "--child":
-        name = sys.argv[3]
-        fields = dict(cases())[name]
-        try:
-            rec = {"name": name, **run_case(fields)}
-        except Exception as e:  # noqa: BLE001 - recorded, the next case runs
-            rec = {"name": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        with open(out, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        return
-    wanted = sys.argv[2:]
-    for name, _ in cases():
-        if wanted and not any(w in name for w in wanted):
-            continue
-        t = time.perf_counter()
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), out, "--child", name], capture_output=True, text=True,
-                           timeout=300, cwd=ROOT)
-        print(f"{name:44s} rc={r.returncode} {time.perf_counter() - t:5.1f}s {r.stderr.strip().splitlines()[-1:] if r.returncode else ''}",
-              flush=True)
+def case(name: str, fields: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py); --dry-run: the estimate only (CPU)."""
+    if dry:
+        return estimate_spec(fields)
+    return run_case(fields)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = runner_args(__doc__.splitlines()[0], out_positional=True)
+    a = ap.parse_args(argv)
+    path = os.path.abspath(a.out)          # this script takes the JSONL's path (OUT.jsonl), not a folder
+    a.out = os.path.dirname(path)
+    list_or_run(a, cases(), fn=case, jsonl=os.path.basename(path),
+                columns=[("max allocated GiB", lambda r: gib(r.get("max_allocated"))),
+                         ("max reserved GiB", lambda r: gib(r.get("max_reserved"))),
+                         ("step s", lambda r: f"{r['step_seconds']:.3f}"),
+                         ("memlens allocated GiB (--dry-run)", lambda r: gib(r.get("estimated_peak_allocated")))])
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ wheels in ./.whl/; no network needed):
     python bench/gpu_trl.py --jobs 5 --probe       # the 9 cases, 5 at once (each < 8 GiB of the 80): about 2 minutes
     python bench/gpu_trl.py --dry-run            # on a CPU: tiny model, the real trainers 2 steps, estimates
 
-Each case runs in its own subprocess (an OOM or a crash loses one case). The model is memlens' built-in config with
+Each case runs in its own subprocess (bench/gpu_runner.py: an OOM or a crash loses one case; a case already run, in
+OUT/gpu_trl_runs.jsonl and OUT/gpu_trl_estimates.jsonl, is skipped: --fresh runs it again). The model is memlens' built-in config with
 random weights, saved to a temporary directory and given to the trainer by path, as a user does (so DPO and GRPO
 build their reference model from it: ``create_model_from_path``); the tokenizer is a word-level one made here (the
 tokenizers library, no download); the datasets are synthetic text of exact token counts, so every row is at its
@@ -23,14 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.gpu_runner import Case, last_records, read_jsonl, run_cases  # noqa: E402
 
 CASE_TIMEOUT = 240
 ESTIMATES_WITHIN = 420   # seconds: every estimate (all started at once, on the CPU) must be done by then
@@ -234,46 +237,20 @@ def case_main(req: dict) -> dict:
     return rec
 
 
-def request(name: str, a, part: str) -> str:
+def request(name: str, a, part: str) -> dict:
+    """The case's request: what case_main runs (the real trainer and the estimate, or the estimate alone)."""
     trainer, f, extra = CASES[name]
     f = dict(f)
     if a.dry_run:
         f = {**{k: v for k, v in f.items() if k in ("lora_rank", "packing", "beta")}, **TINY[trainer]}
-    req = {"name": name, "trainer": trainer, "fields": f, "extra": extra, "model": a.model, "liger": a.liger,
-           "device": "cpu" if a.dry_run else "cuda", "steps": 2 if a.dry_run else 3, "part": part,
-           "probe": a.probe and part == "train", "out": str(Path(a.out).resolve())}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
-        json.dump(req, fh)
-    return fh.name
+    return {"name": name, "trainer": trainer, "fields": f, "extra": extra, "model": a.model, "liger": a.liger,
+            "device": "cpu" if a.dry_run else "cuda", "steps": 2 if a.dry_run else 3, "part": part,
+            "probe": a.probe and part == "train", "out": str(Path(a.out).resolve())}
 
 
-def start(name: str, a, part: str) -> tuple[subprocess.Popen, str]:
-    """The case's estimate (CPU, several at once) or its real run (the GPU, ``--jobs`` at a time) in a subprocess;
-    its stderr goes to a file (a pipe nobody reads while another case is awaited could fill and stall it)."""
-    path = request(name, a, part)
-    env = {**os.environ, "OMP_NUM_THREADS": "2"} if part == "estimate" else None
-    err = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen([sys.executable, __file__, "--case", path], stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    proc.err_file = err
-    return proc, path
-
-
-def finish(name: str, proc: subprocess.Popen, path: str, timeout: float) -> dict:
-    try:
-        out, _ = proc.communicate(timeout=max(1, timeout))
-        proc.err_file.seek(0)
-        err = proc.err_file.read()
-        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-        if proc.returncode == 0 and lines:
-            return json.loads(lines[-1])
-        return {"case": name, "error": (err or out).strip().splitlines()[-3:] or [f"exit {proc.returncode}"]}
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {"case": name, "error": [f"timeout after {CASE_TIMEOUT} s"]}
-    finally:
-        proc.err_file.close()
-        os.unlink(path)
+def case(name: str, req: dict, dry: bool) -> dict:
+    """One case (its estimate, or its real run) in its own subprocess (bench/gpu_runner.py)."""
+    return case_main(req)
 
 
 def table(rows: list[dict]) -> str:
@@ -281,7 +258,8 @@ def table(rows: list[dict]) -> str:
     out = ["| case | estimate alloc | real alloc | error | estimate reserved | real reserved | error |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['case']} | failed: {' '.join(r['error'])[:120]} | | | | | |")
+            err = r["error"] if isinstance(r["error"], str) else " ".join(r["error"])
+            out.append(f"| {r['case']} | failed: {err[:120]} | | | | | |")
             continue
         real = r.get("real_peak_allocated_bytes")
         out.append(f"| {r['case']}{' +liger' if r.get('liger') else ''} | {r['estimate_peak_allocated_bytes'] / gib:.3f} GiB | "
@@ -290,30 +268,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def run_cases(names: list[str], a, estimates: dict, t_all: float, out: Path):
-    """The real runs, ``a.jobs`` at a time on the one GPU (each its own process: max_memory_allocated is per
-    process, so a case measures the same beside others; each uses well under 8 GiB of the 80); a row as each ends,
-    in the cases' order."""
-    waiting, running, done = list(names), {}, {}
-    while waiting or running:
-        while waiting and len(running) < a.jobs:
-            n = waiting.pop(0)
-            running[n] = (*start(n, a, "train"), time.perf_counter())
-        n = next(iter(running))        # the oldest first: rows come out in order
-        proc, path, t = running.pop(n)
-        r = finish(n, proc, path, t + CASE_TIMEOUT - time.perf_counter())
-        e = finish(n, *estimates[n], t_all + ESTIMATES_WITHIN - time.perf_counter())
+def both(names: list[str], a, out: Path) -> list[dict]:
+    """The estimates (CPU, all at once) in a thread beside the real runs (the GPU, ``a.jobs`` at a time: each its own
+    process, max_memory_allocated is per process, each case well under 8 GiB of the 80); one row a case, joined."""
+    run = dict(out=out, dry=a.dry_run, fresh=a.fresh, env_file=False, quiet=True)
+    est = threading.Thread(target=run_cases, args=([Case(n, request(n, a, "estimate"), env={"OMP_NUM_THREADS": "2"})
+                                                    for n in names], case),
+                           kwargs=dict(run, jsonl="gpu_trl_estimates.jsonl", jobs=max(1, len(names)), timeout=ESTIMATES_WITHIN))
+    est.start()
+    run_cases([Case(n, request(n, a, "train")) for n in names], case, jsonl="gpu_trl_runs.jsonl", jobs=a.jobs,
+              timeout=CASE_TIMEOUT, **{**run, "quiet": False, "columns": [("backbone inputs", lambda r: r.get("backbone_inputs"))]})
+    est.join()
+    suffix = "_dry.jsonl" if a.dry_run else ".jsonl"
+    reals = last_records(read_jsonl(out / f"gpu_trl_runs{suffix}"))
+    ests = last_records(read_jsonl(out / f"gpu_trl_estimates{suffix}"))
+    rows = []
+    for n in names:
+        r, e = reals.get(n, {"case": n, "error": "no record"}), ests.get(n, {"case": n, "error": "no record"})
         r = {**e, **r} if "error" not in e else {**r, "estimate_error": e["error"]}
+        r["case"] = n
         if r.get("real_peak_allocated_bytes") and r.get("estimate_peak_allocated_bytes"):
             r["allocated_error"] = round(r["estimate_peak_allocated_bytes"] / r["real_peak_allocated_bytes"] - 1, 4)
             r["reserved_error"] = round(r["estimate_peak_reserved_bytes"] / r["real_peak_reserved_bytes"] - 1, 4)
-        r["case_seconds"] = round(time.perf_counter() - t, 1)
-        done[n] = r
+        r["case_seconds"] = r.get("seconds")
         with open(out / "gpu_trl.jsonl", "a") as fh:
             fh.write(json.dumps(r) + "\n")
-        print(f"{n}: {'failed' if 'error' in r else 'ok'} ({r['case_seconds']} s) backbone inputs {r.get('backbone_inputs')}",
-              file=sys.stderr, flush=True)
-        yield r
+        rows.append(r)
+    return rows
 
 
 def main() -> int:
@@ -328,13 +309,10 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=1, help="real runs at once on the one GPU (each its own process)")
     ap.add_argument("--probe", action="store_true", help="record step 2's allocations (torch.cuda.memory."
                     "_record_memory_history) and write the blocks alive at its peak to OUT/probe_<case>.json")
-    ap.add_argument("--case", help=argparse.SUPPRESS)
+    ap.add_argument("--fresh", action="store_true", help="run every case again (default: cases done are skipped)")
     a = ap.parse_args()
     if a.jobs < 1:
         ap.error("--jobs must be at least 1")
-    if a.case:
-        print(json.dumps(case_main(json.loads(Path(a.case).read_text()))))
-        return 0
     a.model = a.model or (os.path.join(ROOT, "tests/fixtures/models/tiny-llama/config.json") if a.dry_run else "qwen2.5-0.5b")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -342,9 +320,7 @@ def main() -> int:
     unknown = sorted(set(a.cases or ()) - set(CASES))
     if unknown:
         ap.error(f"unknown case(s) {', '.join(unknown)}; the cases: {', '.join(CASES)}")
-    t_all = time.perf_counter()
-    estimates = {n: start(n, a, "estimate") for n in names}     # the CPU estimates beside the GPU runs
-    rows = [r for r in run_cases(names, a, estimates, t_all, out)]
+    rows = both(names, a, out)
     print(table(rows))
     return 0 if all("error" not in r for r in rows) else 1
 

@@ -1,7 +1,8 @@
 """Measure real training steps on a CUDA GPU: the ground truth for `memlens estimate`.
 
 Run on the GPU machine from the repo root:  python bench/gpu_truth.py OUT_DIR [case-name-substring ...]
-Each case runs in a fresh subprocess (own allocator, own cuBLAS handles) and appends one JSON line
+Each case runs in a fresh subprocess (bench/gpu_runner.py: own allocator, own cuBLAS handles; cases already in
+the JSONL are skipped, --fresh starts over, --dry-run estimates on the CPU) and appends one JSON line
 to OUT_DIR/gpu_truth.jsonl with max_memory_allocated / reserved over 3 optimizer steps, the
 allocated/peak at every phase boundary, and step times. The model is built with random weights
 by memlens' own builder and trained by memlens' prepared step (memlens.step.prepare), the code
@@ -9,13 +10,13 @@ by memlens' own builder and trained by memlens' prepared step (memlens.step.prep
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.gpu_runner import estimate_spec, list_or_run, runner_args  # noqa: E402
 
 STEPS = 3
 
@@ -80,40 +81,18 @@ def run_case(name: str, fields: dict) -> dict:
     return rec
 
 
-def main() -> None:
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    if len(sys.argv) > 2 and sys.argv[2] == "--child":
-        from bench.cases import CASES
+def case(name: str, fields: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py): the real steps; --dry-run: the estimate only (CPU)."""
+    if dry:
+        return estimate_spec(fields)
+    return run_case(name, fields)
 
-        name = sys.argv[3]
-        fields = dict(CASES)[name]
-        try:
-            rec = run_case(name, fields)
-        except Exception as e:  # noqa: BLE001
-            import traceback
 
-            rec = {"name": name, "error": f"{type(e).__name__}: {str(e)[:500]}", "traceback": traceback.format_exc()[-3000:]}
-        with open(os.path.join(out, "gpu_truth.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        return
+def main(argv: list[str] | None = None) -> None:
     from bench.cases import CASES
 
-    import torch
-    import transformers
-
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": torch.cuda.get_device_name(0),
-           "total_memory": torch.cuda.get_device_properties(0).total_memory}
-    with open(os.path.join(out, "gpu_env.json"), "w") as f:
-        json.dump(env, f)
-    wanted = sys.argv[2:]
-    for name, _ in CASES:
-        if wanted and not any(w in name for w in wanted):
-            continue
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, out, "--child", name], capture_output=True, text=True, timeout=400)
-        tail = (r.stderr or "").strip().splitlines()[-1:] if r.returncode else []
-        print(f"{name:45s} rc={r.returncode} {time.time() - t:5.1f}s {tail}", flush=True)
+    a = runner_args(__doc__.splitlines()[0], out_positional=True, timeout=400).parse_args(argv)
+    list_or_run(a, CASES, fn=case, jsonl="gpu_truth.jsonl", env_file="gpu_env.json")
 
 
 if __name__ == "__main__":

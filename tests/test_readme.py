@@ -86,6 +86,11 @@ COMMANDS = {
     "estimate --model gpt2 --batch-size 8 --world-size 2 --sharding ddp --gradient-as-bucket-view":
         (RUN, f"estimate --model {TINY_GPT2} --batch-size 8 --world-size 2 --sharding ddp --gradient-as-bucket-view --seq-len 32"),
     "profile --model llama-3.2-1b --precision amp-bf16 --world-size 2 --sharding fsdp --out prof/": (PARSE, "launches torchrun on 2 GPUs"),
+    "profile --model llama-3.2-1b --precision amp-bf16 --sharding fsdp --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29400 "
+    "--out prof/": (PARSE, "runs on two machines of 8 GPUs each (tests/distributed/test_multinode.py: two agents on one CPU host)"),
+    "profile --model llama-3.2-1b --precision amp-bf16 --sharding fsdp --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29400 "
+    "--node-rank 1 --out prof/": (PARSE, "runs on two machines of 8 GPUs each"),
+    "profile --model gpt2 --nnodes 2 --nproc-per-node 8": (REFUSED, f"profile --model {TINY_GPT2} --nnodes 2 --nproc-per-node 8"),
     "fit --model llama-3.1-8b --precision bf16 --world-size 8 --sharding zero2 --budget 80GiB --target-batch 256":
         (PARSE, "a sharded fit of an 8B model simulates many ranks and sizes (minutes); the sharded estimates above run"),
     "sweep --model gpt2-medium --batch-sizes 4,8,16,32 --measure --gpus 0,1,2,3 --out sw/": (PARSE, "--measure on 4 GPUs"),

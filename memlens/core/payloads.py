@@ -205,6 +205,10 @@ class ProfilePayload(Payload):
     rank_imbalance_bytes: int | None = UNSET
     job: dict | None = UNSET
     launcher: dict | None = UNSET                 # the torchrun command that ran the ranks
+    node: int | None = UNSET                      # several machines: this rank's node (0..nnodes-1)
+    hostname: str | None = UNSET                  # ... and the machine's name
+    nodes: list | None = UNSET                    # the job's nodes: each one's ranks, host and peaks
+    multinode: dict | None = UNSET                # nnodes, ranks per node, rendezvous, which node holds the whole job
     max_memory_allocated_bytes: int | None = UNSET   # a rank's process counters at its end
     max_memory_reserved_bytes: int | None = UNSET
 

@@ -5,7 +5,8 @@ and the Trainer callbacks inside a user's own torchrun script each profile their
 collects every rank's Result with ``torch.distributed.gather_object`` and :func:`merge_profiles`
 makes one: the top-level peak is the rank that peaks (its categories, phases and modules), and
 ``ranks`` holds each rank's peaks, phases, categories, NVML figure and timeline, with the
-imbalance between ranks.
+imbalance between ranks. A job over several machines (``--nnodes``) records each rank's node (torchrun's GROUP_RANK)
+and hostname: ``ranks[i]["node"]``, ``ranks[i]["hostname"]``, and ``nodes`` groups the ranks by node.
 
 >>> from memlens.core.result import Result
 >>> a = Result(verb="profile", peak_allocated_bytes=100, peak_reserved_bytes=200, data={"rank": 0, "peak_phase": "backward"})
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.result import Result
+from .nodes import this_node
 
 RANK_FIELDS = ("peak_phase", "peak_step", "device", "mode", "steps", "nvml", "max_memory_allocated_bytes",
                "max_memory_reserved_bytes", "allocator", "model_load")
@@ -46,6 +48,22 @@ def rank_summary(r: Result) -> dict[str, Any]:
     for k in RANK_FIELDS:
         if k in d:
             out[k] = d[k]
+    if isinstance(d.get("node"), dict):          # where the rank ran (this_node(), recorded by the rank itself)
+        out.update({k: d["node"].get(k) for k in ("node", "hostname", "local_rank")})
+    return out
+
+
+def by_node(ranks: list[dict]) -> list[dict]:
+    """The ranks grouped by the node they ran on (in node order): each node's ranks, hostname and peaks."""
+    groups: dict[Any, list[dict]] = {}
+    for r in ranks:
+        groups.setdefault(r.get("node"), []).append(r)
+    out = []
+    for node, rs in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] if kv[0] is not None else 0)):
+        top = max(rs, key=lambda r: r.get("peak_allocated_bytes") or 0)
+        out.append({"node": node, "hostname": rs[0].get("hostname"), "ranks": [r["rank"] for r in rs],
+                    "peak_allocated_bytes": top.get("peak_allocated_bytes"), "peak_rank": top["rank"],
+                    "peak_reserved_bytes": max(r.get("peak_reserved_bytes") or 0 for r in rs)})
     return out
 
 
@@ -56,9 +74,11 @@ def merge_profiles(results: list[Result | dict]) -> Result:
     peak = max(rs, key=lambda r: ((r.peak_allocated_bytes or 0), -r.data.get("rank", 0)))
     lo = min(rs, key=lambda r: r.peak_allocated_bytes or 0)
     ranks = [rank_summary(r) for r in rs]
-    data = {k: v for k, v in peak.data.items() if k != "rank"}
+    data = {k: v for k, v in peak.data.items() if k not in ("rank", "node")}
     data.update(ranks=ranks, peak_rank=peak.data.get("rank", 0), world_size=len(rs),
                 rank_imbalance_bytes=(peak.peak_allocated_bytes or 0) - (lo.peak_allocated_bytes or 0))
+    if any("node" in r for r in ranks):
+        data["nodes"] = by_node(ranks)
     nv = [x.get("nvml", {}).get("process_used_bytes") for x in ranks]
     if all(v is not None for v in nv):
         data["job"] = {"gpus": len(rs), "peak_allocated_bytes_sum": sum(r.peak_allocated_bytes or 0 for r in rs),
@@ -66,6 +86,8 @@ def merge_profiles(results: list[Result | dict]) -> Result:
     else:
         data["job"] = {"gpus": len(rs), "peak_allocated_bytes_sum": sum(r.peak_allocated_bytes or 0 for r in rs),
                        "peak_reserved_bytes_sum": sum(r.peak_reserved_bytes or 0 for r in rs)}
+    if "nodes" in data:
+        data["job"]["nodes"] = len(data["nodes"])
     notes = list(peak.notes) + [
         f"{len(rs)} ranks gathered on rank 0; the top-level figures are rank {data['peak_rank']}'s (the rank that peaks); "
         "ranks[] holds every rank's own peaks, phases and categories."]
@@ -85,6 +107,7 @@ def gather_profiles(result: Result, dst: int = 0) -> Result:
     rank, world = info
     result.data["rank"] = rank
     result.data["world_size"] = world
+    result.data["node"] = this_node()
     got: list | None = [None] * world if rank == dst else None
     dist.gather_object(result.to_dict(), got, dst=dst)
     dist.barrier()          # no rank leaves (and tears its process group down) while rank dst still receives

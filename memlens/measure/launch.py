@@ -2,6 +2,14 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N -m memlens.measure.worker REQUEST.json
 
+Over several machines (``--nnodes``, :mod:`memlens.measure.nodes`) memlens runs on every node and launches torchrun
+for that node's ranks, meeting the other nodes at the rendezvous endpoint:
+
+    python -m torch.distributed.run --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
+        --rdzv-id=ID -m memlens.measure.worker REQUEST.json
+
+The node that runs global rank 0 gets the whole job's Result; every other node gets its own ranks' Result.
+
 Each rank (:mod:`memlens.measure.worker`) profiles its own step on its own GPU and leaves its
 record in an exchange directory; rank 0 gathers the Results into one. A rank that runs out of
 memory or fails says so in its record and leaves at once (torchrun then stops the others), so the
@@ -26,6 +34,8 @@ from ..core.spec import TrainingSpec
 from ..estimator import estimate
 from ..models.source import resolve
 from ..step.parallel import check
+from .gather import merge_profiles
+from .nodes import Nodes, torchrun_flags
 
 
 def check_gpus(world_size: int, device: str = "cuda", gpus: list[int] | None = None) -> None:
@@ -60,16 +70,19 @@ def child_env(gpus: list[int] | None = None) -> dict[str, str]:
     return env
 
 
-def torchrun_command(world_size: int, request_path: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-            "-m", "memlens.measure.worker", request_path]
+def torchrun_command(world_size: int, request_path: str, nodes: Nodes | None = None) -> list[str]:
+    """torchrun for one node: --standalone with every rank here, or this node's part of a job of several nodes."""
+    where = torchrun_flags(nodes) if nodes is not None else ["--standalone", f"--nproc-per-node={world_size}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, "-m", "memlens.measure.worker", request_path]
 
 
 def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = "phases", device: str = "cuda",
             torch_profiler: bool = False, snapshot: bool = False, gpus: list[int] | None = None,
-            timeout: float = 1800, keep: str | Path | None = None, memory_fraction: float | None = None) -> dict[str, Any]:
-    """Run the job under torchrun; returns {"status", "result" (merged Result or None), "ranks" (records),
-    "error", "wall_seconds", "exchange"}. Never raises for the job's own fate (OOM, crash, timeout)."""
+            timeout: float = 1800, keep: str | Path | None = None, memory_fraction: float | None = None,
+            nodes: Nodes | None = None) -> dict[str, Any]:
+    """Run the job under torchrun; returns {"status", "result" (merged Result or None), "ranks" (this node's records),
+    "error", "wall_seconds", "exchange", "has_rank_0"}. Never raises for the job's own fate (OOM, crash, timeout).
+    With ``nodes``, this node's part: the whole job's Result where rank 0 ran, else this node's ranks merged."""
     exchange = Path(keep) if keep is not None else Path(tempfile.mkdtemp(prefix="memlens-job-"))
     exchange.mkdir(parents=True, exist_ok=True)
     req = {"spec": spec.to_dict(), "steps": steps, "warmup": warmup, "mode": mode, "device": device,
@@ -79,8 +92,8 @@ def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = 
     t0 = time.perf_counter()
     out: dict[str, Any] = {"status": "ok", "result": None, "ranks": {}, "exchange": str(exchange)}
     try:
-        p = subprocess.run(torchrun_command(spec.world_size, str(req_path)), env=child_env(gpus), capture_output=True,
-                           text=True, timeout=timeout)
+        p = subprocess.run(torchrun_command(spec.world_size, str(req_path), nodes), env=child_env(gpus),
+                           capture_output=True, text=True, timeout=timeout)
         tail = [ln for ln in (p.stderr or "").splitlines() if ln.strip()][-1:]
         rc = p.returncode
     except subprocess.TimeoutExpired:
@@ -90,8 +103,13 @@ def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = 
     for f in sorted(exchange.glob("rank*.json")):
         out["ranks"][int(f.stem[4:])] = json.loads(f.read_text())
     merged = exchange / "result.json"
+    out["has_rank_0"] = merged.exists()
     if rc == 0 and merged.exists():
         out["result"] = Result.load(merged)
+        return out
+    mine = [rec.get("result") for rec in out["ranks"].values()]
+    if rc == 0 and nodes is not None and mine and all(mine):     # rank 0 ran on another node: this node's ranks
+        out["result"] = merge_profiles(mine)
         return out
     failed = {r: rec for r, rec in out["ranks"].items() if rec.get("status") != "ok"}
     if out["status"] != "timeout":
@@ -108,12 +126,45 @@ def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = 
 def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, device: str | None = None,
                         mode: str = "phases", torch_profiler: bool = False, snapshot: bool = False,
                         compare_estimate: bool = False, out_dir: str | Path | None = None,
-                        timeout: float = 1800) -> tuple[Result, dict]:
+                        timeout: float = 1800, nodes: Nodes | None = None) -> tuple[Result, dict]:
     """``profile_spec`` for several GPUs: torchrun launched here, every rank profiled, one Result.
 
+    With ``nodes`` (a job over several machines, run on each): this node's ranks launched here; the Result is the whole
+    job's on the node of rank 0, this node's ranks' elsewhere (``data["multinode"]`` says which).
     Per-rank artifacts (memory snapshots, Chrome traces) are copied into ``out_dir`` as
     ``memory_snapshot_rank<R>.pickle`` / ``trace_rank<R>.json``.
     """
+    if nodes is not None and spec.world_size != nodes.world_size:
+        spec = spec.replace(world_size=nodes.world_size)
+    dev = _check_job(spec, steps, warmup, device)
+    check_gpus(nodes.nproc_per_node if nodes is not None else spec.world_size, dev)
+    job = run_job(spec, steps=steps, warmup=warmup, mode=mode, device=dev, torch_profiler=torch_profiler,
+                  snapshot=snapshot, timeout=timeout, nodes=nodes)
+    try:
+        if job["result"] is None:
+            what = {"oom": "ran out of memory", "timeout": "timed out"}.get(job["status"], "failed")
+            where = f" (node part: {nodes.nproc_per_node} of its ranks here)" if nodes is not None else ""
+            raise MemlensError(f"the {spec.world_size}-rank job {what}{where}: {job.get('error')}",
+                               hint=job.get("hint") or "rerun one rank's step with `memlens profile` (no --world-size) to see it alone")
+        result = job["result"]
+        result.data["launcher"] = {"command": " ".join(["python"] + torchrun_command(spec.world_size, "REQUEST", nodes)[1:-1]),
+                                   "wall_seconds": job["wall_seconds"]}
+        if nodes is not None:
+            result.data["multinode"] = _multinode(nodes, job["has_rank_0"], result)
+        if out_dir is not None:
+            d = Path(out_dir)
+            d.mkdir(parents=True, exist_ok=True)
+            for f in Path(job["exchange"]).glob("*_rank*.*"):
+                shutil.copy(f, d / f.name)
+        if compare_estimate:
+            result.data["compare_estimate"] = compare_ranks(spec, result)
+        return result, {}
+    finally:
+        shutil.rmtree(job["exchange"], ignore_errors=True)
+
+
+def _check_job(spec: TrainingSpec, steps: int, warmup: int, device: str | None) -> str:
+    """The refusals of a job launched under torchrun, in one line each; the device kind ("cuda" | "cpu")."""
     if steps < 1:
         raise MemlensError(f"--steps must be at least 1, got {steps}", hint="e.g. --steps 3")
     if warmup < 0:
@@ -125,31 +176,18 @@ def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, 
     if dev == "cpu" and sharding_of(spec).family != "ddp":
         raise MemlensError("--device cpu runs gloo, which FSDP2's collectives on CPU tensors are not measured with",
                            hint="use --sharding ddp on the CPU, or a GPU machine")
-
     resolve(spec.model)            # a bad --model is the first thing to say
     check(spec, fake=False)
-    check_gpus(spec.world_size, dev)
-    job = run_job(spec, steps=steps, warmup=warmup, mode=mode, device=dev, torch_profiler=torch_profiler,
-                  snapshot=snapshot, timeout=timeout)
-    try:
-        if job["result"] is None:
-            what = {"oom": "ran out of memory", "timeout": "timed out"}.get(job["status"], "failed")
-            raise MemlensError(f"the {spec.world_size}-rank job {what}: {job.get('error')}",
-                               hint=job.get("hint") or "rerun one rank's step with `memlens profile` (no --world-size) to see it alone")
-        result = job["result"]
-        result.data["launcher"] = {"command": "python -m torch.distributed.run --standalone "
-                                              f"--nproc-per-node={spec.world_size} -m memlens.measure.worker",
-                                   "wall_seconds": job["wall_seconds"]}
-        if out_dir is not None:
-            d = Path(out_dir)
-            d.mkdir(parents=True, exist_ok=True)
-            for f in Path(job["exchange"]).glob("*_rank*.*"):
-                shutil.copy(f, d / f.name)
-        if compare_estimate:
-            result.data["compare_estimate"] = compare_ranks(spec, result)
-        return result, {}
-    finally:
-        shutil.rmtree(job["exchange"], ignore_errors=True)
+    return dev
+
+
+def _multinode(nodes: Nodes, has_rank_0: bool, result: Result) -> dict[str, Any]:
+    """What this node's launch was, and whether its Result is the whole job's."""
+    return {"nnodes": nodes.nnodes, "nproc_per_node": nodes.nproc_per_node, "rendezvous": nodes.rendezvous,
+            "rdzv_endpoint": nodes.rdzv_endpoint, "node_rank": nodes.node_rank, "source": nodes.source,
+            "whole_job": has_rank_0, "ranks_here": [r["rank"] for r in result.data.get("ranks", [])],
+            "note": ("rank 0 ran on this node: every node's ranks are gathered here" if has_rank_0 else
+                     "rank 0 ran on another node, which holds the whole job's report; this Result holds this node's ranks")}
 
 
 def compare_ranks(spec: TrainingSpec, measured: Result) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..core.spec import TrainingSpec
 from .gather import merge_profiles
+from .nodes import this_node
 from .nvml import open_backend, process_used_bytes
 
 
@@ -62,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                                          own_process=True, gather=False)
         result.data["rank"] = rank
         result.data["world_size"] = dist.get_world_size()
+        result.data["node"] = this_node()          # torchrun's GROUP_RANK and this machine's name (several nodes)
         if cuda:
             torch.cuda.synchronize()
             result.data["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated()

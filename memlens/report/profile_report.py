@@ -234,10 +234,15 @@ def _pct(x) -> str:
     return "-" if x is None else f"{100 * x:+.2f}%"
 
 
-def rank_lanes_svg(ranks: list[dict], width: int = 1000, lane: int = 70) -> str:
+def _lanes_top(ranks: list[dict]) -> int:
+    return max([p.get("peak_allocated_bytes") or p.get("allocated_bytes") or 0 for r in ranks for p in r.get("timeline") or []] + [1])
+
+
+def rank_lanes_svg(ranks: list[dict], width: int = 1000, lane: int = 70, top: int | None = None) -> str:
     """One lane per rank: allocated memory at each snapshot (line), each interval's peak (dots), on
-    one scale for every rank, so ranks compare at a glance (inline SVG, no plotting library)."""
-    top = max([p.get("peak_allocated_bytes") or p.get("allocated_bytes") or 0 for r in ranks for p in r.get("timeline") or []] + [1])
+    one scale for every rank (``top``: a scale shared with other nodes' lanes), so ranks compare at a glance (inline
+    SVG, no plotting library)."""
+    top = top or _lanes_top(ranks)
     div, unit = bytes_unit(top)
     left, pad = 70, 8
     h = lane * len(ranks) + 24
@@ -272,6 +277,20 @@ def rank_lanes_svg(ranks: list[dict], width: int = 1000, lane: int = 70) -> str:
     return "".join(out)
 
 
+def node_lanes_html(nodes: list[dict], ranks: list[dict]) -> list[str]:
+    """A job over several machines: a table of the nodes, then each node's lanes under its name, on one scale."""
+    by_rank = {r["rank"]: r for r in ranks}
+    top = _lanes_top(ranks)
+    parts = [_table(["node", "host", "ranks", "peak allocated (rank)", "peak reserved"],
+                    [[str(n["node"]), n.get("hostname") or "", ", ".join(map(str, n["ranks"])),
+                      f"{fmt_bytes(n.get('peak_allocated_bytes'))} (rank {n.get('peak_rank')})", fmt_bytes(n.get("peak_reserved_bytes"))]
+                     for n in nodes])]
+    for n in nodes:
+        parts.append(f"<h3>node {_e(n['node'])} ({_e(n.get('hostname') or '')}): ranks {_e(', '.join(map(str, n['ranks'])))}</h3>")
+        parts.append(rank_lanes_svg([by_rank[r] for r in n["ranks"] if r in by_rank], top=top))
+    return parts
+
+
 def ranks_html(result: Result) -> str:
     """The per-rank section of a report: a table and a lane per rank."""
     d: ProfilePayload = result.data
@@ -283,14 +302,20 @@ def ranks_html(result: Result) -> str:
                      fmt_bytes(r.get("peak_reserved_bytes")), fmt_bytes(nv.get("process_used_bytes")) if nv.get("available") else "-",
                      f"{r.get('peak_phase')} (step {r.get('peak_step')})", r.get("device_name") or r.get("device") or ""])
     job = d.job or {}
+    nodes = d.nodes or []
+    head = ["rank", "peak allocated", "peak reserved", "nvidia-smi (NVML, this process)", "peak phase", "device"]
+    if nodes:
+        head.append("node")
+        for row, r in zip(rows, ranks):
+            row.append(f"{r.get('node')} ({r.get('hostname')})")
     parts = [f"<h2>Ranks ({len(ranks)}; * the rank that peaks)</h2>",
-             _table(["rank", "peak allocated", "peak reserved", "nvidia-smi (NVML, this process)", "peak phase", "device"], rows),
+             _table(head, rows),
              f"<div class='note'>imbalance: {_e(fmt_bytes(given(d.rank_imbalance_bytes)))} between the highest and the lowest "
              f"rank's peak allocated; whole job: allocated {_e(fmt_bytes(job.get('peak_allocated_bytes_sum')))}, reserved "
              f"{_e(fmt_bytes(job.get('peak_reserved_bytes_sum')))}"
              + (f", NVML {_e(fmt_bytes(job['nvml_process_used_bytes_sum']))}" if job.get("nvml_process_used_bytes_sum") else "")
-             + " (each rank's peak summed).</div>",
-             rank_lanes_svg(ranks)]
+             + " (each rank's peak summed).</div>"]
+    parts += node_lanes_html(nodes, ranks) if nodes else [rank_lanes_svg(ranks)]
     phases = sorted({ph for r in ranks for ph in (r.get("by_phase") or {})}, key=lambda p: (p not in ("forward", "backward", "optimizer"), p))
     if phases:
         parts.append(_table(["phase"] + [f"rank {r['rank']}" for r in ranks],

@@ -26,6 +26,16 @@ def render_profile(result: Result) -> None:
         c.print(_estimate_vs_measured(ce))
     if d.torch_profiler:
         c.print(_top_operators(d.torch_profiler))
+    if d.multinode:
+        c.print(_nodes_line(d))
+
+
+def _nodes_line(d: ProfilePayload) -> str:
+    """A job over several machines: the nodes, the rendezvous, and which node holds the whole job's result."""
+    mn = d.multinode
+    nodes = ", ".join(f"node {n['node']} ({n['hostname']}): ranks {', '.join(map(str, n['ranks']))}" for n in d.nodes or [])
+    return (f"  {mn['nnodes']} nodes x {mn['nproc_per_node']} ranks ({mn['rendezvous']} rendezvous at {mn['rdzv_endpoint']}): "
+            f"{mn['note']}" + (f"; {nodes}" if nodes else ""))
 
 
 def _headline(c, result: Result, d: ProfilePayload) -> None:

@@ -72,10 +72,20 @@ def test_gpu_snapshots_top_allocations_and_planted_leak():
 
 
 def test_gpu_memory_stats_after_the_fragmentation_oom():
+    """memory_stats() after bench/gpu_doctor.py's planted fragmentation (1 GiB segments, every other 64 MiB tensor freed,
+    the rest of the device filled, then 128 MiB asked for): every cached-but-unallocated byte at the OOM is a planted
+    64 MiB hole, so the fragmentation memlens reads must be (reserved - allocated) / reserved of the truth recorded at
+    the OOM (gpu_oom_fragmentation.json), half of each 1 GiB segment; and three OOMs were raised (the end of each fill
+    loop, then the request)."""
     a = analyze_memory_stats(load_memory_stats(gpu_fixture("gpu_memory_stats.json")))
-    kinds = [f["kind"] for f in a["findings"]]
-    assert "fragmentation" in kinds and "ooms" in kinds
-    assert a["num_ooms"] >= 1 and a["fragmentation"] > 0.2
+    truth = json.loads(gpu_fixture("gpu_oom_fragmentation.json").read_text())
+    holes = truth["reserved_bytes"] - truth["allocated_bytes"]
+    assert holes > 0 and holes % (8 * 64 * 2**20) == 0          # 8 freed 64 MiB pieces a 1 GiB segment
+    assert a.fragmentation == round(holes / truth["reserved_bytes"], 4)
+    assert a.cache_unused_fraction == round(holes / truth["reserved_bytes"], 4)
+    assert a.num_ooms == 3
+    kinds = [f["kind"] for f in a.findings]
+    assert "fragmentation" in kinds and "ooms" in kinds and "healthy" not in kinds
 
 
 def test_gpu_watch_once_lists_the_holding_process():
@@ -105,12 +115,29 @@ def test_gpu_watch_once_lists_the_holding_process():
 
 
 def test_gpu_watch_log_reads_back_as_a_steady_series():
+    """The `watch --log` CSV the GPU wrote while a process held 2 GiB: memlens reads one reading a device row, the
+    first and last device totals, no growth between them, and the device total includes the holder's 2 GiB (the
+    truth the GPU run recorded): every expected figure is read from the raw rows, not from another fixture."""
+    import csv
+
     from memlens.doctor.log import doctor_log
 
-    r = doctor_log(gpu_fixture("gpu_watch_log.csv").read_text(), capacity_bytes=80 * 2**30)
+    text = gpu_fixture("gpu_watch_log.csv").read_text()
+    rows = list(csv.DictReader(text.splitlines(keepends=True)))
+    device = [r for r in rows if not r["pid"]]
+    truth = json.loads(gpu_fixture("gpu_watch_truth.json").read_text())
+    r = doctor_log(text, capacity_bytes=int(device[0]["memory_total_bytes"]))
     d = r.data
-    assert d["x_axis"] == "time_s" and d["memory_key"] == "memory_used_bytes" and d["readings"] == 3
-    assert d["verdict"] == "steady" and d["projected_oom_step"] is None
+    assert d["x_axis"] == "time_s" and d["memory_key"] == "memory_used_bytes" and d["readings"] == len(device)
+    assert d["first_bytes"] == int(device[0]["memory_used_bytes"]) and d["last_bytes"] == int(device[-1]["memory_used_bytes"])
+    assert [(g["from"], g["to"]) for g in d["interval_growth"]] == [
+        (float(a["time_s"]), float(b["time_s"])) for a, b in zip(device, device[1:])]
+    steady = len({r["memory_used_bytes"] for r in device}) == 1
+    assert (d["verdict"] == "steady") == steady and d["growth_bytes_per_step"] == 0
+    assert d["projected_oom_step"] is None and d["capacity_bytes"] == int(device[0]["memory_total_bytes"])
+    holder = [r for r in rows if r["pid"] == str(truth["holder_pid"])]
+    assert len(holder) == len(device) and all(int(r["memory_used_bytes"]) >= truth["holder_bytes"] for r in holder)
+    assert d["first_bytes"] >= truth["holder_bytes"]
 
 
 # ---------------------------------------------------------------- issue 14: bench/gpu_oom.py's captures
