@@ -1,0 +1,139 @@
+"""The op stream of a simulated step, priced as it goes: the hook the simulation calls on every op.
+
+:func:`attach` gives a :class:`~memlens.estimator.simulate.SimulationTracker` a :class:`Recorder` (its ``timer``) and
+the CUDA emulation's rules an ``on_attention`` callback (fused SDPA is emulated without its arithmetic, so the
+kernel is priced from the call's shapes). The recorder keeps, for step 1's first pass of each phase (later
+micro-batches and steps repeat it: memlens.estimator.periodic), one row per op: its bucket (forward, backward,
+recompute, ...), the module it ran in, the GPU seconds of its kernel (from the timing table) and the host seconds
+of dispatching it, plus its matmul-class FLOPs (for MFU). :mod:`.step` turns the rows into step seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, SYNC, VIEW, OpFacts, attention_facts, op_facts
+from .tables import TimingTable, table_for
+
+# phases priced from the op stream (the optimizer is priced from its parameters: .step)
+STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
+
+
+@dataclass
+class OpTrace:
+    """Priced rows of one micro-batch (step 1's first pass of each phase) and what :mod:`.step` needs besides."""
+
+    rows: list = field(default_factory=list)          # (bucket, module id, gpu seconds, host seconds, flops, op kind)
+    size: tuple = ()                                  # (batch size, seq len) it was recorded at (a replay is priced scaled)
+    modules: list = field(default_factory=list)       # module names by id (the simulation log's)
+    stack: Any = None                                 # the layer stack of a shallow model (memlens.estimator.depth.Stack)
+    layers: int | None = None                         # with ``stack``: the full model's layer count
+    trainable_tensors: int = 0
+    table_note: str = ""
+    calibrated: bool = False
+    gpu: str = ""
+
+    def multiplicity(self, recompute_layers: int | None = None) -> list[float]:
+        """Per row, how many times the full model runs it: a row inside the shallow model's layer stack stands for
+        ``layers / stack.depth`` rows (the layers are alike: memlens.estimator.depth checks it); a recompute row for
+        ``recompute_layers`` (the full model's checkpointed blocks) over the shallow model's checkpointed blocks."""
+        if self.stack is None or not self.layers:
+            return [1.0] * len(self.rows)
+        lay = [self.stack.layer_of(n) for n in self.modules]
+        grow = self.layers / self.stack.depth
+        of = [lay[r[1]] if 0 <= r[1] < len(lay) else None for r in self.rows]
+        shallow_ck = len({x for r, x in zip(self.rows, of) if r[0] == "recompute" and x is not None})
+        ck = grow if not shallow_ck or recompute_layers is None else min(recompute_layers, self.layers) / shallow_ck
+        return [1.0 if x is None else ck if r[0] == "recompute" else grow for r, x in zip(self.rows, of)]
+
+
+class Recorder:
+    """Called by the tracker on every op (``op``) and by the CUDA emulation on every fused attention call."""
+
+    def __init__(self, tracker, table: TimingTable):
+        self.tracker = tracker
+        self.table = table
+        self.trace = OpTrace(table_note=table.note, calibrated=table.calibrated, gpu=table.gpu)
+        self._passes: dict[str, int] = {}
+        self._phase = None
+        self._on = False
+
+    def _live(self) -> bool:
+        t = self.tracker
+        ph = t.phase
+        if ph != self._phase:
+            self._phase = ph
+            self._passes[ph] = self._passes.get(ph, 0) + 1
+            self._on = t.step == 1 and ph in STREAM_PHASES and self._passes[ph] == 1
+        return self._on
+
+    def bucket(self) -> str:
+        t = self.tracker
+        if t.phase == "backward" and getattr(t, "recomputing", False):
+            return "recompute"
+        return t.phase
+
+    def op(self, func, args, kwargs, out) -> None:
+        if not self._live():
+            return
+        self.add(op_facts(func, args, kwargs, out))
+
+    def add(self, f: OpFacts) -> None:
+        t, tab = self.tracker, self.table
+        bucket = self.bucket()
+        host = tab.host_seconds("view" if f.kind in (VIEW, ALLOC) else "backward" if bucket in ("backward", "recompute")
+                                else "forward")
+        if f.kind in (VIEW, ALLOC, SYNC):
+            gpu = 0.0
+        elif f.kind in (MATMUL, CONV):
+            m, n, k = f.mnk
+            rate = tab.matmul_tflops(f.dtype, m, n, k)
+            gpu = tab.kernel_seconds(f.flops, rate, f.nbytes)
+        elif f.kind in (ATTN_FWD, ATTN_BWD):
+            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, f.kind == ATTN_BWD), f.nbytes)
+        else:
+            gpu = tab.kernel_seconds(0, 0, f.nbytes)
+        self.trace.rows.append((bucket, t.module, gpu, host, f.flops if f.kind in (MATMUL, CONV, ATTN_FWD, ATTN_BWD) else 0, f.kind))
+
+    def attention(self, backend: str, q, k, v, causal: bool, out) -> None:
+        """A fused SDPA call (memlens.estimator.cuda_rules.cuda_sdpa): its forward kernel now, its backward when
+        autograd reaches the node (a pre-hook that holds shapes only, never a tensor)."""
+        if not self._live():
+            return
+        self.add(attention_facts(q, k, v, causal, backward=False))
+        fn = getattr(out, "grad_fn", None)
+        if fn is None:
+            return
+        bwd = attention_facts(q, k, v, causal, backward=True)
+
+        def before_backward(grad_outputs, facts=bwd):
+            if self._live():
+                self.add(facts)
+
+        fn.register_prehook(before_backward)
+
+    def finish(self, model=None) -> OpTrace:
+        tr = self.trace
+        tr.modules = list(self.tracker.log.modules)
+        sim_spec = getattr(self, "spec", None)
+        if sim_spec is not None:
+            tr.size = (sim_spec.batch_size, sim_spec.seq_len)
+        if model is not None:
+            tr.trainable_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+        return tr
+
+
+def attach(tracker, rules, spec) -> Recorder:
+    """Price ``tracker``'s ops with the timing table of ``spec.gpu`` (memlens.estimator.timing.tables.table_for)."""
+    rec = Recorder(tracker, table_for(spec.gpu))
+    rec.spec = spec
+    tracker.timer = rec
+    rules.on_attention = rec.attention
+    return rec
+
+
+def grown(trace: OpTrace | None, stack, layers: int) -> OpTrace | None:
+    """The trace of a shallow model (memlens.estimator.simulate._from_shallow) standing for ``layers`` layers."""
+    if trace is not None and stack is not None:
+        trace.stack, trace.layers = stack, layers
+    return trace
