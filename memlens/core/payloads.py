@@ -125,6 +125,9 @@ class EstimatePayload(Payload):
     activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
                                                   # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
     liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
+    step_seconds: float | None = UNSET            # predicted seconds of one optimizer step (memlens.estimator.timing)
+    step_time: dict | None = UNSET                # its parts (forward, backward, recompute, optimizer, collectives, host,
+                                                  # offload), tokens/s, samples/s, MFU, the timing table used
     outside_allocator_bytes: int | None = UNSET   # TRL GRPO with vLLM colocated: its share of the GPU (not in the peaks;
                                                   # the fit rule adds it to the need)
 

@@ -15,6 +15,12 @@ from typing import Any
 from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, SYNC, VIEW, OpFacts, attention_facts, op_facts
 from .tables import TimingTable, table_for
 
+# Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
+# TorchDispatchModes (caching in forward, replaying in recompute), host work the GPU waits on: measured on an H100
+# host (bench/results/recompute_plan_accuracy.md, all blocks selective on an 8B LoRA, a 1B, ViT-L and LLaVA-7B): 12-30
+# us per recomputed op beyond the roofline, median 22 (the figure memlens.estimator.result used before this model).
+SAC_HOST_SECONDS_PER_OP = 22e-6
+
 # phases priced from the op stream (the optimizer is priced from its parameters: .step)
 STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
 
@@ -57,6 +63,7 @@ class Recorder:
         self._passes: dict[str, int] = {}
         self._phase = None
         self._on = False
+        self.selective = False          # selective checkpointing: recomputed ops pass torch's Python dispatch modes
 
     def _live(self) -> bool:
         t = self.tracker
@@ -83,6 +90,8 @@ class Recorder:
         bucket = self.bucket()
         host = tab.host_seconds("view" if f.kind in (VIEW, ALLOC) else "backward" if bucket in ("backward", "recompute")
                                 else "forward")
+        if bucket == "recompute" and self.selective:
+            host += SAC_HOST_SECONDS_PER_OP
         if f.kind in (VIEW, ALLOC, SYNC):
             gpu = 0.0
         elif f.kind in (MATMUL, CONV):
@@ -127,6 +136,7 @@ def attach(tracker, rules, spec) -> Recorder:
     """Price ``tracker``'s ops with the timing table of ``spec.gpu`` (memlens.estimator.timing.tables.table_for)."""
     rec = Recorder(tracker, table_for(spec.gpu))
     rec.spec = spec
+    rec.selective = spec.checkpoint_policy == "selective"
     tracker.timer = rec
     rules.on_attention = rec.attention
     return rec

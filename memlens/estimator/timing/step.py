@@ -9,8 +9,8 @@ is exposed only past the compute it hides behind) and copies over PCIe (activati
 optimizer).
 
 >>> q = queue([("forward", 0, 1e-3, 1e-5, 0, "matmul"), ("forward", 0, 1e-6, 1e-5, 0, "memory")], [1.0, 1.0])
->>> {k: round(v * 1e6, 1) for k, v in q[0].items()}, round(q[1] * 1e6, 1)
-({'forward': 1001.0}, 10.0)
+>>> {k: round(v * 1e6, 1) for k, v in q[0].items()}, {k: round(v * 1e6, 1) for k, v in q[1].items()}
+({'forward': 1001.0}, {'forward': 10.0})
 """
 from __future__ import annotations
 
@@ -46,24 +46,25 @@ PER_TENSOR_HOST_US = 0.5          # Python list handling per tensor in a foreach
 
 def queue(rows: list, mult: list[float]) -> tuple[dict, float, float]:
     """Run ``rows`` (bucket, module, gpu s, host s, flops, kind) through the launch queue, each ``mult`` times in a
-    row. Returns (GPU busy seconds per bucket, seconds the GPU waited on the host, host seconds in all)."""
+    row. Returns (GPU busy seconds per bucket, seconds the GPU waited on the host per bucket, host seconds in all)."""
     th = tg = 0.0
     busy: dict = defaultdict(float)
-    wait = host = 0.0
+    wait: dict = defaultdict(float)
+    host = 0.0
     for (bucket, _, g, h, _, _), m in zip(rows, mult):
         if m == 1.0:
             th += h
             start = max(tg, th)
-            wait += start - tg
+            wait[bucket] += start - tg
             tg = start + g
         else:   # m alike ops in a row: the queue's end, in closed form
             end = max(tg + m * g, th + h + m * g, th + m * h + g)
-            wait += end - tg - m * g
+            wait[bucket] += end - tg - m * g
             th += m * h
             tg = end
         busy[bucket] += m * g
         host += m * h
-    return dict(busy), wait, host
+    return dict(busy), dict(wait), host
 
 
 def micro_batches(spec) -> tuple[int, int]:
@@ -151,7 +152,7 @@ def step_time(sim) -> dict | None:
     parts = dict.fromkeys(PARTS, 0.0)
     for bucket, sec in busy.items():
         parts[_BUCKET_PART.get(bucket, "forward")] += sec * k
-    parts["host"] = wait * k
+    parts["host"] = sum(wait.values()) * k
     ranks = data_parallel_ranks(spec)
     sh = sharding_of(spec)
     trainable = sim.trainable_count // (ranks if sh.shards_optimizer_state and ranks > 1 else 1)
@@ -174,7 +175,10 @@ def step_time(sim) -> dict | None:
                                               parts["backward"] + parts["recompute"], parts["forward"], k, tab)
     seconds = sum(parts.values())
     flops = sum(r[4] * m for r, m in zip(rows, mult) if r[0] != "recompute") * k
-    return _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
+    out = _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
+    if busy.get("recompute"):   # what checkpointing adds to one micro-batch: its kernels and the host stalls among them
+        out["recompute_seconds_per_micro_batch"] = busy["recompute"] + wait.get("recompute", 0.0)
+    return out
 
 
 def _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total, scaled_from) -> dict:
