@@ -69,6 +69,9 @@ def _classify(func) -> str:
     if name.endswith("attention_backward") and name.startswith("_"):
         return ATTN_BWD
     schema = getattr(func, "_schema", None)
+    if schema is not None and (schema.name.startswith("prim::") or not any("Tensor" in str(r.type) for r in schema.returns)):
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        return MEMORY if writes else VIEW   # in-place foreach ops return nothing; prim::device, sym_size: metadata
     if schema is not None and schema.returns and all(
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         return VIEW      # view, transpose, expand, detach, _unsafe_view, split (outputs alias an input)
@@ -76,17 +79,16 @@ def _classify(func) -> str:
 
 
 def _nbytes(t: torch.Tensor) -> int:
-    """Bytes a kernel touches for ``t``: its elements, or its storage if smaller (a broadcast reads each element once)."""
-    n = t.numel() * t.element_size()
-    try:
-        return min(n, t.untyped_storage().nbytes()) if t.dim() else n
-    except (RuntimeError, NotImplementedError):
-        return n
+    """Bytes a kernel touches for ``t``: its elements (a broadcast operand reaches the kernel unexpanded)."""
+    return t.numel() * t.element_size()
 
 
 def _tensors(x) -> list:
-    return [t for t in (x if type(x) in (tuple, list) else tree_flatten(x)[0]) if isinstance(t, torch.Tensor)] \
-        if not isinstance(x, torch.Tensor) else [x]
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if type(x) in (tuple, list):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
 def _flat_tensors(args, kwargs) -> list:
@@ -101,14 +103,26 @@ def _flat_tensors(args, kwargs) -> list:
     return out
 
 
+_DTYPE_NAMES: dict = {}
+
+
 def _dtype(t) -> str:
-    return str(t.dtype).replace("torch.", "")
+    d = t.dtype
+    name = _DTYPE_NAMES.get(d)
+    if name is None:
+        name = _DTYPE_NAMES[d] = str(d).replace("torch.", "")
+    return name
+
+
+_REGISTRY: list = []
 
 
 def _flops(func, args, kwargs, out) -> int:
-    from torch.utils.flop_counter import flop_registry  # heavy: torch internals, loaded on first use
+    if not _REGISTRY:
+        from torch.utils.flop_counter import flop_registry  # heavy: torch internals, loaded on first use
 
-    f = flop_registry.get(getattr(func, "_overloadpacket", None))
+        _REGISTRY.append(flop_registry)
+    f = _REGISTRY[0].get(getattr(func, "_overloadpacket", None))
     if f is None:
         return 0
     try:
@@ -142,11 +156,15 @@ def _conv_shape(func, args, flops: int) -> tuple[int, int, int]:
     return m, n, k
 
 
+_BARE = {VIEW: OpFacts(VIEW), ALLOC: OpFacts(ALLOC), SYNC: OpFacts(SYNC)}
+
+
 def op_facts(func, args, kwargs, out) -> OpFacts:
     """The cost facts of one aten op (see the module docstring)."""
-    kind = kind_of(func)
-    if kind in (VIEW, ALLOC, SYNC):
-        return OpFacts(kind)
+    kind = _KIND.get(func) or kind_of(func)
+    bare = _BARE.get(kind)
+    if bare is not None:
+        return bare
     ins = _flat_tensors(args, kwargs)
     outs = _tensors(out) if out is not None else []
     nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs if not any(t is i for i in ins))

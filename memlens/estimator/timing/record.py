@@ -29,15 +29,13 @@ STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
 class OpTrace:
     """Priced rows of one micro-batch (step 1's first pass of each phase) and what :mod:`.step` needs besides."""
 
-    rows: list = field(default_factory=list)          # (bucket, module id, gpu seconds, host seconds, flops, op kind)
+    rows: list = field(default_factory=list)          # (bucket, module id, OpFacts), priced by :func:`price`
     size: tuple = ()                                  # (batch size, seq len) it was recorded at (a replay is priced scaled)
     modules: list = field(default_factory=list)       # module names by id (the simulation log's)
     stack: Any = None                                 # the layer stack of a shallow model (memlens.estimator.depth.Stack)
     layers: int | None = None                         # with ``stack``: the full model's layer count
     trainable_tensors: int = 0
-    table_note: str = ""
-    calibrated: bool = False
-    gpu: str = ""
+    selective: bool = False                           # selective checkpointing (recomputed ops pay SAC_HOST_SECONDS_PER_OP)
 
     def multiplicity(self, recompute_layers: int | None = None) -> list[float]:
         """Per row, how many times the full model runs it: a row inside the shallow model's layer stack stands for
@@ -59,11 +57,10 @@ class Recorder:
     def __init__(self, tracker, table: TimingTable):
         self.tracker = tracker
         self.table = table
-        self.trace = OpTrace(table_note=table.note, calibrated=table.calibrated, gpu=table.gpu)
+        self.trace = OpTrace()
         self._passes: dict[str, int] = {}
         self._phase = None
         self._on = False
-        self.selective = False          # selective checkpointing: recomputed ops pass torch's Python dispatch modes
 
     def _live(self) -> bool:
         t = self.tracker
@@ -86,23 +83,7 @@ class Recorder:
         self.add(op_facts(func, args, kwargs, out))
 
     def add(self, f: OpFacts) -> None:
-        t, tab = self.tracker, self.table
-        bucket = self.bucket()
-        host = tab.host_seconds("view" if f.kind in (VIEW, ALLOC) else "backward" if bucket in ("backward", "recompute")
-                                else "forward")
-        if bucket == "recompute" and self.selective:
-            host += SAC_HOST_SECONDS_PER_OP
-        if f.kind in (VIEW, ALLOC, SYNC):
-            gpu = 0.0
-        elif f.kind in (MATMUL, CONV):
-            m, n, k = f.mnk
-            rate = tab.matmul_tflops(f.dtype, m, n, k)
-            gpu = tab.kernel_seconds(f.flops, rate, f.nbytes)
-        elif f.kind in (ATTN_FWD, ATTN_BWD):
-            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, f.kind == ATTN_BWD), f.nbytes)
-        else:
-            gpu = tab.kernel_seconds(0, 0, f.nbytes)
-        self.trace.rows.append((bucket, t.module, gpu, host, f.flops if f.kind in (MATMUL, CONV, ATTN_FWD, ATTN_BWD) else 0, f.kind))
+        self.trace.rows.append((self.bucket(), self.tracker.module, f))
 
     def attention(self, backend: str, q, k, v, causal: bool, out) -> None:
         """A fused SDPA call (memlens.estimator.cuda_rules.cuda_sdpa): its forward kernel now, its backward when
@@ -134,12 +115,42 @@ class Recorder:
 
 def attach(tracker, rules, spec) -> Recorder:
     """Price ``tracker``'s ops with the timing table of ``spec.gpu`` (memlens.estimator.timing.tables.table_for)."""
-    rec = Recorder(tracker, table_for(spec.gpu))
+    rec = Recorder(tracker, table_for(spec.gpu))      # loaded now: a bad --timing-table fails before the simulation
     rec.spec = spec
-    rec.selective = spec.checkpoint_policy == "selective"
+    rec.trace.selective = spec.checkpoint_policy == "selective" and spec.grad_checkpointing
     tracker.timer = rec
     rules.on_attention = rec.attention
     return rec
+
+
+def price(trace: OpTrace, tab: TimingTable) -> list[tuple]:
+    """The trace's rows priced with ``tab``: (bucket, module id, GPU seconds, host seconds, matmul-class FLOPs, kind).
+    A kernel takes the larger of its compute and memory times (the table's rates for its shape and size), never less
+    than the kernel floor; views and allocations run no kernel. The host dispatches every op: an eager op under
+    Python in forward, an autograd-engine op in backward and recompute (plus the selective policy's dispatch modes)."""
+    out = []
+    sac = SAC_HOST_SECONDS_PER_OP if trace.selective else 0.0
+    h_view, h_fwd, h_bwd = tab.host_seconds("view"), tab.host_seconds("forward"), tab.host_seconds("backward")
+    for bucket, mod, f in trace.rows:
+        kind = f.kind
+        back = bucket in ("backward", "recompute")
+        host = h_view if kind in (VIEW, ALLOC) else h_bwd if back else h_fwd
+        if bucket == "recompute":
+            host += sac
+        fl = 0
+        if kind in (VIEW, ALLOC, SYNC):
+            gpu = 0.0
+        elif kind in (MATMUL, CONV):
+            m, n, k = f.mnk
+            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k), f.nbytes)
+            fl = f.flops
+        elif kind in (ATTN_FWD, ATTN_BWD):
+            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD), f.nbytes)
+            fl = f.flops
+        else:
+            gpu = tab.kernel_seconds(0, 0, f.nbytes)
+        out.append((bucket, mod, gpu, host, fl, kind))
+    return out
 
 
 def grown(trace: OpTrace | None, stack, layers: int) -> OpTrace | None:

@@ -21,6 +21,7 @@ from ...core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, gpu_facts
 from ...core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from ...core.precision import precision_of
 from .ops import ATTN_BWD, ATTN_FWD
+from .record import price
 from .tables import TimingTable, table_for
 
 PARTS = ("forward", "backward", "recompute", "optimizer", "collectives", "host", "offload")
@@ -146,7 +147,9 @@ def step_time(sim) -> dict | None:
     ck = _checkpointed_layers(spec, tr.layers)
     mult = tr.multiplicity(ck)
     scale, scaled_from = _replay_scale(tr, spec, sim)
-    rows = tr.rows if scale == (1.0, 1.0) else [_scaled(r, scale, tab) for r in tr.rows]
+    rows = price(tr, tab)
+    if scale != (1.0, 1.0):
+        rows = [_scaled(r, scale, tab) for r in rows]
     busy, wait, host_total = queue(rows, mult)
     k, mb = micro_batches(spec)
     parts = dict.fromkeys(PARTS, 0.0)
@@ -191,7 +194,7 @@ def _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total
            "samples_per_s": samples / seconds if seconds else None,
            "mfu": flops / (seconds * peak) if seconds else None, "model_flops": int(flops * ranks),
            "micro_batches": k, "host_seconds": host_total, "ops_priced": len(tr.rows),
-           "gpu": tab.gpu, "calibrated": tab.calibrated, "table": tab.note,
+           "gpu": spec.gpu, "table_gpu": tab.gpu, "calibrated": tab.calibrated, "table": tab.note,
            "model": "per-op: matmuls/attention by shape, other ops by bytes, launch queue, optimizer bytes, NCCL, PCIe "
                     "(memlens.estimator.timing)"}
     L = sim.seq_len
