@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-VIEW, ALLOC, MEMORY, MATMUL, CONV, ATTN_FWD, ATTN_BWD, SYNC = "view", "alloc", "memory", "matmul", "conv", "attn_fwd", "attn_bwd", "sync"
+from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, MEMORY, SYNC, VIEW
 
 
 class OpFacts(NamedTuple):

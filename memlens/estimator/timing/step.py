@@ -20,8 +20,7 @@ from collections import defaultdict
 from ...core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, gpu_facts
 from ...core.parallel import data_parallel_ranks, is_distributed, sharding_of
 from ...core.precision import precision_of
-from .ops import ATTN_BWD, ATTN_FWD
-from .record import price
+from .ops_kinds import ATTN_BWD, ATTN_FWD
 from .tables import TimingTable, table_for
 
 PARTS = ("forward", "backward", "recompute", "optimizer", "collectives", "host", "offload")
@@ -147,6 +146,8 @@ def step_time(sim) -> dict | None:
     ck = _checkpointed_layers(spec, tr.layers)
     mult = tr.multiplicity(ck)
     scale, scaled_from = _replay_scale(tr, spec, sim)
+    from .record import price  # heavy: the op facts import torch (a Result read back needs none)
+
     rows = price(tr, tab)
     if scale != (1.0, 1.0):
         rows = [_scaled(r, scale, tab) for r in rows]
@@ -179,6 +180,8 @@ def step_time(sim) -> dict | None:
     seconds = sum(parts.values())
     flops = sum(r[4] * m for r, m in zip(rows, mult) if r[0] != "recompute") * k
     out = _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
+    out["gpu_busy_per_micro_batch"] = sum(busy.values())
+    out["host_wait_per_micro_batch"] = sum(wait.values())
     if busy.get("recompute"):   # what checkpointing adds to one micro-batch: its kernels and the host stalls among them
         out["recompute_seconds_per_micro_batch"] = busy["recompute"] + wait.get("recompute", 0.0)
     return out
@@ -193,7 +196,7 @@ def _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total
     out = {"seconds": seconds, "parts": {k2: v for k2, v in parts.items() if v or k2 in PARTS[:6]},
            "samples_per_s": samples / seconds if seconds else None,
            "mfu": flops / (seconds * peak) if seconds else None, "model_flops": int(flops * ranks),
-           "micro_batches": k, "host_seconds": host_total, "ops_priced": len(tr.rows),
+           "micro_batches": k, "micro_batch_size": mb, "setting": setting_key(spec), "seq_len": sim.seq_len, "host_seconds": host_total, "ops_priced": len(tr.rows),
            "gpu": spec.gpu, "table_gpu": tab.gpu, "calibrated": tab.calibrated, "table": tab.note,
            "model": "per-op: matmuls/attention by shape, other ops by bytes, launch queue, optimizer bytes, NCCL, PCIe "
                     "(memlens.estimator.timing)"}
@@ -203,6 +206,16 @@ def _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total
     if scaled_from:
         out["scaled_from"] = scaled_from
     return out
+
+
+# what a priced step may be rescaled over (fit's micro-batch x accumulation search); any other field is another setting
+RESCALABLE = ("batch_size", "grad_accum", "seq_len", "physical_batch_size")
+
+
+def setting_key(spec) -> str:
+    """The spec's fields other than :data:`RESCALABLE`, as one string: a priced step answers only its own setting."""
+    d = spec.to_dict()
+    return repr(sorted((k, repr(v)) for k, v in d.items() if k not in RESCALABLE))
 
 
 def _checkpointed_layers(spec, layers: int | None) -> int | None:
@@ -250,3 +263,24 @@ def describe(st: dict) -> str:
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "recompute", "optimizer": "optim", "collectives": "comm",
           "host": "host", "offload": "offload"}
+
+
+def rescaled(st: dict, micro_batch: int, grad_accum: int, seq_len: int | None) -> tuple[float, dict]:
+    """Step seconds and parts of a priced step at another micro-batch size, accumulation or sequence length (fit's
+    candidates that were not simulated themselves): each micro-batch's kernels scale with its tokens (the matmul
+    efficiency of the new shapes is not re-read: an approximation, said in the payload's ``scaled_from``), the host's
+    dispatch per micro-batch stays (the same ops), the optimizer and collectives stay (the same parameters)."""
+    k0, mb0, L0 = st["micro_batches"], st.get("micro_batch_size") or 1, st.get("seq_len") or 1
+    r = (micro_batch * (seq_len or L0)) / (mb0 * L0)
+    parts = dict(st["parts"])
+    busy = st.get("gpu_busy_per_micro_batch", 0.0)
+    wait = st.get("host_wait_per_micro_batch", 0.0)
+    host_micro = st.get("host_seconds", 0.0) / max(1, k0)
+    for name in ("forward", "backward", "recompute"):
+        parts[name] = parts.get(name, 0.0) / k0 * r * grad_accum
+    wall = max(busy * r, host_micro, busy * r + wait - busy * (r - 1))
+    opt_host = parts.get("host", 0.0) - wait * k0           # the optimizer's share of the host part stays
+    parts["host"] = max(0.0, wall - busy * r) * grad_accum + max(0.0, opt_host)
+    if parts.get("offload"):
+        parts["offload"] = parts["offload"] / k0 * r * grad_accum
+    return sum(parts.values()), parts
