@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...models.quant import Linear4bitSim
 from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, SYNC, VIEW, OpFacts, attention_facts, op_facts
 from .tables import TimingTable, table_for
 
@@ -35,6 +36,7 @@ class OpTrace:
     stack: Any = None                                 # the layer stack of a shallow model (memlens.estimator.depth.Stack)
     layers: int | None = None                         # with ``stack``: the full model's layer count
     trainable_tensors: int = 0
+    quantized: tuple = (0, 0)                         # 4-bit linears (QLoRA): (weights, layers), in the simulated model
     selective: bool = False                           # selective checkpointing (recomputed ops pay SAC_HOST_SECONDS_PER_OP)
 
     def multiplicity(self, recompute_layers: int | None = None) -> list[float]:
@@ -110,6 +112,8 @@ class Recorder:
             tr.size = (sim_spec.batch_size, sim_spec.seq_len)
         if model is not None:
             tr.trainable_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+            q = [m for m in model.modules() if isinstance(m, Linear4bitSim)]
+            tr.quantized = (sum(m.in_features * m.out_features for m in q), len(q))
         return tr
 
 

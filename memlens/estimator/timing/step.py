@@ -162,6 +162,13 @@ def step_time(sim) -> dict | None:
     trainable = sim.trainable_count // (ranks if sh.shards_optimizer_state and ranks > 1 else 1)
     tensors = int(tr.trainable_tensors * (tr.layers / tr.stack.depth if tr.stack is not None and tr.layers else 1))
     pb = _dtype_bytes(precision_of(spec).weights)
+    grow = tr.layers / tr.stack.depth if tr.stack is not None and tr.layers else 1.0
+    if tr.quantized[0]:   # QLoRA: bitsandbytes dequantizes each 4-bit weight to the compute dtype before its matmul
+        parts["forward"] += k * _dequant_seconds(tr.quantized, grow, tab)
+        parts["backward"] += k * _dequant_seconds(tr.quantized, grow, tab)
+        if busy.get("recompute"):
+            share = ck / tr.layers if ck is not None and tr.layers else 1.0
+            parts["recompute"] += k * _dequant_seconds(tr.quantized, grow * share, tab)
     if k > 1:   # micro-batches 2..k add each gradient into .grad (AccumulateGrad: read both, write one)
         parts["backward"] += (k - 1) * 3 * sim.trainable_count * pb / (tab.bandwidth_gbps(sim.trainable_count * pb) * 1e9)
     if spec.offload_optimizer:   # gradients to the host, parameters back, the step on the CPU (ZeRO-Offload)
@@ -216,6 +223,14 @@ def setting_key(spec) -> str:
     """The spec's fields other than :data:`RESCALABLE`, as one string: a priced step answers only its own setting."""
     d = spec.to_dict()
     return repr(sorted((k, repr(v)) for k, v in d.items() if k not in RESCALABLE))
+
+
+def _dequant_seconds(quantized: tuple, grow: float, tab: TimingTable) -> float:
+    """One pass over the 4-bit weights (bitsandbytes' dequantize_4bit, in forward and again for backward's matmul):
+    half a byte read and two written per weight (NF4 -> bf16/fp16), one kernel per linear layer."""
+    weights, layers = quantized
+    per = 2.5 * weights / max(1, layers)
+    return grow * layers * tab.kernel_seconds(0, 0, per)
 
 
 def _checkpointed_layers(spec, layers: int | None) -> int | None:
