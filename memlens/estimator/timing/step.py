@@ -203,7 +203,7 @@ def _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total
     out = {"seconds": seconds, "parts": {k2: v for k2, v in parts.items() if v or k2 in PARTS[:6]},
            "samples_per_s": samples / seconds if seconds else None,
            "mfu": flops / (seconds * peak) if seconds else None, "model_flops": int(flops * ranks),
-           "micro_batches": k, "micro_batch_size": mb, "setting": setting_key(spec), "seq_len": sim.seq_len, "host_seconds": host_total, "ops_priced": len(tr.rows),
+           "micro_batches": k, "micro_batch_size": mb, "setting": setting_key(spec), "spec": spec.to_dict(), "seq_len": sim.seq_len, "host_seconds": host_total, "ops_priced": len(tr.rows),
            "gpu": spec.gpu, "table_gpu": tab.gpu, "calibrated": tab.calibrated, "table": tab.note,
            "model": "per-op: matmuls/attention by shape, other ops by bytes, launch queue, optimizer bytes, NCCL, PCIe "
                     "(memlens.estimator.timing)"}
