@@ -178,6 +178,10 @@ def render(result) -> None:
         c.print(f"  allocator: reserved-allocated {fmt_bytes(al['reserved_unallocated_bytes'])}, inactive split "
                 f"{fmt_bytes(al['inactive_split_bytes'])} (fragmentation {100 * al['fragmentation']:.1f}%), "
                 f"alloc retries {al['num_alloc_retries']}, OOMs {al['num_ooms']}")
+    st = d.get("step_time")
+    if st:
+        c.print(f"  step {st['seconds']:.4g} s measured (median of {st['steps']}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in st["parts"].items()) + f"; {st['measured_by']})")
     ce = d.get("compare_estimate")
     if ce:
         if not ce.get("available"):
@@ -190,6 +194,9 @@ def render(result) -> None:
                 t.add_row(r["name"], fmt_bytes(r["estimated_bytes"]), fmt_bytes(r["measured_bytes"]),
                           "-" if r["error"] is None else f"{100 * r['error']:+.2f}%")
             c.print(t)
+            for r in ce.get("step_time") or []:   # seconds: the per-op time model vs CUDA events per phase
+                c.print(f"  {r['name']} seconds: predicted {r['predicted_seconds']:.4g}, measured {r['measured_seconds']:.4g}"
+                        + ("" if r["error"] is None else f" ({100 * r['error']:+.1f}%)"))
     tp = d.get("torch_profiler")
     if tp:
         t = Table(title="torch.profiler: top operators by time", box=None)

@@ -140,6 +140,7 @@ class ProfilePayload(Payload):
     peak_phase: str | None = UNSET
     peak_step: int | None = UNSET
     snapshots: list | None = UNSET                # every labelled reading
+    step_time: dict | None = UNSET                # the profiled steps' seconds and parts (CUDA events per phase, measure/phase_time.py)
     steps: list | None = UNSET
     labels: dict | None = UNSET                   # what each measured figure is, in PyTorch's words
     ledger: dict | None = UNSET
