@@ -162,3 +162,44 @@ def grown(trace: OpTrace | None, stack, layers: int) -> OpTrace | None:
     if trace is not None and stack is not None:
         trace.stack, trace.layers = stack, layers
     return trace
+
+
+def timing_at(regime, x) -> OpTrace | None:
+    """The priced trace of a replay at size ``x`` (memlens.estimator.scaling.Regime.simulation_at): each row's FLOPs,
+    bytes, GEMM shape and sequence length interpolated exactly (Lagrange, as the regime's allocation sizes are) over
+    the regime's traces, which run the same ops; so a replayed step is priced as its own simulation would be, whichever
+    sizes happened to be simulated. None where the traces' rows do not line up (the template's trace, scaled by
+    tokens, is used then: memlens.estimator.timing.step)."""
+    traces = [t.sim.timing for t in regime.traces]
+    if any(tr is None for tr in traces):
+        return None
+    first = traces[0]
+    shape = [(r[0], r[1], r[2].kind) for r in first.rows]
+    if any(len(tr.rows) != len(shape) or [(r[0], r[1], r[2].kind) for r in tr.rows] != shape for tr in traces[1:]):
+        return None
+    fit = regime.fit()
+    if isinstance(fit, str):
+        return None
+    spaces = [sp for sp in fit[0] if sp.answers(x)]
+    if not spaces:
+        return None
+    sp = max(spaces, key=lambda s: ((s.db + 1) * (s.dL + 1), len(s.nodes)))
+    w, den = sp.weights(x)
+
+    def at(values: list) -> float:
+        v = sum(wi * values[i] for wi, i in zip(w, sp.nodes)) / den
+        return max(0, round(v)) if v >= 0 else 0
+
+    rows = []
+    for j, (bucket, mod, f) in enumerate(first.rows):
+        vals = [tr.rows[j][2] for tr in traces]
+        if all(v == f for v in vals):
+            rows.append((bucket, mod, f))
+            continue
+        mnk = None if f.mnk is None else tuple(max(1, at([v.mnk[d] for v in vals])) for d in range(3))
+        rows.append((bucket, mod, OpFacts(f.kind, at([v.flops for v in vals]), at([v.nbytes for v in vals]), mnk, f.dtype,
+                                          at([v.seq for v in vals]))))
+    out = OpTrace(rows=rows, modules=first.modules, stack=first.stack, layers=first.layers,
+                  trainable_tensors=first.trainable_tensors, quantized=first.quantized, selective=first.selective)
+    out.size = ()      # priced as its own (the rows are this size's)
+    return out
