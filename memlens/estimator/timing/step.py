@@ -189,8 +189,10 @@ def step_time(sim) -> dict | None:
     out = _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
     out["gpu_busy_per_micro_batch"] = sum(busy.values())
     out["host_wait_per_micro_batch"] = sum(wait.values())
-    if busy.get("recompute"):   # what checkpointing adds to one micro-batch: its kernels and the host stalls among them
-        out["recompute_seconds_per_micro_batch"] = busy["recompute"] + wait.get("recompute", 0.0)
+    if busy.get("recompute"):
+        # what checkpointing adds to one micro-batch, additive over blocks (fit --least-recompute weighs blocks one by
+        # one): each recomputed op's kernel or its host dispatch, whichever is longer
+        out["recompute_seconds_per_micro_batch"] = sum(max(r[2], r[3]) * m for r, m in zip(rows, mult) if r[0] == "recompute")
     return out
 
 
