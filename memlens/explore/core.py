@@ -235,10 +235,6 @@ class _Fake:  # for the docstring above
 # ---------------------------------------------------------------- step time (predicted)
 # The per-op model of memlens.estimator.timing where the estimate priced its ops (every simulated Result carries
 # ``step_time``); the FLOP model below only for a point without it (a formula estimate, a test's bare Point).
-# fit leaves out a candidate whose bound is slower than an entry that fits: the bound of another setting's step is the
-# FLOP model's ratio of the settings applied to the per-op time, which can overshoot the candidate's own per-op time by
-# a fifth (tiny models, 2 GPUs): 0.7 keeps it below
-OTHER_SETTING_MARGIN = 0.7
 UTIL_HALF_TOKENS = 2048   # the FLOP model's utilisation(t) = t / (t + 2048) for t tokens per micro-batch
 
 
@@ -275,19 +271,7 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
         from ..estimator.timing.step import setting_key  # the estimator's time model (no torch import)
 
         if st.get("setting") != setting_key(spec):
-            # another setting's step (fit's bound for a candidate not estimated yet): its per-op time at this size, times
-            # the FLOP model's ratio of the two settings, less a margin (a bound: the FLOP ratio is not the per-op one)
-            own = TrainingSpec.from_dict(st["spec"]) if st.get("spec") else None
-            if own is None:
-                st = None
-            else:
-                kw = dict(micro_batch=micro_batch, grad_accum=grad_accum, tokens_per_sample=tokens_per_sample, layers=layers)
-                if micro_batch is None and grad_accum is None:
-                    kw.update(micro_batch=spec.batch_size, grad_accum=spec.grad_accum)
-                same = predict_step_time(own, p, **kw)
-                ratio = flop_step_time(spec, p, **kw).seconds / max(1e-12, flop_step_time(own, p, **kw).seconds)
-                ratio *= OTHER_SETTING_MARGIN
-                return StepTime(same.seconds * ratio, {k: v * ratio for k, v in same.parts.items()})
+            st = None   # another setting's step: the FLOP model (fit's bounds for candidates not estimated yet)
     if not st:
         return flop_step_time(spec, p, micro_batch=micro_batch, grad_accum=grad_accum, tokens_per_sample=tokens_per_sample,
                               layers=layers)
