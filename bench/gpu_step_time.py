@@ -180,6 +180,7 @@ def main() -> int:
     ap.add_argument("--only", help="comma-separated case names")
     ap.add_argument("--table", help="an existing timing table (skips calibrate)")
     ap.add_argument("--workers", type=int, default=6, help="estimates side by side (default 6)")
+    ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     ap.add_argument("--role", choices=("predict", "measure"), help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -204,6 +205,8 @@ def main() -> int:
                "gpus": args.gpus, "table": table}
         if cases[n].get("skip"):
             rec["skipped"] = cases[n]["skip"]
+        elif time.perf_counter() - t0 > args.budget_s:
+            rec["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
         else:
             if not args.dry_run:
                 rec.update(_measure_case(n, args.gpus, env))
