@@ -180,15 +180,25 @@ def timing_at(regime, x) -> OpTrace | None:
     fit = regime.fit()
     if isinstance(fit, str):
         return None
-    spaces = [sp for sp in fit[0] if sp.answers(x)]
+    spaces = [sp for sp in fit[0] if sp.answers(x) and (sp.db or sp.dL)]
     if not spaces:
         return None
-    sp = max(spaces, key=lambda s: ((s.db + 1) * (s.dL + 1), len(s.nodes)))
-    w, den = sp.weights(x)
+    points = [t.point for t in regime.traces]
+    memo: dict = {}
 
-    def at(values: list) -> float:
-        v = sum(wi * values[i] for wi, i in zip(w, sp.nodes)) / den
-        return max(0, round(v)) if v >= 0 else 0
+    def at(values: list) -> int:
+        """The value at ``x`` of the polynomial of least degree that reproduces every trace (as the regime fits sizes)."""
+        key = tuple(values)
+        hit = memo.get(key)
+        if hit is None:
+            for sp in spaces:
+                if all(regime._predict(sp, values, points[q]) == values[q] for q in sp.checks):
+                    break
+            else:
+                sp = spaces[-1]
+            w, den = sp.weights(x)
+            hit = memo[key] = max(0, round(sum(wi * values[i] for wi, i in zip(w, sp.nodes)) / den))
+        return hit
 
     rows = []
     for j, (bucket, mod, f) in enumerate(first.rows):
@@ -196,9 +206,15 @@ def timing_at(regime, x) -> OpTrace | None:
         if all(v == f for v in vals):
             rows.append((bucket, mod, f))
             continue
-        mnk = None if f.mnk is None else tuple(max(1, at([v.mnk[d] for v in vals])) for d in range(3))
-        rows.append((bucket, mod, OpFacts(f.kind, at([v.flops for v in vals]), at([v.nbytes for v in vals]), mnk, f.dtype,
-                                          at([v.seq for v in vals]))))
+        # FLOPs are products of sizes (a matmul's 2 M N K, attention's B H L S D): interpolated as their factors, each
+        # of degree <= 1 in batch and seq len (attention's L x S needs degree 2 in L, which a grid of traces rarely fixes)
+        nbytes, seq, mnk, flops = at([v.nbytes for v in vals]), at([v.seq for v in vals]), None, 0
+        if f.mnk is not None:
+            mnk = tuple(max(1, at([v.mnk[d] for v in vals])) for d in range(3))
+            flops = round(f.flops / max(1, 2 * f.mnk[0] * f.mnk[1] * f.mnk[2]) * 2 * mnk[0] * mnk[1] * mnk[2])
+        elif f.seq:
+            flops = at([v.flops // max(1, v.seq) for v in vals]) * seq
+        rows.append((bucket, mod, OpFacts(f.kind, flops, nbytes, mnk, f.dtype, seq)))
     out = OpTrace(rows=rows, modules=first.modules, stack=first.stack, layers=first.layers,
                   trainable_tensors=first.trainable_tensors, quantized=first.quantized, selective=first.selective)
     out.size = ()      # priced as its own (the rows are this size's)
