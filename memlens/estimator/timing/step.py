@@ -191,8 +191,12 @@ def step_time(sim) -> dict | None:
     out["host_wait_per_micro_batch"] = sum(wait.values())
     if busy.get("recompute"):
         # what checkpointing adds to one micro-batch, additive over blocks (fit --least-recompute weighs blocks one by
-        # one): each recomputed op's kernel or its host dispatch, whichever is longer
-        out["recompute_seconds_per_micro_batch"] = sum(max(r[2], r[3]) * m for r, m in zip(rows, mult) if r[0] == "recompute")
+        # one): each recomputed op's kernel (its dispatch hides behind the GPU's work in a step that keeps the GPU busy),
+        # plus the selective policy's Python dispatch modes, which the GPU waits on (SAC_HOST_SECONDS_PER_OP)
+        from .record import SAC_HOST_SECONDS_PER_OP  # noqa: PLC0415 - as above
+
+        sac = SAC_HOST_SECONDS_PER_OP if tr.selective else 0.0
+        out["recompute_seconds_per_micro_batch"] = sum((r[2] + sac) * m for r, m in zip(rows, mult) if r[0] == "recompute")
     return out
 
 
