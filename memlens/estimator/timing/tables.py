@@ -73,20 +73,28 @@ class TimingTable:
     env: dict = field(default_factory=dict)         # torch / CUDA versions where measured
     format: int = FORMAT
     note: str = ""                                  # set at load time: calibrated or not, for this GPU or another
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)   # lookups already made
 
     # ------------------------------------------------------------ lookups
     def matmul_tflops(self, dtype: str, m: float, n: float, k: float) -> float:
         """TFLOP/s of one (M x K) @ (K x N) GEMM (a batched one: M counts every batch's rows)."""
-        g = self.matmul.get(dtype) or self.matmul.get("float32" if dtype == "tf32" else "bfloat16")
-        return math.exp(_trilinear(g["m"], g["n"], g["k"], g["log_tflops"], m, n, k))
+        key = (dtype, m, n, k)
+        hit = self._memo.get(key)
+        if hit is None:
+            g = self.matmul.get(dtype) or self.matmul.get("float32" if dtype == "tf32" else "bfloat16")
+            hit = self._memo[key] = math.exp(_trilinear(g["m"], g["n"], g["k"], g["log_tflops"], m, n, k))
+        return hit
 
     def attention_tflops(self, dtype: str, seq: float, backward: bool) -> float:
         g = self.attention.get(dtype) or self.attention.get("bfloat16")
         return math.exp(_linear(g["seq"], g["log_bwd" if backward else "log_fwd"], seq))
 
     def bandwidth_gbps(self, nbytes: float) -> float:
-        b = self.bandwidth
-        return math.exp(_linear(b["bytes"], b["log_gbps"], nbytes))
+        hit = self._memo.get(nbytes)
+        if hit is None:
+            b = self.bandwidth
+            hit = self._memo[nbytes] = math.exp(_linear(b["bytes"], b["log_gbps"], nbytes))
+        return hit
 
     def kernel_seconds(self, flops: float = 0.0, rate_tflops: float = 0.0, nbytes: float = 0.0) -> float:
         """One kernel: the larger of its compute time and its memory time, never under the kernel floor."""
@@ -120,6 +128,7 @@ class TimingTable:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("note")
+        d.pop("_memo")
         return _strip_logs(d)
 
     @classmethod
@@ -127,7 +136,7 @@ class TimingTable:
         if d.get("format") != FORMAT:
             raise SpecError(f"timing table format {d.get('format')!r} is not {FORMAT}", hint="rerun memlens calibrate")
         known = {f for f in cls.__dataclass_fields__}
-        t = cls(**{k: v for k, v in d.items() if k in known and k != "note"})
+        t = cls(**{k: v for k, v in d.items() if k in known and k not in ("note", "_memo")})
         _add_logs(t)
         return t
 
