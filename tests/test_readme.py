@@ -28,6 +28,12 @@ RUN, PARSE, SKIP, REFUSED = "run", "parse", "skip", "refused"
 # | (REFUSED, stand-in argv or None): a refusal, run as written (or on the stand-in), exit 2, each line it shows printed
 # as it is (an ERROR line names no number that a stand-in would change)
 COMMANDS = {
+    # docs/speed.md: step time
+    "estimate --model llama-3.2-1b --batch-size 4 --seq-len 1024 --precision bf16":
+        (RUN, f"estimate --model {TINY_LLAMA} --batch-size 2 --seq-len 64 --precision bf16"),
+    "calibrate --out h100_timing.json": (REFUSED, None),   # no GPU here: one line, exit 2
+    "estimate --model llama-3.2-1b --batch-size 4 --seq-len 1024 --precision bf16 --timing-table h100_timing.json":
+        (PARSE, "needs the table memlens calibrate writes on a GPU"),
     # the quickstart
     "estimate --model gpt2 --batch-size 8 --seq-len 1024 --precision amp-bf16":
         (RUN, f"estimate --model {TINY_GPT2} --batch-size 2 --seq-len 64 --precision amp-bf16"),

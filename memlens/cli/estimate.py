@@ -21,6 +21,7 @@ from ..report import plots as plots_mod  # a module: have_matplotlib is asked at
 from ..report.plots import skip_plots, timeline_png
 from ..report.profile_report import timeline_csv
 from ..report.estimate_text import render_estimate
+from .calibrate import add_table_arg, use_table
 from .common import (
     add_output_args,
     add_spec_args,
@@ -43,6 +44,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--budget", metavar="SIZE", help="with --lengths: the memory the step may use, e.g. 24GiB (default: the "
                    "whole --gpu): what max_length or micro-batch would keep the worst step under it")
     p.add_argument("--top", type=whole(0), default=12, metavar="N", help="modules to show (default 12)")
+    add_table_arg(p)
     add_output_args(p)
     p.set_defaults(func=run)
     return p
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
                   f"  half attention: {attn:9s} ({g.source})")
         return 0
     spec = spec_from_args(args)
+    use_table(args, spec)
 
     if args.budget and not spec.lengths:
         raise SpecError("--budget needs --lengths (an estimate says whether it fits --gpu; `memlens fit --budget` finds the "

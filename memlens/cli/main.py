@@ -29,6 +29,7 @@ VERBS = {
     "fit": "fit",
     "doctor": "doctor",
     "watch": "watch",
+    "calibrate": "calibrate",
 }
 
 

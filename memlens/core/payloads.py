@@ -144,6 +144,9 @@ class EstimatePayload(Payload):
     activation_plan: dict | None = UNSET          # checkpointing / offload: which blocks, what one micro-batch recomputes
                                                   # (ops, FLOPs, bytes, seconds) and moves to host memory (bytes, seconds)
     liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
+    step_seconds: float | None = UNSET            # predicted seconds of one optimizer step (memlens.estimator.timing)
+    step_time: dict | None = UNSET                # its parts (forward, backward, recompute, optimizer, collectives, host,
+                                                  # offload), tokens/s, samples/s, MFU, the timing table used
     outside_allocator_bytes: int | None = UNSET   # TRL GRPO with vLLM colocated: its share of the GPU (not in the peaks;
                                                   # the fit rule adds it to the need)
     compile_model: str | None = UNSET             # --compile: how the compiled step is modelled (estimator.compiled.MODEL)
@@ -167,6 +170,7 @@ class ProfilePayload(Payload):
     peak_phase: str | None = UNSET
     peak_step: int | None = UNSET
     snapshots: list | None = UNSET                # every labelled reading
+    step_time: dict | None = UNSET                # the profiled steps' seconds and parts (CUDA events per phase, measure/phase_time.py)
     steps: list | None = UNSET
     labels: dict | None = UNSET                   # what each measured figure is, in PyTorch's words
     ledger: dict | None = UNSET

@@ -69,6 +69,7 @@ class CudaRules:
     gpu: object = None                 # memlens.core.gpus.GpuFacts (None: the default GPU)
     fused_attention: object = None     # the autograd.Function for fused SDPA (None: FusedAttention; --compile traces its own)
     compile_trace: bool = False        # --compile's trace is running (compiled.py)
+    on_attention: object = None        # (backend, q, k, v, is_causal, out) per fused call: the step-time pricing (timing/record.py)
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, enable_gqa: bool, gpu=None, v=None) -> str:
@@ -242,7 +243,10 @@ def cuda_sdpa(rules: CudaRules, query, key, value, attn_mask=None, dropout_p=0.0
         return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:
         attn_mask = attn_mask.to(q.dtype)
-    return (rules.fused_attention or FusedAttention).apply(q, k, v, attn_mask, backend)
+    out = (rules.fused_attention or FusedAttention).apply(q, k, v, attn_mask, backend)
+    if rules.on_attention is not None:
+        rules.on_attention(backend, q, k, v, is_causal, out)
+    return out
 
 
 def _cast_args(args, kwargs, cast):

@@ -11,6 +11,7 @@ from ..core.precision import precision_of
 from ..core.result import Result
 from ..core.spec import checkpoint_layers_text
 from ..core.units import fmt_bytes
+from .timing.step import step_time
 
 # measured on an H100 (bench/gpu_fp16_steps.py): torchvision's ResNet-50 from random weights skipped
 # steps 1-3 (scale 65536, 32768, 16384) and first stepped at step 4
@@ -34,7 +35,13 @@ def simulation_facts(sim, a) -> dict:
         "seq_len": sim.seq_len,
         "image_size": sim.image_size,
         "model_source": sim.source.to_dict(),
+        **_timed(step_time(sim)),
     }
+
+
+def _timed(st: dict | None) -> dict:
+    """The step-time fields (memlens.estimator.timing): ``step_seconds`` and ``step_time`` (parts, tokens/s, MFU)."""
+    return {} if st is None else {"step_seconds": st["seconds"], "step_time": st}
 
 
 def simulation_result(sim, a) -> Result:
@@ -120,6 +127,8 @@ def activation_plan(sim) -> dict | None:
         sec = c.get("recompute_flops", 0) / rate + 2 * c.get("recompute_bytes", 0) / (gpu.dram_gbps * 1e9)
         if spec.checkpoint_policy == "selective":     # eager SAC: every op through torch's Python dispatch modes
             sec += c.get("recompute_ops", 0) * SAC_HOST_SECONDS_PER_OP
+        st = step_time(sim) or {}         # the per-op time model's figure where the simulation priced its ops
+        sec = st.get("recompute_seconds_per_micro_batch", sec)
         plan["checkpoint"] = {"blocks": blocks, "policy": spec.checkpoint_policy, "recomputed_ops": c.get("recompute_ops", 0),
                               "recompute_flops": c.get("recompute_flops", 0), "recompute_bytes": c.get("recompute_bytes", 0),
                               "recompute_seconds": round(sec, 6)}

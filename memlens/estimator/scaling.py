@@ -65,6 +65,7 @@ from ..models.source import resolve
 from . import depth
 from .depth import write_layers
 from .result import simulation_result
+from .timing.record import timing_at
 
 SEQ_PAD = 128        # sequence lengths answered from one regime share their residue modulo this
 MAX_DEGREE = 2       # per axis
@@ -323,7 +324,7 @@ class Regime:
         log = EventLog(events=events, modules=tlog.modules, rank=tlog.rank)
         seq_len = x[1] if self.template.facts[6] == "L" else tpl.seq_len
         return replace(tpl, log=log, spec=spec, seq_len=seq_len, seconds=time.perf_counter() - t0, notes=list(tpl.notes),
-                       written=None)
+                       written=None, timing=timing_at(self, x) or tpl.timing)
 
 
 def _fmt(x: Point) -> str:

@@ -47,6 +47,7 @@ from ..step.plan import StepPlan
 from ..step.plan import resolve as resolve_plan
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
+from .timing import record as timing_record
 
 check_tested_versions()   # one warning line when torch / transformers is outside the tested range
 
@@ -77,6 +78,7 @@ class Simulation:
     written: Any = None          # with later_layers written: (shallow log, its Stack, its live layers, copies,
     #                              sizes), what ``log`` was written from (depth.write_layers): a worker sends this
     costs: dict = field(default_factory=dict)  # one micro-batch's recompute and offload counts (SimulationTracker.costs)
+    timing: Any = None           # one micro-batch's priced ops (memlens.estimator.timing.record.OpTrace)
 
 
 class _FakeGradScaler:
@@ -173,7 +175,8 @@ def _from_shallow(spec: TrainingSpec, source: ModelSource, steps: int) -> Simula
                       b.trainable_count + grow * trainable, b.attention, time.perf_counter() - t0, notes=b.notes,
                       applied=b.applied, wrapper=b.wrapper, later_steps=b.later_steps, later_micro_batches=b.later_micro_batches,
                       later_layers=how, written=written,
-                      costs={k: v * n // shallow for k, v in b.costs.items()})   # all in the blocks, alike
+                      costs={k: v * n // shallow for k, v in b.costs.items()},   # all in the blocks, alike
+                      timing=timing_record.grown(b.timing, b.stack, n))
 
 
 def _grow_wrapper(wrapper, copied: dict, layers: int) -> None:
@@ -200,6 +203,7 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     tracker = SimulationTracker(log, gpu)
     rules = cuda_rules.CudaRules(autocast_dtype=torch_dtype(spec.autocast_dtype) if spec.autocast_dtype else None, gpu=gpu)
     emulation = cuda_rules.CudaEmulation(rules)
+    timer = timing_record.attach(tracker, rules, spec)
     autocast = (lambda: cuda_rules.cuda_autocast(emulation, rules.autocast_dtype)) if rules.autocast_dtype else contextlib.nullcontext
     step = prepare(spec, fake=True, source=source, autocast=autocast,
                    scaler=_FakeGradScaler() if precision_of(spec).grad_scaler else None)
@@ -231,7 +235,8 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     attention = sorted({f"{c.backend}" for c in rules.attention_calls})
     sim = Simulation(log, spec, source, step.seq_len, step.image_size, step.param_count, step.trainable_param_count,
                      attention, time.perf_counter() - t0, notes=_notes(spec, step, model), applied=step.applied, wrapper=step.wrapper,
-                     later_steps=runner.later_steps, later_micro_batches=runner.micro, costs=dict(tracker.costs))
+                     later_steps=runner.later_steps, later_micro_batches=runner.micro, costs=dict(tracker.costs),
+                     timing=timer.finish(model))
     if stack is not None:
         sim.stack, sim.live_layers, sim.spanning = stack, tracker.live_layers, tracker.spanning
     return sim
@@ -511,6 +516,7 @@ class SimulationTracker(StorageTracker):
         self._passes = {"forward": 0, "backward": 0}
         self.layer_hint = None                    # a tensor whose layer an allocation made from no tensor takes (layer_from)
         self._made_by: dict[int, tuple | None] = {}  # this backward's storages -> the autograd node that made them
+        self.timer = None                         # prices each op for the step time (memlens.estimator.timing.record)
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:
@@ -728,6 +734,8 @@ class SimulationTracker(StorageTracker):
                 return None
         first_new = self._next
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.timer is not None:
+            self.timer.op(func, args, kwargs, out)
         if self.phase == "backward":
             self._note_maker(out, first_new)
         if self.recomputing and self._first("backward"):

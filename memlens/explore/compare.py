@@ -169,7 +169,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
     notes = [f"each row is its technique applied on top of the baseline ({names[0]}: {base_spec.describe()}); "
              "changes: the settings it changes vs the baseline",
              "saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
-             "predicted_step_seconds: the FLOP model of memlens.explore.core.predict_step_time, not a measurement"]
+             "predicted_step_seconds: the per-op time model of the estimate (memlens.estimator.timing: matmuls and attention "
+             "by shape, other ops by bytes, host dispatch, optimizer, NCCL), not a measurement"]
     if b is not None and b.warning:
         notes.append(b.warning)
     if measure and device.startswith("cpu"):

@@ -47,6 +47,7 @@ class Point:
     by_component: tuple = field(default=(), compare=False)  # attention / mlp / embedding / norm / lora ... at the peak
     peak_rank: int | None = None        # several GPUs: the rank whose peak this is
     activation_plan: dict | None = field(default=None, compare=False)  # checkpointing / offload costs (estimator/result.py)
+    step_time: dict | None = field(default=None, compare=False)   # the per-op step time (memlens.estimator.timing)
 
     @classmethod
     def from_result(cls, r) -> "Point":
@@ -65,7 +66,7 @@ class Point:
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
                    timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"),
-                   activation_plan=d.get("activation_plan"))
+                   activation_plan=d.get("activation_plan"), step_time=d.get("step_time"))
 
 
 from ..core.fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)
@@ -233,21 +234,20 @@ class _Fake:  # for the docstring above
 
 
 # ---------------------------------------------------------------- step time (predicted)
-# A deliberately simple, documented model, labelled "predicted" wherever it is shown. Every rate is a
-# hardware fact of memlens.core.gpus: the spec's GPU's effective matmul rates (typical utilisation,
-# not peak; H100: 40 TFLOP/s in fp32 and 120 TFLOP/s under fp16/bf16) and host copy rate (H100:
-# 20 GB/s over PCIe Gen5, scaled by each GPU's PCIe link), the host's CPU Adam rate (1e9
-# parameters/s) and the interconnect (100 GB/s per GPU, assumed for every GPU).
-UTIL_HALF_TOKENS = 2048   # utilisation(t) = t / (t + 2048) for t tokens per micro-batch
+# The per-op model of memlens.estimator.timing where the estimate priced its ops (every simulated Result carries
+# ``step_time``); the FLOP model below only for a point without it (a formula estimate, a test's bare Point).
+UTIL_HALF_TOKENS = 2048   # the FLOP model's utilisation(t) = t / (t + 2048) for t tokens per micro-batch
 
 
 @dataclass(frozen=True)
 class StepTime:
     seconds: float                      # one optimizer step of the effective batch (all micro-batches)
-    parts: dict[str, float]             # compute, recompute, offload, communication
+    parts: dict[str, float]             # per-op: forward, backward, recompute, optimizer, collectives, host, offload;
+                                        # FLOP model: compute, recompute, offload, communication
+    model: str = "per-op"               # "per-op" (memlens.estimator.timing) | "flop" (the FLOP formula below)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "parts": self.parts}
+        return {"seconds": self.seconds, "parts": self.parts, "model": self.model}
 
 
 def checkpointed_fraction(spec: TrainingSpec, layers: int | None) -> float:
@@ -261,6 +261,38 @@ def checkpointed_fraction(spec: TrainingSpec, layers: int | None) -> float:
 def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None = None, grad_accum: int | None = None,
                       tokens_per_sample: int | None = None, layers: int | None = None) -> StepTime:
     """Predicted seconds of one optimizer step (all its micro-batches), with its parts.
+
+    Where ``p`` carries the per-op step time of its simulation (``p.step_time``: memlens.estimator.timing), that,
+    rescaled to ``micro_batch`` / ``grad_accum`` / ``tokens_per_sample`` when they differ from the priced step's
+    (:func:`memlens.estimator.timing.step.rescaled`), if ``p`` is of ``spec``'s setting (the same fields but those).
+    Else the FLOP model (:func:`flop_step_time`).
+    """
+    st = getattr(p, "step_time", None)
+    if st:
+        from ..estimator.timing.step import setting_key  # the estimator's time model (no torch import)
+
+        if st.get("setting") != setting_key(spec):
+            st = None   # another setting's step: the FLOP model (fit's bounds for candidates not estimated yet)
+    if not st:
+        return flop_step_time(spec, p, micro_batch=micro_batch, grad_accum=grad_accum, tokens_per_sample=tokens_per_sample,
+                              layers=layers)
+    from ..estimator.timing.step import rescaled  # noqa: PLC0415 - as above
+
+    mb = micro_batch if micro_batch is not None else spec.batch_size
+    acc = grad_accum if grad_accum is not None else spec.grad_accum
+    if spec.dp and micro_batch is None and grad_accum is None:
+        mb = min(spec.physical_batch_size or spec.batch_size, spec.batch_size)
+        acc = ceil_div(spec.batch_size, mb) * spec.grad_accum
+    L = tokens_per_sample or spec.seq_len or st.get("seq_len")
+    if (mb, acc, L) == (st.get("micro_batch_size"), st.get("micro_batches"), st.get("seq_len")):
+        return StepTime(float(st["seconds"]), dict(st["parts"]))
+    seconds, parts = rescaled(st, mb, acc, L)
+    return StepTime(seconds, parts)
+
+
+def flop_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None = None, grad_accum: int | None = None,
+                   tokens_per_sample: int | None = None, layers: int | None = None) -> StepTime:
+    """The FLOP model: predicted seconds of one optimizer step (all its micro-batches), with its parts.
 
     Matmul FLOPs per token (Kaplan et al. 2020 / nanoGPT: 6N for training): forward 2N, backward
     2N for activation gradients + 2N_trainable for weight gradients (LoRA keeps only the first);
@@ -315,7 +347,7 @@ def predict_step_time(spec: TrainingSpec, p: Point, *, micro_batch: int | None =
         factor = 3.0 if sharding_of(spec).shards_parameters else 2.0   # FSDP2 gathers parameters again in backward
         parts["communication"] = factor * (n_ranks - 1) / n_ranks * grad_bytes / INTERCONNECT_BYTES_PER_S
     # the batch per rank: the spec's micro-batch is per GPU, so each rank does all its micro-steps
-    return StepTime(sum(parts.values()), {k: v for k, v in parts.items()})
+    return StepTime(sum(parts.values()), {k: v for k, v in parts.items()}, model="flop")
 
 
 def largest_divisor_at_most(n: int, cap: int) -> int:

@@ -136,7 +136,8 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     notes = [
         f"fits: {RULE}: {b.describe()}",
         *([b.warning] if b.warning else []),
-        "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
+        "step times are predicted by the estimate's per-op time model (memlens.estimator.timing; a micro-batch not "
+        "simulated itself: scaled by its tokens), not measured",
     ] + notes_gpus
     if n > 1:
         data.update(world_size=n, per_gpu_target_batch=per_gpu, peak_rank=None)
@@ -411,9 +412,8 @@ def least_recompute(spec: TrainingSpec, budget: int | str | None = None, *, marg
     plan = search.plan(answer)
     gpu = search.gpu
     notes = [f"fits: {RULE}: {b.describe()}",
-             "added seconds per micro-batch from the simulation's own counts (activation_plan): recomputed matmul FLOPs at "
-             f"the {gpu.name}'s dense peak plus recomputed bytes at its DRAM bandwidth (a roofline bound), offloaded bytes "
-             "both ways at its PCIe rate"]
+             "added seconds per micro-batch from the simulation's own ops (activation_plan): the recomputed ops priced by the "
+             f"per-op time model for the {gpu.name} (memlens.estimator.timing), offloaded bytes both ways at its PCIe rate"]
     if not search.offload:
         notes.append("activation offload not weighed: a block offloaded frees at most the bytes it sends to the host, each "
                      f"sent and fetched back over PCIe ({gpu.pcie_bytes_per_s / 1e9:.0f} GB/s), which costs more per byte than "

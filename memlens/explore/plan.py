@@ -33,7 +33,7 @@ from ..core.errors import MemlensError
 from ..core.spec import TrainingSpec
 from ..core.techniques import EXACT, MODEL, NUMERICS  # noqa: F401 - kinds, re-exported
 from ..step.plan import resolve as resolve_step
-from .core import CachedEstimator, need_bytes, predict_step_time
+from .core import CachedEstimator, flop_step_time, need_bytes, predict_step_time
 from .search import divisors as divisors_of
 from .search import max_fitting_among
 
@@ -159,8 +159,8 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         run = run_of(micro)
         p = estimated(run)          # probed by the search
         if on_search is not None and m:
-            # the step time needs the parameter counts only (the run's own estimate has them)
-            on_search(Decision(True, predict_step_time(run, p, micro_batch=micro, grad_accum=accum).seconds * n))
+            # leaving entries out compares the FLOP model's figures on both sides (its bounds need parameter counts only)
+            on_search(Decision(True, flop_step_time(run, p, micro_batch=micro, grad_accum=accum).seconds * n))
     except MemlensError as e:
         return fail(e.message, n)
     t = predict_step_time(run, p, micro_batch=micro, grad_accum=accum)
@@ -173,7 +173,8 @@ def plan_entry(spec: TrainingSpec, cand: Candidate, est: CachedEstimator, usable
         predicted_peak_bytes=p.peak_reserved_bytes, predicted_peak_allocated_bytes=p.peak_allocated_bytes,
         predicted_step_seconds=t.seconds, step_time_factor=None, gpus=n,
         flags=_flags(cand.changes, micro if m else None, accum if m else None, field_name), estimates=len(asked),
-        extra={"step_time_parts": t.parts},
+        extra={"step_time_parts": t.parts,
+               "flop_gpu_seconds": flop_step_time(run, p, micro_batch=micro, grad_accum=accum).seconds * n},
     )
 
 
@@ -211,7 +212,7 @@ class Decision:
 
 def best_gpu_seconds(spec: TrainingSpec, cand: Candidate, p, target_batch: int) -> float | None:
     """The fewest predicted GPU-seconds ``cand`` can reach for ``target_batch``: the whole per-GPU
-    batch in one micro-batch (predict_step_time grows with accumulation: (b x L + k x 2048) for k
+    batch in one micro-batch, by the FLOP model (flop_step_time grows with accumulation: (b x L + k x 2048) for k
     micro-batches of b, and its other parts do not depend on the micro-batch). ``p``: an estimate of
     a setting with the same parameters. None if the candidate is not a valid spec."""
     try:
@@ -222,7 +223,7 @@ def best_gpu_seconds(spec: TrainingSpec, cand: Candidate, p, target_batch: int) 
     if target_batch % n:
         return None
     per_gpu = target_batch // n
-    return predict_step_time(s.replace(batch_size=per_gpu), p, micro_batch=per_gpu, grad_accum=1).seconds * n
+    return flop_step_time(s.replace(batch_size=per_gpu), p, micro_batch=per_gpu, grad_accum=1).seconds * n
 
 
 def smaller_settings(cand: Candidate, cands: list[Candidate]) -> list[Candidate]:
@@ -345,7 +346,7 @@ class _PlanRun:
             e = plan_entry(self.spec, c, self.est, self.usable, self.target, self.field,
                            on_search=lambda d: fut.done() or fut.set_result(d))
             if not fut.done():
-                fut.set_result(Decision(e.fits, e.gpu_seconds) if e.error is None else None)
+                fut.set_result(Decision(e.fits, e.extra.get("flop_gpu_seconds", e.gpu_seconds)) if e.error is None else None)
             return e
         finally:
             if not fut.done():

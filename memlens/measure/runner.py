@@ -10,6 +10,7 @@ physical batch's forward / backward / clip and the logical step's optimizer are 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from typing import Any, Callable
 
@@ -22,6 +23,7 @@ from ..models.build import quiet
 from ..models.source import resolve
 from ..step import prepare
 from .launch import profile_distributed
+from .phase_time import PhaseTimer
 from .profiler import Profiler, _resolve_device
 
 
@@ -92,9 +94,17 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         on_phase = _dp_phases(prof, dp, regions) if dp else (regions.on_phase if regions else (lambda name: None))
         if dp:
             dp.observer = prof
+        timer, inner, times = PhaseTimer(torch if cuda else None, dev), on_phase, []
+
+        def on_phase(name, inner=inner):   # CUDA events at the same marks: seconds per phase (measure/phase_time.py)
+            timer.on_phase(name)
+            inner(name)
+
         with prof:
             for i in range(steps):
+                timer.start()
                 step.run(on_phase)
+                times.append(timer.finish())
                 if progress:
                     progress(i + 1, steps)
             if cuda:
@@ -102,6 +112,7 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         if dp:
             dp.observer = None
     r = prof.result
+    r.data["step_time"] = measured_step_time(times, cuda)
     r.data["model_load"] = load
     r.data["warmup_steps"] = warmup
     r.data["profiled_steps"] = steps
@@ -246,6 +257,40 @@ class _Regions:
             self.cur.__enter__()
 
 
+def measured_step_time(times: list[dict], cuda: bool) -> dict[str, Any] | None:
+    """The profiled steps' seconds (median) and parts (median per phase), from :class:`PhaseTimer`."""
+    if not times:
+        return None
+    keys = sorted({k for t in times for k in t})
+    med = {k: statistics.median(t.get(k, 0.0) for t in times) for k in keys}
+    return {"seconds": med.pop("step"), "parts": med, "steps": len(times),
+            "measured_by": "CUDA events at the step loop's phase marks (recompute is inside backward)" if cuda
+            else "wall clock at the step loop's phase marks (CPU)"}
+
+
+def time_rows(predicted: dict | None, measured: dict | None) -> list[dict[str, Any]]:
+    """Predicted vs measured seconds: the step and each part the loop marks (recompute and host folded into
+    forward/backward in proportion, as the GPU's phases contain them)."""
+    if not predicted or not measured:
+        return []
+    pp = dict(predicted["parts"])
+    host, rec = pp.pop("host", 0.0), pp.pop("recompute", 0.0)
+    pp["backward"] = pp.get("backward", 0.0) + rec
+    both = pp.get("forward", 0.0) + pp["backward"]
+    for k in ("forward", "backward"):
+        if both:
+            pp[k] = pp.get(k, 0.0) + host * pp.get(k, 0.0) / both
+
+    def row(name, p, m):
+        return {"name": name, "predicted_seconds": p, "measured_seconds": m, "error": round((p - m) / m, 6) if m else None}
+
+    out = [row("step", predicted["seconds"], measured["seconds"])]
+    for k in ("forward", "backward", "optimizer"):
+        if k in measured["parts"]:
+            out.append(row(k, pp.get(k, 0.0), measured["parts"][k]))
+    return out
+
+
 def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
     """Predicted (``estimate``) vs measured (this profile), per category and per phase.
 
@@ -261,6 +306,7 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
                 "error": round((e - m) / m, 6) if m else None}
 
     rows = [row("peak allocated", est.peak_allocated_bytes, measured.peak_allocated_bytes)]
+    seconds = time_rows(est.data.get("step_time"), measured.data.get("step_time"))
     if measured.data.get("device", "").startswith("cuda"):
         rows.append(row("peak reserved", est.peak_reserved_bytes, measured.peak_reserved_bytes))
     phases = [row(f"{ph} peak", (est.by_phase.get(ph) or {}).get("peak_allocated_bytes", 0),
@@ -278,4 +324,4 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
         note += (" On CPU the comparison is not like for like: estimate predicts CUDA memory (512-byte blocks, "
                  "cuBLAS workspaces, CUDA kernels), the CPU ledger counts raw storage bytes.")
     return {"available": True, "rows": rows, "by_phase": phases, "by_category": cats, "note": note,
-            "estimate_peak_phase": est.data.get("peak_phase")}
+            "estimate_peak_phase": est.data.get("peak_phase"), "step_time": seconds}

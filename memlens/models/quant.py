@@ -73,6 +73,13 @@ class Linear4bitSim(torch.nn.Module):
         return out.to(inp_dtype)
 
 
+def quantized_weight_count(model) -> int:
+    """The weights held packed as 4-bit (:class:`Linear4bitSim`): ``in x out`` parameters each, which
+    ``model.parameters()`` does not list (they are buffers here, a uint8 ``Params4bit`` of half as many
+    elements in bitsandbytes: neither is the model's parameter count)."""
+    return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear4bitSim))
+
+
 def unquantized_note(model) -> str | None:
     """What bitsandbytes' 4-bit loading leaves in 16/32 bits besides embeddings, norms and lm_head: frozen weights
     that are no nn.Linear, such as the fused expert tensors of Mixtral/OLMoE-style MoE layers (an

@@ -6,6 +6,7 @@ from ..core.errors import MemlensError
 from ..core.payloads import EstimatePayload, given
 from ..core.result import Result
 from ..core.spec import TrainingSpec
+from ..estimator.timing.step import describe as describe_time
 from ..core.units import fmt_bytes
 
 # clip: DP-SGD (Opacus); generation, reference: TRL's GRPO and DPO steps
@@ -183,3 +184,5 @@ def render_estimate(result: Result, top_modules: int = 12) -> None:
     console = Console()
     for r in memory_tables(result, top_modules):
         console.print(r)
+    if result.data.step_time:
+        print("predicted " + describe_time(result.data.step_time))

@@ -19,11 +19,18 @@ def render_profile(result: Result) -> None:
     for t in _memory_tables(result, d):
         c.print(t)
     _setup_lines(c, d)
+    st = d.step_time
+    if st:
+        c.print(f"  step {st['seconds']:.4g} s measured (median of {st['steps']}: "
+                + ", ".join(f"{k} {v:.4g}" for k, v in st["parts"].items()) + f"; {st['measured_by']})")
     ce = d.compare_estimate
     if ce and not ce.get("available"):
         c.print(f"  [yellow]estimate unavailable: {ce.get('reason')}[/yellow]")
     elif ce:
         c.print(_estimate_vs_measured(ce))
+        for r in ce.get("step_time") or []:   # seconds: the per-op time model vs CUDA events per phase
+            c.print(f"  {r['name']} seconds: predicted {r['predicted_seconds']:.4g}, measured {r['measured_seconds']:.4g}"
+                    + ("" if r["error"] is None else f" ({100 * r['error']:+.1f}%)"))
     if d.torch_profiler:
         c.print(_top_operators(d.torch_profiler))
     if d.multinode:

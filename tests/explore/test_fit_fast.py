@@ -270,8 +270,9 @@ def test_cli_lists_entries_not_searched_and_full_plan_searches_them(capsys, monk
         if e["not_searched"]:
             f = full[e["name"]]
             assert e["fits"] is None
-            assert f["error"] or not f["fits"] or e["best_gpu_seconds"] <= f["predicted_gpu_seconds"] * (1 + 1e-12)
-            assert full[e["not_searched_for"]]["predicted_gpu_seconds"] < e["best_gpu_seconds"]
+            # the bound and the decision are the FLOP model's (explore/plan.py), the entries' own seconds per-op
+            assert f["error"] or not f["fits"] or e["best_gpu_seconds"] <= f["flop_gpu_seconds"] * (1 + 1e-12)
+            assert full[e["not_searched_for"]]["flop_gpu_seconds"] < e["best_gpu_seconds"]
         else:
             assert {k: e[k] for k in ("fits", "micro_batch", "grad_accum", "predicted_peak_bytes")} == \
                 {k: full[e["name"]][k] for k in ("fits", "micro_batch", "grad_accum", "predicted_peak_bytes")}

@@ -16,6 +16,10 @@ def test_qlora_weights_are_parameters_not_buffers():
     assert 0 < r.by_category["parameters"] < lora.by_category["parameters"]
     note = next(a for a in r.data.applied if a.startswith("4-bit NF4 frozen weights under parameters: "))
     assert " uint8, " in note and " float32 (packed 2 a byte" in note
+    # the parameter count is the model's, each packed weight counted as the in x out weights it holds (issue 36: an
+    # 8B QLoRA reported 1.06B, the unquantized rest)
+    assert r.data["param_count"] == lora.data["param_count"]
+    assert r.data["trainable_param_count"] == lora.data["trainable_param_count"]
 
 
 def test_qlora_says_what_bitsandbytes_leaves_unquantized():

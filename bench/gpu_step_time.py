@@ -1,0 +1,352 @@
+"""Step time, predicted vs measured (issue 36): calibrate this GPU, then for each case measure real steps and price
+the same spec with memlens' per-op time model using the table just measured.
+
+One command on the GPU machine, from the repo root (one H100: about 6 minutes):
+
+    python bench/gpu_step_time.py                 # calibrate + the one-GPU cases
+    python bench/gpu_step_time.py --gpus 2        # the DDP / FSDP2 cases (calibrate with NCCL first)
+    python bench/gpu_step_time.py --dry-run       # CPU: estimates only, tiny sizes (checks the script)
+
+What it does:
+1. ``memlens calibrate --out $OUT/<gpu>_timing.json`` in a subprocess (with ``--gpus 2``, NCCL included);
+2. the estimates of every case, on the CPU, in parallel subprocesses (2 threads each) with that table
+   (MEMLENS_TIMING_TABLE): ``step_time`` of the Result (seconds and parts);
+3. meanwhile, each case in its own GPU subprocess (an OOM or a crash loses one case): memlens' own step
+   (memlens.step.prepare) on random weights, 2 warm-up steps, then 5 steps each CUDA-synchronized: the median step
+   seconds (host wall clock) and its phases (CUDA events at the loop's phase marks, memlens.measure.phase_time;
+   recompute is inside backward); with ``--gpus 2`` under torchrun;
+4. one JSON line per case appended to $OUT/gpu_step_time.jsonl (OUT: env var, default ./out) as it comes, and a
+   markdown table ($OUT/gpu_step_time.md) printed last: measured vs predicted, error, and the overheads of
+   checkpointing and accumulation (measured vs predicted, percentage points).
+
+Skipped, and said so in the table: QLoRA (bitsandbytes is not installed on the GPU machine) and DP-SGD (opacus
+is not installed there).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+WARMUP, STEPS = 2, 5
+JSONL, MD = "gpu_step_time.jsonl", "gpu_step_time.md"
+GPT2 = dict(model="gpt2", batch_size=8, seq_len=1024)
+L1B = dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16")
+Q05 = dict(model="qwen2.5-0.5b", batch_size=8, seq_len=1024, precision="bf16")
+L8B = dict(model="llama-3.1-8b", batch_size=2, seq_len=1024, precision="bf16", lora_rank=16)
+
+# name -> spec fields; "base" names the case a technique is compared with (the overhead columns)
+CASES: dict[str, dict] = {
+    "gpt2-fp32": {**GPT2, "batch_size": 4, "seq_len": 512, "precision": "fp32"},
+    "gpt2-amp-bf16": {**GPT2, "precision": "amp-bf16"},
+    "gpt2-amp-fp16": {**GPT2, "seq_len": 512, "precision": "amp-fp16"},
+    "gpt2-bf16-fused": {**GPT2, "batch_size": 16, "precision": "bf16", "optimizer": "adamw-fused"},
+    "gpt2-amp-bf16-accum4": {**GPT2, "precision": "amp-bf16", "grad_accum": 4, "base": "gpt2-amp-bf16"},
+    "gpt2-amp-bf16-ckpt": {**GPT2, "precision": "amp-bf16", "grad_checkpointing": True, "base": "gpt2-amp-bf16"},
+    "llama1b-bf16": dict(L1B),
+    "llama1b-bf16-b1-L512": {**L1B, "batch_size": 1, "seq_len": 512},
+    "llama1b-bf16-fused": {**L1B, "optimizer": "adamw-fused"},
+    "llama1b-ckpt-full": {**L1B, "grad_checkpointing": True, "base": "llama1b-bf16"},
+    "llama1b-ckpt-partial8": {**L1B, "grad_checkpointing": True, "checkpoint_layers": 8, "base": "llama1b-bf16"},
+    "llama1b-ckpt-selective": {**L1B, "grad_checkpointing": True, "checkpoint_policy": "selective", "base": "llama1b-bf16"},
+    "llama1b-b2-accum2": {**L1B, "batch_size": 2, "grad_accum": 2, "base": "llama1b-bf16"},
+    "llama1b-eager-attn": {**L1B, "attn": "eager"},
+    "llama1b-lora-b8-L2048": {**L1B, "batch_size": 8, "seq_len": 2048, "lora_rank": 16},
+    "llama1b-amp-bf16": {**L1B, "batch_size": 2, "precision": "amp-bf16"},
+    "qwen0.5b-bf16": dict(Q05),
+    "qwen0.5b-amp-bf16-b4": {**Q05, "batch_size": 4, "precision": "amp-bf16"},
+    "qwen0.5b-ckpt": {**Q05, "grad_checkpointing": True, "base": "qwen0.5b-bf16"},
+    "qwen3-0.6b-lora": {**Q05, "model": "qwen3-0.6b", "lora_rank": 16},
+    "llama8b-lora": dict(L8B),
+    "llama8b-lora-ckpt": {**L8B, "grad_checkpointing": True, "base": "llama8b-lora"},
+    "vit-base-amp-bf16": dict(model="vit-base-patch16-224", batch_size=64, precision="amp-bf16"),
+    "vit-large-bf16-ckpt": dict(model="vit-large-patch16-224", batch_size=32, precision="bf16", grad_checkpointing=True),
+    "resnet50-amp-bf16": dict(model="resnet-50", batch_size=64, precision="amp-bf16"),
+    "tv-resnet50-fp32": dict(model="torchvision:resnet50", batch_size=32, precision="fp32"),
+    "llama1b-qlora": {**L1B, "lora_rank": 16, "qlora": True, "skip": "bitsandbytes is not installed on the GPU machine"},
+    "gpt2-dp-sgd": {**GPT2, "batch_size": 8, "seq_len": 256, "dp": True, "skip": "opacus is not installed on the GPU machine"},
+}
+CASES_2GPU: dict[str, dict] = {
+    "gpt2-ddp2": {**GPT2, "precision": "amp-bf16", "world_size": 2, "sharding": "ddp"},
+    "llama1b-ddp2": {**L1B, "world_size": 2, "sharding": "ddp"},
+    "llama1b-fsdp2": {**L1B, "world_size": 2, "sharding": "fsdp"},
+    "llama1b-zero2": {**L1B, "world_size": 2, "sharding": "zero2"},
+    "qwen0.5b-fsdp2-ckpt": {**Q05, "world_size": 2, "sharding": "fsdp", "grad_checkpointing": True},
+}
+META = ("base", "skip")
+
+
+def spec_of(fields: dict, dry: bool = False):
+    from memlens.core.spec import TrainingSpec
+
+    f = {k: v for k, v in fields.items() if k not in META}
+    if dry:   # tiny sizes: the script's paths, not its numbers
+        f["batch_size"] = min(f.get("batch_size", 1), 2)
+        if f.get("seq_len"):
+            f["seq_len"] = 64
+        if f.get("model") == "llama-3.1-8b":
+            f["model"] = "llama-3.2-1b"
+    return TrainingSpec(**f)
+
+
+# ---------------------------------------------------------------- one case, measured (GPU subprocess)
+def measure(name: str, fields: dict) -> dict:
+    import torch
+
+    from memlens.measure.phase_time import PhaseTimer
+    from memlens.step import prepare
+
+    spec = spec_of(fields)
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if spec.world_size > 1:
+        import torch.distributed as dist
+
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    dev = torch.device("cuda", local)
+    torch.manual_seed(0)
+    step = prepare(spec, device=dev)
+    timer = PhaseTimer(torch, dev)
+    walls, phases = [], []
+    for i in range(WARMUP + STEPS):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        timer.start()
+        step.run(timer.on_phase)
+        torch.cuda.synchronize()
+        if i >= WARMUP:
+            walls.append(time.perf_counter() - t)
+            phases.append(timer.finish())
+    med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    rec = {"name": name, "rank": rank, "measured_seconds": statistics.median(walls), "measured_steps": walls,
+           "measured_phases": med, "max_allocated": torch.cuda.max_memory_allocated(dev),
+           "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
+    if spec.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    return rec
+
+
+# ---------------------------------------------------------------- one case, estimated (CPU subprocess)
+def predict(name: str, fields: dict, dry: bool) -> dict:
+    import torch
+
+    torch.set_num_threads(2)
+    from memlens.estimator import estimate
+
+    t = time.perf_counter()
+    r = estimate(spec_of(fields, dry))
+    st = r.data.get("step_time") or {}
+    return {"name": name, "predicted_seconds": st.get("seconds"), "predicted_parts": st.get("parts"),
+            "predicted_table": st.get("table"), "calibrated": st.get("calibrated"), "mfu": st.get("mfu"),
+            "tokens_per_s": st.get("tokens_per_s"), "param_count": r.data.get("param_count"),
+            "predicted_peak_allocated": r.peak_allocated_bytes, "estimate_seconds": time.perf_counter() - t}
+
+
+def _child(args) -> int:
+    cases = {**CASES, **CASES_2GPU}
+    fields = cases[args.case]
+    try:
+        rec = predict(args.case, fields, args.dry_run) if args.role == "predict" else measure(args.case, fields)
+    except Exception as e:  # noqa: BLE001 - one case's failure, reported in its line
+        oom = "out of memory" in str(e).lower()
+        rec = {"name": args.case, f"{args.role}_error": f"{'OOM' if oom else type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(rec), flush=True)
+    return 0
+
+
+def _result_of(out: str) -> dict | None:
+    for line in reversed(out.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return None
+
+
+# ---------------------------------------------------------------- the run
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="CPU: estimates only, tiny sizes")
+    ap.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="1: the one-GPU cases; 2: DDP / FSDP2 under torchrun")
+    ap.add_argument("--only", help="comma-separated case names")
+    ap.add_argument("--table", help="an existing timing table (skips calibrate)")
+    ap.add_argument("--workers", type=int, default=6, help="estimates side by side (default 6)")
+    ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
+    ap.add_argument("--role", choices=("predict", "measure"), help=argparse.SUPPRESS)
+    ap.add_argument("--case", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.role:
+        return _child(args)
+    out = os.environ.get("OUT", "./out")
+    os.makedirs(out, exist_ok=True)
+    cases = CASES_2GPU if args.gpus == 2 else CASES
+    names = [n for n in cases if not args.only or n in args.only.split(",")]
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    table = args.table or (None if args.dry_run else calibrate(out, args.gpus, env))
+    if table:
+        env["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
+    penv = dict(env, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
+    todo = [n for n in names if not cases[n].get("skip")]
+    preds = _start_predictions(todo, penv, args)
+    path = os.path.join(out, JSONL)
+    rows = []
+    for n in names:
+        rec = {"name": n, "spec": {k: v for k, v in cases[n].items() if k not in META}, "base": cases[n].get("base"),
+               "gpus": args.gpus, "table": table}
+        if cases[n].get("skip"):
+            rec["skipped"] = cases[n]["skip"]
+        elif time.perf_counter() - t0 > args.budget_s:
+            rec["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
+        else:
+            if not args.dry_run:
+                rec.update(_measure_case(n, args.gpus, env))
+            rec.update(preds.result(n))
+            _errors(rec)
+        rows.append(rec)
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(_short(rec), flush=True)
+    preds.close()
+    md = markdown(rows, time.perf_counter() - t0)
+    with open(os.path.join(out, MD), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def calibrate(out: str, gpus: int, env: dict) -> str | None:
+    import torch
+
+    name = "gpu"
+    if torch.cuda.is_available():
+        from memlens.measure.calibrate import gpu_name_of
+
+        name = gpu_name_of(torch.cuda.get_device_name(0))
+    path = os.path.join(out, f"{name}_timing.json")
+    cmd = [sys.executable, "-m", "memlens.cli.main", "calibrate", "--out", path] + ([] if gpus > 1 else ["--no-nccl"])
+    t = time.perf_counter()
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    print(p.stdout + p.stderr[-2000:], flush=True)
+    print(f"calibrate: {time.perf_counter() - t:.0f} s", flush=True)
+    return path if p.returncode == 0 and os.path.exists(path) else None
+
+
+class _Predictions:
+    """Estimate subprocesses, ``workers`` at a time, started before the GPU measurements."""
+
+    def __init__(self, names, env, args):
+        self.queue, self.env, self.args, self.running, self.done = list(names), env, args, {}, {}
+        self._fill()
+
+    def _fill(self) -> None:
+        while self.queue and len(self.running) < self.args.workers:
+            n = self.queue.pop(0)
+            cmd = [sys.executable, os.path.abspath(__file__), "--role", "predict", "--case", n] + (["--dry-run"] if self.args.dry_run else [])
+            self.running[n] = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self, n: str) -> dict:
+        while n not in self.done:
+            for m, p in list(self.running.items()):
+                if p.poll() is not None or m == n:
+                    try:
+                        so, se = p.communicate(timeout=600)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        so, se = p.communicate()
+                    self.done[m] = _result_of(so) or {"predict_error": (se or "no output").strip().splitlines()[-1][:300]}
+                    del self.running[m]
+                    self._fill()
+                    break
+            else:
+                time.sleep(0.2)
+        return self.done[n]
+
+    def close(self) -> None:
+        for p in self.running.values():
+            p.kill()
+
+
+def _start_predictions(names, env, args) -> _Predictions:
+    return _Predictions(names, env, args)
+
+
+def _measure_case(n: str, gpus: int, env: dict) -> dict:
+    me = [os.path.abspath(__file__), "--role", "measure", "--case", n]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"] + me) if gpus > 1 \
+        else [sys.executable] + me
+    try:
+        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
+    except subprocess.TimeoutExpired:
+        return {"measure_error": "timeout (150 s)"}
+    return _result_of(p.stdout) or {"measure_error": (p.stderr or "no output").strip().splitlines()[-1][:300] if p.stderr else "no output"}
+
+
+def _errors(rec: dict) -> None:
+    m, p = rec.get("measured_seconds"), rec.get("predicted_seconds")
+    if m and p:
+        rec["error"] = (p - m) / m
+
+
+def _short(rec: dict) -> str:
+    if rec.get("skipped"):
+        return f"{rec['name']}: skipped ({rec['skipped']})"
+    m, p = rec.get("measured_seconds"), rec.get("predicted_seconds")
+    err = f"{rec['error'] * 100:+.1f}%" if rec.get("error") is not None else ""
+    bad = rec.get("measure_error") or rec.get("predict_error") or ""
+    return f"{rec['name']}: measured {m if m is None else f'{m:.4f}'} s, predicted {p if p is None else f'{p:.4f}'} s {err} {bad}"
+
+
+def markdown(rows: list[dict], seconds: float) -> str:
+    by = {r["name"]: r for r in rows}
+    lines = ["| case | measured s | predicted s | error | fwd m/p | bwd(+recompute) m/p | optim m/p | overhead vs base m/p |",
+             "|---|---|---|---|---|---|---|---|"]
+    errs = []
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        m, p = r.get("measured_seconds"), r.get("predicted_seconds")
+        mp, pp = r.get("measured_phases") or {}, r.get("predicted_parts") or {}
+        if r.get("error") is not None:
+            errs.append(abs(r["error"]))
+
+        def pair(a, b):
+            return f"{a:.4f}/{b:.4f}" if a is not None and b is not None else ""
+
+        host = pp.get("host", 0.0)   # the GPU's waits on the host fall inside the phases it measures
+        fwd_p = pp.get("forward", 0) + host * _share(pp, "forward")
+        bwd_p = pp.get("backward", 0) + pp.get("recompute", 0) + host * _share(pp, "backward")
+        over = ""
+        base = by.get(r.get("base") or "")
+        if base and base.get("measured_seconds") and base.get("predicted_seconds") and m and p:
+            om, op_ = m / base["measured_seconds"] - 1, p / base["predicted_seconds"] - 1
+            over = f"{om * 100:+.1f}% / {op_ * 100:+.1f}% ({(op_ - om) * 100:+.1f} pp)"
+        err = f"{r['error'] * 100:+.1f}%" if r.get("error") is not None else (r.get("measure_error") or r.get("predict_error") or "")
+        lines.append(f"| {r['name']} | {'' if m is None else f'{m:.4f}'} | {'' if p is None else f'{p:.4f}'} | {err} | "
+                     f"{pair(mp.get('forward'), fwd_p)} | {pair(mp.get('backward'), bwd_p)} | "
+                     f"{pair(mp.get('optimizer'), pp.get('optimizer'))} | {over} |")
+    tab = next((r.get("predicted_table") for r in rows if r.get("predicted_table")), "")
+    summary = (f"\n{len(errs)} cases measured and predicted; median |error| {statistics.median(errs) * 100:.1f}%, "
+               f"max {max(errs) * 100:.1f}%" if errs else "\nno case both measured and predicted")
+    return "\n".join(lines) + summary + f"; table: {tab}; run {seconds:.0f} s\n"
+
+
+def _share(pp: dict, part: str) -> float:
+    tot = pp.get("forward", 0) + pp.get("backward", 0) + pp.get("recompute", 0)
+    if not tot:
+        return 0.0
+    return (pp.get(part, 0) + (pp.get("recompute", 0) if part == "backward" else 0)) / tot
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""What one aten op of the simulated step costs the GPU, in the units a timing table prices: FLOPs and a GEMM
+shape for matmuls and convolutions, bytes moved (inputs read + outputs written) for everything else, nothing for
+views and allocations (no kernel runs; the host still dispatches them).
+
+Fake tensors carry every shape and dtype, so this is exact per op; only the kernel's speed comes from the table.
+
+>>> import torch
+>>> a, b = torch.empty(64, 128), torch.empty(128, 32)
+>>> facts = op_facts(torch.ops.aten.mm.default, (a, b), {}, a @ b)
+>>> facts.kind, facts.flops, facts.mnk, facts.nbytes
+('matmul', 524288, (64, 32, 128), 57344)
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, MEMORY, SYNC, VIEW
+
+
+class OpFacts(NamedTuple):
+    kind: str
+    flops: int = 0
+    nbytes: int = 0
+    mnk: tuple | None = None       # the GEMM shape a matmul / convolution is priced at (implicit GEMM for a convolution)
+    dtype: str = "float32"
+    seq: int = 0                   # attention: the query length (the table's axis)
+
+
+_KIND: dict = {}
+_ALLOC_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "resize_"}
+_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "_grouped_mm", "dot",
+            "_scaled_mm", "_int_mm"}
+_FLASH = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+          "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward"}
+_NO_KERNEL = {"_unsafe_view", "_reshape_alias", "_unsafe_index_put_view", "set_", "record_stream", "_has_compatible_shallow_copy_type",
+              "_to_copy_view", "sym_size", "sym_stride", "sym_numel", "is_same_size", "_nested_view_from_buffer"}
+_COMM = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "wait_tensor", "_allgather_base_",
+         "allgather_", "allreduce_", "reduce_scatter_", "_reduce_scatter_base_", "broadcast_", "all_to_all_single",
+         "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced"}
+_SYNC = {"_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero"}
+
+
+def kind_of(func) -> str:
+    """The op's pricing class, cached per overload: a view (its outputs alias an input, nothing written), an
+    allocation (empty*), a host sync, a matmul, a convolution, attention, or a memory-bound kernel."""
+    k = _KIND.get(func)
+    if k is None:
+        k = _KIND[func] = _classify(func)
+    return k
+
+
+def _classify(func) -> str:
+    name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func)
+    if name in _NO_KERNEL or name in _COMM:   # collectives: priced per step from the bytes they move (timing.step)
+        return VIEW
+    if name in _ALLOC_OPS:
+        return ALLOC
+    if name in _SYNC:
+        return SYNC
+    if name in _MATMULS:
+        return MATMUL
+    if name in ("convolution", "convolution_backward", "_convolution", "cudnn_convolution"):
+        return CONV
+    if name in _FLASH:
+        return ATTN_FWD
+    if name.endswith("attention_backward") and name.startswith("_"):
+        return ATTN_BWD
+    schema = getattr(func, "_schema", None)
+    if schema is not None and (schema.name.startswith("prim::") or not any("Tensor" in str(r.type) for r in schema.returns)):
+        writes = any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+        return MEMORY if writes else VIEW   # in-place foreach ops return nothing; prim::device, sym_size: metadata
+    if schema is not None and schema.returns and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return VIEW      # view, transpose, expand, detach, _unsafe_view, split (outputs alias an input)
+    return MEMORY
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    """Bytes a kernel touches for ``t``: its elements (a broadcast operand reaches the kernel unexpanded)."""
+    return t.numel() * t.element_size()
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if type(x) in (tuple, list):
+        return [t for t in x if isinstance(t, torch.Tensor)]
+    return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
+
+
+def _flat_tensors(args, kwargs) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif type(a) in (list, tuple):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    if kwargs:
+        out.extend(t for t in tree_flatten(kwargs)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype(t) -> str:
+    d = t.dtype
+    name = _DTYPE_NAMES.get(d)
+    if name is None:
+        name = _DTYPE_NAMES[d] = str(d).replace("torch.", "")
+    return name
+
+
+_REGISTRY: list = []
+
+
+def _flops(func, args, kwargs, out) -> int:
+    if not _REGISTRY:
+        from torch.utils.flop_counter import flop_registry  # heavy: torch internals, loaded on first use
+
+        _REGISTRY.append(flop_registry)
+    f = _REGISTRY[0].get(getattr(func, "_overloadpacket", None))
+    if f is None:
+        return 0
+    try:
+        return int(f(*args, **(kwargs or {}), out_val=out))
+    except Exception:  # noqa: BLE001 - a formula that does not take this overload's arguments: price by bytes
+        return 0
+
+
+def _gemm_shape(func, args, flops: int) -> tuple[int, int, int]:
+    """(M, N, K) of a matmul (batched: M x batch), read from its operands."""
+    name = func._schema.name.split("::")[-1]
+    a, b = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm", "_addmm_activation", "addmv") else (args[0], args[1])
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() == 0 or b.dim() == 0:
+        return 1, 1, 1
+    k = a.shape[-1]
+    n = b.shape[-1] if b.dim() >= 2 else 1
+    m = max(1, flops // max(1, 2 * n * k)) if flops else a.numel() // max(1, k)
+    return int(m), int(n), int(k)
+
+
+def _conv_shape(func, args, flops: int) -> tuple[int, int, int]:
+    """The implicit GEMM of a convolution: N = output channels, K = input channels / groups x kernel area, M the rest."""
+    fwd = func._schema.name.endswith("convolution")
+    w = args[1] if fwd else args[2]
+    groups = (args[8] if fwd else args[9]) if len(args) > 9 - fwd else 1
+    n = int(w.shape[0])
+    k = int(w.numel() // max(1, w.shape[0]))
+    m = max(1, flops // max(1, 2 * n * k * (2 if not fwd else 1)))
+    if isinstance(groups, int) and groups > 1:   # grouped / depthwise: each group is its own small GEMM
+        n = max(1, n // groups)
+    return m, n, k
+
+
+_BARE = {VIEW: OpFacts(VIEW), ALLOC: OpFacts(ALLOC), SYNC: OpFacts(SYNC)}
+
+
+def op_facts(func, args, kwargs, out) -> OpFacts:
+    """The cost facts of one aten op (see the module docstring)."""
+    kind = _KIND.get(func) or kind_of(func)
+    bare = _BARE.get(kind)
+    if bare is not None:
+        return bare
+    ins = _flat_tensors(args, kwargs)
+    outs = _tensors(out) if out is not None else []
+    nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs if not any(t is i for i in ins))
+    dtype = _dtype(ins[0]) if ins else "float32"
+    if kind == MATMUL:
+        fl = _flops(func, args, kwargs, out)
+        return OpFacts(MATMUL, fl, nbytes, _gemm_shape(func, args, fl), dtype)
+    if kind == CONV:
+        fl = _flops(func, args, kwargs, out)
+        return OpFacts(CONV, fl, nbytes, _conv_shape(func, args, fl), dtype)
+    if kind in (ATTN_FWD, ATTN_BWD):
+        q = ins[0] if kind == ATTN_FWD else ins[1]
+        return OpFacts(kind, _flops(func, args, kwargs, out), nbytes, None, _dtype(q), int(q.shape[-2]))
+    return OpFacts(MEMORY, 0, nbytes, None, dtype)
+
+
+def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool) -> OpFacts:
+    """A fused SDPA kernel (flash / memory-efficient / cuDNN) the simulation emulates without its arithmetic
+    (memlens.estimator.cuda_rules.FusedAttention): 4 B H L S D FLOPs forward (QK^T and PV), 2.5x that backward
+    (dQ, dK, dV and the recomputed scores: FlashAttention-2's 5 matmuls against 2), halved under a causal mask,
+    whose masked tiles the kernels skip (FlashAttention-2 paper, section 3.1.1)."""
+    B, H, L, D = q.shape
+    S, Dv = k.shape[-2], v.shape[-1]
+    fl = 2 * B * H * L * S * (D + Dv)
+    if backward:
+        fl = int(fl * 2.5)
+    if causal and L == S:
+        fl //= 2
+    el = q.element_size()
+    io = (q.numel() + k.numel() * H // max(1, k.shape[1]) + v.numel() * H // max(1, v.shape[1]) + B * H * L * Dv) * el
+    return OpFacts(ATTN_BWD if backward else ATTN_FWD, int(fl), int(io * (2 if backward else 1)), None, _dtype(q), int(L))

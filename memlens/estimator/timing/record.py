@@ -1,0 +1,221 @@
+"""The op stream of a simulated step, priced as it goes: the hook the simulation calls on every op.
+
+:func:`attach` gives a :class:`~memlens.estimator.simulate.SimulationTracker` a :class:`Recorder` (its ``timer``) and
+the CUDA emulation's rules an ``on_attention`` callback (fused SDPA is emulated without its arithmetic, so the
+kernel is priced from the call's shapes). The recorder keeps, for step 1's first pass of each phase (later
+micro-batches and steps repeat it: memlens.estimator.periodic), one row per op: its bucket (forward, backward,
+recompute, ...), the module it ran in, the GPU seconds of its kernel (from the timing table) and the host seconds
+of dispatching it, plus its matmul-class FLOPs (for MFU). :mod:`.step` turns the rows into step seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...models.quant import Linear4bitSim
+from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, SYNC, VIEW, OpFacts, attention_facts, op_facts
+from .tables import TimingTable, table_for
+
+# Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
+# TorchDispatchModes (caching in forward, replaying in recompute), host work the GPU waits on: measured on an H100
+# host (bench/results/recompute_plan_accuracy.md, all blocks selective on an 8B LoRA, a 1B, ViT-L and LLaVA-7B): 12-30
+# us per recomputed op beyond the roofline, median 22 (the figure memlens.estimator.result used before this model).
+SAC_HOST_SECONDS_PER_OP = 22e-6
+
+# phases priced from the op stream (the optimizer is priced from its parameters: .step)
+STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
+
+
+@dataclass
+class OpTrace:
+    """Priced rows of one micro-batch (step 1's first pass of each phase) and what :mod:`.step` needs besides."""
+
+    rows: list = field(default_factory=list)          # (bucket, module id, OpFacts), priced by :func:`price`
+    size: tuple = ()                                  # (batch size, seq len) it was recorded at (a replay is priced scaled)
+    modules: list = field(default_factory=list)       # module names by id (the simulation log's)
+    stack: Any = None                                 # the layer stack of a shallow model (memlens.estimator.depth.Stack)
+    layers: int | None = None                         # with ``stack``: the full model's layer count
+    trainable_tensors: int = 0
+    quantized: tuple = (0, 0)                         # 4-bit linears (QLoRA): (weights, layers), in the simulated model
+    selective: bool = False                           # selective checkpointing (recomputed ops pay SAC_HOST_SECONDS_PER_OP)
+
+    def multiplicity(self, recompute_layers: int | None = None) -> list[float]:
+        """Per row, how many times the full model runs it: a row inside the shallow model's layer stack stands for
+        ``layers / stack.depth`` rows (the layers are alike: memlens.estimator.depth checks it); a recompute row for
+        ``recompute_layers`` (the full model's checkpointed blocks) over the shallow model's checkpointed blocks."""
+        if self.stack is None or not self.layers:
+            return [1.0] * len(self.rows)
+        lay = [self.stack.layer_of(n) for n in self.modules]
+        grow = self.layers / self.stack.depth
+        of = [lay[r[1]] if 0 <= r[1] < len(lay) else None for r in self.rows]
+        shallow_ck = len({x for r, x in zip(self.rows, of) if r[0] == "recompute" and x is not None})
+        ck = grow if not shallow_ck or recompute_layers is None else min(recompute_layers, self.layers) / shallow_ck
+        return [1.0 if x is None else ck if r[0] == "recompute" else grow for r, x in zip(self.rows, of)]
+
+
+class Recorder:
+    """Called by the tracker on every op (``op``) and by the CUDA emulation on every fused attention call."""
+
+    def __init__(self, tracker, table: TimingTable):
+        self.tracker = tracker
+        self.table = table
+        self.trace = OpTrace()
+        self._passes: dict[str, int] = {}
+        self._phase = None
+        self._on = False
+
+    def _live(self) -> bool:
+        t = self.tracker
+        ph = t.phase
+        if ph != self._phase:
+            self._phase = ph
+            self._passes[ph] = self._passes.get(ph, 0) + 1
+            self._on = t.step == 1 and ph in STREAM_PHASES and self._passes[ph] == 1
+        return self._on
+
+    def bucket(self) -> str:
+        t = self.tracker
+        if t.phase == "backward" and getattr(t, "recomputing", False):
+            return "recompute"
+        return t.phase
+
+    def op(self, func, args, kwargs, out) -> None:
+        if not self._live():
+            return
+        self.add(op_facts(func, args, kwargs, out))
+
+    def add(self, f: OpFacts) -> None:
+        self.trace.rows.append((self.bucket(), self.tracker.module, f))
+
+    def attention(self, backend: str, q, k, v, causal: bool, out) -> None:
+        """A fused SDPA call (memlens.estimator.cuda_rules.cuda_sdpa): its forward kernel now, its backward when
+        autograd reaches the node (a pre-hook that holds shapes only, never a tensor)."""
+        if not self._live():
+            return
+        self.add(attention_facts(q, k, v, causal, backward=False))
+        fn = getattr(out, "grad_fn", None)
+        if fn is None:
+            return
+        bwd = attention_facts(q, k, v, causal, backward=True)
+
+        def before_backward(grad_outputs, facts=bwd):
+            if self._live():
+                self.add(facts)
+
+        fn.register_prehook(before_backward)
+
+    def finish(self, model=None) -> OpTrace:
+        tr = self.trace
+        tr.modules = list(self.tracker.log.modules)
+        sim_spec = getattr(self, "spec", None)
+        if sim_spec is not None:
+            tr.size = (sim_spec.batch_size, sim_spec.seq_len)
+        if model is not None:
+            tr.trainable_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+            q = [m for m in model.modules() if isinstance(m, Linear4bitSim)]
+            tr.quantized = (sum(m.in_features * m.out_features for m in q), len(q))
+        return tr
+
+
+def attach(tracker, rules, spec) -> Recorder:
+    """Price ``tracker``'s ops with the timing table of ``spec.gpu`` (memlens.estimator.timing.tables.table_for)."""
+    rec = Recorder(tracker, table_for(spec.gpu))      # loaded now: a bad --timing-table fails before the simulation
+    rec.spec = spec
+    rec.trace.selective = spec.checkpoint_policy == "selective" and spec.grad_checkpointing
+    tracker.timer = rec
+    rules.on_attention = rec.attention
+    return rec
+
+
+def price(trace: OpTrace, tab: TimingTable) -> list[tuple]:
+    """The trace's rows priced with ``tab``: (bucket, module id, GPU seconds, host seconds, matmul-class FLOPs, kind).
+    A kernel takes the larger of its compute and memory times (the table's rates for its shape and size), never less
+    than the kernel floor; views and allocations run no kernel. The host dispatches every op: an eager op under
+    Python in forward, an autograd-engine op in backward and recompute (plus the selective policy's dispatch modes)."""
+    out = []
+    sac = SAC_HOST_SECONDS_PER_OP if trace.selective else 0.0
+    h_view, h_fwd, h_bwd = tab.host_seconds("view"), tab.host_seconds("forward"), tab.host_seconds("backward")
+    for bucket, mod, f in trace.rows:
+        kind = f.kind
+        back = bucket in ("backward", "recompute")
+        host = h_view if kind in (VIEW, ALLOC) else h_bwd if back else h_fwd
+        if bucket == "recompute":
+            host += sac
+        fl = 0
+        if kind in (VIEW, ALLOC, SYNC):
+            gpu = 0.0
+        elif kind in (MATMUL, CONV):
+            m, n, k = f.mnk
+            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k), f.nbytes)
+            fl = f.flops
+        elif kind in (ATTN_FWD, ATTN_BWD):
+            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD), f.nbytes)
+            fl = f.flops
+        else:
+            gpu = tab.kernel_seconds(0, 0, f.nbytes)
+        out.append((bucket, mod, gpu, host, fl, kind))
+    return out
+
+
+def grown(trace: OpTrace | None, stack, layers: int) -> OpTrace | None:
+    """The trace of a shallow model (memlens.estimator.simulate._from_shallow) standing for ``layers`` layers."""
+    if trace is not None and stack is not None:
+        trace.stack, trace.layers = stack, layers
+    return trace
+
+
+def timing_at(regime, x) -> OpTrace | None:
+    """The priced trace of a replay at size ``x`` (memlens.estimator.scaling.Regime.simulation_at): each row's FLOPs,
+    bytes, GEMM shape and sequence length interpolated exactly (Lagrange, as the regime's allocation sizes are) over
+    the regime's traces, which run the same ops; so a replayed step is priced as its own simulation would be, whichever
+    sizes happened to be simulated. None where the traces' rows do not line up (the template's trace, scaled by
+    tokens, is used then: memlens.estimator.timing.step)."""
+    traces = [t.sim.timing for t in regime.traces]
+    if any(tr is None for tr in traces):
+        return None
+    first = traces[0]
+    shape = [(r[0], r[1], r[2].kind) for r in first.rows]
+    if any(len(tr.rows) != len(shape) or [(r[0], r[1], r[2].kind) for r in tr.rows] != shape for tr in traces[1:]):
+        return None
+    fit = regime.fit()
+    if isinstance(fit, str):
+        return None
+    spaces = [sp for sp in fit[0] if sp.answers(x) and (sp.db or sp.dL)]
+    if not spaces:
+        return None
+    points = [t.point for t in regime.traces]
+    memo: dict = {}
+
+    def at(values: list) -> int:
+        """The value at ``x`` of the polynomial of least degree that reproduces every trace (as the regime fits sizes)."""
+        key = tuple(values)
+        hit = memo.get(key)
+        if hit is None:
+            for sp in spaces:
+                if all(regime._predict(sp, values, points[q]) == values[q] for q in sp.checks):
+                    break
+            else:
+                sp = spaces[-1]
+            w, den = sp.weights(x)
+            hit = memo[key] = max(0, round(sum(wi * values[i] for wi, i in zip(w, sp.nodes)) / den))
+        return hit
+
+    rows = []
+    for j, (bucket, mod, f) in enumerate(first.rows):
+        vals = [tr.rows[j][2] for tr in traces]
+        if all(v == f for v in vals):
+            rows.append((bucket, mod, f))
+            continue
+        # FLOPs are products of sizes (a matmul's 2 M N K, attention's B H L S D): interpolated as their factors, each
+        # of degree <= 1 in batch and seq len (attention's L x S needs degree 2 in L, which a grid of traces rarely fixes)
+        nbytes, seq, mnk, flops = at([v.nbytes for v in vals]), at([v.seq for v in vals]), None, 0
+        if f.mnk is not None:
+            mnk = tuple(max(1, at([v.mnk[d] for v in vals])) for d in range(3))
+            flops = round(f.flops / max(1, 2 * f.mnk[0] * f.mnk[1] * f.mnk[2]) * 2 * mnk[0] * mnk[1] * mnk[2])
+        elif f.seq:
+            flops = at([v.flops // max(1, v.seq) for v in vals]) * seq
+        rows.append((bucket, mod, OpFacts(f.kind, flops, nbytes, mnk, f.dtype, seq)))
+    out = OpTrace(rows=rows, modules=first.modules, stack=first.stack, layers=first.layers,
+                  trainable_tensors=first.trainable_tensors, quantized=first.quantized, selective=first.selective)
+    out.size = ()      # priced as its own (the rows are this size's)
+    return out

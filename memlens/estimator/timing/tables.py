@@ -1,0 +1,300 @@
+"""Timing tables: what one GPU does per second, by shape (matmuls, attention), by size (memory traffic,
+collectives) and per op (launch and host dispatch costs). One JSON file per GPU.
+
+A table is *calibrated* when ``memlens calibrate`` (memlens.measure.calibrate) measured it on that GPU; the
+built-in tables under ``memlens/data/gpus/<gpu>_timing.json`` are, once the lead commits them. Any other GPU
+(and a CPU-only machine without a file) gets a table derived from the data sheet (memlens.core.gpus facts,
+typical efficiencies below), marked ``"calibrated": false`` and said so wherever a time is shown.
+
+Rates are interpolated in log space: a matmul's TFLOP/s over a log2 grid of (M, N, K) (trilinear in
+log2 of each dimension, log of the rate), bandwidth over log2 bytes, collective bus bandwidth over log2 bytes;
+outside a grid the nearest edge holds (the kernel floor, ``min_kernel_us``, bounds small ops from below).
+
+>>> t = datasheet_table("h100")
+>>> t.calibrated, round(t.matmul_tflops("bfloat16", 8192, 8192, 8192))
+(False, 690)
+>>> t2 = TimingTable.from_dict(t.to_dict()); t2.matmul_tflops("bfloat16", 8192, 8192, 8192) == t.matmul_tflops("bfloat16", 8192, 8192, 8192)
+True
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from bisect import bisect_right
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...core.errors import SpecError
+from ...core.gpus import GPUS, gpu_facts
+
+FORMAT = 1
+DTYPES = ("bfloat16", "float16", "float32", "tf32")
+DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "gpus"
+ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing-table sets it; workers inherit it)
+
+# The grids calibrate measures and the data-sheet tables fill (log2-spaced).
+GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
+GRID_NK = (64, 256, 1024, 4096, 16384)
+GRID_BYTES = tuple(2 ** e for e in range(12, 32, 2))        # 4 KiB .. 1 GiB
+GRID_SEQ = (128, 512, 2048, 8192)
+GRID_NCCL = tuple(2 ** e for e in range(16, 31, 2))         # 64 KiB .. 1 GiB
+
+# fp32 without TF32 runs on the CUDA cores: the data sheets' FP32 (non-tensor) TFLOP/s (H100 SXM5 67, H200 67,
+# A100 19.5, L40S 91.6, L4 30.3, A10 31.2, RTX 4090 82.6, RTX 3090 35.6, T4 8.1, V100 15.7)
+FP32_SIMT_TFLOPS = {"h100": 67.0, "h200": 67.0, "a100-80gb": 19.5, "a100-40gb": 19.5, "l40s": 91.6, "l4": 30.3,
+                    "a10g": 31.2, "rtx-4090": 82.6, "rtx-3090": 35.6, "t4": 8.1, "v100": 15.7}
+# GPU-to-GPU bandwidth per direction, GB/s (data sheets: NVLink 4 on H100/H200 SXM 900 GB/s total, NVLink 3 on
+# A100 SXM 600 GB/s total, V100 SXM2 300 GB/s total; the rest talk over PCIe: its per-direction figure)
+NVLINK_GBPS = {"h100": 450.0, "h200": 450.0, "a100-80gb": 300.0, "a100-40gb": 300.0, "v100": 150.0}
+
+# Typical efficiencies of a data-sheet table (assumptions, replaced by calibrate's measurements): a large bf16 GEMM
+# reaches ~70% of the dense tensor-core peak on Hopper (cuBLAS), ~75% of the SIMT fp32 peak; copies ~85% of DRAM
+# bandwidth; flash attention forward ~45% of the dense peak at long sequences, backward ~35%; NCCL ring bus
+# bandwidth ~75% of the link.
+EFF_MATMUL, EFF_SIMT, EFF_DRAM, EFF_ATTN_FWD, EFF_ATTN_BWD, EFF_LINK = 0.70, 0.75, 0.85, 0.45, 0.35, 0.75
+
+
+@dataclass
+class TimingTable:
+    gpu: str                                  # the registry name it describes (memlens.core.gpus)
+    device_name: str = ""                     # torch.cuda.get_device_name() where measured
+    calibrated: bool = False                  # measured by `memlens calibrate` (False: data sheet)
+    source: str = ""                          # how it was made
+    matmul: dict = field(default_factory=dict)      # dtype -> {"m": [...], "n": [...], "k": [...], "tflops": [m][n][k]}
+    attention: dict = field(default_factory=dict)   # dtype -> {"seq": [...], "fwd_tflops": [...], "bwd_tflops": [...]}
+    bandwidth: dict = field(default_factory=dict)   # {"bytes": [...], "gbps": [...]}: bytes moved (read + written) per s
+    min_kernel_us: float = 3.0                # GPU time of the smallest kernel, back to back (launch gap included)
+    host_us: dict = field(default_factory=dict)     # host dispatch per op: forward (Python eager), backward (autograd
+    #                                                 engine), optimizer (per foreach op), view (no kernel)
+    pcie_gbps: dict = field(default_factory=dict)   # {"h2d": GB/s, "d2h": GB/s} pinned copies
+    nccl: dict = field(default_factory=dict)        # str(world) -> {"all_reduce"|"all_gather": {"bytes": [...], "busbw_gbps": [...]}}
+    env: dict = field(default_factory=dict)         # torch / CUDA versions where measured
+    format: int = FORMAT
+    note: str = ""                                  # set at load time: calibrated or not, for this GPU or another
+    _memo: dict = field(default_factory=dict, repr=False, compare=False)   # lookups already made
+
+    # ------------------------------------------------------------ lookups
+    def matmul_tflops(self, dtype: str, m: float, n: float, k: float) -> float:
+        """TFLOP/s of one (M x K) @ (K x N) GEMM (a batched one: M counts every batch's rows)."""
+        key = (dtype, m, n, k)
+        hit = self._memo.get(key)
+        if hit is None:
+            g = self.matmul.get(dtype) or self.matmul.get("float32" if dtype == "tf32" else "bfloat16")
+            hit = self._memo[key] = math.exp(_trilinear(g["m"], g["n"], g["k"], g["log_tflops"], m, n, k))
+        return hit
+
+    def attention_tflops(self, dtype: str, seq: float, backward: bool) -> float:
+        g = self.attention.get(dtype) or self.attention.get("bfloat16")
+        return math.exp(_linear(g["seq"], g["log_bwd" if backward else "log_fwd"], seq))
+
+    def bandwidth_gbps(self, nbytes: float) -> float:
+        hit = self._memo.get(nbytes)
+        if hit is None:
+            b = self.bandwidth
+            hit = self._memo[nbytes] = math.exp(_linear(b["bytes"], b["log_gbps"], nbytes))
+        return hit
+
+    def kernel_seconds(self, flops: float = 0.0, rate_tflops: float = 0.0, nbytes: float = 0.0) -> float:
+        """One kernel: the larger of its compute time and its memory time, never under the kernel floor."""
+        t = flops / (rate_tflops * 1e12) if flops and rate_tflops else 0.0
+        if nbytes:
+            t = max(t, nbytes / (self.bandwidth_gbps(nbytes) * 1e9))
+        return max(t, self.min_kernel_us * 1e-6)
+
+    def collective_seconds(self, op: str, nbytes: float, world: int) -> float:
+        """An NCCL all-reduce / all-gather / reduce-scatter of ``nbytes`` (the full buffer) over ``world`` ranks:
+        the ring's bus-bandwidth law (nccl-tests PERFORMANCE.md: all-reduce moves 2(n-1)/n of the buffer per rank,
+        all-gather and reduce-scatter (n-1)/n) at the table's bus bandwidth for that size."""
+        if world <= 1 or nbytes <= 0:
+            return 0.0
+        kind = "all_reduce" if op == "all_reduce" else "all_gather"
+        rows = self.nccl.get(str(world)) or self.nccl.get(str(max((int(w) for w in self.nccl), default=2)))
+        if not rows or kind not in rows:
+            rows = _datasheet_nccl(self.gpu, world)
+        r = rows[kind]
+        busbw = math.exp(_linear(r["bytes"], r["log_busbw"], nbytes)) * 1e9
+        factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
+        return nbytes * factor / busbw + r.get("latency_us", 15.0) * 1e-6
+
+    def pcie_seconds(self, nbytes: float, direction: str = "h2d") -> float:
+        return nbytes / (self.pcie_gbps.get(direction, 20.0) * 1e9)
+
+    def host_seconds(self, kind: str) -> float:
+        return self.host_us.get(kind, 0.0) * 1e-6
+
+    # ------------------------------------------------------------ files
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("note")
+        d.pop("_memo")
+        return _strip_logs(d)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TimingTable":
+        if d.get("format") != FORMAT:
+            raise SpecError(f"timing table format {d.get('format')!r} is not {FORMAT}", hint="rerun memlens calibrate")
+        known = {f for f in cls.__dataclass_fields__}
+        t = cls(**{k: v for k, v in d.items() if k in known and k not in ("note", "_memo")})
+        _add_logs(t)
+        return t
+
+    def write(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        return p
+
+
+def read_table(path: str | Path) -> TimingTable:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"timing table {str(p)!r} does not exist", hint="memlens calibrate --out FILE writes one on a GPU") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecError(f"timing table {str(p)!r} is not JSON ({e})", hint="memlens calibrate --out FILE writes one") from None
+    if not isinstance(d, dict) or "gpu" not in d:
+        raise SpecError(f"timing table {str(p)!r} has no 'gpu' field", hint="memlens calibrate --out FILE writes one")
+    return TimingTable.from_dict(d)
+
+
+_CACHE: dict = {}
+
+
+def table_for(gpu: str | None, path: str | Path | None = None) -> TimingTable:
+    """The table to price ``gpu``'s step with, its ``note`` saying what it is: ``path`` (else $MEMLENS_TIMING_TABLE)
+    if given, else the shipped file for that GPU, else the data sheet's. A table of another GPU is used only when
+    named, and the note says so."""
+    name = gpu_facts(gpu).name
+    path = path or os.environ.get(ENV_TABLE) or None
+    key = (name, str(path) if path else None, _mtime(path))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    if path:
+        t = read_table(path)
+        what = "calibrated" if t.calibrated else "uncalibrated"
+        t.note = f"{what} table {Path(path).name} ({t.device_name or t.gpu})"
+        if t.gpu != name:
+            t.note += f", measured on a {t.gpu} and used for the {name} as asked (--timing-table)"
+    else:
+        shipped = DATA_DIR / f"{name}_timing.json"
+        t = read_table(shipped) if shipped.exists() else datasheet_table(name)
+        t.note = (f"calibrated on a {t.device_name or name}" if t.calibrated
+                  else f"uncalibrated: {name} data-sheet rates (run memlens calibrate on the GPU for measured ones)")
+    _CACHE[key] = t
+    return t
+
+
+def _mtime(path) -> float | None:
+    try:
+        return os.path.getmtime(path) if path else None
+    except OSError:
+        return None
+
+
+# ---------------------------------------------------------------- data-sheet tables
+def _sat(x: float, half: float) -> float:
+    return x / (x + half)
+
+
+def datasheet_table(gpu: str) -> TimingTable:
+    """A table from the data sheet of ``gpu`` (memlens.core.gpus) and the typical efficiencies above: a GEMM's rate
+    saturates with each dimension (x / (x + x0): M at 128 rows, N and K at 256; fp32 at the SIMT peak), copies with
+    size (half the asymptote at 1 MiB), attention with sequence length (half at 512 tokens)."""
+    f = gpu_facts(gpu)
+    peaks = {"bfloat16": f.peak_tflops_half if f.bf16 else f.peak_tflops_half / 8, "float16": f.peak_tflops_half,
+             "tf32": f.peak_tflops_fp32, "float32": FP32_SIMT_TFLOPS.get(f.name, f.peak_tflops_fp32 / 4)}
+    matmul = {}
+    for dt, peak in peaks.items():
+        eff = EFF_SIMT if dt == "float32" else EFF_MATMUL
+        top = peak * eff / (_sat(GRID_M[-1], 128) * _sat(GRID_NK[-2], 256) ** 2)
+        matmul[dt] = {"m": list(GRID_M), "n": list(GRID_NK), "k": list(GRID_NK),
+                      "tflops": [[[round(min(peak * eff, top * _sat(m, 128) * _sat(n, 256) * _sat(k, 256)), 3)
+                                   for k in GRID_NK] for n in GRID_NK] for m in GRID_M]}
+    attention = {dt: {"seq": list(GRID_SEQ),
+                      "fwd_tflops": [round(peaks[dt] * EFF_ATTN_FWD * _sat(s, 512), 3) for s in GRID_SEQ],
+                      "bwd_tflops": [round(peaks[dt] * EFF_ATTN_BWD * _sat(s, 512), 3) for s in GRID_SEQ]}
+                 for dt in ("bfloat16", "float16")}
+    bw = {"bytes": list(GRID_BYTES), "gbps": [round(f.dram_gbps * EFF_DRAM * _sat(b, 2**20), 2) for b in GRID_BYTES]}
+    t = TimingTable(gpu=f.name, device_name=f.label, calibrated=False,
+                    source=f"data sheet ({f.name}: {f.peak_tflops_half:g} dense fp16/bf16 TFLOP/s, {f.dram_gbps:g} GB/s DRAM, "
+                           f"{f.pcie_gbps:g} GB/s PCIe) at typical efficiencies (memlens.estimator.timing.tables)",
+                    matmul=matmul, attention=attention, bandwidth=bw, min_kernel_us=3.0,
+                    # eager PyTorch on a typical server CPU: ~10 us per op under Python modules, ~5 us per op the
+                    # autograd engine runs, ~15 us per foreach op, ~2 us for a view (assumptions until measured)
+                    host_us={"forward": 10.0, "backward": 5.0, "optimizer": 15.0, "view": 2.0},
+                    pcie_gbps={"h2d": round(f.pcie_bytes_per_s / 1e9, 1), "d2h": round(f.pcie_bytes_per_s / 1e9, 1)},
+                    nccl={str(w): _datasheet_nccl(f.name, w) for w in (2, 4, 8)})
+    _add_logs(t)
+    return t
+
+
+def _datasheet_nccl(gpu: str, world: int) -> dict:
+    f = gpu_facts(gpu)
+    link = NVLINK_GBPS.get(f.name, f.pcie_gbps) * EFF_LINK
+    row = {"bytes": list(GRID_NCCL), "busbw_gbps": [round(link * _sat(b, 4 * 2**20), 2) for b in GRID_NCCL], "latency_us": 15.0}
+    out = {"all_reduce": row, "all_gather": dict(row)}
+    for r in out.values():
+        r["log_busbw"] = [math.log(max(v, 1e-6)) for v in r["busbw_gbps"]]
+    return out
+
+
+# ---------------------------------------------------------------- interpolation
+def _add_logs(t: TimingTable) -> None:
+    """Cache the logs of every rate (what the interpolation works on); :func:`_strip_logs` drops them on write."""
+    for g in t.matmul.values():
+        g["log_tflops"] = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
+    for g in t.attention.values():
+        g["log_fwd"] = [math.log(max(v, 1e-6)) for v in g["fwd_tflops"]]
+        g["log_bwd"] = [math.log(max(v, 1e-6)) for v in g["bwd_tflops"]]
+    if t.bandwidth:
+        t.bandwidth["log_gbps"] = [math.log(max(v, 1e-6)) for v in t.bandwidth["gbps"]]
+    for rows in t.nccl.values():
+        for r in rows.values():
+            r["log_busbw"] = [math.log(max(v, 1e-6)) for v in r["busbw_gbps"]]
+
+
+def _strip_logs(d: Any) -> Any:
+    if isinstance(d, dict):
+        return {k: _strip_logs(v) for k, v in d.items() if not k.startswith("log_")}
+    if isinstance(d, list):
+        return [_strip_logs(v) for v in d]
+    return d
+
+
+def _bracket(grid: list, x: float) -> tuple[int, int, float]:
+    """Indices i, j and weight w of log2(x) between grid[i] and grid[j] (clamped at the ends)."""
+    if x <= grid[0]:
+        return 0, 0, 0.0
+    if x >= grid[-1]:
+        n = len(grid) - 1
+        return n, n, 0.0
+    j = bisect_right(grid, x)
+    i = j - 1
+    lo, hi = math.log2(grid[i]), math.log2(grid[j])
+    return i, j, (math.log2(x) - lo) / (hi - lo)
+
+
+def _linear(grid: list, vals: list, x: float) -> float:
+    i, j, w = _bracket(grid, x)
+    return vals[i] * (1 - w) + vals[j] * w
+
+
+def _trilinear(gm: list, gn: list, gk: list, vals: list, m: float, n: float, k: float) -> float:
+    im, jm, wm = _bracket(gm, m)
+    in_, jn, wn = _bracket(gn, n)
+    ik, jk, wk = _bracket(gk, k)
+    out = 0.0
+    for a, wa in ((im, 1 - wm), (jm, wm)):
+        for b, wb in ((in_, 1 - wn), (jn, wn)):
+            for c, wc in ((ik, 1 - wk), (jk, wk)):
+                if wa and wb and wc:
+                    out += wa * wb * wc * vals[a][b][c]
+    return out
+
+
+def known_gpus() -> list[str]:
+    return sorted(GPUS)

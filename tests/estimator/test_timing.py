@@ -1,0 +1,114 @@
+"""The per-op step-time model (memlens.estimator.timing): pricing by hand on a tiny Linear step, the table file's
+round trip, and what an uncalibrated or borrowed table says."""
+import json
+
+import pytest
+
+from memlens.core.errors import SpecError
+from memlens.core.spec import TrainingSpec
+from memlens.estimator.timing import step as step_mod
+from memlens.estimator.timing import tables
+from memlens.estimator.timing.record import price
+from memlens.estimator.timing.tables import TimingTable, datasheet_table, read_table, table_for
+
+LINEAR = "tests.tiny_models:linear"   # one bias-free 1024 x 1024 fp32 linear, batch 16 x 1024, loss = sum
+
+
+def flat_table(tflops: float = 10.0, gbps: float = 100.0) -> TimingTable:
+    """Every matmul at ``tflops``, every byte at ``gbps``, no kernel floor, no host cost: each op's price by hand."""
+    grid = {"m": [1, 2**20], "n": [1, 2**20], "k": [1, 2**20], "tflops": [[[tflops] * 2] * 2] * 2}
+    t = TimingTable(gpu="h100", calibrated=True, source="test", matmul={"float32": grid, "bfloat16": grid},
+                    attention={"bfloat16": {"seq": [1, 2**20], "fwd_tflops": [tflops] * 2, "bwd_tflops": [tflops] * 2}},
+                    bandwidth={"bytes": [1, 2**40], "gbps": [gbps, gbps]}, min_kernel_us=0.0,
+                    host_us={"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "view": 0.0},
+                    pcie_gbps={"h2d": 20.0, "d2h": 20.0})
+    tables._add_logs(t)
+    return t
+
+
+@pytest.fixture(scope="module")
+def linear_sim():
+    from memlens.estimator.simulate import simulate
+
+    return simulate(TrainingSpec(model=LINEAR, optimizer="sgd"))
+
+
+def test_a_linear_step_is_priced_op_by_op(linear_sim, monkeypatch):
+    tab = flat_table()
+    rows = price(linear_sim.timing, tab)
+    mm = [r for r in rows if r[5] == "matmul"]
+    # forward x @ W.T and backward grad_W = grad_out.T @ x (x needs no gradient): 2 x 16 x 1024 x 1024 FLOPs each
+    assert [(r[0], r[4]) for r in mm] == [("forward", 33_554_432), ("backward", 33_554_432)]
+    # each reads a 16 x 1024 fp32 operand (64 KiB) and the 4 MiB weight (or writes the 4 MiB gradient) and the
+    # other 64 KiB operand: 4,325,376 bytes at 100 GB/s = 43.25 us, more than 33.5 MFLOP at 10 TFLOP/s (3.36 us)
+    assert [r[2] for r in mm] == pytest.approx([4_325_376 / 100e9] * 2)
+    monkeypatch.setattr(step_mod, "table_for", lambda gpu: tab)
+    st = step_mod.step_time(linear_sim)
+    fwd = sum(r[2] for r in rows if r[0] == "forward")
+    assert st["parts"]["forward"] == pytest.approx(fwd) and fwd >= 4_325_376 / 100e9
+    assert st["parts"]["host"] == 0.0 and st["parts"]["collectives"] == 0.0
+    # SGD without momentum, foreach add_(p, g): the parameter read and written, the gradient read: 3 x 4 MiB at 100 GB/s
+    assert st["parts"]["optimizer"] == pytest.approx(3 * 4 * 2**20 / 100e9)
+    assert st["seconds"] == pytest.approx(sum(st["parts"].values()))
+    assert st["model_flops"] == 2 * 33_554_432
+
+
+def test_the_launch_queue_counts_host_bound_ops():
+    # three ops of 1 us on the GPU each dispatched in 10 us: the GPU waits 9 us before each but the first's 10
+    rows = [("forward", 0, 1e-6, 10e-6, 0, "memory")] * 3
+    busy, wait, host = step_mod.queue(rows, [1.0] * 3)
+    assert busy["forward"] == pytest.approx(3e-6) and wait["forward"] == pytest.approx(28e-6) and host == pytest.approx(30e-6)
+    # the same op 3 times as one row of multiplicity 3 (a layer of a shallow model standing for 3): the same end
+    busy3, wait3, _ = step_mod.queue(rows[:1], [3.0])
+    assert busy3["forward"] + wait3["forward"] == pytest.approx(busy["forward"] + wait["forward"])
+
+
+def test_the_table_file_round_trips(tmp_path):
+    t = datasheet_table("h100")
+    path = t.write(tmp_path / "h100_timing.json")
+    back = read_table(path)
+    assert back.to_dict() == t.to_dict()
+    assert json.loads(path.read_text())["calibrated"] is False
+    for args in (("bfloat16", 4096, 4096, 4096), ("float32", 100, 3000, 700), ("tf32", 10**6, 10, 10)):
+        assert back.matmul_tflops(*args) == t.matmul_tflops(*args)
+    # a grid point reads back its own value (log-space interpolation is exact on the grid)
+    g = t.matmul["bfloat16"]
+    assert t.matmul_tflops("bfloat16", g["m"][2], g["n"][1], g["k"][3]) == pytest.approx(g["tflops"][2][1][3])
+
+
+def test_a_gpu_without_a_table_says_uncalibrated():
+    t = table_for("a100-80gb")
+    assert t.calibrated is False and t.note.startswith("uncalibrated: a100-80gb data-sheet rates")
+
+
+def test_a_table_of_another_gpu_is_used_only_when_named_and_says_so(tmp_path, monkeypatch):
+    src = flat_table()
+    src.device_name = "NVIDIA H100 80GB HBM3"
+    path = src.write(tmp_path / "mine.json")
+    monkeypatch.setenv(tables.ENV_TABLE, str(path))
+    t = table_for("h200")
+    assert t.note == ("calibrated table mine.json (NVIDIA H100 80GB HBM3), measured on a h100 and used for the h200 "
+                      "as asked (--timing-table)")
+
+
+def test_a_bad_table_file_is_one_line(tmp_path):
+    bad = tmp_path / "t.json"
+    bad.write_text("{")
+    with pytest.raises(SpecError, match=r"^timing table '.*t\.json' is not JSON"):
+        read_table(bad)
+    with pytest.raises(SpecError, match="does not exist"):
+        read_table(tmp_path / "none.json")
+
+
+def test_an_estimate_carries_its_step_time(linear_sim):
+    from memlens.core.ledger import analyze
+    from memlens.estimator.result import simulation_result
+
+    r = simulation_result(linear_sim, analyze(linear_sim.log))
+    st = r.data["step_time"]
+    assert r.data["step_seconds"] == st["seconds"] > 0
+    assert set(st["parts"]) >= {"forward", "backward", "recompute", "optimizer", "collectives", "host"}
+    assert st["micro_batches"] == 1 and st["micro_batch_size"] == 1
+    # h100's shipped table is the data sheet's until the GPU calibrates it
+    assert st["calibrated"] is False and "uncalibrated" in st["table"]
+    assert 0 < st["mfu"] < 1
