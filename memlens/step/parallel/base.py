@@ -104,6 +104,9 @@ def check(spec: TrainingSpec, *, fake: bool) -> None:
     if spec.offload_optimizer:
         raise SpecError(f"--offload-optimizer with --sharding {spec.sharding} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
+    if spec.dp and (sh.name == "hsdp" or spec.tp > 1):
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding}" + (f" --tp {spec.tp}" if spec.tp > 1 else "")
+                        + ": Opacus' ghost_fsdp wraps a 1D FSDP2 mesh", hint="use --sharding fsdp --grad-sample-mode ghost, or ddp")
     if spec.dp:
         check_dp_sharding(spec)        # DPDDP, or Opacus' ghost_fsdp under fsdp/zero3; one line for the rest
     if spec.qlora:
