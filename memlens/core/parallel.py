@@ -143,7 +143,13 @@ def check_mesh(spec: Any) -> None:
                             hint="--shard-size N = --world-size gives --sharding fsdp; 1 gives replication (--sharding ddp)")
     elif shard is not None:
         raise SpecError("--shard-size is HSDP's shard group", hint="use it with --sharding hsdp")
+    if getattr(spec, "dp", False) and (sh.name == "hsdp" or tp > 1):
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding}" + (f" --tp {tp}" if tp > 1 else "")
+                        + ": Opacus' ghost_fsdp wraps a 1D FSDP2 mesh", hint="use --sharding fsdp --grad-sample-mode ghost, or ddp")
     if tp > 1:
+        if getattr(spec, "lora_rank", None) is not None:
+            raise SpecError(f"--tp {tp} with --lora-rank: torchtitan's TP plan shards nn.Linear layers, and peft's LoRA layers "
+                            "wrap them (q_proj.base_layer) - not modelled", hint="drop --lora-rank (or --tp: LoRA under FSDP2 is modelled)")
         if sh.family != "fsdp":
             raise SpecError(f"--tp {tp} composes with FSDP2 (torchtitan's 2D: TP within a group, FSDP2 across), not with "
                             f"--sharding {spec.sharding}", hint="use --sharding fsdp (or zero2, zero3, hsdp)")

@@ -18,6 +18,7 @@ from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
 from .fsdp import FSDPWrapper
 from .hsdp import HSDPWrapper
+from .tp import TPWrapper
 
 # (applies, wrapper class), asked in order: the first that applies wraps the rank
 _REGISTRY: list[tuple[Callable[[TrainingSpec], bool], type]] = [
@@ -25,6 +26,7 @@ _REGISTRY: list[tuple[Callable[[TrainingSpec], bool], type]] = [
     (lambda s: sharding_of(s).family == "fsdp" and s.dp, DPFSDPWrapper),   # Opacus' ghost_fsdp
     (lambda s: sharding_of(s).name == "ddp", DDPWrapper),
     (lambda s: sharding_of(s).name == "zero1", Zero1Wrapper),
+    (lambda s: sharding_of(s).family == "fsdp" and s.tp > 1, TPWrapper),   # DTensor TP x FSDP2 (or HSDP)
     (lambda s: sharding_of(s).name == "hsdp", HSDPWrapper),      # FSDP2 on a replicate x shard mesh
     (lambda s: sharding_of(s).family == "fsdp", FSDPWrapper),
 ]
