@@ -86,6 +86,13 @@ COMMANDS = {
     "estimate --model gpt2 --batch-size 8 --world-size 2 --sharding ddp --gradient-as-bucket-view":
         (RUN, f"estimate --model {TINY_GPT2} --batch-size 8 --world-size 2 --sharding ddp --gradient-as-bucket-view --seq-len 32"),
     "profile --model llama-3.2-1b --precision amp-bf16 --world-size 2 --sharding fsdp --out prof/": (PARSE, "launches torchrun on 2 GPUs"),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 64 --sharding hsdp --shard-size 8":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 64 --sharding hsdp --shard-size 8 "
+              "--seq-len 32"),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 16 --sharding fsdp --tp 8":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 4 --sharding fsdp --tp 2 "
+              "--seq-len 32"),
+    "estimate --model llama-3.1-8b --world-size 16 --sharding fsdp --cp 2": (REFUSED, None),
     "fit --model llama-3.1-8b --precision bf16 --world-size 8 --sharding zero2 --budget 80GiB --target-batch 256":
         (PARSE, "a sharded fit of an 8B model simulates many ranks and sizes (minutes); the sharded estimates above run"),
     "sweep --model gpt2-medium --batch-sizes 4,8,16,32 --measure --gpus 0,1,2,3 --out sw/": (PARSE, "--measure on 4 GPUs"),
