@@ -24,7 +24,7 @@ from ..core import progress as core_progress
 from ..core.errors import MemlensError, NoDeviceError, sentences
 from ..core.fits import RULE, Budget, need_bytes
 from ..core.gpus import gpu_facts, nccl_bytes
-from ..core.parallel import is_distributed
+from ..core.parallel import data_parallel_ranks, is_distributed
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..core.units import fmt_bytes
@@ -106,18 +106,19 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     """
     if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
         raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
-    n = spec.world_size
+    n = data_parallel_ranks(spec)      # the world over --tp: a tensor-parallel group shares one micro-batch
+    over = f"--world-size {n} GPUs" if n == spec.world_size else f"the {n} data-parallel ranks (--world-size / --tp)"
     if target_batch is not None and target_batch % n:
-        raise MemlensError(f"the target batch {target_batch} does not split evenly over --world-size {n} GPUs",
+        raise MemlensError(f"the target batch {target_batch} does not split evenly over {over}",
                            hint=f"use a multiple of {n}, e.g. --target-batch {n * max(1, round(target_batch / n))}")
     if target_batch is not None and target_batch // n > MAX_TARGET_PER_GPU:
         raise MemlensError(f"target batch {target_batch:,} is {target_batch // n:,} samples per GPU, above the "
                            f"{MAX_TARGET_PER_GPU:,} fit searches (the largest micro-batch memlens simulates)",
                            hint="give the effective batch in samples per optimizer step, e.g. --target-batch 1024")
     notes_gpus: list[str] = []
-    if n > 1 and context_bytes is None:
+    if spec.world_size > 1 and context_bytes is None:
         # per GPU, the budget loses the CUDA context and NCCL's own buffers (outside the caching allocator)
-        nccl, src = nccl_bytes(gpu_facts(spec.gpu).name, n)
+        nccl, src = nccl_bytes(gpu_facts(spec.gpu).name, spec.world_size)
         context_bytes = gpu_facts(spec.gpu).cuda_context_bytes + (nccl or 0)
         notes_gpus.append(f"per GPU: budget - CUDA context - NCCL buffers ({'%.0f MiB' % (nccl / 2**20) if nccl else 'unknown'}: {src})")
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
@@ -156,7 +157,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         "step times are predicted by a simple FLOP model (memlens.explore.core.predict_step_time), not measured",
     ] + notes_gpus
     if n > 1:
-        data.update(world_size=n, per_gpu_target_batch=per_gpu, peak_rank=None)
+        data.update(world_size=spec.world_size, per_gpu_target_batch=per_gpu, peak_rank=None)
     peak_alloc = peak_res = None
     if mbs:
         p = est(base.replace(**{f: mbs}))
