@@ -83,3 +83,18 @@ def test_lora_and_dp_sgd_with_tp_are_refused():
         TP.replace(lora_rank=8)
     with pytest.raises(SpecError, match=r"^DP-SGD with --sharding fsdp --tp 2: Opacus' ghost_fsdp wraps a 1D FSDP2 mesh"):
         TP.replace(dp=True, grad_sample_mode="ghost")
+
+
+def test_a_tied_embedding_stays_tied_under_tp(tmp_path):
+    """parallelize_module gives embed_tokens and lm_head a DTensor each: memlens ties them again (both vocab-sharded)."""
+    import json
+
+    cfg = json.loads(open(f"{LLAMA}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    sim = simulate_rank(TrainingSpec(model=str(tmp_path), batch_size=2, seq_len=32, world_size=4, sharding="fsdp", tp=2), 0, steps=1)
+    model = sim.wrapper.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and sim.wrapper.facts["tied_embeddings"]
+    # 2 x 2: one 256 / 2 / 2 = 64-row embedding shard (fp32), not two
+    layer = (16 + 8 + 8) * 64 * 4 + 32 * 32 * 4 + 3 * 32 * 64 * 4 + 2 * 32 * 4
+    setup = sum(ev.nbytes for ev in _allocs(sim.log, "setup") if ev.category == "parameters")
+    assert setup == 64 * 64 * 4 + 2 * layer + 32 * 4

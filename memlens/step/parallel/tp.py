@@ -81,12 +81,17 @@ class TPWrapper(FSDPWrapper):
 
         inner, layers = _decoder(model)
         _check_divisible(inner, self.tp)
+        tied = model.lm_head.weight is inner.embed_tokens.weight
         tp_mesh = self.mesh["tp"]
         plan_top, plan_layer = tp_plan()
         parallelize_module(model, tp_mesh, plan_top)
         for layer in layers:
             parallelize_module(layer, tp_mesh, plan_layer)
-        self.facts.update(tp=self.tp, tp_layers=len(layers))
+        if tied:
+            # parallelize_module gives each module its own DTensor parameter, which unties a tied lm_head; both are
+            # vocab-sharded (Shard(0)), so the model is tied again as it trains (one weight, its gradient summed)
+            model.lm_head.weight = inner.embed_tokens.weight
+        self.facts.update(tp=self.tp, tp_layers=len(layers), tied_embeddings=tied)
         return model
 
 
