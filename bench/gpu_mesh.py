@@ -4,14 +4,17 @@ Run on a 4-GPU machine from the repo root (about 4-6 minutes on 4 x H100):
 
     python bench/gpu_mesh.py            # results under $OUT (default ./out): gpu_mesh.jsonl, a table printed last
     python bench/gpu_mesh.py --dry-run  # CPU only: every case's estimate on a tiny Llama (no GPU, no torchrun)
-    python bench/gpu_mesh.py hsdp       # only the cases whose name contains "hsdp"
+    python bench/gpu_mesh.py hsdp       # only the cases (and profiles) whose name contains "hsdp"
 
 Each case runs in its own torchrun job (bench/gpu_distributed.py's rank code: memlens.step.prepare builds the very
 wrapper the estimate simulates - FSDP2 fully_shard on a 2 x 2 replicate x shard mesh, or parallelize_module with
 torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh - resets the peak counters after building
 and runs 3 steps), so an OOM or a crash loses one case. Every rank's max_memory_allocated / max_memory_reserved is
 compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after the GPU
-runs; the rank group that stands for it). One JSON line per case is appended to $OUT/gpu_mesh.jsonl as it comes.
+runs; the rank group that stands for it). One JSON line per case is appended to $OUT/gpu_mesh.jsonl as it comes,
+with each rank's NCCL memory (NVML growth the caching allocator does not explain: several communicators per rank on a
+2D mesh). Then `memlens profile --world-size 4 --compare-estimate` runs once per mesh (the CLI's own torchrun launch),
+its output kept in $OUT/profile-*.txt.
 """
 from __future__ import annotations
 
@@ -44,6 +47,31 @@ def cases(base: dict) -> list[tuple[str, dict]]:
     ]
 
 
+PROFILES = {   # `memlens profile --world-size 4 ... --compare-estimate`: the CLI path (torchrun launched by memlens itself)
+    "profile-hsdp2x2": ["--sharding", "hsdp", "--shard-size", "2"],
+    "profile-tp2xfsdp2": ["--sharding", "fsdp", "--tp", "2"],
+}
+
+
+def profile_run(out: Path, name: str) -> str:
+    """One `memlens profile` of Llama-3.2-1B amp-bf16 b4 L1024 on the 4 GPUs; its output kept in $OUT/<name>.txt."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "memlens.cli.main", "profile", "--model", "llama-3.2-1b", "--batch-size", "4", "--seq-len", "1024",
+           "--precision", "amp-bf16", "--world-size", str(WORLD), *PROFILES[name], "--steps", "3", "--compare-estimate",
+           "--out", str(out / name)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]),
+               COLUMNS="160")
+    t = time.time()
+    try:
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+        text, rc = p.stdout + p.stderr, p.returncode
+    except subprocess.TimeoutExpired:
+        text, rc = "timeout", "timeout"
+    (out / f"{name}.txt").write_text(" ".join(cmd[2:]) + "\n" + text)
+    return f"{name}: rc={rc} {time.time() - t:.0f}s (output in {out / (name + '.txt')})"
+
+
 def gpu_name() -> str:
     import torch
 
@@ -74,6 +102,7 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     todo = [(n, f) for n, f in cases(TINY if dry else LLAMA_1B) if not args or any(a in n for a in args)]
+    profiles = [n for n in PROFILES if not args or any(a in n for a in args)]
     rows = []
     if dry:
         for name, fields in todo:
@@ -96,6 +125,9 @@ def main() -> None:
         measured.append((name, fields, rec))
         print(f"{name:42s} {rec['wall_s']:5.0f}s " + " ".join(f"r{r['rank']}={r.get('max_allocated', 0) / 2**30:.3f}"
                                                                for r in rec["ranks"]) + f" {rec.get('error', '')}", flush=True)
+    lines = [profile_run(out, n) for n in profiles]       # the CLI path, after the per-case runs
+    for line in lines:
+        print(line, flush=True)
     for name, fields, rec in measured:
         try:
             est = estimate(fields, gpu)
@@ -108,8 +140,8 @@ def main() -> None:
         with open(out / "gpu_mesh.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
     print(f"\n{env['device']} x {WORLD}, torch {env['torch']}, NCCL {env['nccl']}\n")
-    print("| case | rank | measured alloc GiB | estimate GiB | err | measured reserved GiB | estimate GiB | err |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| case | rank | measured alloc GiB | estimate GiB | err | measured reserved GiB | estimate GiB | err | NCCL MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         for m in row["measured"]:
             e = row["estimate"]["ranks"].get(m["rank"])
@@ -119,7 +151,7 @@ def main() -> None:
             ea, er = e
             print(f"| {row['name']} | {m['rank']} | {m['max_allocated'] / 2**30:.3f} | {ea / 2**30:.3f} | "
                   f"{100 * (ea - m['max_allocated']) / m['max_allocated']:+.2f}% | {m['max_reserved'] / 2**30:.3f} | {er / 2**30:.3f} | "
-                  f"{100 * (er - m['max_reserved']) / m['max_reserved']:+.2f}% |")
+                  f"{100 * (er - m['max_reserved']) / m['max_reserved']:+.2f}% | {(m.get('nccl_bytes') or 0) / 2**20:.0f} |")
 
 
 if __name__ == "__main__":
