@@ -17,6 +17,7 @@ Variants (the hypotheses):
   user-unused     find_unused_parameters=True (what the HF Trainer passes without gradient checkpointing)
   user-bw-autocast  backward inside the autocast context (autocast's cast cache of the bf16 weights kept through it)
   zero1-step      memlens' step under --sharding zero1;  zero1-user: the user loop with ZeroRedundancyOptimizer
+  then `memlens profile --world-size 2 --compare-estimate` for ddp and zero1 (the CLI's own torchrun launch; `profile`)
 
     python bench/gpu_ddp_gpt2_probe.py                 # 2 GPUs; $OUT (default ./out)/gpu_ddp_gpt2_probe.jsonl
     python bench/gpu_ddp_gpt2_probe.py user zero1       # only variants whose name contains one of these
@@ -201,6 +202,25 @@ def run_variant(out: Path, variant: str, dry: bool) -> dict:
     return rec
 
 
+def profile_cli(out: Path, sharding: str, dry: bool) -> str:
+    """`memlens profile --world-size 2 --compare-estimate` of the same spec (memlens' own torchrun launch, as a user runs it);
+    the output is kept in $OUT/profile-<sharding>.txt, the merged result in $OUT/profile-<sharding>/."""
+    cfg = config_dir(out, True, dry)
+    shape = TINY_SHAPE if dry else SHAPE
+    cmd = [sys.executable, "-m", "memlens.cli.main", "profile", "--model", cfg, "--precision", "amp-bf16", "--batch-size",
+           str(shape["batch_size"]), "--seq-len", str(shape["seq_len"]), "--world-size", str(WORLD), "--sharding", sharding,
+           "--steps", "3", "--compare-estimate", "--out", str(out / f"profile-{sharding}")] + (["--device", "cpu"] if dry else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+               COLUMNS="160")
+    try:
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        text = p.stdout + p.stderr
+    except subprocess.TimeoutExpired:
+        text = "timeout"
+    (out / f"profile-{sharding}.txt").write_text(" ".join(cmd[2:]) + "\n" + text)
+    return "\n".join(text.splitlines()[:8])
+
+
 def estimate(fields: dict) -> dict:
     """memlens' per-phase estimate of rank 0 (expected) and its worst case (DDP's stale buckets held)."""
     from memlens.core.spec import TrainingSpec
@@ -223,6 +243,8 @@ def main() -> None:
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     names = [v for v in VARIANTS if not args or any(a in v for a in args)]
+    if dry and args == ["profile"]:
+        names = []
     if not dry:
         import torch
 
@@ -234,6 +256,9 @@ def main() -> None:
         recs.append(rec)
         print(f"{v:18s} {rec['wall_s']:5.0f}s " + " ".join(f"r{r['rank']}={(r.get('max_allocated_steps23') or 0) / 2**30:.3f}GiB"
                                                       for r in rec["ranks"]) + f" {rec.get('error', '')}", flush=True)
+    if not args or "profile" in args:      # the CLI path a user takes (on the CPU with --dry-run: gloo)
+        for sh in ("ddp", "zero1"):
+            print(f"\nmemlens profile --sharding {sh}:\n" + profile_cli(out, sh, dry), flush=True)
     cache: dict[str, dict] = {}
     for rec in recs:
         key = json.dumps(rec["spec"], sort_keys=True)
