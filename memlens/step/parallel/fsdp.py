@@ -121,8 +121,8 @@ class FSDPWrapper(Wrapper):
         self.unsharded_grad_keys: set[int] = set()
         self.model = None
         mp = "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if spec.precision == "amp-bf16" else "no MixedPrecisionPolicy"
-        self.applied.append(f"FSDP2 fully_shard over {self.world_size} GPUs per block + root "
-                            f"(reshard_after_forward={self.raf}, {mp})")
+        self.settings = f"(reshard_after_forward={self.raf}, {mp})"      # HSDP and TP name their mesh before these
+        self.applied.append(f"FSDP2 fully_shard over {self.world_size} GPUs per block + root {self.settings}")
 
     def build_context(self):
         """Real device: parameters on the meta device, buffers real (accelerate's init_empty_weights)."""

@@ -30,10 +30,9 @@ class HSDPWrapper(FSDPWrapper):
     def __init__(self, spec, **kw):
         super().__init__(spec, **kw)
         self.shard_size = spec.shard_size
-        self.replicas = self.world_size // max(1, spec.tp) // spec.shard_size
+        self.replicas = self.world_size // spec.shard_size
         self.applied[-1] = (f"FSDP2 fully_shard on a {self.replicas} x {self.shard_size} DeviceMesh (replicate x shard) per block "
-                            f"+ root: each parameter sharded over {self.shard_size} GPUs, replicated {self.replicas} times "
-                            + self.applied[-1].split(" per block + root ", 1)[1])
+                            f"+ root: each parameter sharded over {self.shard_size} GPUs, replicated {self.replicas} times {self.settings}")
 
     def make_mesh(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh  # heavy: torch, loaded on first use

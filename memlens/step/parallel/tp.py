@@ -53,7 +53,7 @@ class TPWrapper(FSDPWrapper):
         dims = f"{self.replicas} x {self.shard_size} x {self.tp} (replicate x shard x tp)" if self.hsdp else f"{dp} x {self.tp} (dp_shard x tp)"
         self.applied[-1] = (f"DTensor tensor parallel over {self.tp} GPUs (torchtitan's Llama plan: colwise q/k/v/gate/up, rowwise "
                             f"o/down, sequence-parallel norms) + FSDP2 fully_shard per block + root over {self.shard_size} on a "
-                            f"{dims} DeviceMesh " + self.applied[-1].split(" per block + root ", 1)[1])
+                            f"{dims} DeviceMesh {self.settings}")
 
     @property
     def strategy(self) -> str:
