@@ -123,3 +123,15 @@ def test_mesh_fields_round_trip_and_stay_out_of_plain_specs():
     assert TrainingSpec.from_dict({"model": MODEL, "world_size": "16", "sharding": "hsdp", "shard_size": "4"}).shard_size == 4
     assert not {"shard_size", "tp", "cp", "pp"} & set(TrainingSpec(model=MODEL, world_size=2, sharding="fsdp").to_dict())
     assert spec.effective_batch_size == 8 and spec.describe().endswith("hsdpx16 shard=4 tp=2")
+
+
+def test_the_closed_form_shards_over_the_shard_group_and_refuses_tp():
+    from memlens.core.errors import MemlensError
+    from memlens.estimator import estimate
+
+    gpt2 = "tests/fixtures/models/tiny-gpt2"
+    hsdp = estimate(TrainingSpec(model=gpt2, seq_len=32, world_size=16, sharding="hsdp", shard_size=8), method="formula")
+    fsdp = estimate(TrainingSpec(model=gpt2, seq_len=32, world_size=8, sharding="fsdp"), method="formula")
+    assert hsdp.by_category == fsdp.by_category
+    with pytest.raises(MemlensError, match=r"^--method formula does not model tensor parallel \(--tp 2"):
+        estimate(TrainingSpec(model="tests/fixtures/tiny-llama", world_size=4, sharding="fsdp", tp=2), method="formula")
