@@ -10,7 +10,7 @@ this process after the GPU runs, and a table printed last.
 
 Variants (the hypotheses):
   memlens-step    memlens.step.prepare's own step (what the estimate simulates; exact for GPT-2 small)
-  user            a plain user loop: DDP(model), AdamW, autocast around the forward, backward, step, zero_grad
+  user-plain      a plain user loop: DDP(model), AdamW, autocast around the forward, backward, step, zero_grad
   user-untied     the same with config.tie_word_embeddings=False (wte and lm_head two parameters)
   user-bucketview gradient_as_bucket_view=True
   user-static     static_graph=True
@@ -19,8 +19,11 @@ Variants (the hypotheses):
   zero1-step      memlens' step under --sharding zero1;  zero1-user: the user loop with ZeroRedundancyOptimizer
   then `memlens profile --world-size 2 --compare-estimate` for ddp and zero1 (the CLI's own torchrun launch; `profile`)
 
-    python bench/gpu_ddp_gpt2_probe.py                 # 2 GPUs; $OUT (default ./out)/gpu_ddp_gpt2_probe.jsonl
-    python bench/gpu_ddp_gpt2_probe.py user zero1       # only variants whose name contains one of these
+    python bench/gpu_ddp_gpt2_probe.py                 # 2 GPUs, everything (~8-10 min: better in the 3 parts below)
+    python bench/gpu_ddp_gpt2_probe.py memlens-step user-plain user-untied user-bucketview
+    python bench/gpu_ddp_gpt2_probe.py user-static user-unused user-bw-autocast zero1
+    python bench/gpu_ddp_gpt2_probe.py profile          # memlens profile --world-size 2 for ddp and zero1
+                                                        # (each part appends to $OUT (default ./out)/gpu_ddp_gpt2_probe.jsonl)
     python bench/gpu_ddp_gpt2_probe.py --dry-run        # CPU: tiny GPT-2, 2 gloo ranks per variant + the estimates
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ TINY_SHAPE = dict(batch_size=2, seq_len=32)
 
 VARIANTS = {   # name: (runner, tied, DDP kwargs, backward inside autocast, ZeRO-1)
     "memlens-step": ("memlens", True, {}, False, False),
-    "user": ("user", True, {}, False, False),
+    "user-plain": ("user", True, {}, False, False),
     "user-untied": ("user", False, {}, False, False),
     "user-bucketview": ("user", True, {"gradient_as_bucket_view": True}, False, False),
     "user-static": ("user", True, {"static_graph": True}, False, False),
