@@ -120,7 +120,8 @@ def main() -> None:
     gpu = gpu_name()
     measured = []
     for name, fields in todo:          # the GPU runs first (each its own torchrun job), then the estimates on the CPU
-        rec = run_case(out, name, fields, WORLD)
+        (out / "gpu_mesh_runs").mkdir(exist_ok=True)
+        rec = run_case(out / "gpu_mesh_runs", name, fields, WORLD)     # its raw record also in gpu_mesh_runs/gpu_distributed.jsonl
         measured.append((name, fields, rec))
         print(f"{name:42s} {rec['wall_s']:5.0f}s " + " ".join(f"r{r['rank']}={r.get('max_allocated', 0) / 2**30:.3f}"
                                                                for r in rec["ranks"]) + f" {rec.get('error', '')}", flush=True)
