@@ -97,6 +97,13 @@ COMMANDS = {
     "profile --model llama-3.2-1b --precision amp-bf16 --sharding fsdp --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29400 "
     "--node-rank 1 --out prof/": (PARSE, "runs on two machines of 8 GPUs each"),
     "profile --model gpt2 --nnodes 2 --nproc-per-node 8": (REFUSED, f"profile --model {TINY_GPT2} --nnodes 2 --nproc-per-node 8"),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 64 --sharding hsdp --shard-size 8":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 64 --sharding hsdp --shard-size 8 "
+              "--seq-len 32"),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 16 --sharding fsdp --tp 8":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 4 --sharding fsdp --tp 2 "
+              "--seq-len 32"),
+    "estimate --model llama-3.1-8b --world-size 16 --sharding fsdp --cp 2": (REFUSED, None),
     "fit --model llama-3.1-8b --precision bf16 --world-size 8 --sharding zero2 --budget 80GiB --target-batch 256":
         (PARSE, "a sharded fit of an 8B model simulates many ranks and sizes (minutes); the sharded estimates above run"),
     "sweep --model gpt2-medium --batch-sizes 4,8,16,32 --measure --gpus 0,1,2,3 --out sw/": (PARSE, "--measure on 4 GPUs"),

@@ -182,13 +182,20 @@ def _add_gpus_args(g) -> None:
                         "reshard_after_forward=False (gradients and optimizer states split, parameters gathered from forward "
                         "to backward); zero3 = fsdp = FSDP2 fully_shard defaults (parameters split too, re-gathered in "
                         "backward). FSDP2 wraps each transformer block, then the root; amp-bf16 = "
-                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)")
+                        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); hsdp = FSDP2 on a 2D mesh (replicate x "
+                        "shard): sharded within --shard-size GPUs, replicated across the groups")
     g.add_argument("--reshard-after-forward", metavar="true|false|N",
                    help="FSDP2: free gathered parameters after forward (true, zero3/fsdp default), keep them (false, zero2), "
                         "or keep a shard over N GPUs")
     g.add_argument("--gradient-as-bucket-view", action="store_const", const=True,
                    help="DDP: gradients become views of the all-reduce buckets (saves one gradient copy)")
     g.add_argument("--bucket-cap-mb", type=float, metavar="MB", help="DDP: all-reduce bucket size (default 25)")
+    g.add_argument("--shard-size", type=int, metavar="N", help="--sharding hsdp: the GPUs each parameter is sharded over "
+                   "(e.g. one node's 8); the world / N groups are replicas")
+    g.add_argument("--tp", type=int, metavar="N", help="tensor parallel GPUs (DTensor, torchtitan's Llama plan: colwise "
+                   "q/k/v/gate/up, rowwise o/down, sequence-parallel norms) on the last mesh dim, FSDP2 on the others")
+    g.add_argument("--cp", type=int, metavar="N", help="context parallel degree: not modelled, refused")
+    g.add_argument("--pp", type=int, metavar="N", help="pipeline parallel stages: not modelled, refused")
     g.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="DeepSpeed ZeRO config: not modelled, refused "
                    "(memlens simulates PyTorch's own ZeRO: --sharding zero1/zero2/zero3)")
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
@@ -202,7 +209,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
+    "bucket_cap_mb", "shard_size", "tp", "cp", "pp", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
     "trainer", "packing", "padding_free", "prompt_len", "precompute_ref_log_probs", "num_generations", "max_completion_length",
     "beta", "steps_per_generation", "vllm_gpu_memory_utilization",
 )

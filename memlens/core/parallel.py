@@ -41,6 +41,8 @@ SHARDINGS: dict[str, Sharding] = {s.name: s for s in (
     Sharding("zero2", "fsdp", True, True, False, "FSDP2 fully_shard(reshard_after_forward=False) per block + root"),
     Sharding("zero3", "fsdp", True, True, True, "FSDP2 fully_shard (reshard_after_forward=True) per block + root"),
     Sharding("fsdp", "fsdp", True, True, True, "FSDP2 fully_shard (reshard_after_forward=True) per block + root"),
+    Sharding("hsdp", "fsdp", True, True, True, "FSDP2 fully_shard on a 2D DeviceMesh (replicate x shard) per block + root: "
+             "sharded within a group of --shard-size GPUs, replicated across the groups"),
 )}
 SHARDING_NAMES: tuple[str, ...] = tuple(SHARDINGS)   # the built-in ones; sharding_names() adds the registered
 
@@ -69,13 +71,25 @@ def is_distributed(spec: Any) -> bool:
 
 
 def data_parallel_ranks(spec: Any) -> int:
-    """Ranks that each take a micro-batch (every rank of a DDP / ZeRO / FSDP2 job; 1 on one GPU)."""
-    return spec.world_size if is_distributed(spec) else 1
+    """Ranks that each take a different micro-batch: every rank of a DDP / ZeRO / FSDP2 / HSDP job, the world over
+    the tensor-parallel degree (a TP group shares one micro-batch); 1 on one GPU."""
+    return spec.world_size // max(1, getattr(spec, "tp", 1) or 1) if is_distributed(spec) else 1
 
 
-# The largest job memlens models: one flat data-parallel group (DDP, ZeRO-1, FSDP2) of this many ranks. It
-# models no HSDP, tensor or pipeline parallelism, which is what jobs beyond this size run (torchtitan's largest
-# published runs: 128 GPUs of FSDP, 256 of FSDP x TP, DESIGN.md). The simulation also costs with the world
+def shard_degree(spec: Any) -> int:
+    """Ranks over which FSDP2 shards each parameter (its shard mesh dim): --shard-size under HSDP, else every
+    data-parallel rank (the world over --tp); 1 without sharding."""
+    sh = SHARDINGS[spec.sharding]
+    if not sh.shards_optimizer_state:
+        return 1
+    if sh.name == "hsdp":
+        return spec.shard_size
+    return data_parallel_ranks(spec)
+
+
+# The largest job memlens models: DDP, ZeRO-1, FSDP2, HSDP or FSDP2 x TP over this many ranks (torchtitan's
+# largest published runs: 128 GPUs of FSDP, 256 of FSDP x TP, DESIGN.md); no context or pipeline parallelism.
+# The fake process group builds every sub-group of the mesh on the simulated rank. The simulation also costs with the world
 # size: torch's fully_shard chunks every parameter into world-size pieces on every rank
 # (torch/distributed/fsdp/_fully_shard/_fsdp_common.py: _chunk_with_empty), about 26 s for gpt2 at 100,000.
 MAX_WORLD_SIZE = 1024
@@ -85,12 +99,13 @@ def check_fields(spec: Any) -> None:
     """The spec fields of several GPUs that cannot go together (called by TrainingSpec's validation)."""
     sh = SHARDINGS[spec.sharding]
     if isinstance(spec.world_size, int) and spec.world_size > MAX_WORLD_SIZE:
-        raise SpecError(f"--world-size {spec.world_size} is above the {MAX_WORLD_SIZE:,} ranks memlens models (one flat "
-                        "data-parallel group: no HSDP, tensor or pipeline parallelism)",
+        raise SpecError(f"--world-size {spec.world_size} is above the {MAX_WORLD_SIZE:,} ranks memlens models (DDP, "
+                        "ZeRO, FSDP2, HSDP, FSDP2 x TP)",
                         hint=f"estimate one rank of a group of at most {MAX_WORLD_SIZE} (per-rank memory under FSDP stops "
                              "shrinking long before: the sharded states are already small)")
     if sh.name != "none" and not is_distributed(spec):
         raise SpecError(f"sharding {spec.sharding!r} needs --world-size > 1", hint="add --world-size 8")
+    check_mesh(spec)
     raf = spec.reshard_after_forward
     if raf is not None:
         if sh.family != "fsdp":
@@ -98,9 +113,10 @@ def check_fields(spec: Any) -> None:
         if sh.name == "zero2" and raf is not False:
             raise SpecError("zero2 is FSDP2 with reshard_after_forward=False", hint="drop --reshard-after-forward, or use --sharding fsdp")
         if not isinstance(raf, bool):
-            if not isinstance(raf, int) or raf < 2 or raf >= spec.world_size or spec.world_size % raf:
-                raise SpecError(f"--reshard-after-forward {raf!r} must be true, false or a divisor of the world size between 2 and "
-                                f"{spec.world_size - 1}", hint="e.g. --reshard-after-forward true")
+            n = shard_degree(spec)
+            if not isinstance(raf, int) or raf < 2 or raf >= n or n % raf:
+                raise SpecError(f"--reshard-after-forward {raf!r} must be true, false or a divisor of the {n} ranks a parameter "
+                                f"is sharded over, between 2 and {n - 1}", hint="e.g. --reshard-after-forward true")
     if spec.gradient_as_bucket_view and sh.family != "ddp":
         raise SpecError("--gradient-as-bucket-view is a DDP setting", hint="use it with --sharding ddp or zero1")
     if spec.bucket_cap_mb is not None:
@@ -110,4 +126,50 @@ def check_fields(spec: Any) -> None:
             raise SpecError(f"--bucket-cap-mb must be a positive number, got {spec.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
 
 
-__all__ = ["MAX_WORLD_SIZE", "Sharding", "SHARDINGS", "SHARDING_NAMES", "register_sharding", "sharding_names", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]
+MODELLED_MESHES = ("ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over --world-size, HSDP (--sharding hsdp --shard-size N) "
+                   "and tensor parallel (--tp N with an FSDP2 sharding)")
+
+
+def _positive_int(spec: Any, name: str, flag: str, eg: str) -> Any:
+    v = getattr(spec, name)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise SpecError(f"{flag} must be a whole number >= 1, got {v!r}", hint=eg)
+    return v
+
+
+def check_mesh(spec: Any) -> None:
+    """The mesh fields (--shard-size, --tp, --cp, --pp): what they go with, in one line each; --cp and --pp are refused."""
+    shard = _positive_int(spec, "shard_size", "--shard-size", "e.g. --shard-size 8 (the GPUs of one node)")
+    tp = _positive_int(spec, "tp", "--tp", "e.g. --tp 8") or 1
+    for name, what in (("cp", "context parallel (ring attention over a sequence split --cp ways)"),
+                       ("pp", "pipeline parallel (stages and a 1F1B / interleaved / GPipe schedule)")):
+        if (_positive_int(spec, name, f"--{name}", f"drop --{name}") or 1) > 1:
+            raise SpecError(f"--{name} {getattr(spec, name)}: {what} is not modelled; memlens models per rank {MODELLED_MESHES}",
+                            hint=f"drop --{name}: estimate the same job without it (a bound: each rank then holds more)")
+    sh = SHARDINGS[spec.sharding]
+    if sh.name == "hsdp":
+        if shard is None:
+            raise SpecError("--sharding hsdp needs --shard-size N: the GPUs each parameter is sharded over (replicated across "
+                            "the world / N groups)", hint="e.g. --shard-size 8 (one node of 8 GPUs)")
+        dp = spec.world_size // tp
+        if not 1 < shard < dp or dp % shard:
+            raise SpecError(f"--shard-size {shard} must divide the {dp} data-parallel GPUs and lie between 2 and {dp // 2}",
+                            hint="--shard-size N = --world-size gives --sharding fsdp; 1 gives replication (--sharding ddp)")
+    elif shard is not None:
+        raise SpecError("--shard-size is HSDP's shard group", hint="use it with --sharding hsdp")
+    if getattr(spec, "dp", False) and (sh.name == "hsdp" or tp > 1):
+        raise SpecError(f"DP-SGD with --sharding {spec.sharding}" + (f" --tp {tp}" if tp > 1 else "")
+                        + ": Opacus' ghost_fsdp wraps a 1D FSDP2 mesh", hint="use --sharding fsdp --grad-sample-mode ghost, or ddp")
+    if tp > 1:
+        if getattr(spec, "lora_rank", None) is not None:
+            raise SpecError(f"--tp {tp} with --lora-rank: torchtitan's TP plan shards nn.Linear layers, and peft's LoRA layers "
+                            "wrap them (q_proj.base_layer) - not modelled", hint="drop --lora-rank (or --tp: LoRA under FSDP2 is modelled)")
+        if sh.family != "fsdp":
+            raise SpecError(f"--tp {tp} composes with FSDP2 (torchtitan's 2D: TP within a group, FSDP2 across), not with "
+                            f"--sharding {spec.sharding}", hint="use --sharding fsdp (or zero2, zero3, hsdp)")
+        if spec.world_size % tp or spec.world_size // tp < 2:
+            raise SpecError(f"--tp {tp} must divide --world-size {spec.world_size} and leave at least 2 data-parallel ranks",
+                            hint=f"e.g. --world-size {2 * tp} --tp {tp}")
+
+
+__all__ = ["MAX_WORLD_SIZE", "MODELLED_MESHES", "check_mesh", "shard_degree", "Sharding", "SHARDINGS", "SHARDING_NAMES", "register_sharding", "sharding_names", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]

@@ -23,7 +23,7 @@ from .optimizers import (  # noqa: F401 - OPTIMIZERS re-exported
     canonical_optimizer,
     optimizer_names,
 )
-from .parallel import SHARDING_NAMES, check_fields, is_distributed, sharding_names
+from .parallel import SHARDING_NAMES, check_fields, data_parallel_ranks, is_distributed, sharding_names
 from .precision import PRECISION_NAMES
 from .precision import PRECISIONS as _PRECISION_FACTS
 
@@ -83,6 +83,13 @@ class TrainingSpec:
     reshard_after_forward: bool | int | None = None
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: float | None = None
+    # meshes beyond one flat group (memlens.step.parallel.hsdp / .tp): HSDP's shard group (--sharding hsdp: FSDP2 on a
+    # replicate x shard mesh), tensor parallel ranks (DTensor TP on the last mesh dim, composed with FSDP2 on the others);
+    # context and pipeline parallel degrees (refused: not modelled)
+    shard_size: int | None = None
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
@@ -223,7 +230,7 @@ class TrainingSpec:
     @property
     def effective_batch_size(self) -> int:
         """Samples per optimizer step over all ranks: micro-batch x accumulation x data-parallel ranks."""
-        return self.batch_size * self.grad_accum * self.world_size
+        return self.batch_size * self.grad_accum * data_parallel_ranks(self)
 
     @property
     def autocast_dtype(self) -> str | None:
@@ -247,7 +254,8 @@ class TrainingSpec:
                               ("beta", None), ("steps_per_generation", None), ("vllm_gpu_memory_utilization", None),
                               ("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
                               ("lengths", None), ("lora_dropout", 0.0), ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
-                              ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None)):
+                              ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None),
+                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1)):
             if d[name] == default:     # absent unless set
                 del d[name]
         for k in ("checkpoint_layers", "offload_layers"):
@@ -340,6 +348,10 @@ class TrainingSpec:
             parts.append(f"dp-{self.grad_sample_mode}" + (f" pb={self.physical_batch_size}" if self.physical_batch_size else ""))
         if is_distributed(self):
             parts.append(f"{self.sharding}x{self.world_size}")
+        if self.shard_size is not None:
+            parts.append(f"shard={self.shard_size}")
+        if self.tp > 1:
+            parts.append(f"tp={self.tp}")
         if self.reshard_after_forward is not None:
             parts.append(f"reshard={str(self.reshard_after_forward).lower()}")
         if self.gradient_as_bucket_view:
@@ -563,7 +575,7 @@ def trl_describe(spec: TrainingSpec) -> str:
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
           "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
-         "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
+         "shard_size", "tp", "cp", "pp", "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -20,7 +20,7 @@ from ..core.enums import Category
 from ..core.errors import MemlensError
 from ..core.gpus import gpu_facts
 from ..core.optimizers import optimizer_facts
-from ..core.parallel import sharding_of
+from ..core.parallel import shard_degree, sharding_of
 from ..core.precision import precision_of
 from ..core.result import Result
 from ..core.spec import TrainingSpec
@@ -70,6 +70,9 @@ def _counts(plan: StepPlan):
     if spec.reshard_after_forward is not None and not isinstance(spec.reshard_after_forward, bool):
         raise MemlensError(f"--method formula does not model FSDP2 resharding over {spec.reshard_after_forward} GPUs "
                            "(--reshard-after-forward N)", hint="drop --method formula: the simulation runs FSDP2 itself")
+    if spec.tp > 1:
+        raise MemlensError(f"--method formula does not model tensor parallel (--tp {spec.tp}: DTensor shards, sequence-parallel "
+                           "activations)", hint="drop --method formula: the simulation runs torch's parallelize_module itself")
     if plan.dp:
         raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")
@@ -209,7 +212,7 @@ def _states(plan: StepPlan, p_bytes: int, t_numel: int, t_bytes: int, buf: int, 
     opt_tmp = plan.optimizer.temporary_bytes(t_numel, t_bytes)
     if spec.offload_optimizer:
         opt_bytes, opt_tmp = 0, 0
-    shard = plan.world_size if sh.shards_optimizer_state else 1
+    shard = shard_degree(spec)      # HSDP: its shard group; FSDP2 x TP: the data-parallel ranks
     grads = t_bytes
     params = p_bytes + buf
     if shard > 1:
@@ -240,7 +243,7 @@ def _sharding_note(plan: StepPlan) -> str:
         return "every rank holds the whole model states" + ("" if spec.gradient_as_bucket_view else " plus DDP's gradient buckets")
     split = ", ".join(n for n, on in (("parameters", sh.shards_parameters), ("gradients", sh.shards_gradients)) if on)
     split = f"{split} and optimizer states" if split else "optimizer states"
-    return f"{split} divided by {plan.world_size}" + (
+    return f"{split} divided by {shard_degree(spec)}" + (
         "; two blocks' parameters gathered whole" if sh.shards_parameters and spec.reshard_after_forward is not False else "")
 
 

@@ -48,6 +48,9 @@ class Point:
     peak_rank: int | None = None        # several GPUs: the rank whose peak this is
     activation_plan: dict | None = field(default=None, compare=False)  # checkpointing / offload costs (estimator/result.py)
     step_time: dict | None = field(default=None, compare=False)   # the per-op step time (memlens.estimator.timing)
+    # what the fit rule reads beyond the peaks (memlens.core.fits.need_bytes): DDP's worst case (its stale buckets held),
+    # vLLM's share outside the allocator; a Point without it would judge DDP on its expected peak only
+    data: dict = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_result(cls, r) -> "Point":
@@ -66,7 +69,8 @@ class Point:
                    dict(r.by_category or {}), dict(r.by_phase or {}), d.get("peak_phase", ""),
                    int(d.get("param_count") or 0), int(d.get("trainable_param_count") or 0), d.get("seq_len"),
                    timeline=keep, by_component=tuple(d.get("by_component") or ()), peak_rank=d.get("peak_rank"),
-                   activation_plan=d.get("activation_plan"), step_time=d.get("step_time"))
+                   activation_plan=d.get("activation_plan"), step_time=d.get("step_time"),
+                   data={k: d.get(k) for k in ("worst_case", "outside_allocator_bytes") if d.get(k)})
 
 
 from ..core.fits import need_bytes  # noqa: E402,F401 - the one fit rule (re-exported for the planners)

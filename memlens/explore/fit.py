@@ -23,6 +23,7 @@ from ..core import progress as core_progress
 from ..core.errors import MemlensError, NoDeviceError, sentences
 from ..core.fits import RULE, Budget, need_bytes
 from ..core.gpus import gpu_facts, nccl_bytes
+from ..core.parallel import data_parallel_ranks
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..core.units import fmt_bytes
@@ -108,11 +109,11 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
     for the target, ``plan`` (ranked entries) and ``estimates`` (every probe).
     """
     sp = step_plan(spec)
-    n = sp.world_size
-    _check_target(target_batch, n)
+    n = data_parallel_ranks(spec)      # the world over --tp: a tensor-parallel group shares one micro-batch
+    _check_target(target_batch, n, sp.world_size)
     notes_gpus: list[str] = []
-    if n > 1 and context_bytes is None:
-        context_bytes, note = _per_gpu_context(spec.gpu, n)
+    if sp.world_size > 1 and context_bytes is None:
+        context_bytes, note = _per_gpu_context(spec.gpu, sp.world_size)
         notes_gpus.append(note)
     b = Budget.make(budget, context_bytes=context_bytes, margin=margin, gpu=spec.gpu)
     t_start = time.perf_counter()
@@ -140,7 +141,7 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
         "simulated itself: scaled by its tokens), not measured",
     ] + notes_gpus
     if n > 1:
-        data.update(world_size=n, per_gpu_target_batch=per_gpu, peak_rank=None)
+        data.update(world_size=sp.world_size, per_gpu_target_batch=per_gpu, peak_rank=None)
     peak_alloc = peak_res = None
     if mbs:
         peak_alloc, peak_res = _micro_batch_for_target(spec, base, est, b, mbs, per_gpu, f, n, fixed, data, notes)
@@ -161,12 +162,14 @@ def fit(spec: TrainingSpec, budget: int | str | None = None, *, target_batch: in
                   notes=notes, data=data)
 
 
-def _check_target(target_batch: int | None, n: int) -> None:
-    """One line for a target batch fit cannot search (not a whole number, not split over ``n`` GPUs, too large)."""
+def _check_target(target_batch: int | None, n: int, world: int) -> None:
+    """One line for a target batch fit cannot search (not a whole number, not split over the ``n`` data-parallel ranks of
+    ``world`` GPUs, too large)."""
     if target_batch is not None and (isinstance(target_batch, bool) or not isinstance(target_batch, int) or target_batch < 1):
         raise MemlensError(f"target batch must be a whole number >= 1, got {target_batch!r}", hint="e.g. --target-batch 64")
     if target_batch is not None and target_batch % n:
-        raise MemlensError(f"the target batch {target_batch} does not split evenly over --world-size {n} GPUs",
+        over = f"--world-size {n} GPUs" if n == world else f"the {n} data-parallel ranks (--world-size / --tp)"
+        raise MemlensError(f"the target batch {target_batch} does not split evenly over {over}",
                            hint=f"use a multiple of {n}, e.g. --target-batch {n * max(1, round(target_batch / n))}")
     if target_batch is not None and target_batch // n > MAX_TARGET_PER_GPU:
         raise MemlensError(f"target batch {target_batch:,} is {target_batch // n:,} samples per GPU, above the "

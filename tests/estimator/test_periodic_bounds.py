@@ -57,8 +57,8 @@ def test_a_world_size_above_1024_is_refused():
 
     with pytest.raises(SpecError) as e:
         TrainingSpec(model="gpt2", world_size=100_000, sharding="fsdp")
-    assert e.value.message == ("--world-size 100000 is above the 1,024 ranks memlens models (one flat data-parallel group: "
-                               "no HSDP, tensor or pipeline parallelism)")
+    assert e.value.message == ("--world-size 100000 is above the 1,024 ranks memlens models (DDP, ZeRO, FSDP2, HSDP, "
+                               "FSDP2 x TP)")
     assert TrainingSpec(model="gpt2", world_size=1024, sharding="fsdp").world_size == 1024
 
 

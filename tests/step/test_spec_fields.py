@@ -54,6 +54,8 @@ REFUSED = {  # field -> (model key, value, words of the error)
     "step_kind": ("gpt2", "no-such-kind", "step kind"),   # a registered kind runs (tests/step/test_registries.py)
     "liger": ("gpt2", True, "no patch for model_type 'gpt2'"),   # applied to llama/qwen: tests/models/test_liger.py
     "lengths": ("gpt2", "no-such-lengths.txt", "lengths"),   # read and estimated: tests/estimator/test_lengths_estimate.py
+    "cp": ("gpt2", 2, "context parallel"),
+    "pp": ("gpt2", 2, "pipeline parallel"),
 }
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),
@@ -65,6 +67,9 @@ WITH_OTHERS = {  # fields that only mean something with another one
     "reshard_after_forward": ("gpt2", {"world_size": 2, "sharding": "fsdp"}, False),
     "gradient_as_bucket_view": ("gpt2", {"world_size": 2, "sharding": "ddp"}, True),
     "bucket_cap_mb": ("gpt2", {"world_size": 2, "sharding": "ddp"}, 1.0),
+    "shard_size": ("gpt2", {"world_size": 8, "sharding": "hsdp", "shard_size": 4}, 2),
+    # GPT-2 has no Llama-style modules for torchtitan's plan: refused (applied to Llama: tests/distributed/test_tp.py)
+    "tp": ("gpt2", {"world_size": 4, "sharding": "fsdp"}, 2),
     # Opacus has grad samplers for LoRA's Linear layers (GPT-2's Conv1D would need functorch)
     "dp": ("gpt2", {"lora_rank": 8}, True),
     "grad_sample_mode": ("gpt2", {"dp": True, "lora_rank": 8}, "ghost"),

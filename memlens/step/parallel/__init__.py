@@ -22,6 +22,8 @@ from .ddp import DDPWrapper, Zero1Wrapper
 from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
 from .fsdp import FSDPWrapper
+from .hsdp import HSDPWrapper
+from .tp import TPWrapper
 
 # (applies(plan), wrapper class), asked in order: the first that applies wraps the rank
 _REGISTRY: list[tuple[Callable[[Any], bool], type]] = [
@@ -29,6 +31,8 @@ _REGISTRY: list[tuple[Callable[[Any], bool], type]] = [
     (lambda p: p.sharding.family == "fsdp" and p.dp, DPFSDPWrapper),   # Opacus' ghost_fsdp
     (lambda p: p.sharding.name == "ddp", DDPWrapper),
     (lambda p: p.sharding.name == "zero1", Zero1Wrapper),
+    (lambda p: p.sharding.family == "fsdp" and p.spec.tp > 1, TPWrapper),   # DTensor TP x FSDP2 (or HSDP)
+    (lambda p: p.sharding.name == "hsdp", HSDPWrapper),      # FSDP2 on a replicate x shard mesh
     (lambda p: p.sharding.family == "fsdp", FSDPWrapper),
 ]
 

@@ -121,8 +121,8 @@ class FSDPWrapper(Wrapper):
         self.unsharded_grad_keys: set[int] = set()
         self.model = None
         mp = "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)" if spec.precision == "amp-bf16" else "no MixedPrecisionPolicy"
-        self.applied.append(f"FSDP2 fully_shard over {self.world_size} GPUs per block + root "
-                            f"(reshard_after_forward={self.raf}, {mp})")
+        self.settings = f"(reshard_after_forward={self.raf}, {mp})"      # HSDP and TP name their mesh before these
+        self.applied.append(f"FSDP2 fully_shard over {self.world_size} GPUs per block + root {self.settings}")
 
     def build_context(self):
         """Real device: parameters on the meta device, buffers real (accelerate's init_empty_weights)."""
@@ -136,15 +136,16 @@ class FSDPWrapper(Wrapper):
 
     def wrap(self, model, *, device, fake_mode=None):
         import torch  # heavy: torch, loaded on first use
-        from torch.distributed.device_mesh import init_device_mesh  # heavy: torch, loaded on first use
 
-        for p in model.parameters():
-            if p.requires_grad:
-                rowbytes = (p.numel() // p.shape[0]) * p.element_size() if p.dim() and p.shape[0] else p.element_size()
-                self.dim0s.append((p.shape[0] if p.dim() else 1, rowbytes))
-        mesh = init_device_mesh(device.type, (self.world_size,))
         mp = mixed_precision(self.spec)
         try:
+            mesh = self.make_mesh(device.type)
+            model = self.before_shard(model)
+            for p in model.parameters():
+                if p.requires_grad:
+                    t = getattr(p, "_local_tensor", p)       # a tensor-parallel shard: FSDP2 shards its local rows
+                    rowbytes = (t.numel() // t.shape[0]) * t.element_size() if t.dim() and t.shape[0] else t.element_size()
+                    self.dim0s.append((t.shape[0] if t.dim() else 1, rowbytes))
             blocks = self.shard(model, mesh, mp)
         except (ValueError, NotImplementedError, AssertionError, RuntimeError) as e:
 
@@ -173,6 +174,22 @@ class FSDPWrapper(Wrapper):
             del saved
         self.model = model
         return model
+
+    shard_size: int | None = None        # ranks a parameter is sharded over (None: every rank; HSDP: its shard group)
+
+    def make_mesh(self, device_type: str):
+        """The DeviceMesh FSDP2 shards over: 1D over every rank (HSDP and TP build their own)."""
+        from torch.distributed.device_mesh import init_device_mesh  # heavy: torch, loaded on first use
+
+        return init_device_mesh(device_type, (self.world_size,))
+
+    def before_shard(self, model):
+        """What runs on the meta model before fully_shard (tensor parallel's parallelize_module)."""
+        return model
+
+    def shard_index(self, rank: int) -> int:
+        """``rank``'s place in its shard group (which rows of every parameter it holds)."""
+        return rank
 
     def shard(self, model, mesh, mp) -> list:
         """``fully_shard`` on every block, then the root; returns the blocks."""
@@ -213,7 +230,8 @@ class FSDPWrapper(Wrapper):
 
     def rank_groups(self) -> list[RankGroup]:
         n = self.world_size
-        sig = [tuple(local_rows(d, n, r) for d, _ in self.dim0s) for r in range(n)]
+        s = self.shard_size or n
+        sig = [tuple(local_rows(d, s, self.shard_index(r)) for d, _ in self.dim0s) for r in range(n)]
         first, last = sig[0], sig[n - 1]
         if first == last:
             return [RankGroup(0, tuple(range(n)), "every rank holds equal shards (every dim 0 divides evenly)")]

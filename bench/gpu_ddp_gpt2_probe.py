@@ -1,0 +1,301 @@
+"""Why GPT-2 medium under DDP / DDP + ZeroRedundancyOptimizer peaks above memlens' estimate (issue 37, item 3).
+
+GPT-2 medium, amp-bf16 (fp32 weights, autocast bf16), micro-batch 4 x 512 tokens, 2 ranks, 3 optimizer steps. Each
+variant runs in its own torchrun job (2 processes); every rank records, for steps 2-3 (after the warm-up step and
+DDP's bucket rebuild), the peak of each phase (forward, backward, optimizer: max_memory_allocated reset at each
+phase mark), the allocated bytes at every mark, max_memory_reserved, and on rank 0 a _record_memory_history trace of
+steps 2-3 replayed to the peak moment: the blocks alive there grouped by phase, op and Python frame (the replay of
+bench/gpu_dp_gap_probe.py). memlens' per-phase estimate of the same spec (expected and worst case) is computed in
+this process after the GPU runs, and a table printed last.
+
+Variants (the hypotheses):
+  memlens-step    memlens.step.prepare's own step (what the estimate simulates; exact for GPT-2 small)
+  user-plain      a plain user loop: DDP(model), AdamW, autocast around the forward, backward, step, zero_grad
+  user-untied     the same with config.tie_word_embeddings=False (wte and lm_head two parameters)
+  user-bucketview gradient_as_bucket_view=True
+  user-static     static_graph=True
+  user-unused     find_unused_parameters=True (what the HF Trainer passes without gradient checkpointing)
+  user-bw-autocast  backward inside the autocast context (autocast's cast cache of the bf16 weights kept through it)
+  zero1-step      memlens' step under --sharding zero1;  zero1-user: the user loop with ZeroRedundancyOptimizer
+  then `memlens profile --world-size 2 --compare-estimate` for ddp and zero1 (the CLI's own torchrun launch; `profile`)
+
+    python bench/gpu_ddp_gpt2_probe.py                 # 2 GPUs, everything (~8-10 min: better in the 3 parts below)
+    python bench/gpu_ddp_gpt2_probe.py memlens-step user-plain user-untied user-bucketview
+    python bench/gpu_ddp_gpt2_probe.py user-static user-unused user-bw-autocast zero1
+    python bench/gpu_ddp_gpt2_probe.py profile          # memlens profile --world-size 2 for ddp and zero1
+                                                        # (each part appends to $OUT (default ./out)/gpu_ddp_gpt2_probe.jsonl)
+    python bench/gpu_ddp_gpt2_probe.py --dry-run        # CPU: tiny GPT-2, 2 gloo ranks per variant + the estimates
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+WORLD, STEPS = 2, 3
+GPT2M = dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=50257)
+TINY = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=128)
+SHAPE = dict(batch_size=4, seq_len=512)
+TINY_SHAPE = dict(batch_size=2, seq_len=32)
+
+VARIANTS = {   # name: (runner, tied, DDP kwargs, backward inside autocast, ZeRO-1)
+    "memlens-step": ("memlens", True, {}, False, False),
+    "user-plain": ("user", True, {}, False, False),
+    "user-untied": ("user", False, {}, False, False),
+    "user-bucketview": ("user", True, {"gradient_as_bucket_view": True}, False, False),
+    "user-static": ("user", True, {"static_graph": True}, False, False),
+    "user-unused": ("user", True, {"find_unused_parameters": True}, False, False),
+    "user-bw-autocast": ("user", True, {}, True, False),
+    "zero1-step": ("memlens", True, {}, False, True),
+    "zero1-user": ("user", True, {}, False, True),
+}
+
+
+def config_dir(out: Path, tied: bool, dry: bool) -> str:
+    """A Hugging Face config directory for GPT-2 medium (or a tiny GPT-2), tied or not: the GPU run and the estimate read it."""
+    d = out / "configs" / (("tiny-" if dry else "gpt2m-") + ("tied" if tied else "untied"))
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], **(TINY if dry else GPT2M), "tie_word_embeddings": tied}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return str(d)
+
+
+def spec_fields(variant: str, cfg: str, dry: bool) -> dict:
+    runner, tied, ddp_kw, _, zero1 = VARIANTS[variant]
+    return dict(model=cfg, precision="amp-bf16", world_size=WORLD, sharding="zero1" if zero1 else "ddp",
+                gradient_as_bucket_view=bool(ddp_kw.get("gradient_as_bucket_view")), **(TINY_SHAPE if dry else SHAPE))
+
+
+# ------------------------------------------------------------------------------------------------ one rank
+def rank_main(req_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from bench.gpu_dp_gap_probe import Marks, analyze
+
+    req = json.loads(Path(req_path).read_text())
+    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    cuda = not req["dry"]
+    rec: dict = {"rank": rank, "variant": req["variant"]}
+    try:
+        dev = torch.device("cuda", local) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(local)
+        dist.init_process_group("nccl" if cuda else "gloo", **({"device_id": dev} if cuda else {}))
+        marks = Marks(cuda)
+        phases: list[dict] = []
+
+        def on_phase(name: str, step: int) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                phases.append({"step": step, "mark": name, "allocated": torch.cuda.memory_allocated(),
+                               "peak_since_last_mark": torch.cuda.max_memory_allocated()})
+                torch.cuda.reset_peak_memory_stats()
+            marks.mark(f"s{step}.{name}")
+
+        run = build_memlens(req, dev) if VARIANTS[req["variant"]][0] == "memlens" else build_user(req, dev)
+        rec["after_build_allocated"] = torch.cuda.memory_allocated() if cuda else None
+        for n in range(1, STEPS + 1):
+            if cuda and n == 2:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                if rank == 0:
+                    torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all", max_entries=1_500_000)
+                    marks.on = True
+                    rec["alloc_at_record_start"] = torch.cuda.memory_allocated()
+            run(lambda name, n=n: on_phase(name, n))
+            on_phase("end", n)
+        if cuda:
+            rec["max_reserved"] = torch.cuda.memory_stats()["reserved_bytes.all.peak"]
+            if rank == 0:
+                snap = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                try:
+                    rec["peak_analysis"] = analyze(snap, rec["alloc_at_record_start"], marks.names)
+                except Exception as e:  # noqa: BLE001
+                    rec["peak_analysis"] = {"error": repr(e)}
+        later = [p for p in phases if p["step"] >= 2]
+        rec.update(status="ok", phases=phases, max_allocated_steps23=max((p["peak_since_last_mark"] for p in later), default=None))
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001 - an OOM or a crash: this variant's record says so
+        import traceback
+
+        rec.update(status="crash", error=f"{type(e).__name__}: {str(e)[:300]}", traceback=traceback.format_exc()[-2000:])
+    Path(req["out"], f"rank{rank}.json").write_text(json.dumps(rec))
+    if rec["status"] != "ok":
+        os._exit(3)
+    dist.destroy_process_group()
+
+
+def build_memlens(req: dict, dev):
+    """memlens' own prepared step (DDP or DDP + ZeroRedundancyOptimizer, as `memlens profile` runs it)."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.step import prepare
+
+    step = prepare(TrainingSpec.from_dict(req["spec"]), device=dev, seed=0)
+    return lambda mark: step.run(mark)
+
+
+def build_user(req: dict, dev):
+    """A plain user loop: the model on the device, DDP with the variant's options, AdamW (or ZeRO-1 over it)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, tied, ddp_kw, bw_in_autocast, zero1 = VARIANTS[req["variant"]]
+    torch.manual_seed(0)
+    cfg = AutoConfig.from_pretrained(req["spec"]["model"])
+    model = AutoModelForCausalLM.from_config(cfg).to(dev)
+    assert (model.lm_head.weight is model.transformer.wte.weight) == tied
+    ddp = DistributedDataParallel(model, device_ids=[dev.index] if dev.type == "cuda" else None, **ddp_kw)
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+    b, t = req["spec"]["batch_size"], req["spec"]["seq_len"]
+    ids = torch.randint(0, cfg.vocab_size, (b, t), device=dev)
+    amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16))
+
+    def step(mark) -> None:
+        mark("forward")
+        with amp():
+            loss = ddp(input_ids=ids, labels=ids).loss
+            if bw_in_autocast:
+                mark("backward")
+                loss.backward()
+        if not bw_in_autocast:
+            mark("backward")
+            loss.backward()
+        del loss
+        mark("optimizer")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def run_variant(out: Path, variant: str, dry: bool) -> dict:
+    ex = Path(tempfile.mkdtemp(prefix="memlens-ddp-probe-"))
+    cfg = config_dir(out, VARIANTS[variant][1], dry)
+    req = ex / "request.json"
+    req.write_text(json.dumps({"variant": variant, "spec": spec_fields(variant, cfg, dry), "out": str(ex), "dry": dry}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__, "--rank", str(req)]
+    t = time.time()
+    try:
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+        rc, tail = p.returncode, [ln for ln in p.stderr.splitlines() if ln.strip()][-3:]
+    except subprocess.TimeoutExpired:
+        rc, tail = "timeout", []
+    ranks = [json.loads(f.read_text()) for f in sorted(ex.glob("rank*.json"))]
+    rec = {"variant": variant, "spec": spec_fields(variant, cfg, dry), "returncode": rc, "wall_s": round(time.time() - t, 1), "ranks": ranks}
+    if rc != 0 or any(r.get("status") != "ok" for r in ranks) or len(ranks) != WORLD:
+        rec["error"] = next((f"rank {r['rank']}: {r.get('error')}" for r in ranks if r.get("status") != "ok"), " | ".join(tail) or str(rc))
+    return rec
+
+
+def profile_cli(out: Path, sharding: str, dry: bool) -> str:
+    """`memlens profile --world-size 2 --compare-estimate` of the same spec (memlens' own torchrun launch, as a user runs it);
+    the output is kept in $OUT/profile-<sharding>.txt, the merged result in $OUT/profile-<sharding>/."""
+    cfg = config_dir(out, True, dry)
+    shape = TINY_SHAPE if dry else SHAPE
+    cmd = [sys.executable, "-m", "memlens.cli.main", "profile", "--model", cfg, "--precision", "amp-bf16", "--batch-size",
+           str(shape["batch_size"]), "--seq-len", str(shape["seq_len"]), "--world-size", str(WORLD), "--sharding", sharding,
+           "--steps", "3", "--compare-estimate", "--out", str(out / f"profile-{sharding}")] + (["--device", "cpu"] if dry else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+               COLUMNS="160")
+    try:
+        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+        text = p.stdout + p.stderr
+    except subprocess.TimeoutExpired:
+        text = "timeout"
+    (out / f"profile-{sharding}.txt").write_text(" ".join(cmd[2:]) + "\n" + text)
+    return "\n".join(text.splitlines()[:8])
+
+
+def estimate(fields: dict) -> dict:
+    """memlens' per-phase estimate of rank 0 (expected) and its worst case (DDP's stale buckets held)."""
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator.ranks import estimate_ranks
+
+    r = estimate_ranks(TrainingSpec.from_dict(fields))
+    e = next(x for x in r.data["ranks"] if x.get("rank") == 0 or x.get("simulated"))
+    return {"peak_allocated": r.peak_allocated_bytes, "peak_reserved": r.peak_reserved_bytes,
+            "worst_allocated": (r.data.get("worst_case") or {}).get("peak_allocated_bytes"),
+            "by_phase": {k: v["peak_allocated_bytes"] for k, v in e["by_phase"].items()}, "terms": e.get("terms")}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if len(args) > 1 and args[0] == "--rank":
+        rank_main(args[1])
+        return
+    dry = "--dry-run" in args
+    args = [a for a in args if a != "--dry-run"]
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    names = [v for v in VARIANTS if not args or any(a in v for a in args)]
+    if dry and args == ["profile"]:
+        names = []
+    if not dry:
+        import torch
+
+        if torch.cuda.device_count() < WORLD:
+            sys.exit(f"needs {WORLD} GPUs, this machine has {torch.cuda.device_count()}")
+    recs = []
+    for v in names:
+        rec = run_variant(out, v, dry)
+        recs.append(rec)
+        print(f"{v:18s} {rec['wall_s']:5.0f}s " + " ".join(f"r{r['rank']}={(r.get('max_allocated_steps23') or 0) / 2**30:.3f}GiB"
+                                                      for r in rec["ranks"]) + f" {rec.get('error', '')}", flush=True)
+    if not args or "profile" in args:      # the CLI path a user takes (on the CPU with --dry-run: gloo)
+        for sh in ("ddp", "zero1"):
+            print(f"\nmemlens profile --sharding {sh}:\n" + profile_cli(out, sh, dry), flush=True)
+    cache: dict[str, dict] = {}
+    for rec in recs:
+        key = json.dumps(rec["spec"], sort_keys=True)
+        try:
+            cache.setdefault(key, estimate(rec["spec"]))
+            rec["estimate"] = cache[key]
+        except Exception as e:  # noqa: BLE001
+            rec["estimate"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        with open(out / "gpu_ddp_gpt2_probe.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    print("\n| variant | rank | measured peak (steps 2-3) | estimate expected | err | worst case | measured fwd / bwd / opt peak | "
+          "estimated fwd / bwd / opt |")
+    print("|---|---|---|---|---|---|---|---|")
+    g = lambda x: f"{x / 2**30:.3f}" if x else "-"   # noqa: E731
+    for rec in recs:
+        est = rec.get("estimate", {})
+        for r in rec["ranks"]:
+            m = r.get("max_allocated_steps23")
+            ph = {}
+            for p in r.get("phases", []):
+                if p["step"] >= 2 and p["mark"] in ("backward", "optimizer", "end"):   # the peak since the previous mark
+                    prev = {"backward": "forward", "optimizer": "backward", "end": "optimizer"}[p["mark"]]
+                    ph[prev] = max(ph.get(prev, 0), p["peak_since_last_mark"])
+            e = est.get("peak_allocated")
+            err = f"{100 * (e - m) / m:+.2f}%" if e and m else "-"
+            bp = est.get("by_phase", {})
+            print(f"| {rec['variant']} | {r['rank']} | {g(m)} | {g(e)} | {err} | {g(est.get('worst_allocated'))} | "
+                  f"{' / '.join(g(ph.get(k)) for k in ('forward', 'backward', 'optimizer'))} | "
+                  f"{' / '.join(g(bp.get(k)) for k in ('forward', 'backward', 'optimizer'))} |")
+        pa = next((r.get("peak_analysis") for r in rec["ranks"] if r.get("peak_analysis")), None)
+        if pa and "top_groups" in pa:
+            print(f"  {rec['variant']} rank 0 at its peak ({pa['peak_phase']}): "
+                  + "; ".join(f"{x['key']} {x['bytes'] / 2**20:.0f} MiB" for x in pa["top_groups"][:6]))
+
+
+if __name__ == "__main__":
+    main()
