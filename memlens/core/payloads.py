@@ -54,12 +54,16 @@ class Payload(MutableMapping):
     @classmethod
     def names(cls) -> tuple[str, ...]:
         """The verb's own declared fields, in the JSON's order (the base's, which any verb may carry, apart)."""
-        return tuple(f.name for f in fields(cls) if f.name not in _BASE)
+        return cls.declared()[:-len(_BASE) + 1]     # declared() less the base fields (extra is in neither)
 
     @classmethod
     def declared(cls) -> tuple[str, ...]:
-        """Every declared field: the verb's own, then the base's (``plots_skipped``)."""
-        return cls.names() + tuple(n for n in _BASE if n != "extra")
+        """Every declared field: the verb's own, then the base's (``plots_skipped``); read once per class."""
+        got = _DECLARED.get(cls)
+        if got is None:
+            got = _DECLARED[cls] = (tuple(f.name for f in fields(cls) if f.name not in _BASE)
+                                    + tuple(n for n in _BASE if n != "extra"))
+        return got
 
     # -- mapping protocol (fields left UNSET count as absent)
     def __getitem__(self, key: str) -> Any:
@@ -104,7 +108,8 @@ class Payload(MutableMapping):
         return p
 
 
-_BASE = tuple(f.name for f in fields(Payload))
+_BASE = tuple(f.name for f in fields(Payload))    # extra, plots_skipped
+_DECLARED: dict[type, tuple[str, ...]] = {}
 
 
 @dataclass
