@@ -269,7 +269,7 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
     ``reference``: a spec as given whose estimate gives the parameter counts that bound the step
     time of an entry (default: the target in one micro-batch; ``fit`` passes its own first probe)."""
     cands = candidates(spec, gpus=gpus)
-    run = _PlanRun(spec, cands, est, usable_bytes, target_batch, field_name, prune and field_name == "batch_size",
+    run = _PlanRun(spec, cands, est, usable_bytes, target_batch, field_name, prune,
                    reference or spec.replace(grad_accum=1, batch_size=target_batch))
     workers = getattr(est, "workers", 1)
     # the baseline: the target as given, at its full micro-batch (whether or not it fits); its step time needs the
@@ -311,7 +311,9 @@ class _PlanRun:
         """(why, best GPU-seconds, the entry that decided) if a smaller entry that fits is faster than
         ``c`` can be; waits for those smaller entries that could be (None: search it). Only for a
         candidate that keeps the parameters of the spec as given (its bound needs their counts)."""
-        smaller = smaller_settings(c, self.cands) if self.prune and set(c.changes) <= SAME_PARAMETERS else []
+        # a DP-SGD plan (physical batches) leaves out only entries over GPUs (DPDDP, ghost_fsdp: one simulation per rank)
+        prunable = self.prune and (self.field == "batch_size" or "world_size" in c.changes)
+        smaller = smaller_settings(c, self.cands) if prunable and set(c.changes) <= SAME_PARAMETERS else []
         if not smaller:
             return None
         try:
