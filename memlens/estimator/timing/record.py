@@ -42,19 +42,6 @@ class OpTrace:
     layer_quantized: tuple = (0, 0)                   # its 4-bit weights and linears
     selective: bool = False                           # selective checkpointing (recomputed ops pay SAC_HOST_SECONDS_PER_OP)
 
-    def multiplicity(self, recompute_layers: int | None = None) -> list[float]:
-        """Per row, how many times the full model runs it: a row inside the shallow model's layer stack stands for
-        ``layers / stack.depth`` rows (the layers are alike: memlens.estimator.depth checks it); a recompute row for
-        ``recompute_layers`` (the full model's checkpointed blocks) over the shallow model's checkpointed blocks."""
-        if self.stack is None or not self.layers:
-            return [1.0] * len(self.rows)
-        lay = [self.stack.layer_of(n) for n in self.modules]
-        grow = self.layers / self.stack.depth
-        of = [lay[r[1]] if 0 <= r[1] < len(lay) else None for r in self.rows]
-        shallow_ck = len({x for r, x in zip(self.rows, of) if r[0] == "recompute" and x is not None})
-        ck = grow if not shallow_ck or recompute_layers is None else min(recompute_layers, self.layers) / shallow_ck
-        return [1.0 if x is None else ck if r[0] == "recompute" else grow for r, x in zip(self.rows, of)]
-
 
 class Recorder:
     """Called by the tracker on every op (``op``) and by the CUDA emulation on every fused attention call."""
