@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...models.quant import Linear4bitSim
+from ..depth import TEMPLATE
 from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, SYNC, VIEW, OpFacts, attention_facts, op_facts
 from .tables import TimingTable, table_for
 
@@ -37,20 +38,9 @@ class OpTrace:
     layers: int | None = None                         # with ``stack``: the full model's layer count
     trainable_tensors: int = 0
     quantized: tuple = (0, 0)                         # 4-bit linears (QLoRA): (weights, layers), in the simulated model
+    layer_tensors: int = 0                            # trainable tensors of one layer of the stack (a shallow model's layer 1)
+    layer_quantized: tuple = (0, 0)                   # its 4-bit weights and linears
     selective: bool = False                           # selective checkpointing (recomputed ops pay SAC_HOST_SECONDS_PER_OP)
-
-    def multiplicity(self, recompute_layers: int | None = None) -> list[float]:
-        """Per row, how many times the full model runs it: a row inside the shallow model's layer stack stands for
-        ``layers / stack.depth`` rows (the layers are alike: memlens.estimator.depth checks it); a recompute row for
-        ``recompute_layers`` (the full model's checkpointed blocks) over the shallow model's checkpointed blocks."""
-        if self.stack is None or not self.layers:
-            return [1.0] * len(self.rows)
-        lay = [self.stack.layer_of(n) for n in self.modules]
-        grow = self.layers / self.stack.depth
-        of = [lay[r[1]] if 0 <= r[1] < len(lay) else None for r in self.rows]
-        shallow_ck = len({x for r, x in zip(self.rows, of) if r[0] == "recompute" and x is not None})
-        ck = grow if not shallow_ck or recompute_layers is None else min(recompute_layers, self.layers) / shallow_ck
-        return [1.0 if x is None else ck if r[0] == "recompute" else grow for r, x in zip(self.rows, of)]
 
 
 class Recorder:
@@ -80,7 +70,7 @@ class Recorder:
         return t.phase
 
     def op(self, func, args, kwargs, out) -> None:
-        if not self._live():
+        if not self._live() or self.tracker.muted:   # muted: stand-ins and save_on_cpu's host copies (priced per byte over PCIe)
             return
         self.add(op_facts(func, args, kwargs, out))
 
@@ -114,6 +104,16 @@ class Recorder:
             tr.trainable_tensors = sum(1 for p in model.parameters() if p.requires_grad)
             q = [m for m in model.modules() if isinstance(m, Linear4bitSim)]
             tr.quantized = (sum(m.in_features * m.out_features for m in q), len(q))
+            stack = getattr(self.tracker, "stack", None)
+            if stack is not None:   # a shallow model (memlens.estimator.depth): what one more layer adds
+                label = self.tracker.module_label
+
+                def in_template(name: str) -> bool:
+                    return stack.layer_of(label(name)) == TEMPLATE
+
+                tr.layer_tensors = sum(1 for n, p in model.named_parameters() if p.requires_grad and in_template(n.rpartition(".")[0]))
+                ql = [m for n, m in model.named_modules() if isinstance(m, Linear4bitSim) and in_template(n)]
+                tr.layer_quantized = (sum(m.in_features * m.out_features for m in ql), len(ql))
         return tr
 
 
@@ -154,6 +154,38 @@ def price(trace: OpTrace, tab: TimingTable) -> list[tuple]:
         else:
             gpu = tab.kernel_seconds(0, 0, f.nbytes)
         out.append((bucket, mod, gpu, host, fl, kind))
+    return out
+
+
+def expanded(rows: list, trace: OpTrace) -> list:
+    """The priced rows of the full model from a shallow one's: each run of rows in the stack's template layer (the
+    layer memlens.estimator.depth copies) followed by ``layers - depth`` copies of itself, as the written log
+    repeats its events; the rows as they are otherwise."""
+    if trace.stack is None or not trace.layers or trace.layers <= trace.stack.depth:
+        return rows
+    copies = trace.layers - trace.stack.depth
+    lay = [trace.stack.layer_of(n) for n in trace.modules]
+
+    def layer(r) -> int | None:
+        return lay[r[1]] if 0 <= r[1] < len(lay) else None
+
+    out: list = []
+    i = 0
+    while i < len(rows):
+        if layer(rows[i]) != TEMPLATE:
+            out.append(rows[i])
+            i += 1
+            continue
+        j = i
+        while j < len(rows) and layer(rows[j]) == TEMPLATE and rows[j][0] == rows[i][0]:
+            j += 1
+        g = j   # the glue code between this layer and its neighbour (outside every layer) runs once per layer too
+        while g < len(rows) and layer(rows[g]) is None and rows[g][0] == rows[i][0]:
+            g += 1
+        if g < len(rows) and layer(rows[g]) in (TEMPLATE - 1, TEMPLATE + 1) and rows[g][0] == rows[i][0]:
+            j = g
+        out.extend(rows[i:j] * (copies + 1))
+        i = j
     return out
 
 
@@ -216,6 +248,7 @@ def timing_at(regime, x) -> OpTrace | None:
             flops = at([v.flops // max(1, v.seq) for v in vals]) * seq
         rows.append((bucket, mod, OpFacts(f.kind, flops, nbytes, mnk, f.dtype, seq)))
     out = OpTrace(rows=rows, modules=first.modules, stack=first.stack, layers=first.layers,
-                  trainable_tensors=first.trainable_tensors, quantized=first.quantized, selective=first.selective)
+                  trainable_tensors=first.trainable_tensors, quantized=first.quantized, selective=first.selective,
+                  layer_tensors=first.layer_tensors, layer_quantized=first.layer_quantized)
     out.size = ()      # priced as its own (the rows are this size's)
     return out

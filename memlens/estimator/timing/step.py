@@ -157,11 +157,11 @@ def _step_time(sim, tr) -> dict:
     spec = sim.spec
     tab = table_for(spec.gpu)
     ck = _checkpointed_layers(spec, tr.layers)
-    mult = tr.multiplicity(ck)
     scale, scaled_from = _replay_scale(tr, spec, sim)
-    from .record import price  # heavy: the op facts import torch (a Result read back needs none)
+    from .record import expanded, price  # heavy: the op facts import torch (a Result read back needs none)
 
-    rows = price(tr, tab)
+    rows = expanded(price(tr, tab), tr)
+    mult = [1.0] * len(rows)
     if scale != (1.0, 1.0):
         rows = [_scaled(r, scale, tab) for r in rows]
     busy, wait, host_total = queue(rows, mult)
@@ -173,15 +173,17 @@ def _step_time(sim, tr) -> dict:
     ranks = data_parallel_ranks(spec)
     sh = sharding_of(spec)
     trainable = sim.trainable_count // (ranks if sh.shards_optimizer_state and ranks > 1 else 1)
-    tensors = int(tr.trainable_tensors * (tr.layers / tr.stack.depth if tr.stack is not None and tr.layers else 1))
+    copies = tr.layers - tr.stack.depth if tr.stack is not None and tr.layers else 0
+    tensors = tr.trainable_tensors + copies * tr.layer_tensors
     pb = _dtype_bytes(precision_of(spec).weights)
-    grow = tr.layers / tr.stack.depth if tr.stack is not None and tr.layers else 1.0
-    if tr.quantized[0]:   # QLoRA: bitsandbytes dequantizes each 4-bit weight to the compute dtype before its matmul
-        parts["forward"] += k * _dequant_seconds(tr.quantized, grow, tab)
-        parts["backward"] += k * _dequant_seconds(tr.quantized, grow, tab)
+    quantized = (tr.quantized[0] + copies * tr.layer_quantized[0], tr.quantized[1] + copies * tr.layer_quantized[1])
+    if quantized[0]:   # QLoRA: bitsandbytes dequantizes each 4-bit weight to the compute dtype before its matmul
+        parts["forward"] += k * _dequant_seconds(quantized, 1.0, tab)
+        parts["backward"] += k * _dequant_seconds(quantized, 1.0, tab)
         if busy.get("recompute"):
-            share = ck / tr.layers if ck is not None and tr.layers else 1.0
-            parts["recompute"] += k * _dequant_seconds(tr.quantized, grow * share, tab)
+            n_layers = tr.layers or depth_hint(tr)
+            share = ck / n_layers if ck is not None and n_layers else 1.0
+            parts["recompute"] += k * _dequant_seconds(quantized, share, tab)
     if k > 1:   # micro-batches 2..k add each gradient into .grad (AccumulateGrad: read both, write one)
         parts["backward"] += (k - 1) * 3 * sim.trainable_count * pb / (tab.bandwidth_gbps(sim.trainable_count * pb) * 1e9)
     if spec.offload_optimizer:   # gradients to the host, parameters back, the step on the CPU (ZeRO-Offload)
@@ -194,7 +196,7 @@ def _step_time(sim, tr) -> dict:
     off = (sim.costs or {}).get("offload_bytes", 0)
     if off:   # save_on_cpu: each saved tensor to pinned host memory in forward and back in backward, on the stream
         parts["offload"] += k * (tab.pcie_seconds(off, "d2h") + tab.pcie_seconds(off, "h2d"))
-    blocks = tr.layers or _blocks(sim)
+    blocks = _blocks(sim) if _blocks(sim) > 1 else (tr.layers or 1)
     parts["collectives"] = collective_seconds(spec, sim.param_count, sim.trainable_count, blocks,
                                               parts["backward"] + parts["recompute"], parts["forward"], k, tab)
     seconds = sum(parts.values())
@@ -242,6 +244,10 @@ def setting_key(spec) -> str:
     """The spec's fields other than :data:`RESCALABLE`, as one string: a priced step answers only its own setting."""
     d = spec.to_dict()
     return repr(sorted((k, repr(v)) for k, v in d.items() if k not in RESCALABLE))
+
+
+def depth_hint(tr) -> int | None:
+    return tr.stack.depth if tr.stack is not None else None
 
 
 def _dequant_seconds(quantized: tuple, grow: float, tab: TimingTable) -> float:
