@@ -12,10 +12,10 @@ starts over, --list names them; bench/gpu_distributed.py's rank code: memlens.st
 wrapper the estimate simulates - FSDP2 fully_shard on a 2 x 2 replicate x shard mesh, or parallelize_module with
 torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh - resets the peak counters after building
 and runs 3 steps), so an OOM or a crash loses one case. Every rank's max_memory_allocated / max_memory_reserved is
-compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after the GPU
-runs; the rank group that stands for it). One JSON line per case (its ranks' records and the estimate) is appended
-to $OUT/gpu_mesh.jsonl as it comes (--dry-run: $OUT/gpu_mesh_dry.jsonl), with each rank's NCCL memory (NVML growth the caching allocator does not explain: several communicators per rank on a
-2D mesh). Then `memlens profile --world-size 4 --compare-estimate` runs once per mesh (the CLI's own torchrun launch),
+compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after each
+case's GPU run; the rank group that stands for it). One JSON line per case (its ranks' records and the estimate) is
+appended to $OUT/gpu_mesh.jsonl as it comes (--dry-run: $OUT/gpu_mesh_dry.jsonl), with each rank's NCCL memory (NVML
+growth the caching allocator does not explain: several communicators per rank on a 2D mesh). Then `memlens profile --world-size 4 --compare-estimate` runs once per mesh (the CLI's own torchrun launch),
 its output kept in $OUT/profile-*.txt.
 """
 from __future__ import annotations
