@@ -1,12 +1,13 @@
 """Why GPT-2 medium under DDP / DDP + ZeroRedundancyOptimizer peaks above memlens' estimate (issue 37, item 3).
 
 GPT-2 medium, amp-bf16 (fp32 weights, autocast bf16), micro-batch 4 x 512 tokens, 2 ranks, 3 optimizer steps. Each
-variant runs in its own torchrun job (2 processes); every rank records, for steps 2-3 (after the warm-up step and
+variant runs in its own torchrun job (2 processes) through bench/gpu_runner.py (variants already in the JSONL are
+skipped, --fresh starts over, --list names them); every rank records, for steps 2-3 (after the warm-up step and
 DDP's bucket rebuild), the peak of each phase (forward, backward, optimizer: max_memory_allocated reset at each
 phase mark), the allocated bytes at every mark, max_memory_reserved, and on rank 0 a _record_memory_history trace of
 steps 2-3 replayed to the peak moment: the blocks alive there grouped by phase, op and Python frame (the replay of
 bench/gpu_dp_gap_probe.py). memlens' per-phase estimate of the same spec (expected and worst case) is computed in
-this process after the GPU runs, and a table printed last.
+this process after each variant's GPU run, and a table printed last.
 
 Variants (the hypotheses):
   memlens-step    memlens.step.prepare's own step (what the estimate simulates; exact for GPT-2 small)
@@ -32,14 +33,17 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.gpu_runner import Case, gib, last_records, list_or_run, read_jsonl, runner_args, select  # noqa: E402
+
 WORLD, STEPS = 2, 3
+JSONL = "gpu_ddp_gpt2_probe.jsonl"
+CASE_TIMEOUT = 240
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 GPT2M = dict(n_embd=1024, n_layer=24, n_head=16, n_positions=1024, vocab_size=50257)
 TINY = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=128)
 SHAPE = dict(batch_size=4, seq_len=512)
@@ -74,16 +78,17 @@ def spec_fields(variant: str, cfg: str, dry: bool) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ one rank
-def rank_main(req_path: str) -> None:
+def rank_case(name: str, req: dict, dry: bool) -> dict:
+    """One rank of one variant, run by torchrun through bench/gpu_runner.py (--dry-run: gloo ranks on the CPU); an OOM
+    or a crash is this rank's record (status "crash", its phases so far) and the rank leaves at once."""
     import torch
     import torch.distributed as dist
 
     from bench.gpu_dp_gap_probe import Marks, analyze
 
-    req = json.loads(Path(req_path).read_text())
     rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    cuda = not req["dry"]
-    rec: dict = {"rank": rank, "variant": req["variant"]}
+    cuda = not dry
+    rec: dict = {"rank": rank, "variant": name}
     try:
         dev = torch.device("cuda", local) if cuda else torch.device("cpu")
         if cuda:
@@ -92,15 +97,15 @@ def rank_main(req_path: str) -> None:
         marks = Marks(cuda)
         phases: list[dict] = []
 
-        def on_phase(name: str, step: int) -> None:
+        def on_phase(mark: str, step: int) -> None:
             if cuda:
                 torch.cuda.synchronize()
-                phases.append({"step": step, "mark": name, "allocated": torch.cuda.memory_allocated(),
+                phases.append({"step": step, "mark": mark, "allocated": torch.cuda.memory_allocated(),
                                "peak_since_last_mark": torch.cuda.max_memory_allocated()})
                 torch.cuda.reset_peak_memory_stats()
-            marks.mark(f"s{step}.{name}")
+            marks.mark(f"s{step}.{mark}")
 
-        run = build_memlens(req, dev) if VARIANTS[req["variant"]][0] == "memlens" else build_user(req, dev)
+        run = build_memlens(req, dev) if VARIANTS[name][0] == "memlens" else build_user(name, req, dev)
         rec["after_build_allocated"] = torch.cuda.memory_allocated() if cuda else None
         for n in range(1, STEPS + 1):
             if cuda and n == 2:
@@ -110,7 +115,7 @@ def rank_main(req_path: str) -> None:
                     torch.cuda.memory._record_memory_history(enabled="all", context="all", stacks="all", max_entries=1_500_000)
                     marks.on = True
                     rec["alloc_at_record_start"] = torch.cuda.memory_allocated()
-            run(lambda name, n=n: on_phase(name, n))
+            run(lambda mark, n=n: on_phase(mark, n))
             on_phase("end", n)
         if cuda:
             rec["max_reserved"] = torch.cuda.memory_stats()["reserved_bytes.all.peak"]
@@ -124,14 +129,14 @@ def rank_main(req_path: str) -> None:
         later = [p for p in phases if p["step"] >= 2]
         rec.update(status="ok", phases=phases, max_allocated_steps23=max((p["peak_since_last_mark"] for p in later), default=None))
         dist.barrier()
-    except Exception as e:  # noqa: BLE001 - an OOM or a crash: this variant's record says so
+    except Exception as e:  # noqa: BLE001 - an OOM or a crash: this variant's record says so (the runner exits the rank)
         import traceback
 
-        rec.update(status="crash", error=f"{type(e).__name__}: {str(e)[:300]}", traceback=traceback.format_exc()[-2000:])
-    Path(req["out"], f"rank{rank}.json").write_text(json.dumps(rec))
-    if rec["status"] != "ok":
-        os._exit(3)
+        rec.update(status="crash", error=f"{type(e).__name__}: {str(e)[:300]}", traceback=traceback.format_exc()[-2000:],
+                   oom="out of memory" in str(e).lower())
+        return rec
     dist.destroy_process_group()
+    return rec
 
 
 def build_memlens(req: dict, dev):
@@ -143,13 +148,13 @@ def build_memlens(req: dict, dev):
     return lambda mark: step.run(mark)
 
 
-def build_user(req: dict, dev):
+def build_user(variant: str, req: dict, dev):
     """A plain user loop: the model on the device, DDP with the variant's options, AdamW (or ZeRO-1 over it)."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    _, tied, ddp_kw, bw_in_autocast, zero1 = VARIANTS[req["variant"]]
+    _, tied, ddp_kw, bw_in_autocast, zero1 = VARIANTS[variant]
     torch.manual_seed(0)
     cfg = AutoConfig.from_pretrained(req["spec"]["model"])
     model = AutoModelForCausalLM.from_config(cfg).to(dev)
@@ -184,27 +189,6 @@ def build_user(req: dict, dev):
 
 
 # ------------------------------------------------------------------------------------------------ driver
-def run_variant(out: Path, variant: str, dry: bool) -> dict:
-    ex = Path(tempfile.mkdtemp(prefix="memlens-ddp-probe-"))
-    cfg = config_dir(out, VARIANTS[variant][1], dry)
-    req = ex / "request.json"
-    req.write_text(json.dumps({"variant": variant, "spec": spec_fields(variant, cfg, dry), "out": str(ex), "dry": dry}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}", __file__, "--rank", str(req)]
-    t = time.time()
-    try:
-        p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-        rc, tail = p.returncode, [ln for ln in p.stderr.splitlines() if ln.strip()][-3:]
-    except subprocess.TimeoutExpired:
-        rc, tail = "timeout", []
-    ranks = [json.loads(f.read_text()) for f in sorted(ex.glob("rank*.json"))]
-    rec = {"variant": variant, "spec": spec_fields(variant, cfg, dry), "returncode": rc, "wall_s": round(time.time() - t, 1), "ranks": ranks}
-    if rc != 0 or any(r.get("status") != "ok" for r in ranks) or len(ranks) != WORLD:
-        rec["error"] = next((f"rank {r['rank']}: {r.get('error')}" for r in ranks if r.get("status") != "ok"), " | ".join(tail) or str(rc))
-    return rec
-
-
 def profile_cli(out: Path, sharding: str, dry: bool) -> str:
     """`memlens profile --world-size 2 --compare-estimate` of the same spec (memlens' own torchrun launch, as a user runs it);
     the output is kept in $OUT/profile-<sharding>.txt, the merged result in $OUT/profile-<sharding>/."""
@@ -236,65 +220,82 @@ def estimate(fields: dict) -> dict:
             "by_phase": {k: v["peak_allocated_bytes"] for k, v in e["by_phase"].items()}, "terms": e.get("terms")}
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    if len(args) > 1 and args[0] == "--rank":
-        rank_main(args[1])
-        return
-    dry = "--dry-run" in args
-    args = [a for a in args if a != "--dry-run"]
-    out = Path(os.environ.get("OUT", "out"))
+def _estimate_meta(fields: dict, cache: dict) -> dict:
+    """The runner's ``meta``: the variant's spec and memlens' estimate of it, on the CPU in this process after the
+    variant's torchrun job (one estimate per distinct spec; one failing loses that estimate only)."""
+    key = json.dumps(fields, sort_keys=True)
+    if key not in cache:
+        try:
+            cache[key] = estimate(fields)
+        except Exception as e:  # noqa: BLE001
+            cache[key] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return {"spec": fields, "estimate": cache[key]}
+
+
+def _phase_peaks(r: dict) -> dict:
+    """A rank's peak per phase over steps 2-3 (each mark's peak is the peak since the previous mark)."""
+    ph: dict = {}
+    for p in r.get("phases", []):
+        if p["step"] >= 2 and p["mark"] in ("backward", "optimizer", "end"):
+            prev = {"backward": "forward", "optimizer": "backward", "end": "optimizer"}[p["mark"]]
+            ph[prev] = max(ph.get(prev, 0), p["peak_since_last_mark"])
+    return ph
+
+
+def markdown(recs: list[dict]) -> str:
+    g = lambda x: f"{x / 2**30:.3f}" if x else "-"   # noqa: E731
+    lines = ["| variant | rank | measured peak (steps 2-3) | estimate expected | err | worst case | measured fwd / bwd / opt peak | "
+             "estimated fwd / bwd / opt |", "|---|---|---|---|---|---|---|---|"]
+    for rec in recs:
+        est = rec.get("estimate") or {}
+        if not rec.get("ranks"):
+            lines.append(f"| {rec['name']} | - | {rec.get('error', 'no rank record')} ||||||")
+        for r in rec.get("ranks", []):
+            m, ph, e, bp = r.get("max_allocated_steps23"), _phase_peaks(r), est.get("peak_allocated"), est.get("by_phase", {})
+            err = f"{100 * (e - m) / m:+.2f}%" if e and m else "-"
+            lines.append(f"| {rec['name']} | {r['rank']} | {g(m)} | {g(e)} | {err} | {g(est.get('worst_allocated'))} | "
+                         f"{' / '.join(g(ph.get(k)) for k in ('forward', 'backward', 'optimizer'))} | "
+                         f"{' / '.join(g(bp.get(k)) for k in ('forward', 'backward', 'optimizer'))} |")
+        pa = next((r.get("peak_analysis") for r in rec.get("ranks", []) if r.get("peak_analysis")), None)
+        if pa and "top_groups" in pa:
+            lines.append(f"  {rec['name']} rank 0 at its peak ({pa['peak_phase']}): "
+                         + "; ".join(f"{x['key']} {x['bytes'] / 2**20:.0f} MiB" for x in pa["top_groups"][:6]))
+    return "\n".join(lines)
+
+
+COLUMNS = [("ranks: max allocated (steps 2-3) GiB",
+            lambda r: " ".join(f"r{x['rank']}={gib(x.get('max_allocated_steps23'))}" for x in r.get("ranks", [])) or "-")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = runner_args(__doc__.splitlines()[0], timeout=CASE_TIMEOUT)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [v for v in VARIANTS if not args or any(a in v for a in args)]
-    if dry and args == ["profile"]:
-        names = []
+    dry = a.dry_run
+    cases = [Case(v, {"spec": spec_fields(v, config_dir(out, VARIANTS[v][1], dry), dry)}) for v in VARIANTS]
+    if a.list:
+        list_or_run(a, cases)
+        return
     if not dry:
         import torch
 
         if torch.cuda.device_count() < WORLD:
             sys.exit(f"needs {WORLD} GPUs, this machine has {torch.cuda.device_count()}")
-    recs = []
-    for v in names:
-        rec = run_variant(out, v, dry)
-        recs.append(rec)
-        print(f"{v:18s} {rec['wall_s']:5.0f}s " + " ".join(f"r{r['rank']}={(r.get('max_allocated_steps23') or 0) / 2**30:.3f}GiB"
-                                                      for r in rec["ranks"]) + f" {rec.get('error', '')}", flush=True)
-    if not args or "profile" in args:      # the CLI path a user takes (on the CPU with --dry-run: gloo)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
+    cache: dict[str, dict] = {}
+    todo = select(cases, a.filters)
+    if todo:     # each variant its own torchrun job (gloo ranks on the CPU with --dry-run), its estimate after it
+        list_or_run(a, cases, fn=rank_case, jsonl=JSONL, launcher=torchrun, env=CHILD_ENV, columns=COLUMNS,
+                    meta=lambda c: {"variant": c.name, **_estimate_meta(c.payload["spec"], cache)})
+    if not a.filters or "profile" in a.filters:      # the CLI path a user takes (on the CPU with --dry-run: gloo)
         for sh in ("ddp", "zero1"):
             print(f"\nmemlens profile --sharding {sh}:\n" + profile_cli(out, sh, dry), flush=True)
-    cache: dict[str, dict] = {}
-    for rec in recs:
-        key = json.dumps(rec["spec"], sort_keys=True)
-        try:
-            cache.setdefault(key, estimate(rec["spec"]))
-            rec["estimate"] = cache[key]
-        except Exception as e:  # noqa: BLE001
-            rec["estimate"] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-        with open(out / "gpu_ddp_gpt2_probe.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-    print("\n| variant | rank | measured peak (steps 2-3) | estimate expected | err | worst case | measured fwd / bwd / opt peak | "
-          "estimated fwd / bwd / opt |")
-    print("|---|---|---|---|---|---|---|---|")
-    g = lambda x: f"{x / 2**30:.3f}" if x else "-"   # noqa: E731
-    for rec in recs:
-        est = rec.get("estimate", {})
-        for r in rec["ranks"]:
-            m = r.get("max_allocated_steps23")
-            ph = {}
-            for p in r.get("phases", []):
-                if p["step"] >= 2 and p["mark"] in ("backward", "optimizer", "end"):   # the peak since the previous mark
-                    prev = {"backward": "forward", "optimizer": "backward", "end": "optimizer"}[p["mark"]]
-                    ph[prev] = max(ph.get(prev, 0), p["peak_since_last_mark"])
-            e = est.get("peak_allocated")
-            err = f"{100 * (e - m) / m:+.2f}%" if e and m else "-"
-            bp = est.get("by_phase", {})
-            print(f"| {rec['variant']} | {r['rank']} | {g(m)} | {g(e)} | {err} | {g(est.get('worst_allocated'))} | "
-                  f"{' / '.join(g(ph.get(k)) for k in ('forward', 'backward', 'optimizer'))} | "
-                  f"{' / '.join(g(bp.get(k)) for k in ('forward', 'backward', 'optimizer'))} |")
-        pa = next((r.get("peak_analysis") for r in rec["ranks"] if r.get("peak_analysis")), None)
-        if pa and "top_groups" in pa:
-            print(f"  {rec['variant']} rank 0 at its peak ({pa['peak_phase']}): "
-                  + "; ".join(f"{x['key']} {x['bytes'] / 2**20:.0f} MiB" for x in pa["top_groups"][:6]))
+    names = {c.name for c in todo}
+    jsonl = out / (f"{Path(JSONL).stem}_dry.jsonl" if dry else JSONL)
+    recs = [r for n, r in last_records(read_jsonl(jsonl)).items() if n in names]
+    if recs:
+        print("\n" + markdown(recs))
 
 
 if __name__ == "__main__":

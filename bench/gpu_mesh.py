@@ -7,14 +7,15 @@ Run on a 4-GPU machine from the repo root (4 cases: about 5 minutes on 4 x H100)
     python bench/gpu_mesh.py hsdp       # only the cases whose name contains "hsdp"
     python bench/gpu_mesh.py profile    # only `memlens profile --world-size 4` of each mesh (about 3 minutes)
 
-Each case runs in its own torchrun job (bench/gpu_distributed.py's rank code: memlens.step.prepare builds the very
+Each case runs in its own torchrun job through bench/gpu_runner.py (cases already in the JSONL are skipped, --fresh
+starts over, --list names them; bench/gpu_distributed.py's rank code: memlens.step.prepare builds the very
 wrapper the estimate simulates - FSDP2 fully_shard on a 2 x 2 replicate x shard mesh, or parallelize_module with
 torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh - resets the peak counters after building
 and runs 3 steps), so an OOM or a crash loses one case. Every rank's max_memory_allocated / max_memory_reserved is
-compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after the GPU
-runs; the rank group that stands for it). One JSON line per case is appended to $OUT/gpu_mesh.jsonl as it comes,
-with each rank's NCCL memory (NVML growth the caching allocator does not explain: several communicators per rank on a
-2D mesh). Then `memlens profile --world-size 4 --compare-estimate` runs once per mesh (the CLI's own torchrun launch),
+compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after each
+case's GPU run; the rank group that stands for it). One JSON line per case (its ranks' records and the estimate) is
+appended to $OUT/gpu_mesh.jsonl as it comes (--dry-run: $OUT/gpu_mesh_dry.jsonl), with each rank's NCCL memory (NVML
+growth the caching allocator does not explain: several communicators per rank on a 2D mesh). Then `memlens profile --world-size 4 --compare-estimate` runs once per mesh (the CLI's own torchrun launch),
 its output kept in $OUT/profile-*.txt.
 """
 from __future__ import annotations
@@ -28,7 +29,12 @@ from pathlib import Path
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.gpu_distributed import CHILD_ENV  # noqa: E402
+from bench.gpu_runner import as_cases, gib, last_records, list_or_run, read_jsonl, runner_args, select  # noqa: E402
+
 WORLD = 4
+JSONL = "gpu_mesh.jsonl"
+CASE_TIMEOUT = 300
 LLAMA_1B = dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="amp-bf16")
 TINY = dict(model="tests/fixtures/tiny-llama", batch_size=2, seq_len=64, precision="amp-bf16")
 
@@ -94,64 +100,89 @@ def estimate(fields: dict, gpu: str) -> dict:
     return {"ranks": per, "strategy": r.data["strategy"], "applied": r.data.get("applied"), "seconds": round(time.time() - t, 1)}
 
 
-def main() -> None:
-    args = sys.argv[1:]
-    dry = "--dry-run" in args
-    args = [a for a in args if a != "--dry-run"]
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(parents=True, exist_ok=True)
-    todo = [(n, f) for n, f in cases(TINY if dry else LLAMA_1B) if not args or any(a in n for a in args)]
-    profiles = [n for n in PROFILES if any(a in n for a in args)]      # only when asked: `python bench/gpu_mesh.py profile`
-    rows = []
+def mesh_case(name: str, fields: dict, dry: bool) -> dict:
+    """One case, run through bench/gpu_runner.py: on the GPUs, one rank of its torchrun job (bench/gpu_distributed.py's
+    rank code); with --dry-run, memlens' per-rank estimate of the tiny spec in the case's own CPU subprocess."""
     if dry:
-        for name, fields in todo:
-            est = estimate(fields, "h100")
-            print(f"{name:42s} {est['seconds']:5.1f}s " + " ".join(f"r{k}={v[0] / 2**20:.2f}MiB" for k, v in sorted(est["ranks"].items()))
-                  + f"  [{est['strategy']}]", flush=True)
+        return {"spec": fields, "estimate": estimate(fields, "h100")}
+    from bench.gpu_distributed import rank_case
+
+    return rank_case(name, fields, dry)
+
+
+def _estimate_meta(fields: dict, gpu: str) -> dict:
+    """The runner's ``meta``: the spec and memlens' per-rank estimate of it, on the CPU in this process after the case's
+    GPU run (one case's estimate failing loses that estimate only)."""
+    try:
+        est = estimate(fields, gpu)
+    except Exception as e:  # noqa: BLE001
+        est = {"error": f"{type(e).__name__}: {str(e)[:300]}", "ranks": {}}
+    return {"spec": fields, "gpu": gpu, "estimate": est}
+
+
+def _rank_est(est: dict, rank) -> list | None:
+    per = est.get("ranks") or {}
+    return per.get(rank, per.get(str(rank)))      # int keys in this process, str keys once read back from the JSONL
+
+
+def markdown(recs: list[dict], env: dict) -> str:
+    """Per rank: measured vs memlens' estimate (allocated and reserved), and the rank's NCCL memory."""
+    lines = [f"{env.get('device', '?')} x {WORLD}, torch {env.get('torch', '?')}, NCCL {env.get('nccl', '?')}\n",
+             "| case | rank | measured alloc GiB | estimate GiB | err | measured reserved GiB | estimate GiB | err | NCCL MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for rec in recs:
+        est = rec.get("estimate") or {}
+        if not rec.get("ranks"):
+            lines.append(f"| {rec['name']} | - | {rec.get('error', 'no rank record')} |||||||")
+        for m in rec.get("ranks", []):
+            e = _rank_est(est, m.get("rank"))
+            if m.get("status") != "ok" or not e:
+                lines.append(f"| {rec['name']} | {m.get('rank')} | {m.get('status')} {m.get('error') or est.get('error', '')} |||||||")
+                continue
+            ea, er = e
+            lines.append(f"| {rec['name']} | {m['rank']} | {m['max_allocated'] / 2**30:.3f} | {ea / 2**30:.3f} | "
+                         f"{100 * (ea - m['max_allocated']) / m['max_allocated']:+.2f}% | {m['max_reserved'] / 2**30:.3f} | "
+                         f"{er / 2**30:.3f} | {100 * (er - m['max_reserved']) / m['max_reserved']:+.2f}% | "
+                         f"{(m.get('nccl_bytes') or 0) / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+DRY_COLUMNS = [("estimate per rank MiB (tiny Llama)", lambda r: " ".join(
+    f"r{k}={v[0] / 2**20:.2f}" for k, v in sorted(r["estimate"]["ranks"].items(), key=lambda kv: int(kv[0])))),
+    ("strategy", lambda r: r["estimate"]["strategy"])]
+COLUMNS = [("ranks: max allocated GiB", lambda r: " ".join(f"r{x['rank']}={gib(x.get('max_allocated'))}" for x in r.get("ranks", []))
+            or "-")]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = runner_args(__doc__.splitlines()[0], timeout=CASE_TIMEOUT)
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    profiles = [n for n in PROFILES if any(f in n for f in a.filters)]      # only when asked: `python bench/gpu_mesh.py profile`
+    todo = cases(TINY if a.dry_run else LLAMA_1B)
+    if a.list:
+        list_or_run(a, todo)
+        return
+    run = dict(fn=mesh_case, jsonl=JSONL, env=CHILD_ENV)
+    if a.dry_run:     # CPU only: every case's estimate on a tiny Llama (no GPU, no torchrun)
+        list_or_run(a, todo, columns=DRY_COLUMNS, **run)
         return
     import torch
 
-    from bench.gpu_distributed import run_case
-
     if torch.cuda.device_count() < WORLD:
         sys.exit(f"needs {WORLD} GPUs, this machine has {torch.cuda.device_count()}")
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(),
-           "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
     gpu = gpu_name()
-    measured = []
-    for name, fields in todo:          # the GPU runs first (each its own torchrun job), then the estimates on the CPU
-        (out / "gpu_mesh_runs").mkdir(exist_ok=True)
-        rec = run_case(out / "gpu_mesh_runs", name, fields, WORLD)     # its raw record also in gpu_mesh_runs/gpu_distributed.jsonl
-        measured.append((name, fields, rec))
-        print(f"{name:42s} {rec['wall_s']:5.0f}s " + " ".join(f"r{r['rank']}={r.get('max_allocated', 0) / 2**30:.3f}"
-                                                               for r in rec["ranks"]) + f" {rec.get('error', '')}", flush=True)
-    lines = [profile_run(out, n) for n in profiles]       # the CLI path, after the per-case runs
-    for line in lines:
-        print(line, flush=True)
-    for name, fields, rec in measured:
-        try:
-            est = estimate(fields, gpu)
-        except Exception as e:  # noqa: BLE001 - one case's estimate failing loses that case only
-            est = {"error": f"{type(e).__name__}: {str(e)[:300]}", "ranks": {}}
-        row = {"name": name, "spec": fields, "env": env, "gpu": gpu, "estimate": est,
-               "measured": [{k: r.get(k) for k in ("rank", "status", "max_allocated", "max_reserved", "error", "applied", "phases",
-                                                   "nccl_bytes")} for r in rec["ranks"]], "error": rec.get("error")}
-        rows.append(row)
-        with open(out / "gpu_mesh.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
-    print(f"\n{env['device']} x {WORLD}, torch {env['torch']}, NCCL {env['nccl']}\n")
-    print("| case | rank | measured alloc GiB | estimate GiB | err | measured reserved GiB | estimate GiB | err | NCCL MiB |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        for m in row["measured"]:
-            e = row["estimate"]["ranks"].get(m["rank"])
-            if m.get("status") != "ok" or not e:
-                print(f"| {row['name']} | {m['rank']} | {m.get('status')} {m.get('error') or row['estimate'].get('error', '')} |||||||")
-                continue
-            ea, er = e
-            print(f"| {row['name']} | {m['rank']} | {m['max_allocated'] / 2**30:.3f} | {ea / 2**30:.3f} | "
-                  f"{100 * (ea - m['max_allocated']) / m['max_allocated']:+.2f}% | {m['max_reserved'] / 2**30:.3f} | {er / 2**30:.3f} | "
-                  f"{100 * (er - m['max_reserved']) / m['max_reserved']:+.2f}% | {(m.get('nccl_bytes') or 0) / 2**20:.0f} |")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
+    if select(as_cases(todo), a.filters):     # the GPU runs first (each its own torchrun job), each case's estimate after it
+        list_or_run(a, todo, launcher=torchrun, columns=COLUMNS, meta=lambda c: _estimate_meta(c.payload, gpu), **run)
+    for name in profiles:                      # the CLI path, after the per-case runs
+        print(profile_run(out, name), flush=True)
+    names = {c.name for c in select(as_cases(todo), a.filters)}
+    recs = [r for n, r in last_records(read_jsonl(out / JSONL)).items() if n in names]
+    env_path = out / "gpu_mesh_env.json"
+    env = json.loads(env_path.read_text()) if env_path.exists() else {}
+    if recs:
+        print("\n" + markdown(recs, env))
 
 
 if __name__ == "__main__":

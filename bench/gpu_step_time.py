@@ -6,12 +6,15 @@ One command on the GPU machine, from the repo root (one H100: about 6 minutes):
     python bench/gpu_step_time.py                 # calibrate + the one-GPU cases
     python bench/gpu_step_time.py --gpus 2        # the DDP / FSDP2 cases (calibrate with NCCL first)
     python bench/gpu_step_time.py --dry-run       # CPU: estimates only, tiny sizes (checks the script)
+    python bench/gpu_step_time.py --only gpt2-fp32,llama1b-bf16 --budget-s 400 --table out/h100_timing.json
+                                                  # (case-name substrings as positionals select too; --list names them)
 
 What it does:
 1. ``memlens calibrate --out $OUT/<gpu>_timing.json`` in a subprocess (with ``--gpus 2``, NCCL included);
-2. the estimates of every case, on the CPU, in parallel subprocesses (2 threads each) with that table
-   (MEMLENS_TIMING_TABLE): ``step_time`` of the Result (seconds and parts);
-3. meanwhile, each case in its own GPU subprocess (an OOM or a crash loses one case): memlens' own step
+2. the estimates of every case, on the CPU, in a pool of ``--workers`` spawned processes (2 threads each) with that
+   table (MEMLENS_TIMING_TABLE): ``step_time`` of the Result (seconds and parts);
+3. meanwhile, each case in its own GPU subprocess through bench/gpu_runner.py (an OOM or a crash loses one case; its
+   record in $OUT/gpu_step_time_runs.jsonl, a case measured there is not run again unless --fresh): memlens' own step
    (memlens.step.prepare) on random weights, 2 warm-up steps, then 5 steps each CUDA-synchronized: the median step
    seconds (host wall clock) and its phases (CUDA events at the loop's phase marks, memlens.measure.phase_time;
    recompute is inside backward); with ``--gpus 2`` under torchrun;
@@ -24,19 +27,25 @@ is not installed there).
 """
 from __future__ import annotations
 
-import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.gpu_runner import Case, last_records, read_jsonl, run_cases, runner_args, select  # noqa: E402
+
 WARMUP, STEPS = 2, 5
 JSONL, MD = "gpu_step_time.jsonl", "gpu_step_time.md"
+RUNS = "gpu_step_time_runs.jsonl"     # the runner's record of each GPU run (resume: a case measured is not run again)
+CASE_TIMEOUT = 150
 GPT2 = dict(model="gpt2", batch_size=8, seq_len=1024)
 L1B = dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16")
 Q05 = dict(model="qwen2.5-0.5b", batch_size=8, seq_len=1024, precision="bf16")
@@ -136,92 +145,114 @@ def measure(name: str, fields: dict) -> dict:
     return rec
 
 
-# ---------------------------------------------------------------- one case, estimated (CPU subprocess)
+# ---------------------------------------------------------------- one case, estimated (CPU worker)
 def predict(name: str, fields: dict, dry: bool) -> dict:
+    """memlens' step-time estimate of one case, on the CPU (a worker of main's pool: CUDA hidden, 2 threads, the table
+    of MEMLENS_TIMING_TABLE); its failure is the case's ``predict_error``."""
     import torch
 
     torch.set_num_threads(2)
     from memlens.estimator import estimate
 
     t = time.perf_counter()
-    r = estimate(spec_of(fields, dry))
+    try:
+        r = estimate(spec_of(fields, dry))
+    except Exception as e:  # noqa: BLE001 - one case's failure, reported in its line
+        return {"predict_error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     st = r.data.get("step_time") or {}
-    return {"name": name, "predicted_seconds": st.get("seconds"), "predicted_parts": st.get("parts"),
+    return {"predicted_seconds": st.get("seconds"), "predicted_parts": st.get("parts"),
             "predicted_table": st.get("table"), "calibrated": st.get("calibrated"), "mfu": st.get("mfu"),
             "tokens_per_s": st.get("tokens_per_s"), "param_count": r.data.get("param_count"),
             "predicted_peak_allocated": r.peak_allocated_bytes, "estimate_seconds": time.perf_counter() - t}
 
 
-def _child(args) -> int:
-    cases = {**CASES, **CASES_2GPU}
-    fields = cases[args.case]
-    try:
-        rec = predict(args.case, fields, args.dry_run) if args.role == "predict" else measure(args.case, fields)
-    except Exception as e:  # noqa: BLE001 - one case's failure, reported in its line
-        oom = "out of memory" in str(e).lower()
-        rec = {"name": args.case, f"{args.role}_error": f"{'OOM' if oom else type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
-    if int(os.environ.get("RANK", "0")) == 0:
-        print("RESULT " + json.dumps(rec), flush=True)
-    return 0
+def _predict_worker(table: str | None) -> None:
+    """A prediction worker's environment, set before it imports torch (spawned: nothing of the parent's CUDA)."""
+    os.environ.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
+    if table:
+        os.environ["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
 
 
-def _result_of(out: str) -> dict | None:
-    for line in reversed(out.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return None
+def case(name: str, fields: dict, dry: bool) -> dict:
+    """One case in its own subprocess (bench/gpu_runner.py; with --gpus 2 one rank of its torchrun job); --dry-run:
+    nothing on the device (the estimates run in main's pool)."""
+    return {"dry_run": True} if dry else measure(name, fields)
+
+
+def _measured(rec: dict) -> dict:
+    """The runner's record of a case as the row's measured fields: rank 0's record under torchrun; a failure is
+    ``measure_error`` (the row's ``error`` is the relative error of the prediction)."""
+    if "ranks" in rec and rec["ranks"]:
+        rec = {**rec, **rec["ranks"][0]}
+    got = {k: v for k, v in rec.items() if k not in ("name", "ranks", "error", "traceback", "stderr_tail", "dry_run")}
+    if "error" in rec:
+        got["measure_error"] = ("OOM: " if rec.get("oom") else "") + str(rec["error"])[:300]
+    return got
 
 
 # ---------------------------------------------------------------- the run
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry-run", action="store_true", help="CPU: estimates only, tiny sizes")
+def main(argv: list[str] | None = None) -> int:
+    ap = runner_args(__doc__.splitlines()[0], timeout=CASE_TIMEOUT)
     ap.add_argument("--gpus", type=int, default=1, choices=(1, 2), help="1: the one-GPU cases; 2: DDP / FSDP2 under torchrun")
     ap.add_argument("--only", help="comma-separated case names")
     ap.add_argument("--table", help="an existing timing table (skips calibrate)")
     ap.add_argument("--workers", type=int, default=6, help="estimates side by side (default 6)")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
-    ap.add_argument("--role", choices=("predict", "measure"), help=argparse.SUPPRESS)
-    ap.add_argument("--case", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.role:
-        return _child(args)
-    out = os.environ.get("OUT", "./out")
-    os.makedirs(out, exist_ok=True)
+    args = ap.parse_args(argv)
     cases = CASES_2GPU if args.gpus == 2 else CASES
-    names = [n for n in cases if not args.only or n in args.only.split(",")]
+    names = [c.name for c in select([Case(n) for n in cases], args.filters)
+             if not args.only or c.name in args.only.split(",")]
+    if args.list:
+        print("\n".join(names))
+        return 0
+    out = args.out
+    os.makedirs(out, exist_ok=True)
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     table = args.table or (None if args.dry_run else calibrate(out, args.gpus, env))
-    if table:
-        env["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
-    penv = dict(env, OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
-    todo = [n for n in names if not cases[n].get("skip")]
-    preds = _start_predictions(todo, penv, args)
-    path = os.path.join(out, JSONL)
-    rows = []
-    for n in names:
-        rec = {"name": n, "spec": {k: v for k, v in cases[n].items() if k not in META}, "base": cases[n].get("base"),
-               "gpus": args.gpus, "table": table}
-        if cases[n].get("skip"):
-            rec["skipped"] = cases[n]["skip"]
-        elif time.perf_counter() - t0 > args.budget_s:
-            rec["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
-        else:
-            if not args.dry_run:
-                rec.update(_measure_case(n, args.gpus, env))
-            rec.update(preds.result(n))
-            _errors(rec)
-        rows.append(rec)
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(_short(rec), flush=True)
-    preds.close()
+    runs = RUNS if not args.dry_run else f"{Path(RUNS).stem}_dry.jsonl"
+    if args.fresh and os.path.exists(os.path.join(out, runs)):
+        os.unlink(os.path.join(out, runs))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"] \
+        if args.gpus > 1 and not args.dry_run else None
+    run_env = {"MEMLENS_TIMING_TABLE": os.path.abspath(table)} if table else {}
+    rows, preds, env_file = [], {}, "gpu_step_time_env.json"
+    pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
+                               initargs=(table,))
+    try:      # the estimates run on the CPU beside the GPU cases
+        preds = {n: pool.submit(predict, n, cases[n], args.dry_run) for n in names if not cases[n].get("skip")}
+        for n in names:
+            rec = {"name": n, "spec": {k: v for k, v in cases[n].items() if k not in META}, "base": cases[n].get("base"),
+                   "gpus": args.gpus, "table": table}
+            if cases[n].get("skip"):
+                rec["skipped"] = cases[n]["skip"]
+            elif time.perf_counter() - t0 > args.budget_s:
+                rec["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
+            else:      # one case a run_cases call: the budget is checked and the row written as each case ends
+                run_cases([Case(n, cases[n])], case, out=out, jsonl=RUNS, dry=args.dry_run, timeout=args.timeout,
+                          launcher=torchrun, env=run_env, env_file=env_file, quiet=True)
+                env_file = False     # the versions and the device are written once, before the first run
+                rec.update(_measured(last_records(read_jsonl(os.path.join(out, runs))).get(n, {"error": "no record"})))
+                rec.update(_prediction(preds[n]))
+                _errors(rec)
+            rows.append(rec)
+            with open(os.path.join(out, JSONL), "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(_short(rec), flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     md = markdown(rows, time.perf_counter() - t0)
     with open(os.path.join(out, MD), "w") as f:
         f.write(md)
     print(md)
     return 0
+
+
+def _prediction(fut) -> dict:
+    try:
+        return fut.result(timeout=600)
+    except Exception as e:  # noqa: BLE001 - a worker that died or hung: the case's prediction is missing, said so
+        return {"predict_error": f"{type(e).__name__}: {str(e)[:300]}"}
 
 
 def calibrate(out: str, gpus: int, env: dict) -> str | None:
@@ -239,56 +270,6 @@ def calibrate(out: str, gpus: int, env: dict) -> str | None:
     print(p.stdout + p.stderr[-2000:], flush=True)
     print(f"calibrate: {time.perf_counter() - t:.0f} s", flush=True)
     return path if p.returncode == 0 and os.path.exists(path) else None
-
-
-class _Predictions:
-    """Estimate subprocesses, ``workers`` at a time, started before the GPU measurements."""
-
-    def __init__(self, names, env, args):
-        self.queue, self.env, self.args, self.running, self.done = list(names), env, args, {}, {}
-        self._fill()
-
-    def _fill(self) -> None:
-        while self.queue and len(self.running) < self.args.workers:
-            n = self.queue.pop(0)
-            cmd = [sys.executable, os.path.abspath(__file__), "--role", "predict", "--case", n] + (["--dry-run"] if self.args.dry_run else [])
-            self.running[n] = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-    def result(self, n: str) -> dict:
-        while n not in self.done:
-            for m, p in list(self.running.items()):
-                if p.poll() is not None or m == n:
-                    try:
-                        so, se = p.communicate(timeout=600)
-                    except subprocess.TimeoutExpired:
-                        p.kill()
-                        so, se = p.communicate()
-                    self.done[m] = _result_of(so) or {"predict_error": (se or "no output").strip().splitlines()[-1][:300]}
-                    del self.running[m]
-                    self._fill()
-                    break
-            else:
-                time.sleep(0.2)
-        return self.done[n]
-
-    def close(self) -> None:
-        for p in self.running.values():
-            p.kill()
-
-
-def _start_predictions(names, env, args) -> _Predictions:
-    return _Predictions(names, env, args)
-
-
-def _measure_case(n: str, gpus: int, env: dict) -> dict:
-    me = [os.path.abspath(__file__), "--role", "measure", "--case", n]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"] + me) if gpus > 1 \
-        else [sys.executable] + me
-    try:
-        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=150)
-    except subprocess.TimeoutExpired:
-        return {"measure_error": "timeout (150 s)"}
-    return _result_of(p.stdout) or {"measure_error": (p.stderr or "no output").strip().splitlines()[-1][:300] if p.stderr else "no output"}
 
 
 def _errors(rec: dict) -> None:
