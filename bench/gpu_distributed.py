@@ -58,11 +58,11 @@ def rank_case(name: str, fields: dict, dry: bool) -> dict:
     if dry:
         from memlens.core.spec import TrainingSpec
         from memlens.models.source import resolve
-        from memlens.step.parallel import check
+        from memlens.step.plan import resolve as resolve_step
 
         spec = TrainingSpec(**fields)
         resolve(spec.model)
-        check(spec, fake=True)
+        resolve_step(spec, fake=True)   # every refusal, the multi-GPU ones among them
         return {"checked": True, "world_size": spec.world_size, "sharding": spec.sharding}
     import torch
     import torch.distributed as dist

@@ -102,6 +102,18 @@ class LiveBreakdown:
     top_blocks: list[dict[str, Any]] = field(default_factory=list)
 
 
+def _last_allocations(trace: list[dict]) -> dict[int, dict]:
+    """Each address's last allocation in a device trace that was not freed after it."""
+    last: dict[int, dict] = {}
+    for e in trace:
+        act = e.get("action")
+        if act == "alloc":
+            last[e.get("addr")] = e
+        elif act == "free_requested":
+            last.pop(e.get("addr"), None)
+    return last
+
+
 def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int, tuple[str, str]],
                          moments: dict[int, tuple[str, int, str]], step: int, history: bool = True,
                          top: int = 15) -> LiveBreakdown:
@@ -131,13 +143,7 @@ def classify_live_blocks(snapshot: dict[str, Any], device: int, known: dict[int,
             return None
         return moments[numbers[bisect.bisect_right(numbers, n) - 1]]
 
-    last_alloc: dict[int, dict] = {}
-    for e in trace:
-        act = e.get("action")
-        if act == "alloc":
-            last_alloc[e.get("addr")] = e
-        elif act == "free_requested":
-            last_alloc.pop(e.get("addr"), None)
+    last_alloc = _last_allocations(trace)
     by_cat: dict[str, int] = {}
     by_mod: dict[str, dict[str, int]] = {}
     by_phase: dict[str, int] = {}

@@ -33,7 +33,7 @@ from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..estimator import estimate
 from ..models.source import resolve
-from ..step.parallel import check
+from ..step.plan import resolve as resolve_step
 from .gather import merge_profiles
 from .nodes import Nodes, torchrun_flags
 
@@ -177,7 +177,7 @@ def _check_job(spec: TrainingSpec, steps: int, warmup: int, device: str | None) 
         raise MemlensError("--device cpu runs gloo, which FSDP2's collectives on CPU tensors are not measured with",
                            hint="use --sharding ddp on the CPU, or a GPU machine")
     resolve(spec.model)            # a bad --model is the first thing to say
-    check(spec, fake=False)
+    resolve_step(spec, fake=False)   # its refusals, the multi-GPU ones (memlens.step.parallel.check) among them
     return dev
 
 

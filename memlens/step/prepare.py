@@ -145,7 +145,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     source = source or resolve_source(spec.model)
     plan = resolve(spec, fake=fake, source=source)
     stage = on_stage or (lambda label: None)
-    wrapper = wrapper_for(spec, fake=fake) if plan.distributed else None
+    wrapper = wrapper_for(plan, fake=fake) if plan.distributed else None
     micro = spec.batch_size   # under DP-SGD the logical batch: Opacus' data loader splits it
     applied: list[str] = []
     load: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ...core.errors import SpecError
-from .base import RankGroup, Streams, Wrapper, as_plan, check
+from .base import RankGroup, Streams, Wrapper, check
 from .ddp import DDPWrapper, Zero1Wrapper
 from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
@@ -57,10 +57,9 @@ def wrapper_class(plan) -> type | None:
 
 
 def wrapper_for(plan, *, fake: bool) -> Wrapper | None:
-    """The wrapper for the plan's step on this rank (None on one GPU). ``plan``: a StepPlan (a TrainingSpec is
-    resolved first). The process group must be up: the fake one of
+    """The wrapper for the plan's step on this rank (None on one GPU). ``plan``: a StepPlan
+    (:func:`memlens.step.plan.resolve`). The process group must be up: the fake one of
     :func:`memlens.step.parallel.fakepg.fake_process_group`, or torchrun's."""
-    plan = as_plan(plan, fake)      # the multi-GPU refusals are check's, below
     if not plan.distributed:
         return None
     check(plan, fake=fake)

@@ -100,8 +100,7 @@ class Wrapper:
 def check(plan, *, fake: bool) -> None:
     """One line for every multi-GPU combination of the plan (:class:`memlens.step.plan.StepPlan`) that cannot be
     simulated or run (never ignored): the sharding's own, then the step kind's (``StepKind.refuse_ranks``).
-    A TrainingSpec is resolved first (nothing else refused)."""
-    plan = as_plan(plan, fake)
+    ``memlens.step.plan.resolve`` calls it; a caller that holds only a spec resolves it."""
     if not plan.distributed:
         return
     spec, sh = plan.spec, plan.sharding
@@ -128,15 +127,6 @@ def check(plan, *, fake: bool) -> None:
     if sh.name == "zero1" and plan.optimizer.bitsandbytes:
         raise SpecError(f"--optimizer {spec.optimizer} with --sharding zero1 is not modelled",
                         hint="use --optimizer adamw, or --sharding ddp")
-
-
-def as_plan(plan, fake: bool):
-    """``plan``, or the plan of a TrainingSpec (resolved with nothing refused: a caller that holds only the spec)."""
-    if isinstance(plan, TrainingSpec):
-        from ..plan import resolve  # noqa: PLC0415 - the plan imports this package: resolved at call time
-
-        return resolve(plan, fake=fake, refuse=False)
-    return plan
 
 
 @dataclass
