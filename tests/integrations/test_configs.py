@@ -90,6 +90,10 @@ def test_trl_recipe_takes_trl_defaults(tmp_path):
      "axolotl key liger_fused_linear_cross_entropy is off while other liger kernels are on: memlens models liger's kernels together"),
     ({"liger_rms_norm": True}, "axolotl key liger_rms_norm without the liger plugin does nothing in axolotl"),
     ({"context_parallel_size": 2}, "axolotl key context_parallel_size: context parallelism is not modelled"),
+    ({"tensor_parallel_size": 2}, "axolotl key tensor_parallel_size: tensor_parallel_size is not mapped (memlens models "
+     "torchtitan's Llama TP plan: estimate with --world-size N --sharding fsdp --tp T)"),
+    ({"dp_shard_size": 8}, "axolotl key dp_shard_size: dp_shard_size is not mapped (HSDP is modelled: estimate with "
+     "--sharding hsdp --shard-size N)"),
     ({"some_new_key": 4}, "axolotl key some_new_key is not one memlens reads, and it may change memory"),
     ({"rl": "grpo", "trl": {"use_vllm": True, "vllm_mode": "server"}},
      "axolotl key trl.use_vllm with a vLLM server: its memory is on another GPU, not modelled here"),
