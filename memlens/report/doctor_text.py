@@ -11,7 +11,7 @@ from ..core.payloads import (
 from ..core.result import Result
 from ..core.units import fmt_bytes
 from ..doctor.account import Account
-from .text import console, kv_table
+from .text import console, kv_table, rows_table
 
 
 def _render_oom(result: Result) -> None:
@@ -106,44 +106,28 @@ def _render_log(result: Result) -> None:
 
 
 def _render_snapshot(result: Result) -> None:
-    from rich.table import Table  # rich: tables only, not for --json
-
     c = console()
     d: DoctorSnapshotPayload = result.data
     c.print(f"[bold]{d.snapshot}[/bold]: allocated {fmt_bytes(d.allocated_bytes)} in {d.live_blocks} blocks, "
             f"reserved {fmt_bytes(d.reserved_bytes)} in {d.segments_count} segments; free inside partly used "
             f"segments (inactive split) {fmt_bytes(d.inactive_split_bytes)}")
-    t = Table(title="top live allocations (allocated)", box=None)
-    t.add_column("size", justify="right")
-    t.add_column("requested", justify="right")
-    t.add_column("allocated at")
-    for a in d.top_allocations:
-        t.add_row(fmt_bytes(a["size"]), fmt_bytes(a["requested_size"]), a["site"])
-    c.print(t)
-    t = Table(title="by allocation site", box=None)
-    t.add_column("bytes", justify="right")
-    t.add_column("blocks", justify="right")
-    t.add_column("site")
-    for s in d.allocation_sites[:10]:
-        t.add_row(fmt_bytes(s["bytes"]), str(s["blocks"]), s["site"])
-    c.print(t)
+    c.print(rows_table("top live allocations (allocated)", ["size", "requested", "allocated at"],
+                       [[fmt_bytes(a["size"]), fmt_bytes(a["requested_size"]), a["site"]] for a in d.top_allocations],
+                       left=("allocated at",)))
+    c.print(rows_table("by allocation site", ["bytes", "blocks", "site"],
+                       [[fmt_bytes(s["bytes"]), str(s["blocks"]), s["site"]] for s in d.allocation_sites[:10]], left=("site",)))
     if d.segments:
-        t = Table(title="most fragmented segments", box=None)
-        for col in ("segment", "reserved", "allocated", "free", "largest free piece", "fragmentation"):
-            t.add_column(col, justify="left" if col == "segment" else "right")
-        for s in d.segments[:8]:
-            t.add_row(f"{s['segment_type']} {s['address']:#x}", fmt_bytes(s["total_size"]), fmt_bytes(s["allocated_size"]),
-                      fmt_bytes(s["inactive_size"]), fmt_bytes(s["largest_inactive"]), f"{100 * s['fragmentation']:.0f}%")
-        c.print(t)
+        c.print(rows_table("most fragmented segments",
+                           ["segment", "reserved", "allocated", "free", "largest free piece", "fragmentation"],
+                           [[f"{s['segment_type']} {s['address']:#x}", fmt_bytes(s["total_size"]), fmt_bytes(s["allocated_size"]),
+                             fmt_bytes(s["inactive_size"]), fmt_bytes(s["largest_inactive"]), f"{100 * s['fragmentation']:.0f}%"]
+                            for s in d.segments[:8]], left=("segment",)))
     if d.snapshot_after:
         c.print(f"\n[bold]diff[/bold] -> {d.snapshot_after}: allocated {fmt_bytes(d.allocated_bytes)} -> "
                 f"{fmt_bytes(d.after_allocated_bytes)} ({fmt_bytes(d.allocated_growth_bytes)})")
-        t = Table(title="what grew (leak candidates)", box=None)
-        t.add_column("growth", justify="right")
-        t.add_column("blocks", justify="right")
-        t.add_column("site")
-        for g in d.grown_sites:
-            t.add_row(fmt_bytes(g["growth_bytes"]), f"{g['before_blocks']} -> {g['after_blocks']}", g["site"])
+        t = rows_table("what grew (leak candidates)", ["growth", "blocks", "site"],
+                       [[fmt_bytes(g["growth_bytes"]), f"{g['before_blocks']} -> {g['after_blocks']}", g["site"]]
+                        for g in d.grown_sites], left=("site",))
         c.print(t if d.grown_sites else "  nothing grew")
     for n in result.notes:
         c.print(f"[dim]note: {n}[/dim]")

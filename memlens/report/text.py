@@ -30,6 +30,19 @@ def kv_table(rows: list[tuple[str, str, str]], title: str | None = None):
     return t
 
 
+def rows_table(title: str, columns: list[str], rows, left: tuple[str, ...] = ()):
+    """A titled table without a box: ``columns`` right-aligned except those named in ``left``; ``rows``: lists of
+    cell strings."""
+    from rich.table import Table  # rich: tables only, not for --json
+
+    t = Table(title=title, box=None)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right")
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
 def signed_pct(x: Any) -> str:
     """+12.5% / -3.0% of a fraction; '-' for None.
 
