@@ -25,7 +25,7 @@ from typing import Any
 from ..core.components import COMPONENTS
 from ..core.payloads import SweepPayload, given
 from ..core.result import Result
-from .plots import heatmap, legend_outside, pyplot, relative_times, save_png
+from .plots import heatmap, legend_outside, pyplot, save_png, timeline_axis
 
 GIB = 2**30
 BASIC = ("memory_profile_results.json", "memory_profile_summary.csv", "memory_analysis_overview.png", "memory_heatmap.png")
@@ -180,11 +180,8 @@ def _timelines(plt, rows: list[dict[str, Any]], out: Path) -> list[Path]:
         if not tl:
             continue
         fig, ax = plt.subplots(figsize=(8, 3.2))
-        timed = "t" in tl[0]
-        if timed:
-            xs, tunit = relative_times([pt["t"] for pt in tl])
-        else:
-            xs = [pt.get("event", i) for i, pt in enumerate(tl)]
+        xs, tunit = timeline_axis(tl)
+        timed = tunit is not None
         ax.step(xs, [pt["allocated_bytes"] / GIB for pt in tl], where="post")
         for pt, x in zip(tl, xs):
             if pt.get("phase") in ("forward", "clip", "optimizer"):

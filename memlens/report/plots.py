@@ -71,6 +71,18 @@ def relative_times(ts: Sequence[float], seconds_per_tick: float = 1.0) -> tuple[
     return [t / per for t in rel_s], unit
 
 
+def timeline_axis(tl: Sequence[dict]) -> tuple[list[float], str | None]:
+    """The x values of a timeline's readings: seconds since the first (in an adaptive unit) where the readings carry a
+    time ``t``, else their event numbers (unit None).
+
+    >>> timeline_axis([{"t": 10.0}, {"t": 10.5}]), timeline_axis([{"event": 3}, {"event": 9}])
+    (([0.0, 500.0], 'ms'), ([3, 9], None))
+    """
+    if tl and "t" in tl[0]:
+        return relative_times([pt["t"] for pt in tl])
+    return [pt.get("event", i) for i, pt in enumerate(tl)], None
+
+
 def luminance(rgb: Sequence[float]) -> float:
     """WCAG relative luminance of an (r, g, b[, a]) colour with channels in 0..1.
 

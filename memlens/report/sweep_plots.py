@@ -15,7 +15,7 @@ from typing import Any
 
 from ..core.payloads import SweepPayload
 from ..core.result import Result
-from .plots import bytes_unit, heatmap, legend_outside, pyplot, relative_times, save_png
+from .plots import bytes_unit, heatmap, legend_outside, pyplot, save_png, timeline_axis
 
 OOM_STATUSES = ("oom", "oom-estimated")
 
@@ -127,11 +127,8 @@ def cell_timeline_figure(row: dict[str, Any]):
     plt = pyplot()
     tl = row["timeline"]
     fig, ax = plt.subplots(figsize=(7, 3))
-    timed = "t" in tl[0]
-    if timed:
-        xs, tu = relative_times([pt["t"] for pt in tl])
-    else:
-        xs = [pt.get("event", i) for i, pt in enumerate(tl)]
+    xs, tu = timeline_axis(tl)
+    timed = tu is not None
     peak_a, peak_r = allocated(row), reserved(row)
     div, unit = bytes_unit(max([pt["allocated_bytes"] for pt in tl] + [peak_a or 0, peak_r or 0]))
     has_reserved = any(pt.get("reserved_bytes") is not None for pt in tl)
