@@ -249,10 +249,40 @@ def _restore(old: dict) -> None:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the case's process group and every process below it: torchrun starts each rank in a session of its own
+    (torch.distributed.elastic's SubprocessHandler, ``start_new_session=True``), which the group's signal misses; a
+    rank left behind hangs in NCCL with its kernels spinning on the GPU and slows every later case on that machine."""
+    tree = _descendants(proc.pid)      # read before the kill: an orphan is reparented and lost from the tree
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         proc.kill()
+    own = os.getpgid(0)
+    for pid in tree:
+        try:
+            group = os.getpgid(pid)
+            if group != own:
+                os.killpg(group, signal.SIGKILL)    # the rank's own session: what it started goes with it
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc; none elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 def _safe(name: str) -> str:

@@ -46,6 +46,7 @@ WARMUP, STEPS = 2, 5
 JSONL, MD = "gpu_step_time.jsonl", "gpu_step_time.md"
 RUNS = "gpu_step_time_runs.jsonl"     # the runner's record of each GPU run (resume: a case measured is not run again)
 CASE_TIMEOUT = 150
+PROFILE_ENV = "MEMLENS_BENCH_PROFILE"   # --profile: each case's record holds one profiled step (bench/op_profile.py)
 GPT2 = dict(model="gpt2", batch_size=8, seq_len=1024)
 L1B = dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16")
 Q05 = dict(model="qwen2.5-0.5b", batch_size=8, seq_len=1024, precision="bf16")
@@ -134,7 +135,13 @@ def measure(name: str, fields: dict) -> dict:
             walls.append(time.perf_counter() - t)
             phases.append(timer.finish())
     med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
-    rec = {"name": name, "rank": rank, "measured_seconds": statistics.median(walls), "measured_steps": walls,
+    prof = None
+    if os.environ.get(PROFILE_ENV):   # one more step under torch.profiler: GPU time per op (bench/op_profile.py); every
+        from bench.op_profile import profiled_step   # rank steps (its collectives need them all), rank 0's is kept
+
+        prof = profiled_step(step, torch, dev)
+        prof = prof if rank == 0 else None
+    rec = {"profile": prof, "name": name, "rank": rank, "measured_seconds": statistics.median(walls), "measured_steps": walls,
            "measured_phases": med, "max_allocated": torch.cuda.max_memory_allocated(dev),
            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     if spec.world_size > 1:
@@ -197,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="comma-separated case names")
     ap.add_argument("--table", help="an existing timing table (skips calibrate)")
     ap.add_argument("--workers", type=int, default=6, help="estimates side by side (default 6)")
+    ap.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler: GPU time per op")
+    ap.add_argument("--reprice", metavar="JSONL", help="no GPU: the measured records of an earlier run priced again with "
+                    "the current model and --table (or the shipped table), written to OUT as a new run's")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     args = ap.parse_args(argv)
     cases = CASES_2GPU if args.gpus == 2 else CASES
@@ -207,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = args.out
     os.makedirs(out, exist_ok=True)
+    if args.reprice:
+        return reprice(args.reprice, out, args.table, args.workers, names)
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     table = args.table or (None if args.dry_run else calibrate(out, args.gpus, env))
@@ -216,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.gpus}"] \
         if args.gpus > 1 and not args.dry_run else None
     run_env = {"MEMLENS_TIMING_TABLE": os.path.abspath(table)} if table else {}
+    if args.profile:
+        run_env[PROFILE_ENV] = "1"
     rows, preds, env_file = [], {}, "gpu_step_time_env.json"
     pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
                                initargs=(table,))
@@ -242,6 +256,32 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     md = markdown(rows, time.perf_counter() - t0)
+    with open(os.path.join(out, MD), "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def reprice(path: str, out: str, table: str | None, workers: int, names: list[str]) -> int:
+    """The measured records of ``path`` (a gpu_step_time.jsonl; several files comma-separated) with fresh predictions."""
+    recs = [r for p in path.split(",") for r in read_jsonl(p) if r.get("measured_seconds")]
+    recs = [r for r in recs if r["name"] in names]
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
+                               initargs=(table,))
+    try:
+        futs = {r["name"]: pool.submit(predict, r["name"], r["spec"], False) for r in recs}
+        rows = []
+        for r in recs:
+            r = {k: v for k, v in r.items() if not k.startswith("predict") and k not in ("error", "mfu", "tokens_per_s", "calibrated")}
+            r.update(_prediction(futs[r["name"]]))
+            _errors(r)
+            rows.append(r)
+            print(_short(r), flush=True)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    with open(os.path.join(out, JSONL), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    md = markdown(rows, 0.0)
     with open(os.path.join(out, MD), "w") as f:
         f.write(md)
     print(md)

@@ -17,6 +17,7 @@ own time is read, not the host's launch rate):
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable
@@ -108,31 +109,78 @@ def measure_matmul(torch, dev, ms, nks, log) -> dict:
     return out
 
 
-def measure_attention(torch, dev, seqs, log) -> dict:
+ATTENTION_VARIANTS = {"128": (128, False), "64": (64, False), "64c": (64, True), "128c": (128, True)}
+
+
+def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool) -> tuple[list, list]:
+    """Forward and backward TFLOP/s of SDPA (the kernel PyTorch picks) by sequence length, 32k tokens of 2048
+    model width (H = 2048 / D heads); a causal mask's FLOPs are half (the kernels skip the masked tiles)."""
     import torch.nn.functional as F  # heavy: torch
 
+    fwd, bwd = [], []
+    for L in seqs:
+        B, H = max(1, 32768 // L), 2048 // D
+        q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+        fl = 4 * B * H * L * L * D // (2 if causal else 1)
+        tf = _gpu_seconds(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        g = torch.randn_like(o)
+
+        def back():
+            out_ = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            torch.autograd.grad(out_, (q, k, v), g)
+
+        tb = max(1e-9, _gpu_seconds(torch, back) - tf)
+        fwd.append(round(fl / tf / 1e12, 3))
+        bwd.append(round(2.5 * fl / tb / 1e12, 3))
+        del q, k, v, o, g
+    return fwd, bwd
+
+
+UNALIGNED_M, UNALIGNED_NK = (1024, 16384), (1024, 4096, 16384)
+
+
+def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK) -> dict:
+    """16-bit GEMMs whose leading dimension is one element off 16 bytes, over a coarse grid: the geometric mean of
+    three layouts a training step meets (GPT-2's 50,257-word head: the output's rows, A's rows, A transposed)."""
     out = {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
-        fwd, bwd = [], []
-        for L in seqs:
-            B, H, D = max(1, 32768 // L), 16, 128
-            q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
-            fl = 4 * B * H * L * L * D
-            tf = _gpu_seconds(torch, lambda: F.scaled_dot_product_attention(q, k, v))
-            o = F.scaled_dot_product_attention(q, k, v)
-            g = torch.randn_like(o)
+        grid = []
+        for m in ms:
+            plane = []
+            for n in nks:
+                row = []
+                for k in nks:
+                    rates = []
+                    for a_shape, b_shape, transposed in (((m, k), (k, n - 1), False), ((m, k - 1), (k - 1, n), False),
+                                                         ((k, m - 1), (k, n), True)):
+                        a = torch.randn(*a_shape, device=dev, dtype=dtype)
+                        b = torch.randn(*b_shape, device=dev, dtype=dtype)
+                        fn = (lambda a=a, b=b: a.t() @ b) if transposed else (lambda a=a, b=b: a @ b)
+                        mm, kk = (a_shape[1], a_shape[0]) if transposed else a_shape
+                        fl = 2 * mm * kk * b_shape[1]
+                        rates.append(fl / _gpu_seconds(torch, fn) / 1e12)
+                        del a, b
+                    row.append(round(math.exp(sum(math.log(r) for r in rates) / 3), 3))
+                plane.append(row)
+            grid.append(plane)
+        out[key] = {"m": list(ms), "n": list(nks), "k": list(nks), "tflops": grid}
+        log(f"matmul {key}, unaligned leading dims: {max(max(max(r) for r in p) for p in grid):.0f} TFLOP/s at best")
+    return out
 
-            def back():
-                out_ = F.scaled_dot_product_attention(q, k, v)
-                torch.autograd.grad(out_, (q, k, v), g)
 
-            tb = max(1e-9, _gpu_seconds(torch, back) - tf)
-            fwd.append(round(fl / tf / 1e12, 3))
-            bwd.append(round(2.5 * fl / tb / 1e12, 3))
-            del q, k, v, o, g
-        out[key] = {"seq": list(seqs), "fwd_tflops": fwd, "bwd_tflops": bwd}
-        log(f"attention {key}: fwd {max(fwd):.0f}, bwd {max(bwd):.0f} TFLOP/s at best")
+def measure_attention(torch, dev, seqs, log) -> dict:
+    """Per dtype: the head-dim-128 row without a mask (``fwd_tflops``, ``bwd_tflops``) and its ``variants``."""
+    out = {}
+    for key in ("bfloat16", "float16"):
+        dtype = getattr(torch, key)
+        rows = {name: _attention_row(torch, dev, dtype, seqs, D, causal) for name, (D, causal) in ATTENTION_VARIANTS.items()}
+        fwd, bwd = rows.pop("128")
+        out[key] = {"seq": list(seqs), "fwd_tflops": fwd, "bwd_tflops": bwd,
+                    "variants": {name: {"fwd_tflops": f, "bwd_tflops": b} for name, (f, b) in rows.items()}}
+        log(f"attention {key}: fwd {max(fwd):.0f}, bwd {max(bwd):.0f} TFLOP/s at best (head dim 128; 64: "
+            f"{max(rows['64'][0]):.0f} / {max(rows['64'][1]):.0f}; causal 64: {max(rows['64c'][0]):.0f} / {max(rows['64c'][1]):.0f})")
     return out
 
 
@@ -147,6 +195,94 @@ def measure_bandwidth(torch, dev, sizes, log) -> dict:
         del src, dst
     log(f"copy bandwidth: {max(gbps):.0f} GB/s at best")
     return {"bytes": list(sizes), "gbps": gbps}
+
+
+def _op_cases(torch, dev) -> dict:
+    """Memory-bound aten ops a training step spends its non-matmul time in, at a step's sizes (8,192 tokens of width
+    2,048 in bf16; a 32k vocabulary's logits in fp32, as Hugging Face's loss upcasts them): name -> (op, args)."""
+    a = torch.ops.aten
+    N, H, V = 8192, 2048, 32768
+    bf, f32 = torch.bfloat16, torch.float32
+    x = torch.randn(N, H, device=dev, dtype=bf)
+    y = torch.randn(N, H, device=dev, dtype=bf)
+    x32 = torch.randn(N, H, device=dev, dtype=f32)
+    w, b = torch.randn(H, device=dev, dtype=bf), torch.randn(H, device=dev, dtype=bf)
+    logits = torch.randn(N // 2, V, device=dev, dtype=f32)
+    logp = a._log_softmax.default(logits, -1, False)
+    target = torch.randint(0, V, (N // 2,), device=dev)
+    total = torch.tensor(float(N // 2), device=dev)
+    ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
+    idx = torch.randint(0, V, (N,), device=dev)
+    return {
+        "_log_softmax": (a._log_softmax.default, (logits, -1, False)),
+        "_log_softmax_backward_data": (a._log_softmax_backward_data.default, (logits, logp, -1, f32)),
+        "nll_loss_forward": (a.nll_loss_forward.default, (logp, target, None, 1, -100)),
+        "nll_loss_backward": (a.nll_loss_backward.default, (total, logp, target, None, 1, -100, total)),
+        "sum": (a.sum.dim_IntList, (x, [0])),
+        "mean": (a.mean.dim, (x32, [-1], True)),
+        "native_layer_norm": (a.native_layer_norm.default, (x, [H], w, b, 1e-5)),
+        "native_layer_norm_backward": (a.native_layer_norm_backward.default, (y, x, [H], mean, rstd, w, b, [True, True, True])),
+        "cat": (a.cat.default, ([x[:, : H // 2], y[:, : H // 2]], -1)),
+        "mul": (a.mul.Tensor, (x, y)),
+        "add": (a.add.Tensor, (x, y)),
+        "_to_copy": (a._to_copy.default, (x32,), {"dtype": bf}),
+        "copy_": (a.copy_.default, (x, x32)),
+        "pow": (a.pow.Tensor_Scalar, (x32, 2)),
+        "silu_backward": (a.silu_backward.default, (x, y)),
+        "embedding_dense_backward": (a.embedding_dense_backward.default, (x, idx, V, -1, False)),
+        "fill_": (a.fill_.Scalar, (logits, 0.0)),
+    }
+
+
+def measure_op_ratios(torch, dev, bandwidth: dict, log) -> dict:
+    """Each op of :func:`_op_cases`: the bytes the time model counts for it (memlens.estimator.timing.ops), over its
+    measured time, over the copy's bandwidth at those bytes: how much faster (> 1: a gather reads one element a row)
+    or slower (< 1: a softmax reads its input three times, a reduction across rows) it runs than a copy."""
+    from ..estimator.timing.ops import op_facts
+    from ..estimator.timing.tables import TimingTable
+
+    bw = TimingTable(gpu="x", bandwidth=dict(bandwidth))
+    bw.bandwidth["log_gbps"] = [math.log(max(v, 1e-6)) for v in bandwidth["gbps"]]
+    out = {}
+    for name, case in _op_cases(torch, dev).items():
+        func, args = case[0], case[1]
+        kwargs = case[2] if len(case) > 2 else {}
+        try:
+            res = func(*args, **kwargs)
+            sec = _gpu_seconds(torch, lambda: func(*args, **kwargs))
+        except RuntimeError as e:   # an op this build does not have for these arguments: priced as a copy
+            log(f"op {name}: not measured ({str(e).splitlines()[0][:80]})")
+            continue
+        nbytes = op_facts(func, args, kwargs, res).nbytes
+        out[name] = round(min(50.0, max(0.02, nbytes / sec / 1e9 / bw.bandwidth_gbps(nbytes))), 3)
+    torch.cuda.empty_cache()
+    log(f"memory-bound ops against a copy: {out}")
+    return out
+
+
+def measure_optimizer_ratios(torch, dev, table, log) -> dict:
+    """A real optimizer step (torch.optim.AdamW foreach and fused, SGD) over 64 bf16 tensors of 4M elements, over what
+    the time model's traffic formula (memlens.estimator.timing.step.optimizer_seconds) prices for it with this table."""
+    from ..core.spec import TrainingSpec
+    from ..estimator.timing.step import optimizer_seconds
+
+    params = [torch.nn.Parameter(torch.randn(4 * 2**20, device=dev, dtype=torch.bfloat16)) for _ in range(64)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    n = sum(p.numel() for p in params)
+    out = {}
+    for name, make in (("adamw", lambda: torch.optim.AdamW(params, lr=1e-4, foreach=True)),
+                       ("adamw-fused", lambda: torch.optim.AdamW(params, lr=1e-4, fused=True)),
+                       ("sgd", lambda: torch.optim.SGD(params, lr=1e-4, foreach=True))):
+        opt = make()
+        measured = _gpu_seconds(torch, opt.step, budget_s=0.1)
+        model, _ = optimizer_seconds(TrainingSpec(model="gpt2", precision="bf16", optimizer=name), n, len(params), table)
+        out[name] = round(measured / model, 3) if model else 1.0
+        del opt
+    del params
+    torch.cuda.empty_cache()
+    log(f"optimizer step against the traffic model: {out}")
+    return out
 
 
 def measure_host(torch, dev, log) -> tuple[float, dict]:
@@ -187,6 +323,88 @@ def measure_host(torch, dev, log) -> tuple[float, dict]:
     host = {"forward": round(forward, 2), "backward": round(backward, 2), "optimizer": round(optimizer, 2), "view": round(view, 2)}
     log(f"kernel floor {floor:.2f} us; host per op {host}")
     return round(floor, 3), host
+
+
+def measure_model_host(torch, dev, host: dict, log) -> dict:
+    """The host's µs per op inside a real model's step: a 16-layer Llama of width 64 from transformers (eager
+    Python, module calls, bf16) at 1 x 16 tokens, so small that the GPU idles and the wall time is the host's. Its
+    ops are counted as the simulation's trace counts them (every aten op under a dispatch mode; views and allocations
+    at the ``view`` cost): the rest is the cost per kernel-launching op. Once as it is (``model_forward``, the autograd
+    engine's ``model_backward``), then with every layer under memlens' full (``_ckpt``) and selective (``_sac``)
+    checkpointing: the forward under checkpoint's hooks (``model_forward_ckpt`` / ``_sac``) and the recomputed ops,
+    what backward adds over the plain backward per op it adds (``model_recompute_ckpt`` / ``_sac``)."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM  # optional: the model-level host cost needs it
+    except ImportError:
+        return {}
+    from ..models.checkpoint import checkpoint_blocks
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    v = host.get("view", 0.0) * 1e-6
+    out, plain = {}, None
+    for suffix, policy in (("", None), ("_ckpt", "full"), ("_sac", "selective")):
+        model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).train()
+        if policy:
+            checkpoint_blocks(model, "all", policy)
+        f, b, nf, nb = _host_per_phase(torch, model, ids)
+        del model
+        out["model_forward" + (suffix or "")] = round(max(0.0, f - nf["view"] * v) / max(1, nf["kernel"]) * 1e6, 2)
+        if plain is None:
+            plain = (b, nb)
+            out["model_backward"] = round(max(0.0, b - nb["view"] * v) / max(1, nb["kernel"]) * 1e6, 2)
+            continue
+        extra = {k: nb[k] - plain[1][k] for k in nb}
+        rec = (b - plain[0] - extra["view"] * v) / max(1, extra["kernel"])
+        out["model_recompute" + suffix] = round(max(0.0, rec) * 1e6, 2)
+    log(f"host per op in a model's step (us): {out}")
+    return out
+
+
+def _host_per_phase(torch, model, ids) -> tuple[float, float, dict, dict]:
+    """(forward s, backward s) of ``model``'s step (median of 10 after 3 warm-ups) and the ops of each, counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..estimator.timing.ops import ALLOC, META, VIEW, kind_of
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"view": 0, "kernel": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kind = kind_of(func)
+            if kind != META:      # a metadata query: not dispatched in eager mode (memlens.estimator.timing.ops_kinds)
+                self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def phases(count: bool) -> tuple:
+        fwd, bwd = (Count(), Count()) if count else (None, None)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        if fwd:
+            with fwd:
+                loss = model(input_ids=ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        if bwd:
+            with bwd:
+                loss.backward()
+        else:
+            loss.backward()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        model.zero_grad(set_to_none=True)
+        return t1 - t, t2 - t1, fwd.n if fwd else {}, bwd.n if bwd else {}
+
+    _, _, nf, nb = phases(True)
+    for _ in range(3):
+        phases(False)
+    runs = [phases(False) for _ in range(10)]
+    return sorted(r[0] for r in runs)[5], sorted(r[1] for r in runs)[5], nf, nb
 
 
 def measure_pcie(torch, dev, log) -> dict:
@@ -271,6 +489,11 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.attention = measure_attention(torch, dev, seqs, log)
     t.bandwidth = measure_bandwidth(torch, dev, sizes, log)
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)
+    t.host_us.update(measure_model_host(torch, dev, t.host_us, log))
+    t.matmul_unaligned = measure_matmul_unaligned(torch, dev, log)
+    t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)
+    _add_logs(t)
+    t.optimizer_ratio = measure_optimizer_ratios(torch, dev, t, log)
     t.pcie_gbps = measure_pcie(torch, dev, log)
     world = torch.cuda.device_count()
     if nccl and world > 1:

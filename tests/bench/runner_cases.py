@@ -30,6 +30,8 @@ def killed(name: str, payload, dry: bool) -> dict:
 
 def hangs(name: str, payload, dry: bool) -> dict:
     (Path(payload["out"]) / "pid").write_text(str(os.getpid()))
+    with open(Path(payload["out"]) / "pids", "a") as f:     # every rank's, under a launcher
+        f.write(f"{os.getpid()}\n")
     _ran(name, payload)
     time.sleep(60)
     return {}

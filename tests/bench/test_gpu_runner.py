@@ -73,6 +73,27 @@ def test_a_launcher_job_gathers_one_record_a_rank(tmp_path):
     assert rec["ranks"] == [{"rank": 0, "world": 2, "n": 2}, {"rank": 1, "world": 2, "n": 2}] and "error" not in rec
 
 
+def test_a_launcher_job_past_its_timeout_leaves_no_rank_behind(tmp_path):
+    """torchrun's ranks run in sessions of their own: killing the launcher's group alone would leave them hanging (on a
+    GPU: spinning in NCCL, slowing every later case)."""
+    import os
+    import time
+
+    launcher = [sys.executable, str(Path(__file__).resolve().parent / "fake_launcher.py"), "2"]
+    (rec,) = _run(tmp_path, ["hangs"], launcher=launcher, timeout=3.0)
+    assert rec["error"].startswith("timeout after 3 s")
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 2
+    time.sleep(0.2)
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+        assert state == "Z", f"rank {pid} still runs"     # a zombie waits for its reaper: it runs nothing
+
+
 def test_the_shared_flags_keep_a_positional_out_dir_where_scripts_had_one():
     a = runner_args("x", out_positional=True).parse_args(["OUT", "q3b", "--dry-run"])
     assert (a.out, a.filters, a.dry_run, a.fresh) == ("OUT", ["q3b"], True, False)

@@ -112,3 +112,85 @@ def test_an_estimate_carries_its_step_time(linear_sim):
     # h100's shipped table is the one `memlens calibrate` measured on an H100 (bench/results/step_time_h100.md)
     assert st["calibrated"] is True and st["table"] == "calibrated on a NVIDIA H100 80GB HBM3"
     assert 0 < st["mfu"] < 1
+
+
+def test_a_matmul_whose_leading_dim_is_off_16_bytes_takes_the_unaligned_rate():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    tab = flat_table(tflops=100.0, gbps=1e9)
+    slow = {"m": [1, 2**20], "n": [1, 2**20], "k": [1, 2**20], "tflops": [[[25.0] * 2] * 2] * 2}
+    tab.matmul_unaligned = {"bfloat16": slow}
+    tables._add_logs(tab)
+    mm = torch.ops.aten.mm.default
+    x = torch.empty(64, 768, dtype=torch.bfloat16)
+    for w, aligned in ((torch.empty(768, 50257, dtype=torch.bfloat16), False),    # GPT-2's head: 50,257 x 2 bytes
+                       (torch.empty(768, 50264, dtype=torch.bfloat16), True),     # padded to a multiple of 8
+                       (torch.empty(50257, 768, dtype=torch.bfloat16).t(), False),  # nn.Linear's W.T: the output's rows
+                       (torch.empty(2304, 768, dtype=torch.bfloat16).t(), True)):   # GPT-2's qkv: every row 16-byte
+        f = op_facts(mm, (x, w), {}, mm(x, w))
+        assert f.aligned is aligned
+        rate = tab.matmul_tflops("bfloat16", *f.mnk, f.aligned)
+        assert rate == pytest.approx(100.0 if aligned else 25.0)
+    # the gradient of the head's input reads the [tokens, 50257] gradient: unaligned too
+    g = torch.empty(64, 50257, dtype=torch.bfloat16)
+    assert op_facts(mm, (g, torch.empty(50257, 768, dtype=torch.bfloat16)), {}, torch.empty(64, 768)).aligned is False
+
+
+def test_attention_takes_the_variant_of_its_head_dim_and_mask():
+    tab = flat_table()
+    row = tab.attention["bfloat16"]
+    row["variants"] = {"64": {"fwd_tflops": [200.0] * 2, "bwd_tflops": [150.0] * 2},
+                       "64c": {"fwd_tflops": [100.0] * 2, "bwd_tflops": [80.0] * 2}}
+    tables._add_logs(tab)
+    assert tab.attention_tflops("bfloat16", 1024, False, 128, False) == pytest.approx(10.0)   # the table's own row
+    assert tab.attention_tflops("bfloat16", 1024, False, 64, False) == pytest.approx(200.0)
+    assert tab.attention_tflops("bfloat16", 1024, True, 64, True) == pytest.approx(80.0)
+    assert tab.attention_tflops("bfloat16", 1024, True, 128, True) == pytest.approx(10.0)    # no 128c: the 128 row
+
+
+def test_a_memory_bound_op_runs_at_its_measured_ratio_to_a_copy():
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"_log_softmax": 0.5, "nll_loss_forward": 20.0}
+    assert tab.op_seconds("add", 1e9) == pytest.approx(0.01)
+    assert tab.op_seconds("_log_softmax", 1e9) == pytest.approx(0.02)     # reads its input three times
+    assert tab.op_seconds("nll_loss_forward", 1e9) == pytest.approx(0.0005)   # gathers one element a row
+
+
+def test_host_costs_inside_a_model_blend_with_the_checkpointed_share():
+    from memlens.estimator.timing.record import SAC_HOST_SECONDS_PER_OP, host_costs
+
+    tab = flat_table()
+    tab.host_us = {"forward": 15.0, "backward": 20.0, "view": 2.0}
+    # bare per-op costs: a recomputed op costs the backward's, plus the selective policy's dispatch modes
+    assert host_costs(tab, 1.0, "full") == pytest.approx((2e-6, 15e-6, 20e-6, 20e-6))
+    assert host_costs(tab, 1.0, "selective")[3] == pytest.approx(20e-6 + SAC_HOST_SECONDS_PER_OP)
+    tab.host_us.update(model_forward=24.0, model_backward=28.0, model_forward_ckpt=58.0, model_recompute_ckpt=55.0,
+                       model_forward_sac=40.0, model_recompute_sac=70.0)
+    assert host_costs(tab, 0.0, "full") == pytest.approx((2e-6, 24e-6, 28e-6, 55e-6))
+    assert host_costs(tab, 0.5, "full") == pytest.approx((2e-6, 41e-6, 28e-6, 55e-6))      # half the layers hooked
+    assert host_costs(tab, 1.0, "selective") == pytest.approx((2e-6, 40e-6, 28e-6, 70e-6))
+
+
+def test_metadata_queries_of_fake_tensors_get_no_row():
+    import torch
+
+    from memlens.estimator.timing.ops import META, kind_of
+
+    assert kind_of(torch.ops.prim.device.default) == META       # eager PyTorch answers .device without dispatching
+    assert kind_of(torch.ops.aten.mm.default) == "matmul"
+
+
+def test_a_calibrated_table_with_every_section_round_trips(tmp_path):
+    t = flat_table()
+    t.matmul_unaligned = {"bfloat16": {"m": [1, 4], "n": [1, 4], "k": [1, 4], "tflops": [[[5.0, 6.0]] * 2] * 2}}
+    t.attention["bfloat16"]["variants"] = {"64c": {"fwd_tflops": [3.0, 4.0], "bwd_tflops": [2.0, 3.0]}}
+    t.op_ratio = {"sum": 0.47}
+    t.optimizer_ratio = {"adamw": 1.15}
+    t.host_us["model_forward"] = 23.6
+    tables._add_logs(t)
+    back = read_table(t.write(tmp_path / "t.json"))
+    assert back.to_dict() == t.to_dict()
+    assert back.matmul_tflops("bfloat16", 4, 4, 4, aligned=False) == pytest.approx(6.0)
+    assert back.attention_tflops("bfloat16", 2**20, True, 64, True) == pytest.approx(3.0)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, MEMORY, SYNC, VIEW
+from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, MEMORY, META, SYNC, VIEW
 
 
 class OpFacts(NamedTuple):
@@ -27,9 +27,21 @@ class OpFacts(NamedTuple):
     mnk: tuple | None = None       # the GEMM shape a matmul / convolution is priced at (implicit GEMM for a convolution)
     dtype: str = "float32"
     seq: int = 0                   # attention: the query length (the table's axis)
+    op: str = ""                   # the aten op's name (a memory-bound op priced at its own measured rate, if any)
+    hd: int = 0                    # attention: the head dim
+    causal: bool = False           # attention: a causal mask (the kernels skip the masked tiles)
+    aligned: bool = True           # matmul: every operand's leading dimension on a 16-byte boundary (cuBLAS' fast path)
 
 
 _KIND: dict = {}
+_NAME: dict = {}
+
+
+def _op_name(func) -> str:
+    n = _NAME.get(func)
+    if n is None:
+        n = _NAME[func] = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func)
+    return n
 _ALLOC_OPS = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "lift_fresh", "resize_"}
 _MATMULS = {"mm", "addmm", "bmm", "baddbmm", "addbmm", "_addmm_activation", "addmv", "mv", "_grouped_mm", "dot",
             "_scaled_mm", "_int_mm"}
@@ -54,6 +66,8 @@ def kind_of(func) -> str:
 
 def _classify(func) -> str:
     name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func)
+    if hasattr(func, "_schema") and func._schema.name.startswith("prim::"):
+        return META
     if name in _NO_KERNEL or name in _COMM:   # collectives: priced per step from the bytes they move (timing.step)
         return VIEW
     if name in _ALLOC_OPS:
@@ -156,7 +170,22 @@ def _conv_shape(func, args, flops: int) -> tuple[int, int, int]:
     return m, n, k
 
 
-_BARE = {VIEW: OpFacts(VIEW), ALLOC: OpFacts(ALLOC), SYNC: OpFacts(SYNC)}
+def _aligned(*ts) -> bool:
+    """Whether every matrix's leading dimension and offset fall on 16 bytes: cuBLAS(Lt)'s tensor-core kernels on
+    Hopper load tiles by TMA, which needs it; a matrix with, say, GPT-2's 50,257-wide vocabulary as its leading
+    dimension takes the slower unaligned kernels (the table's ``matmul_unaligned``)."""
+    for t in ts:
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            continue
+        el = t.element_size()
+        sr, sc = t.stride()[-2], t.stride()[-1]
+        ld = sr if sc == 1 else sc if sr == 1 else 0
+        if (ld * el) % 16 or (t.storage_offset() * el) % 16:
+            return False
+    return True
+
+
+_BARE = {VIEW: OpFacts(VIEW), ALLOC: OpFacts(ALLOC), SYNC: OpFacts(SYNC), META: OpFacts(META)}
 
 
 def op_facts(func, args, kwargs, out) -> OpFacts:
@@ -171,14 +200,17 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
     dtype = _dtype(ins[0]) if ins else "float32"
     if kind == MATMUL:
         fl = _flops(func, args, kwargs, out)
-        return OpFacts(MATMUL, fl, nbytes, _gemm_shape(func, args, fl), dtype)
+        name = _op_name(func)
+        mats = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm", "_addmm_activation") else tuple(args[:2])
+        return OpFacts(MATMUL, fl, nbytes, _gemm_shape(func, args, fl), dtype, aligned=_aligned(*mats, *outs[:1]))
     if kind == CONV:
         fl = _flops(func, args, kwargs, out)
         return OpFacts(CONV, fl, nbytes, _conv_shape(func, args, fl), dtype)
     if kind in (ATTN_FWD, ATTN_BWD):
         q = ins[0] if kind == ATTN_FWD else ins[1]
-        return OpFacts(kind, _flops(func, args, kwargs, out), nbytes, None, _dtype(q), int(q.shape[-2]))
-    return OpFacts(MEMORY, 0, nbytes, None, dtype)
+        return OpFacts(kind, _flops(func, args, kwargs, out), nbytes, None, _dtype(q), int(q.shape[-2]),
+                       hd=int(q.shape[-1]), causal=bool(kwargs.get("is_causal")) if kwargs else False)
+    return OpFacts(MEMORY, 0, nbytes, None, dtype, op=_op_name(func))
 
 
 def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool) -> OpFacts:
@@ -195,4 +227,5 @@ def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool) -> OpF
         fl //= 2
     el = q.element_size()
     io = (q.numel() + k.numel() * H // max(1, k.shape[1]) + v.numel() * H // max(1, v.shape[1]) + B * H * L * Dv) * el
-    return OpFacts(ATTN_BWD if backward else ATTN_FWD, int(fl), int(io * (2 if backward else 1)), None, _dtype(q), int(L))
+    return OpFacts(ATTN_BWD if backward else ATTN_FWD, int(fl), int(io * (2 if backward else 1)), None, _dtype(q), int(L),
+                   hd=int(D), causal=bool(causal and L == S))

@@ -1,2 +1,5 @@
 """The pricing classes of an op (memlens.estimator.timing.ops), importable without torch."""
 VIEW, ALLOC, MEMORY, MATMUL, CONV, ATTN_FWD, ATTN_BWD, SYNC = "view", "alloc", "memory", "matmul", "conv", "attn_fwd", "attn_bwd", "sync"
+# a metadata query (prim::device, prim::layout, ...): it reaches the dispatcher only for tensor subclasses such as the
+# simulation's fake tensors; eager PyTorch answers it in C++ without dispatching: no row, no host cost
+META = "meta"

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...models.quant import Linear4bitSim
 from ..depth import TEMPLATE
-from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, SYNC, VIEW, OpFacts, attention_facts, op_facts
+from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, META, SYNC, VIEW, OpFacts, attention_facts, op_facts
 from .tables import TimingTable, table_for
 
 # Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
@@ -72,7 +72,9 @@ class Recorder:
     def op(self, func, args, kwargs, out) -> None:
         if not self._live() or self.tracker.muted:   # muted: stand-ins and save_on_cpu's host copies (priced per byte over PCIe)
             return
-        self.add(op_facts(func, args, kwargs, out))
+        f = op_facts(func, args, kwargs, out)
+        if f.kind != META:
+            self.add(f)
 
     def add(self, f: OpFacts) -> None:
         self.trace.rows.append((self.bucket(), self.tracker.module, f))
@@ -127,32 +129,46 @@ def attach(tracker, rules, spec) -> Recorder:
     return rec
 
 
-def price(trace: OpTrace, tab: TimingTable) -> list[tuple]:
+def host_costs(tab: TimingTable, ckpt_share: float = 0.0, policy: str = "full") -> tuple[float, float, float, float]:
+    """(view, forward, backward, recompute) host seconds per op. Where calibrate measured them inside a model's step
+    (a small Llama, ``model_*``): the forward blended between its plain and checkpointed cost by the share of layers
+    under checkpoint's hooks (full or selective), the autograd engine's backward, and a recomputed op's cost under
+    that policy. Else the bare per-op costs, a recomputed op at the backward's plus, under the selective policy,
+    :data:`SAC_HOST_SECONDS_PER_OP`."""
+    h = tab.host_seconds
+    suffix = "_sac" if policy == "selective" else "_ckpt"
+    if h("model_forward") and h("model_recompute" + suffix):
+        fwd = h("model_forward") + ckpt_share * (h("model_forward" + suffix) - h("model_forward"))
+        return h("view"), fwd, h("model_backward"), h("model_recompute" + suffix)
+    sac = SAC_HOST_SECONDS_PER_OP if policy == "selective" else 0.0
+    fwd, bwd = h("model_forward") or h("forward"), h("model_backward") or h("backward")
+    return h("view"), fwd, bwd, bwd + sac
+
+
+def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tuple]:
     """The trace's rows priced with ``tab``: (bucket, module id, GPU seconds, host seconds, matmul-class FLOPs, kind).
-    A kernel takes the larger of its compute and memory times (the table's rates for its shape and size), never less
-    than the kernel floor; views and allocations run no kernel. The host dispatches every op: an eager op under
-    Python in forward, an autograd-engine op in backward and recompute (plus the selective policy's dispatch modes)."""
+    A kernel takes the larger of its compute and memory times (the table's rates for its shape and size; a matmul
+    with an unaligned leading dimension at the unaligned rate, attention at its head dim and mask, a memory-bound op
+    at its own measured ratio to a copy), never less than the kernel floor; views and allocations run no kernel. The
+    host dispatches every op (:func:`host_costs`), plus the selective policy's dispatch modes in recompute."""
     out = []
-    sac = SAC_HOST_SECONDS_PER_OP if trace.selective else 0.0
-    h_view, h_fwd, h_bwd = tab.host_seconds("view"), tab.host_seconds("forward"), tab.host_seconds("backward")
+    h_view, h_fwd, h_bwd, h_rec = host_costs(tab, ckpt_share, "selective" if trace.selective else "full")
+    floor = tab.min_kernel_us * 1e-6
     for bucket, mod, f in trace.rows:
         kind = f.kind
-        back = bucket in ("backward", "recompute")
-        host = h_view if kind in (VIEW, ALLOC) else h_bwd if back else h_fwd
-        if bucket == "recompute":
-            host += sac
+        host = h_view if kind in (VIEW, ALLOC) else h_rec if bucket == "recompute" else h_bwd if bucket == "backward" else h_fwd
         fl = 0
         if kind in (VIEW, ALLOC, SYNC):
             gpu = 0.0
         elif kind in (MATMUL, CONV):
             m, n, k = f.mnk
-            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k), f.nbytes)
+            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k, f.aligned), f.nbytes)
             fl = f.flops
         elif kind in (ATTN_FWD, ATTN_BWD):
-            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD), f.nbytes)
+            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal), f.nbytes)
             fl = f.flops
         else:
-            gpu = tab.kernel_seconds(0, 0, f.nbytes)
+            gpu = max(floor, tab.op_seconds(f.op, f.nbytes)) if f.nbytes else floor
         out.append((bucket, mod, gpu, host, fl, kind))
     return out
 
@@ -246,7 +262,7 @@ def timing_at(regime, x) -> OpTrace | None:
             flops = round(f.flops / max(1, 2 * f.mnk[0] * f.mnk[1] * f.mnk[2]) * 2 * mnk[0] * mnk[1] * mnk[2])
         elif f.seq:
             flops = at([v.flops // max(1, v.seq) for v in vals]) * seq
-        rows.append((bucket, mod, OpFacts(f.kind, flops, nbytes, mnk, f.dtype, seq)))
+        rows.append((bucket, mod, f._replace(flops=flops, nbytes=nbytes, mnk=mnk, seq=seq)))
     out = OpTrace(rows=rows, modules=first.modules, stack=first.stack, layers=first.layers,
                   trainable_tensors=first.trainable_tensors, quantized=first.quantized, selective=first.selective,
                   layer_tensors=first.layer_tensors, layer_quantized=first.layer_quantized)

@@ -18,7 +18,7 @@ import math
 from collections import defaultdict
 
 from ...core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, gpu_facts
-from ...core.parallel import data_parallel_ranks, is_distributed, sharding_of
+from ...core.parallel import data_parallel_ranks, sharding_of
 from ...core.precision import precision_of
 from .ops_kinds import ATTN_BWD, ATTN_FWD
 from .tables import TimingTable, table_for
@@ -160,7 +160,10 @@ def _step_time(sim, tr) -> dict:
     scale, scaled_from = _replay_scale(tr, spec, sim)
     from .record import expanded, price  # heavy: the op facts import torch (a Result read back needs none)
 
-    rows = expanded(price(tr, tab), tr)
+    n_layers = tr.layers or depth_hint(tr)
+    share = 0.0 if not spec.grad_checkpointing else (
+        min(1.0, ck / n_layers) if ck is not None and n_layers else 1.0)   # the layers under checkpoint's hooks
+    rows = expanded(price(tr, tab, share), tr)
     mult = [1.0] * len(rows)
     if scale != (1.0, 1.0):
         rows = [_scaled(r, scale, tab) for r in rows]
@@ -191,6 +194,7 @@ def _step_time(sim, tr) -> dict:
         parts["optimizer"] += trainable / HOST_CPU_ADAM_PARAMS_PER_S
     else:
         og, oh = optimizer_seconds(spec, trainable, max(1, tensors // (ranks if sh.shards_optimizer_state else 1)), tab)
+        og *= tab.optimizer_ratio.get(_optimizer_kind(spec), 1.0)
         parts["optimizer"] += og
         parts["host"] += max(0.0, oh - og)
     off = (sim.costs or {}).get("offload_bytes", 0)
@@ -256,6 +260,12 @@ def _dequant_seconds(quantized: tuple, grow: float, tab: TimingTable) -> float:
     weights, layers = quantized
     per = 2.5 * weights / max(1, layers)
     return grow * layers * tab.kernel_seconds(0, 0, per)
+
+
+def _optimizer_kind(spec) -> str:
+    """The optimizer's key in a table's ``optimizer_ratio`` (calibrate measures a foreach and a fused AdamW, SGD)."""
+    name = spec.optimizer or "adamw"
+    return "adamw" if name == "adam" else "adamw-fused" if name == "adam-fused" else name
 
 
 def _checkpointed_layers(spec, layers: int | None) -> int | None:

@@ -63,7 +63,13 @@ class TimingTable:
     calibrated: bool = False                  # measured by `memlens calibrate` (False: data sheet)
     source: str = ""                          # how it was made
     matmul: dict = field(default_factory=dict)      # dtype -> {"m": [...], "n": [...], "k": [...], "tflops": [m][n][k]}
+    matmul_unaligned: dict = field(default_factory=dict)   # the same for a matrix whose leading dim is off 16 bytes
     attention: dict = field(default_factory=dict)   # dtype -> {"seq": [...], "fwd_tflops": [...], "bwd_tflops": [...]}
+    #                                                 (head dim 128, no mask) + "variants": {"64", "64c", "128c": the
+    #                                                 same rows at head dim 64 / with a causal mask}
+    op_ratio: dict = field(default_factory=dict)    # aten op -> its measured rate / the copy's at the same bytes (a
+    #                                                 softmax reads its input 3 times, a loss gathers one element a row)
+    optimizer_ratio: dict = field(default_factory=dict)   # optimizer -> its measured step / the traffic model's
     bandwidth: dict = field(default_factory=dict)   # {"bytes": [...], "gbps": [...]}: bytes moved (read + written) per s
     min_kernel_us: float = 3.0                # GPU time of the smallest kernel, back to back (launch gap included)
     host_us: dict = field(default_factory=dict)     # host dispatch per op: forward (Python eager), backward (autograd
@@ -76,18 +82,30 @@ class TimingTable:
     _memo: dict = field(default_factory=dict, repr=False, compare=False)   # lookups already made
 
     # ------------------------------------------------------------ lookups
-    def matmul_tflops(self, dtype: str, m: float, n: float, k: float) -> float:
-        """TFLOP/s of one (M x K) @ (K x N) GEMM (a batched one: M counts every batch's rows)."""
-        key = (dtype, m, n, k)
+    def matmul_tflops(self, dtype: str, m: float, n: float, k: float, aligned: bool = True) -> float:
+        """TFLOP/s of one (M x K) @ (K x N) GEMM (a batched one: M counts every batch's rows); ``aligned=False``: a
+        matrix's leading dimension is off 16 bytes (the unaligned grid where measured, else the aligned one)."""
+        key = (dtype, m, n, k, aligned)
         hit = self._memo.get(key)
         if hit is None:
-            g = self.matmul.get(dtype) or self.matmul.get("float32" if dtype == "tf32" else "bfloat16")
+            grids = self.matmul_unaligned if not aligned and self.matmul_unaligned else self.matmul
+            g = grids.get(dtype) or grids.get("float32" if dtype == "tf32" else "bfloat16") or self.matmul.get(dtype) \
+                or self.matmul.get("float32" if dtype == "tf32" else "bfloat16")
             hit = self._memo[key] = math.exp(_trilinear(g["m"], g["n"], g["k"], g["log_tflops"], m, n, k))
         return hit
 
-    def attention_tflops(self, dtype: str, seq: float, backward: bool) -> float:
+    def attention_tflops(self, dtype: str, seq: float, backward: bool, head_dim: int = 128, causal: bool = False) -> float:
+        """TFLOP/s of a fused attention kernel at query length ``seq``: the variant measured nearest the head dim (64
+        or 128, log scale), with or without a causal mask, where calibrate measured them."""
         g = self.attention.get(dtype) or self.attention.get("bfloat16")
-        return math.exp(_linear(g["seq"], g["log_bwd" if backward else "log_fwd"], seq))
+        var = g.get("variants") or {}
+        hd = "64" if head_dim and head_dim < 91 else "128"
+        pick = var.get(hd + ("c" if causal else "")) or (var.get(hd) if hd != "128" else None) or g
+        return math.exp(_linear(g["seq"], pick["log_bwd" if backward else "log_fwd"], seq))
+
+    def op_seconds(self, op: str, nbytes: float) -> float:
+        """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the op's measured ratio."""
+        return nbytes / (self.bandwidth_gbps(nbytes) * self.op_ratio.get(op, 1.0) * 1e9)
 
     def bandwidth_gbps(self, nbytes: float) -> float:
         hit = self._memo.get(nbytes)
@@ -247,9 +265,12 @@ def _add_logs(t: TimingTable) -> None:
     """Cache the logs of every rate (what the interpolation works on); :func:`_strip_logs` drops them on write."""
     for g in t.matmul.values():
         g["log_tflops"] = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
+    for g in t.matmul_unaligned.values():
+        g["log_tflops"] = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
     for g in t.attention.values():
-        g["log_fwd"] = [math.log(max(v, 1e-6)) for v in g["fwd_tflops"]]
-        g["log_bwd"] = [math.log(max(v, 1e-6)) for v in g["bwd_tflops"]]
+        for row in [g, *(g.get("variants") or {}).values()]:
+            row["log_fwd"] = [math.log(max(v, 1e-6)) for v in row["fwd_tflops"]]
+            row["log_bwd"] = [math.log(max(v, 1e-6)) for v in row["bwd_tflops"]]
     if t.bandwidth:
         t.bandwidth["log_gbps"] = [math.log(max(v, 1e-6)) for v in t.bandwidth["gbps"]]
     for rows in t.nccl.values():

@@ -1,0 +1,242 @@
+"""Where a real step's GPU time goes, op by op, beside what memlens' time model prices for each op (issue 36).
+
+On the GPU (``profiled_step``, called by bench/gpu_step_time.py ``--profile`` after a case's timed steps): one more
+step under torch.profiler; every CUDA kernel is attributed to the aten op that launched it (the innermost CPU op
+of its correlation id) and to a phase (backward when an ancestor is an autograd-engine node, else the step loop's
+phase mark around it), then summed per (phase, op name): kernel seconds, kernels, launching ops. Per phase also the kernel seconds and the
+aten ops dispatched (all, and those called from outside another aten op): the phase's duration measured without
+the profiler (CUDA events) minus its kernel seconds is where the GPU waited on the host.
+
+On the CPU (``predicted_ops``): the same spec estimated with the op hook noting each op's name, priced with the
+same table, summed the same way. ``compare`` lines both up.
+
+    python bench/op_profile.py out/gpu_step_time.jsonl --table memlens/data/gpus/h100_timing.json [--only NAME]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+ENGINE = "autograd::engine::evaluate_function"
+PHASE_TAG = "memlens_phase::"
+# fused attention: the kernels attach to the innermost op (the flash/efficient call under SDPA's wrapper)
+ATTN_NAMES = {"aten::_cudnn_attention_forward": "attention_fwd", "aten::_cudnn_attention_backward": "attention_bwd",
+              "aten::_flash_attention_forward": "attention_fwd", "aten::_efficient_attention_forward": "attention_fwd",
+              "aten::_scaled_dot_product_flash_attention": "attention_fwd",
+              "aten::_scaled_dot_product_efficient_attention": "attention_fwd",
+              "aten::_scaled_dot_product_cudnn_attention": "attention_fwd",
+              "aten::_flash_attention_backward": "attention_bwd", "aten::_efficient_attention_backward": "attention_bwd",
+              "aten::_scaled_dot_product_flash_attention_backward": "attention_bwd",
+              "aten::_scaled_dot_product_efficient_attention_backward": "attention_bwd",
+              "aten::_scaled_dot_product_cudnn_attention_backward": "attention_bwd"}
+
+
+def op_key(name: str) -> str:
+    return ATTN_NAMES.get(name, name)
+
+
+# ---------------------------------------------------------------- GPU side
+class _Phases:
+    """The step loop's phase hook, opening a profiler range per phase on the main thread."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.cur = None
+
+    def __call__(self, name: str) -> None:
+        if self.cur is not None:
+            self.cur.__exit__(None, None, None)
+        self.cur = self.torch.profiler.record_function(PHASE_TAG + name)
+        self.cur.__enter__()
+
+    def close(self) -> None:
+        if self.cur is not None:
+            self.cur.__exit__(None, None, None)
+            self.cur = None
+
+
+def profiled_step(step, torch, dev) -> dict:
+    """One step of ``step`` under torch.profiler, summed per (phase, op) and per phase (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    hook = _Phases(torch)
+    torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step.run(hook)
+        hook.close()
+        torch.cuda.synchronize(dev)
+    return summarize(prof.events())
+
+
+def _phase_of(ev) -> str:
+    p = ev
+    while p is not None:
+        if p.name.startswith(ENGINE):
+            return "backward"
+        if p.name.startswith(PHASE_TAG):
+            ph = p.name[len(PHASE_TAG):]
+            return "forward" if ph in ("reference", "generation") else "optimizer" if ph == "clip" else ph
+        p = p.cpu_parent
+    return "other"
+
+
+def summarize(events) -> dict:
+    ops: dict = defaultdict(lambda: [0.0, 0, 0])        # (phase, op) -> [kernel s, kernels, launching ops]
+    cpu_ops: dict = defaultdict(int)                      # phase -> aten ops dispatched
+    kernel_s: dict = defaultdict(float)                   # phase -> kernel seconds
+    top_ops: dict = defaultdict(int)                      # phase -> aten ops called from outside any aten op
+    shapes: dict = defaultdict(lambda: [0.0, 0])          # (phase, op, input shapes) -> [kernel s, calls]: matmuls
+    for ev in events:
+        if ev.device_type.name != "CPU" or not ev.name.startswith("aten::"):
+            continue
+        ph = _phase_of(ev)
+        cpu_ops[ph] += 1
+        if ev.cpu_parent is None or not ev.cpu_parent.name.startswith("aten::"):
+            top_ops[ph] += 1
+        ks = [k for k in ev.kernels if k.duration > 0]
+        if not ks:
+            continue
+        key = op_key(ev.name)
+        sec = sum(k.duration for k in ks) / 1e6
+        kernel_s[ph] += sec
+        row = ops[(ph, key)]
+        row[0] += sec
+        row[1] += len(ks)
+        row[2] += 1
+        if key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::cudnn_convolution"):
+            s = shapes[(ph, key, str(ev.input_shapes)[:200])]
+            s[0] += sec
+            s[1] += 1
+    return {"ops": [[ph, op, round(v[0], 7), v[1], v[2]] for (ph, op), v in sorted(ops.items(), key=lambda x: -x[1][0])],
+            "cpu_ops": dict(cpu_ops), "top_ops": dict(top_ops), "kernel_s": dict(kernel_s),
+            "matmul_shapes": [[ph, op, sh, round(v[0], 7), v[1]] for (ph, op, sh), v in
+                              sorted(shapes.items(), key=lambda x: -x[1][0])[:60]]}
+
+
+# ---------------------------------------------------------------- CPU side
+def predicted_ops(fields: dict, table: str | None = None) -> dict:
+    """memlens' priced rows of ``fields`` (one micro-batch, the full depth) summed per (phase, op name): {(phase, op):
+    [GPU s, host s, ops]}, the predicted step-time parts, and the rows' kinds counted per phase."""
+    if table:
+        os.environ["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
+    from memlens.core.spec import TrainingSpec
+    from memlens.estimator import estimate
+    from memlens.estimator.timing import record
+    from memlens.estimator.timing.tables import table_for
+
+    recs: list = []
+    orig_attach, orig_op, orig_att, orig_add = record.attach, record.Recorder.op, record.Recorder.attention, record.Recorder.add
+
+    def attach(tracker, rules, spec):
+        rec = orig_attach(tracker, rules, spec)
+        rec.names, rec.nm = [], None
+        recs.append(rec)
+        return rec
+
+    def op(self, func, args, kwargs, out):
+        self.nm = "aten::" + func._schema.name.split("::")[-1]
+        try:
+            orig_op(self, func, args, kwargs, out)
+        finally:
+            self.nm = None
+
+    def attention(self, backend, q, k, v, causal, out):
+        self.nm = "attention_fwd"
+        try:
+            orig_att(self, backend, q, k, v, causal, out)
+        finally:
+            self.nm = None
+
+    def add(self, f):
+        orig_add(self, f)
+        if hasattr(self, "names"):
+            self.names.append(self.nm or ("attention_bwd" if f.kind == "attn_bwd" else f.kind))
+
+    record.Recorder.add = add
+    record.attach, record.Recorder.op, record.Recorder.attention = attach, op, attention
+    try:
+        spec = TrainingSpec(**{k: v for k, v in fields.items() if k not in ("base", "skip")})
+        r = estimate(spec)
+    finally:
+        record.attach, record.Recorder.op, record.Recorder.attention = orig_attach, orig_op, orig_att
+        record.Recorder.add = orig_add
+    tab = table_for(spec.gpu)
+    want = (spec.batch_size if not spec.dp else min(spec.physical_batch_size or spec.batch_size, spec.batch_size), spec.seq_len)
+    rec = next((x for x in reversed(recs) if x.trace.rows and x.trace.size == want and x.trace.layers), None) or next(
+        (x for x in reversed(recs) if x.trace.rows and x.trace.size == want), None) or next(
+        (x for x in reversed(recs) if x.trace.rows), None)
+    out: dict = defaultdict(lambda: [0.0, 0.0, 0])
+    kinds: dict = defaultdict(lambda: defaultdict(int))
+    if rec is None:
+        return {"ops": {}, "kinds": {}, "parts": (r.data.get("step_time") or {}).get("parts"), "size": None}
+    names = rec.names
+    priced = [p + (names[i],) for i, p in enumerate(record.price(rec.trace, tab))]
+    for b, _mod, g, h, _fl, kind, name in record.expanded(priced, rec.trace):
+        row = out[(b, name)]
+        row[0] += g
+        row[1] += h
+        row[2] += 1
+        kinds[b][kind] += 1
+    return {"ops": dict(out), "kinds": {k: dict(v) for k, v in kinds.items()},
+            "parts": (r.data.get("step_time") or {}).get("parts"), "size": rec.trace.size}
+
+
+def compare(rec: dict, pred: dict, top: int = 30) -> str:
+    """Measured kernel seconds per (phase, op) beside the predicted GPU seconds of the same op (one micro-batch)."""
+    prof = rec["profile"]
+    k = rec["spec"].get("grad_accum", 1)
+    meas: dict = {}
+    for ph, op, s, _nk, nops in prof["ops"]:
+        m = meas.setdefault((ph, op_key(op)), [0.0, 0])
+        m[0] += s
+        m[1] += nops
+    pr = {}
+    for (ph, op), (g, h, n) in pred["ops"].items():
+        ph = "backward" if ph == "recompute" else ph
+        x = pr.setdefault((ph, op), [0.0, 0.0, 0])
+        x[0] += g * k
+        x[1] += h * k
+        x[2] += n * k
+    keys = sorted(set(meas) | set(pr), key=lambda q: -max(meas.get(q, (0, 0))[0], pr.get(q, (0, 0, 0))[0]))
+    lines = [f"{'phase':9s} {'op':42s} {'meas ms':>8s} {'n':>5s} {'pred ms':>8s} {'n':>5s}"]
+    for q in keys[:top]:
+        m, p = meas.get(q, (0.0, 0)), pr.get(q, (0.0, 0.0, 0))
+        lines.append(f"{q[0]:9s} {q[1]:42s} {m[0] * 1e3:8.2f} {m[1]:5d} {p[0] * 1e3:8.2f} {p[2]:5d}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("jsonl")
+    ap.add_argument("--table")
+    ap.add_argument("--only")
+    ap.add_argument("--predict", action="store_true", help="estimate each case here and show the predicted ops beside")
+    a = ap.parse_args(argv)
+    for line in open(a.jsonl):
+        rec = json.loads(line)
+        if a.only and rec["name"] not in a.only.split(","):
+            continue
+        prof = rec.get("profile")
+        if not prof:
+            continue
+        print(f"## {rec['name']}: measured {rec.get('measured_seconds')} s, phases {rec.get('measured_phases')}")
+        for ph, ks in prof["kernel_s"].items():
+            print(f"  {ph}: kernels {ks * 1e3:.1f} ms, aten ops {prof['cpu_ops'].get(ph)} ({prof['top_ops'].get(ph)} top-level)")
+        if a.predict:
+            pred = predicted_ops(rec["spec"], a.table)
+            print("  predicted kinds per phase:", pred["kinds"], "at size", pred["size"])
+            print(compare(rec, pred))
+        else:
+            for ph, op, s, nk, nops in prof["ops"][:25]:
+                print(f"  {ph:9s} {op:45s} {s * 1e3:8.2f} ms  {nk:5d} kernels {nops:5d} ops")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
