@@ -213,7 +213,14 @@ def _op_cases(torch, dev) -> dict:
     total = torch.tensor(float(N // 2), device=dev)
     ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
     idx = torch.randint(0, V, (N,), device=dev)
+    img = torch.randn(64, 256, 28, 28, device=dev, dtype=bf)       # a ResNet stage's activations, batch 64
+    cw, cb = torch.ones(256, device=dev), torch.zeros(256, device=dev)
+    rm, rv = torch.zeros(256, device=dev), torch.ones(256, device=dev)
+    bn, bn_mean, bn_rstd = a.native_batch_norm.default(img, cw, cb, rm, rv, True, 0.1, 1e-5)
     return {
+        "native_batch_norm": (a.native_batch_norm.default, (img, cw, cb, rm, rv, True, 0.1, 1e-5)),
+        "native_batch_norm_backward": (a.native_batch_norm_backward.default,
+                                       (img, img, cw, rm, rv, bn_mean, bn_rstd, True, 1e-5, [True, True, True])),
         "_log_softmax": (a._log_softmax.default, (logits, -1, False)),
         "_log_softmax_backward_data": (a._log_softmax_backward_data.default, (logits, logp, -1, f32)),
         "nll_loss_forward": (a.nll_loss_forward.default, (logp, target, None, 1, -100)),

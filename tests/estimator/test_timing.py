@@ -165,7 +165,7 @@ def test_host_costs_inside_a_model_blend_with_the_checkpointed_share():
     tab.host_us = {"forward": 15.0, "backward": 20.0, "view": 2.0}
     # bare per-op costs: a recomputed op costs the backward's, plus the selective policy's dispatch modes
     assert host_costs(tab, 1.0, "full") == pytest.approx((2e-6, 15e-6, 20e-6, 20e-6))
-    assert host_costs(tab, 1.0, "selective")[3] == pytest.approx(20e-6 + SAC_HOST_SECONDS_PER_OP)
+    assert host_costs(tab, 1.0, "selective") == pytest.approx((2e-6, 15e-6 + SAC_HOST_SECONDS_PER_OP, 20e-6, 20e-6 + SAC_HOST_SECONDS_PER_OP))
     tab.host_us.update(model_forward=24.0, model_backward=28.0, model_forward_ckpt=58.0, model_recompute_ckpt=55.0,
                        model_forward_sac=40.0, model_recompute_sac=70.0)
     assert host_costs(tab, 0.0, "full") == pytest.approx((2e-6, 24e-6, 28e-6, 55e-6))
@@ -194,3 +194,11 @@ def test_a_calibrated_table_with_every_section_round_trips(tmp_path):
     assert back.to_dict() == t.to_dict()
     assert back.matmul_tflops("bfloat16", 4, 4, 4, aligned=False) == pytest.approx(6.0)
     assert back.attention_tflops("bfloat16", 2**20, True, 64, True) == pytest.approx(3.0)
+
+
+def test_fp32_attention_runs_at_the_16_bit_rate_scaled_as_the_tables_gemms():
+    tab = flat_table(tflops=10.0)
+    g = tab.matmul["bfloat16"]
+    tab.matmul = {"bfloat16": g, "float32": {**g, "tflops": [[[2.5] * 2] * 2] * 2}}   # fp32 GEMMs 4x slower
+    tables._add_logs(tab)
+    assert tab.attention_tflops("float32", 1024, False, 64, True) == pytest.approx(10.0 / 4)

@@ -134,15 +134,15 @@ def host_costs(tab: TimingTable, ckpt_share: float = 0.0, policy: str = "full") 
     (a small Llama, ``model_*``): the forward blended between its plain and checkpointed cost by the share of layers
     under checkpoint's hooks (full or selective), the autograd engine's backward, and a recomputed op's cost under
     that policy. Else the bare per-op costs, a recomputed op at the backward's plus, under the selective policy,
-    :data:`SAC_HOST_SECONDS_PER_OP`."""
+    :data:`SAC_HOST_SECONDS_PER_OP` (on the forward's ops too, in the layers it covers)."""
     h = tab.host_seconds
     suffix = "_sac" if policy == "selective" else "_ckpt"
     if h("model_forward") and h("model_recompute" + suffix):
         fwd = h("model_forward") + ckpt_share * (h("model_forward" + suffix) - h("model_forward"))
         return h("view"), fwd, h("model_backward"), h("model_recompute" + suffix)
-    sac = SAC_HOST_SECONDS_PER_OP if policy == "selective" else 0.0
+    sac = SAC_HOST_SECONDS_PER_OP if policy == "selective" else 0.0   # both passes run under its dispatch modes
     fwd, bwd = h("model_forward") or h("forward"), h("model_backward") or h("backward")
-    return h("view"), fwd, bwd, bwd + sac
+    return h("view"), fwd + ckpt_share * sac, bwd, bwd + sac
 
 
 def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tuple]:

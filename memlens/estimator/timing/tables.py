@@ -96,12 +96,19 @@ class TimingTable:
 
     def attention_tflops(self, dtype: str, seq: float, backward: bool, head_dim: int = 128, causal: bool = False) -> float:
         """TFLOP/s of a fused attention kernel at query length ``seq``: the variant measured nearest the head dim (64
-        or 128, log scale), with or without a causal mask, where calibrate measured them."""
-        g = self.attention.get(dtype) or self.attention.get("bfloat16")
+        or 128, log scale), with or without a causal mask, where calibrate measured them. A dtype calibrate does not
+        measure attention in (fp32: the memory-efficient kernel on CUDA cores) runs at the 16-bit rate times the
+        ratio of the two dtypes' large GEMMs in the same table."""
+        g = self.attention.get(dtype)
+        scale = 1.0
+        if g is None:   # fp32 attention (no tensor cores): the 16-bit kernel's rate scaled as the table's own GEMMs scale
+            g = self.attention.get("bfloat16") or next(iter(self.attention.values()))
+            big = (GRID_M[-2], GRID_NK[-2], GRID_NK[-2])
+            scale = self.matmul_tflops(dtype, *big) / self.matmul_tflops("bfloat16", *big)
         var = g.get("variants") or {}
         hd = "64" if head_dim and head_dim < 91 else "128"
         pick = var.get(hd + ("c" if causal else "")) or (var.get(hd) if hd != "128" else None) or g
-        return math.exp(_linear(g["seq"], pick["log_bwd" if backward else "log_fwd"], seq))
+        return scale * math.exp(_linear(g["seq"], pick["log_bwd" if backward else "log_fwd"], seq))
 
     def op_seconds(self, op: str, nbytes: float) -> float:
         """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the op's measured ratio."""
