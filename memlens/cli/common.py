@@ -194,7 +194,8 @@ def _add_gpus_args(g) -> None:
                    "(e.g. one node's 8); the world / N groups are replicas")
     g.add_argument("--tp", type=int, metavar="N", help="tensor parallel GPUs (DTensor, torchtitan's Llama plan: colwise "
                    "q/k/v/gate/up, rowwise o/down, sequence-parallel norms) on the last mesh dim, FSDP2 on the others")
-    g.add_argument("--cp", type=int, metavar="N", help="context parallel degree: not modelled, refused")
+    g.add_argument("--cp", type=int, metavar="N", help="context parallel GPUs (torch's ring attention, torchtitan's "
+                   "mesh): each holds 1/N of the sequence; FSDP2 shards over the data-parallel x context-parallel GPUs")
     g.add_argument("--pp", type=int, metavar="N", help="pipeline parallel stages: not modelled, refused")
     g.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="DeepSpeed ZeRO config: not modelled, refused "
                    "(memlens simulates PyTorch's own ZeRO: --sharding zero1/zero2/zero3)")

@@ -352,6 +352,8 @@ class TrainingSpec:
             parts.append(f"shard={self.shard_size}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
         if self.reshard_after_forward is not None:
             parts.append(f"reshard={str(self.reshard_after_forward).lower()}")
         if self.gradient_as_bucket_view:

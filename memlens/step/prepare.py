@@ -164,6 +164,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         else:
             model = materialize_on_fake(built.model, fake_mode)
         batch = fake_batch(built.batch, fake_mode)
+        if wrapper is not None:
+            batch = wrapper.shard_inputs(batch, built.seq_len)    # context parallel: the rank's share of the sequence
         dev = torch.device("cpu")
     elif wrapper is not None and wrapper.builds_on_meta:
         # FSDP2: parameters on the meta device, sharded, then materialized on the device (no rank holds the model)
