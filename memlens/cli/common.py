@@ -97,7 +97,9 @@ def _add_memory_args(g) -> None:
                    help="checkpoint only some blocks: the first N, or these block indices (0-based); all = --grad-checkpointing")
     g.add_argument("--checkpoint-policy", choices=CHECKPOINT_POLICIES,
                    help="how checkpointed blocks recompute: full = their whole forward (default); selective = keep matmul, "
-                        "attention and conv outputs, recompute the rest (torch's selective activation checkpointing)")
+                        "attention and conv outputs, recompute the rest (torch's selective activation checkpointing); torchtitan-op = "
+                        "torchtitan's selective op AC: keep every other matmul's output (the 1st, 3rd, ... of a block), "
+                        "flash / memory-efficient attention and reduce-scatter outputs")
     g.add_argument("--offload-activations", dest="offload_layers", metavar="all|N|I,J,...",
                    help="blocks whose saved activations go to pinned host memory in forward and come back in backward "
                         "(torch.autograd.graph.save_on_cpu): all, the first N, or these block indices")

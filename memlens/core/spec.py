@@ -31,7 +31,7 @@ PRECISIONS = PRECISION_NAMES
 ATTENTION = ("sdpa", "eager")
 SHARDING = SHARDING_NAMES
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
-CHECKPOINT_POLICIES = ("full", "selective")
+CHECKPOINT_POLICIES = ("full", "selective", "torchtitan-op")
 # how the loss is computed (causal LMs): the model's own from labels, or the user's criterion on the shifted
 # logits, logits[:, :-1].reshape(-1, V) against labels[:, 1:], in the logits' dtype or upcast with .float()
 LOSSES = ("model", "criterion", "criterion-fp32")   # Opacus' own names (make_private's grad_sample_mode)
@@ -56,7 +56,8 @@ class TrainingSpec:
     checkpoint_layers: int | tuple[int, ...] | None = None  # which blocks are checkpointed: the first N, or these
                                         # indices (0-based); None: all with grad_checkpointing ("all" and 0 normalize to that)
     checkpoint_policy: str = "full"     # CHECKPOINT_POLICIES: "full" recomputes a checkpointed block's whole forward; "selective"
-                                        # keeps its matmul/attention/conv outputs and recomputes the rest (models/checkpoint.py)
+                                        # keeps its matmul/attention/conv outputs and recomputes the rest; "torchtitan-op"
+                                        # torchtitan's op-level SAC (every second mm recomputed) (models/checkpoint.py)
     offload_layers: int | tuple[int, ...] | str | None = None  # blocks whose saved tensors go to pinned host memory
                                         # (save_on_cpu): "all", the first N or these indices; None/0: none
     attn: str = "sdpa"
@@ -306,7 +307,7 @@ class TrainingSpec:
         parts.append(self.precision)
         if self.grad_checkpointing:
             parts.append("ckpt" + ("" if self.checkpoint_layers is None else f"={checkpoint_layers_text(self.checkpoint_layers)}")
-                         + ("-selective" if self.checkpoint_policy == "selective" else ""))
+                         + ({"selective": "-selective", "torchtitan-op": "-titan-op"}.get(self.checkpoint_policy, "")))
         if self.offload_layers is not None:
             parts.append(f"offload={checkpoint_layers_text(self.offload_layers)}")
         if self.attn != "sdpa":
@@ -392,7 +393,7 @@ def _check_liger(spec: TrainingSpec) -> None:
     clash = (("--dp", spec.dp, "Opacus computes per-sample gradients from hooks on nn.Linear, which the fused linear "
               "cross entropy bypasses (the lm_head is never called)"),
              ("--compile", spec.compile, "the compiled step with liger's Triton kernels is not simulated"),
-             ("--checkpoint-policy selective", spec.checkpoint_policy == "selective",
+             (f"--checkpoint-policy {spec.checkpoint_policy}", spec.checkpoint_policy in ("selective", "torchtitan-op"),
               "selective checkpointing's cache of matmul outputs would hold the q/k projections liger's RoPE rotates in place"))
     for flag, on, why in clash:
         if spec.liger and on:

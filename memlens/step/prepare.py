@@ -220,9 +220,12 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.freeze:
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
-        applied.append(("selective " if spec.checkpoint_policy == "selective" else "") + "gradient checkpointing"
+        applied.append({"selective": "selective ", "torchtitan-op": "torchtitan's selective op "}.get(spec.checkpoint_policy, "")
+                       + "gradient checkpointing"
                        + ("" if spec.checkpoint_layers is None else f" of blocks {checkpoint_layers_text(spec.checkpoint_layers)}")
-                       + (" (matmul, attention and conv outputs kept, the rest recomputed)" if spec.checkpoint_policy == "selective" else ""))
+                       + {"selective": " (matmul, attention and conv outputs kept, the rest recomputed)",
+                          "torchtitan-op": " (every other matmul's output, flash attention and reduce-scatter outputs kept, the "
+                                           "rest recomputed)"}.get(spec.checkpoint_policy, ""))
     if spec.offload_layers is not None:
         applied.append(f"activation offload (save_on_cpu, pinned) of blocks {checkpoint_layers_text(spec.offload_layers)}")
     if source.kind != "factory":
