@@ -135,6 +135,9 @@ MODELLED_MESHES = ("ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over --world-size, 
 
 def _check_cp(spec: Any, sh: Sharding, cp: int, tp: int) -> None:
     """--cp N: torchtitan's FSDP2 x CP (x TP) mesh, in one line per field that cannot go with it."""
+    if not is_distributed(spec):
+        raise SpecError(f"--cp {cp}: context parallel splits each sequence over --cp GPUs of a job of several",
+                        hint=f"add --world-size {2 * cp} --sharding fsdp")
     if sh.family != "fsdp" or sh.name == "hsdp":
         raise SpecError(f"--cp {cp} composes with FSDP2 over dp_shard x cp (torchtitan's mesh), not with --sharding "
                         f"{spec.sharding}", hint="use --sharding fsdp (or zero2, zero3)")

@@ -181,7 +181,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         built = build_for_sharding(spec, source, wrapper)
         stage("model load")                    # parameters still on the meta device: buffers only
         model = wrapper.wrap(built.model, device=dev)
-        batch = to_device(built.batch, dev)
+        batch = wrapper.shard_inputs(to_device(built.batch, dev), built.seq_len)
     else:
         dev = torch.device(device)
         cuda = dev.type == "cuda"

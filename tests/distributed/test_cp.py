@@ -108,11 +108,3 @@ def test_attention_the_ring_cannot_take_is_refused_in_one_line():
         simulate_rank(CP2.replace(precision="fp32"), 0, steps=1)
     assert e.value.message == ("--cp: torch's load-balanced ring attention takes causal SDPA without a mask through the "
                                "cuDNN, flash or memory-efficient kernel, and this model's attention has the math path")
-
-
-def test_cp_is_estimated_not_launched():
-    from memlens.step.parallel import check
-    from memlens.step.plan import resolve
-
-    with pytest.raises(SpecError, match=r"^--cp 2 runs in the simulation only \(torch's ring attention on fake tensors\)"):
-        check(resolve(CP2, fake=False), fake=False)

@@ -113,10 +113,6 @@ def check(plan, *, fake: bool) -> None:
     if spec.offload_optimizer:
         raise SpecError(f"--offload-optimizer with --sharding {sh.name} (FSDP2 CPUOffloadPolicy) is not modelled per rank",
                         hint="drop --offload-optimizer, or use --method formula")
-    if spec.cp > 1 and not fake:
-        raise SpecError(f"--cp {spec.cp} runs in the simulation only (torch's ring attention on fake tensors); memlens does "
-                        "not launch context parallel on GPUs", hint="use `memlens estimate`; bench/gpu_cp.py measures it with "
-                        "torch's own context_parallel")
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {sh.name} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")

@@ -36,8 +36,11 @@ ranks between are bounded by them (each ring step is one of those two shapes).
 
 Refused in one line: attention that is not causal SDPA without a mask (an attention mask, padding, sliding
 windows; ``--attn eager``; the math path of fp32 grouped-query attention), a sequence that does not split into
-2 x N chunks, DP-SGD, HSDP with CP, QLoRA; on a device (``memlens profile``) CP is not run (bench/gpu_cp.py
-measures it with torch's own ``context_parallel``).
+2 x N chunks, DP-SGD, HSDP with CP, QLoRA.
+
+On a device (``memlens profile --cp N`` under torchrun, bench/gpu_mesh.py) the same wrapper builds the same mesh,
+feeds each rank its L / N tokens and enters torch's own ``context_parallel`` for the process, so the model's SDPA
+calls run torch's ring attention with the real kernels (not yet measured on GPUs).
 """
 from __future__ import annotations
 
@@ -86,6 +89,12 @@ class CPWrapper(TPWrapper):
         self.cp_group = self.mesh["cp"].get_group()
         self.facts.update(mesh=dict(zip(names, shape)), cp=self.cp, fsdp_over=self.shard_size)
         return self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+    def wrap(self, model, *, device, fake_mode=None):
+        model = super().wrap(model, device=device, fake_mode=fake_mode)
+        if not self.fake:
+            self._cp_context = enable_ring_dispatch(self.mesh["cp"], device)
+        return model
 
     def before_shard(self, model):
         return super().before_shard(model) if self.tp > 1 else model
@@ -138,6 +147,20 @@ class CPWrapper(TPWrapper):
     def ring_attention(self, kernel_forward, kernel_backward):
         """The autograd function that stands for SDPA under CP: torch's ring around the kernel's stand-ins."""
         return ring_attention_function(self.cp_group, kernel_forward, kernel_backward)
+
+
+def enable_ring_dispatch(cp_mesh, device):
+    """On a device (torchrun): torch's ``context_parallel`` entered for the rest of the process, so every
+    ``F.scaled_dot_product_attention`` of the model runs torch's ring attention over ``cp_mesh`` (its monkey-patch
+    mode, head-tail load balancing). Its one listed buffer is a dummy: the inputs are already the rank's share
+    (:meth:`CPWrapper.shard_inputs`). Returns the entered context (kept alive by the wrapper)."""
+    import torch  # heavy: torch, loaded on first use
+    from torch.distributed.tensor.experimental import context_parallel  # heavy: torch, loaded on first use
+
+    dummy = torch.zeros(2 * cp_mesh.size(), device=device)
+    ctx = context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy})
+    ctx.__enter__()
+    return ctx
 
 
 def _ring_functions():
