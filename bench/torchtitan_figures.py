@@ -1,14 +1,15 @@
 """torchtitan's published per-GPU memory against memlens' per-rank estimate (issue 37), on the CPU only.
 
 python bench/torchtitan_figures.py              # every figure (about 10 minutes on this 2-core CPU)
-python bench/torchtitan_figures.py fsdp8        # only the cases whose name contains "fsdp8"
+python bench/torchtitan_figures.py fsdp8        # only the cases whose name contains "fsdp8" (merged into the results)
+python bench/torchtitan_figures.py --render     # the .md again from the .json (the cases' texts as they are now)
 python bench/torchtitan_figures.py --tiny       # the same code path on a tiny Llama at 4 ranks (seconds; the tests)
 
 Source: benchmarks/llama3_h100_202412_torchtitan.md (torchtitan, end of 2024: torch 1963fc8 of 2024-12-23,
 torchtitan 9dec370 of 2024-12-26), H100 96 GB HBM2e (Grand Teton), ``max_reserved_gib`` read at step 90
 (torchtitan's DeviceMemoryMonitor: torch.cuda.memory_stats()["reserved_bytes.all.peak"], its peak reset at each
 log). Settings from torchtitan at 9dec370 (train_configs/llama3_8b.toml, llama3_70b.toml, train.py,
-torchtitan/parallelisms/parallelize_llama.py, torchtitan/optimizer.py, config_manager.py):
+torchtitan/parallelisms/parallelize_llama.py, torchtitan/optimizer.py, config_manager.py, utils.py):
 
 - seq_len 8192 (the tomls), the tables' local batch per data-parallel rank (a TP group shares one), bf16 params
   with fp32 reduction (``mixed_precision_param`` / ``_reduce`` defaults: FSDP2 MixedPrecisionPolicy(bf16, fp32) =
@@ -16,14 +17,14 @@ torchtitan/parallelisms/parallelize_llama.py, torchtitan/optimizer.py, config_ma
 - FSDP2 ``fully_shard`` per TransformerBlock + root, on ``dp_shard_cp`` (dp x cp) with CP, TP on the last dim;
 - selective AC = ``selective_ac_option = 'op'``: torchtitan's ``_save_list`` with every second mm recomputed
   (memlens --checkpoint-policy torchtitan-op); full AC = checkpoint_wrapper per block (memlens --grad-checkpointing);
+- TP: loss parallel on (``training.disable_loss_parallel`` off by default: memlens --loss-parallel);
 - CP: ``context_parallel(cp_mesh, buffers=[input_ids, labels, freqs_cis])``, rotate method allgather,
   SDPA limited to flash / memory-efficient (the flash kernel: memlens' --gpu h100-96gb below);
 - the H100 96 GB: memlens has no entry for it; this script registers ``h100-96gb`` = the H100 entry with
   96 GB and SDPA's flash kernel first (torch of Dec 2024: cuDNN attention was opt-in since pytorch#138522).
 
 What memlens cannot reproduce, said per row: torch.compile of each block (its fused kernels hold fewer
-temporaries), Float8 linears (torchao: fp8 weight / activation casts, amax), loss parallel (TP's default in
-torchtitan: the loss on vocabulary shards; memlens all-gathers the logits), torchtitan's own Llama module (memlens
+temporaries), Float8 linears (torchao: fp8 weight / activation casts, amax), torchtitan's own Llama module (memlens
 runs Hugging Face's LlamaForCausalLM of the same shapes: RoPE in bf16 where torchtitan rotates in fp32 complex,
 K/V heads not repeated before SDPA), ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (run_llama_train.sh;
 memlens models the default caching allocator's segments), the last block kept unsharded after forward.
@@ -54,8 +55,8 @@ B8 = dict(COMMON, model="llama-3.1-8b", seq_len=8192)
 
 NOT_COMPILE = "torch.compile of each block (fused kernels, fewer temporaries) is not modelled per rank: eager estimate"
 NOT_FLOAT8 = "Float8 linears (torchao) are not modelled: bf16 estimate"
-NOT_LOSS_PARALLEL = ("loss parallel (torchtitan's default with TP: the loss on 1/8 of the vocabulary per rank) is not "
-                     "modelled: memlens all-gathers the logits whole")
+NOT_LOSS_PARALLEL = ("without --loss-parallel (torchtitan's default with TP: the loss on 1/8 of the vocabulary per rank) "
+                     "memlens all-gathers the logits whole")
 
 
 def cases() -> list[dict]:
@@ -75,12 +76,20 @@ def cases() -> list[dict]:
              spec=dict(B8, batch_size=2, world_size=128, **SAC), missing=[]),
     ]
     for cp, pub in ((1, 83.9), (2, 84.2), (4, 84.0), (8, 84.5)):
+        longer = 32768 * cp > 131072    # torchtitan sets max_seq_len = seq_len; Llama-3.1's config says 131072 positions
         rows.append(dict(name=f"t2-fsdp{8 // cp}-cp{cp}-8b", table="Table 2 (8 GPUs, local batch 1, full AC, compile + Float8)",
                          row=f"FSDP {8 // cp}, CP {cp}, seq {32768 * cp}", published=pub,
                          spec=dict(B8, batch_size=1, seq_len=32768 * cp, world_size=8, **({"cp": cp} if cp > 1 else {}), **FULL),
-                         missing=[NOT_COMPILE, NOT_FLOAT8]))
+                         positions=32768 * cp if longer else None,
+                         missing=[NOT_COMPILE, NOT_FLOAT8] + ([f"max_position_embeddings raised to {32768 * cp} (torchtitan's "
+                                                                "max_seq_len = seq_len; no memory depends on it)"] if longer else [])))
     rows.append(dict(name="t4-fsdp32-tp8-70b", table="Table 4 (256 GPUs, FSDP 32 x TP 8, local batch 16, full AC, compile "
                      "+ Float8)", row="2D", published=71.9,
+                     spec=dict(COMMON, model="llama-3.1-70b", seq_len=8192, batch_size=16, world_size=256, tp=8,
+                               loss_parallel=True, **FULL),
+                     missing=[NOT_COMPILE, NOT_FLOAT8]))
+    rows.append(dict(name="t4-fsdp32-tp8-70b-no-loss-parallel", table="Table 4 (memlens without loss parallel)",
+                     row="2D, logits all-gathered", published=71.9,
                      spec=dict(COMMON, model="llama-3.1-70b", seq_len=8192, batch_size=16, world_size=256, tp=8, **FULL),
                      missing=[NOT_COMPILE, NOT_FLOAT8, NOT_LOSS_PARALLEL]))
     return rows
@@ -126,9 +135,26 @@ def estimate_case(spec: dict) -> dict:
             "strategy": r.data["strategy"], "estimate_seconds": round(time.perf_counter() - t, 1)}
 
 
+def longer_config(model: str, positions: int, where: str) -> str:
+    """A directory with ``model``'s built-in config, its max_position_embeddings set to ``positions``."""
+    from memlens.models.source import resolve
+
+    cfg = resolve(model).config.to_dict()
+    cfg.update(max_position_embeddings=positions, architectures=["LlamaForCausalLM"])
+    os.makedirs(where, exist_ok=True)
+    with open(os.path.join(where, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return where
+
+
 def run_case(case: dict, small: bool) -> dict:
     """The case's estimate in a fresh process, timed end to end (or an error line)."""
     spec = tiny(case["spec"]) if small else case["spec"]
+    if case.get("positions") and not small:
+        import tempfile
+
+        spec = dict(spec, model=longer_config(spec["model"], case["positions"],
+                                              os.path.join(tempfile.gettempdir(), f"{spec['model']}-{case['positions']}")))
     cmd = [sys.executable, os.path.abspath(__file__), "--spec", json.dumps(spec)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -144,7 +170,7 @@ def row_text(c: dict) -> str:
         return f"| {c['table']} | {c['row']} | {c['published']:.1f} | error: {e['error']} | | | |"
     gib = e["max_reserved_bytes"] / 2**30
     diff = 100 * (gib - c["published"]) / c["published"]
-    what = "; ".join(c["missing"]) or "reproduced as published"
+    what = "; ".join(c["missing"]) or "none beyond the notes below"
     return (f"| {c['table']} | {c['row']} | {c['published']:.1f} | {gib:.1f} | {diff:+.1f}% | "
             f"{e['peak_allocated_bytes'] / 2**30:.1f} | {e['seconds']:.0f} | {what} |")
 
@@ -169,6 +195,21 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write(results: list[dict]) -> None:
+    """Merge ``results`` into the committed JSON (by case name, in the cases' order) and render the .md."""
+    old = {}
+    if os.path.exists(OUT + ".json"):
+        with open(OUT + ".json") as f:
+            old = {c["name"]: c for c in json.load(f)["cases"]}
+    old.update({c["name"]: c for c in results})
+    merged = [dict(c, estimate=old[c["name"]]["estimate"]) for c in cases() if c["name"] in old]   # texts as they are now
+    os.makedirs(os.path.dirname(OUT), exist_ok=True)
+    with open(OUT + ".json", "w") as f:
+        json.dump({"source": SOURCE, "gpu": GPU, "cases": merged}, f, indent=1)
+    with open(OUT + ".md", "w") as f:
+        f.write(markdown(merged))
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--spec"]:
         print(json.dumps(estimate_case(json.loads(argv[1]))))
@@ -177,7 +218,7 @@ def main(argv: list[str]) -> int:
     names = [a for a in argv if not a.startswith("--")]
     done: dict[str, dict] = {}
     results = []
-    for c in cases():
+    for c in cases() if "--render" not in argv else []:
         if names and not any(n in c["name"] for n in names):
             continue
         same = c.get("same_as")
@@ -186,11 +227,7 @@ def main(argv: list[str]) -> int:
         results.append(c)
         print(row_text(c), flush=True)
     if not small:
-        os.makedirs(os.path.dirname(OUT), exist_ok=True)
-        with open(OUT + ".json", "w") as f:
-            json.dump({"source": SOURCE, "gpu": GPU, "cases": results}, f, indent=1)
-        with open(OUT + ".md", "w") as f:
-            f.write(markdown(results))
+        write(results)
     return 0
 
 

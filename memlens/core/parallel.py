@@ -190,6 +190,12 @@ def check_mesh(spec: Any) -> None:
     if getattr(spec, "dp", False) and (sh.name == "hsdp" or tp > 1):
         raise SpecError(f"DP-SGD with --sharding {spec.sharding}" + (f" --tp {tp}" if tp > 1 else "")
                         + ": Opacus' ghost_fsdp wraps a 1D FSDP2 mesh", hint="use --sharding fsdp --grad-sample-mode ghost, or ddp")
+    if getattr(spec, "loss_parallel", False):
+        if tp < 2:
+            raise SpecError("--loss-parallel is tensor parallel's vocabulary-sharded loss", hint="use it with --tp N")
+        if getattr(spec, "loss", "model") != "model":
+            raise SpecError(f"--loss-parallel with --loss {spec.loss}: the model's own loss runs on the vocabulary shards",
+                            hint="drop --loss")
     if tp > 1:
         if getattr(spec, "lora_rank", None) is not None:
             raise SpecError(f"--tp {tp} with --lora-rank: torchtitan's TP plan shards nn.Linear layers, and peft's LoRA layers "

@@ -86,11 +86,12 @@ class TrainingSpec:
     bucket_cap_mb: float | None = None
     # meshes beyond one flat group (memlens.step.parallel.hsdp / .tp): HSDP's shard group (--sharding hsdp: FSDP2 on a
     # replicate x shard mesh), tensor parallel ranks (DTensor TP on the last mesh dim, composed with FSDP2 on the others);
-    # context and pipeline parallel degrees (refused: not modelled)
+    # context parallel (torch's ring attention, composed with FSDP2 over dp_shard x cp), pipeline stages (refused)
     shard_size: int | None = None
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    loss_parallel: bool = False         # --tp: torchtitan's loss parallel (lm_head output vocab-sharded, loss on the shards)
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
@@ -256,7 +257,7 @@ class TrainingSpec:
                               ("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
                               ("lengths", None), ("lora_dropout", 0.0), ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None),
-                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1)):
+                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1), ("loss_parallel", False)):
             if d[name] == default:     # absent unless set
                 del d[name]
         for k in ("checkpoint_layers", "offload_layers"):
@@ -355,6 +356,8 @@ class TrainingSpec:
             parts.append(f"tp={self.tp}")
         if self.cp > 1:
             parts.append(f"cp={self.cp}")
+        if self.loss_parallel:
+            parts.append("loss-parallel")
         if self.reshard_after_forward is not None:
             parts.append(f"reshard={str(self.reshard_after_forward).lower()}")
         if self.gradient_as_bucket_view:
@@ -576,7 +579,7 @@ def trl_describe(spec: TrainingSpec) -> str:
 
 
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
-          "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs"}
+          "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs", "loss_parallel"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "shard_size", "tp", "cp", "pp", "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
 

@@ -150,13 +150,13 @@ def selective_context():
 TORCHTITAN_SAVE_OPS = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "abs", "max")
 
 
-def torchtitan_context():
-    """``context_fn`` of torchtitan's selective op AC: a fresh mm count per block call (its ``meta`` defaultdict), the
+def torchtitan_policy():
+    """torchtitan's selective op AC policy with a fresh mm count (one per block call, its ``meta`` defaultdict): the
     odd matmuls and the listed ops kept. The fused attention's stand-in (:func:`kernel_outputs`) is kept as the flash
     kernel torchtitan's runs used (torch picked flash on H100 then; cuDNN attention, which its list lacks, is opt-in
-    since torch 2.5.1)."""
+    since torch 2.5.1: pytorch#138522)."""
     import torch  # heavy (see find_blocks)
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts  # heavy: torch
+    from torch.utils.checkpoint import CheckpointPolicy  # heavy: torch, loaded on first use
 
     save = {getattr(torch.ops.aten, n).default for n in TORCHTITAN_SAVE_OPS if hasattr(torch.ops.aten, n)}
     save.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
@@ -171,7 +171,14 @@ def torchtitan_context():
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return policy
+
+
+def torchtitan_context():
+    """``context_fn`` of torchtitan's selective op AC (:func:`torchtitan_policy`)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts  # heavy: torch, loaded on first use
+
+    return create_selective_checkpoint_contexts(torchtitan_policy())
 
 
 def checkpoint_kwargs(policy: str = "full") -> dict:
