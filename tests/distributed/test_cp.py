@@ -68,6 +68,20 @@ def test_ring_attention_backward_rotates_fp32_kv_gradients_every_step(cp2):
     assert bwd[("backward", "_c10d_functional.all_to_all_single.default", 2 * 2 * kv)] == 2
 
 
+@pytest.mark.parametrize("rank", [0, 3])
+def test_four_ranks_the_first_attends_half_its_queries_the_last_half_the_keys(rank):
+    sim = simulate_rank(CP2.replace(cp=4), rank, steps=1)
+    ev = Counter(_events(sim.log))
+    kv, q = B * KV * (L // 4) * D * 2, B * H * (L // 4) * D * 2        # per tensor, bf16: 2048 and 4096 bytes
+    assert ev[("forward", "_c10d_functional.all_gather_into_tensor.default", 4 * 2 * kv)] == 1
+    assert ev[("backward", "_c10d_functional.all_gather_into_tensor.default", 4 * 2 * kv)] == 1
+    assert ev[("backward", "_c10d_functional.all_to_all_single.default", 2 * 2 * kv)] == 4    # fp32 dK/dV, every step
+    if rank == 0:   # steps 1-3: half the queries (a bf16 half-output upcast), merged into the fp32 output by a cat each
+        assert ev[("forward", "aten.cat.default", 2 * q)] == 3 and ev[("forward", "aten._to_copy.default", q)] == 4
+    else:           # steps 1-3: all the queries against the first half of each rank's keys: full outputs, no partial cat
+        assert ev[("forward", "aten.cat.default", 2 * q)] == 0 and ev[("forward", "aten._to_copy.default", 2 * q)] == 4
+
+
 def test_rank_groups_are_the_first_and_last_place_in_the_ring():
     r2 = estimate_ranks(CP2, steps=1)
     assert [(e["rank"], e["ranks"]) for e in r2.data["ranks"]] == [(0, [0, 2]), (1, [1, 3])]
@@ -108,3 +122,13 @@ def test_attention_the_ring_cannot_take_is_refused_in_one_line():
         simulate_rank(CP2.replace(precision="fp32"), 0, steps=1)
     assert e.value.message == ("--cp: torch's load-balanced ring attention takes causal SDPA without a mask through the "
                                "cuDNN, flash or memory-efficient kernel, and this model's attention has the math path")
+
+
+def test_cp_composes_with_tp_and_lora():
+    # 2 x 2 x 2 (dp_shard x cp x tp): TP's q/k/v hold half the heads, so the ring gathers 2 ranks' K/V of 1 kv head
+    sim = simulate_rank(CP2.replace(world_size=8, tp=2), 0, steps=1)
+    assert sim.wrapper.facts["mesh"] == {"dp_shard": 2, "cp": 2, "tp": 2} and sim.wrapper.facts["fsdp_over"] == 4
+    fwd = _events(sim.log)
+    assert ("forward", "_c10d_functional.all_gather_into_tensor.default", 2 * 2 * (B * 1 * (L // 2) * D * 2)) in fwd
+    lora = simulate_rank(CP2.replace(lora_rank=4), 1, steps=1)       # peft's LoRA leaves SDPA to the ring
+    assert ("forward", "_c10d_functional.all_gather_into_tensor.default", 2 * 2 * (B * KV * (L // 2) * D * 2)) in _events(lora.log)

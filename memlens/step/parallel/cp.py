@@ -157,8 +157,8 @@ def enable_ring_dispatch(cp_mesh, device):
     import torch  # heavy: torch, loaded on first use
     from torch.distributed.tensor.experimental import context_parallel  # heavy: torch, loaded on first use
 
-    dummy = torch.zeros(2 * cp_mesh.size(), device=device)
-    ctx = context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[0], no_restore_buffers={dummy})
+    dummy = torch.zeros(1, 2 * cp_mesh.size(), device=device)      # (batch, sequence), as input ids are listed
+    ctx = context_parallel(cp_mesh, buffers=[dummy], buffer_seq_dims=[1], no_restore_buffers={dummy})
     ctx.__enter__()
     return ctx
 
