@@ -126,6 +126,44 @@ def kernel_outputs():
         _kernel.depth -= 1
 
 
+@contextlib.contextmanager
+def opaque_kernels():
+    """Inside: the kernel stand-ins' outputs are not kept by selective checkpointing. For a composite that stands for
+    one aten op (context parallel's ring attention runs the fused kernel once per ring step inside the aten attention
+    op torch dispatches to it): selective checkpointing keeps that op's merged outputs, marked by the caller with
+    :func:`kernel_outputs`, not each step's."""
+    saved = getattr(_kernel, "depth", 0)
+    _kernel.depth = -(1 << 30)
+    try:
+        yield
+    finally:
+        _kernel.depth = saved
+
+
+_SAC_MODES = {"_CachingTorchDispatchMode": "forward", "_CachedTorchDispatchMode": "recompute"}
+
+
+def selective_checkpoint_phase() -> str | None:
+    """"forward" while a selective checkpoint's forward caches, "recompute" while its recomputation replays the cache,
+    None outside selective checkpointing (torch.utils.checkpoint's two dispatch modes, the innermost user mode)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # heavy: torch, loaded on first use
+
+    return _SAC_MODES.get(type(_get_current_dispatch_mode()).__name__)
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """Run ops that selective checkpointing must not see (neither cache nor replay): its innermost dispatch mode popped
+    for the while, the other modes (fake tensors, the storage tracker) kept."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily  # heavy: torch, loaded on first use
+
+    if selective_checkpoint_phase() is None:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 def selective_policy(ctx, func, *args, **kwargs):
     """The selective checkpoint policy: MUST_SAVE for :data:`SELECTIVE_SAVE_OPS` (and a simulated kernel's outputs,
     :data:`kernel_outputs`), PREFER_RECOMPUTE otherwise."""
@@ -134,7 +172,7 @@ def selective_policy(ctx, func, *args, **kwargs):
 
     if not _SAVE_PACKETS:
         _SAVE_PACKETS.update(getattr(torch.ops.aten, n) for n in SELECTIVE_SAVE_OPS if hasattr(torch.ops.aten, n))
-    if getattr(_kernel, "depth", 0) or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
+    if getattr(_kernel, "depth", 0) > 0 or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -167,7 +205,7 @@ def torchtitan_policy():
         mode = "recompute" if ctx.is_recompute else "forward"
         if func == mm:
             count[mode] += 1
-        if getattr(_kernel, "depth", 0) or (func in save and not (func == mm and count[mode] % 2 == 0)):
+        if getattr(_kernel, "depth", 0) > 0 or (func in save and not (func == mm and count[mode] % 2 == 0)):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 

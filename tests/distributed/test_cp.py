@@ -132,3 +132,15 @@ def test_cp_composes_with_tp_and_lora():
     assert ("forward", "_c10d_functional.all_gather_into_tensor.default", 2 * 2 * (B * 1 * (L // 2) * D * 2)) in fwd
     lora = simulate_rank(CP2.replace(lora_rank=4), 1, steps=1)       # peft's LoRA leaves SDPA to the ring
     assert ("forward", "_c10d_functional.all_gather_into_tensor.default", 2 * 2 * (B * KV * (L // 2) * D * 2)) in _events(lora.log)
+
+
+@pytest.mark.parametrize("policy, backward_gathers, merged", [("full", 4, 0), ("torchtitan-op", 2, 2)])
+def test_selective_checkpointing_keeps_the_merged_attention_not_the_ring(policy, backward_gathers, merged):
+    """On the GPU selective AC sees one aten attention op (the ring runs inside torch's CP handler): it keeps the merged
+    output and logsumexp once per layer, and its recomputation does not run the forward ring again; full AC does."""
+    sim = simulate_rank(CP2.replace(grad_checkpointing=True, checkpoint_policy=policy), 0, steps=1)
+    ev = Counter((e.phase, str(e.op), e.nbytes) for e in sim.log.events if e[0] == 0)
+    kv, q = B * KV * (L // 2) * D * 2, B * H * (L // 2) * D * 2
+    assert ev[("backward", "_c10d_functional.all_gather_into_tensor.default", 2 * 2 * kv)] == backward_gathers
+    assert ev[("forward", "aten.clone.default", B * H * (L // 2) * 4)] == merged      # the kept fp32 logsumexp, per layer
+    assert ev[("forward", "aten.clone.default", q)] == 2 + merged                       # HF's output transpose, and the kept output

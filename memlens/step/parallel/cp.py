@@ -27,7 +27,9 @@ group shares no parameter shard), its gradients and AdamW states alike; TP (``--
   each step calls is memlens' stand-in for CUDA's fused kernel (memlens.estimator.cuda_rules: its output,
   softmax statistics, RNG state and backward scratch; the per-step op is the aten op torch's handler would call,
   ``_scaled_dot_product_{cudnn,flash,efficient}_attention``), since a CPU build has no such kernel. Autograd
-  keeps what the aten attention op's node keeps: q, k, v, the merged output and logsumexp.
+  keeps what the aten attention op's node keeps: q, k, v, the merged output and logsumexp. Selective activation
+  checkpointing sees that one aten op on the GPU: it keeps the merged output and logsumexp (not each ring step's
+  kernel outputs) and does not run the forward ring again in its recomputation; full checkpointing does.
 
 Ranks differ by their place in the CP group (rank 0 computes half its queries against the full keys at every
 later ring step, the last CP rank its full queries against half the keys) and by their FSDP2 shard (the first
@@ -45,6 +47,7 @@ calls run torch's ring attention with the real kernels (not yet measured on GPUs
 from __future__ import annotations
 
 from ...core.errors import SpecError
+from ...models.checkpoint import kernel_outputs, opaque_kernels, outside_selective_checkpoint, selective_checkpoint_phase
 from .base import RankGroup
 from .fsdp import local_rows
 from .tp import TPWrapper
@@ -210,9 +213,21 @@ def ring_attention_function(group, kernel_forward, kernel_backward):
                 out, stats, rng, _mask = kernel_forward(query, key, value, None, backend)
                 return (out, stats, *rng)
 
-            out, lse, *rest = with_options(ring._templated_ring_attention, group, 2, op, q, k, v, is_causal=True)
+            # selective checkpointing sees one aten attention op on the GPU (torch's CP handler runs the ring inside it):
+            # its forward keeps that op's merged output and logsumexp (a clone stands for the op here: the ring's own
+            # ops run outside its cache), and its recomputation takes them from the cache without running the ring
+            phase = selective_checkpoint_phase()
+            if phase == "recompute":
+                with outside_selective_checkpoint():
+                    out, lse = q.new_empty(0), q.new_empty(0, dtype=torch.float32)     # replaced by the cached outputs
+            else:
+                with outside_selective_checkpoint(), opaque_kernels():
+                    out, lse, *_rest = with_options(ring._templated_ring_attention, group, 2, op, q, k, v, is_causal=True)
+            if phase is not None:
+                with kernel_outputs():
+                    out, lse = out.clone(), lse.clone()
             ctx.backend = backend
-            ctx.save_for_backward(q, k, v, out, lse, *[t for t in rest if isinstance(t, torch.Tensor)])
+            ctx.save_for_backward(q, k, v, out, lse)
             return out
 
         @staticmethod
