@@ -121,8 +121,7 @@ class CPWrapper(TPWrapper):
                 continue
             out.append(RankGroup(ranks[0], tuple(ranks), f"CP index {self.cp_index(ranks[0])} ({end} of the ring: "
                                  + ("half its queries against all keys at later steps)" if end == "first" else
-                                    "its queries against half the keys at later steps)")
-                                 + (" and the same FSDP2 shards" if len(groups) <= 2 else "")))
+                                    "its queries against half the keys at later steps)")))
         if between:
             out.append(RankGroup(-1, tuple(sorted(between)), "CP indices between the first and the last: each ring step "
                                  "is one of the two simulated shapes"))
