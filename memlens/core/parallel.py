@@ -138,9 +138,12 @@ def _check_cp(spec: Any, sh: Sharding, cp: int, tp: int) -> None:
     if not is_distributed(spec):
         raise SpecError(f"--cp {cp}: context parallel splits each sequence over --cp GPUs of a job of several",
                         hint=f"add --world-size {2 * cp} --sharding fsdp")
-    if sh.family != "fsdp" or sh.name == "hsdp":
+    if sh.family != "fsdp":
         raise SpecError(f"--cp {cp} composes with FSDP2 over dp_shard x cp (torchtitan's mesh), not with --sharding "
-                        f"{spec.sharding}", hint="use --sharding fsdp (or zero2, zero3)")
+                        f"{spec.sharding}", hint="use --sharding fsdp (or zero2, zero3, hsdp)")
+    if sh.name == "hsdp" and spec.shard_size and spec.shard_size % cp:
+        raise SpecError(f"--shard-size {spec.shard_size} with --cp {cp}: HSDP shards each parameter over dp_shard x cp GPUs, "
+                        f"so --shard-size must be a multiple of {cp}", hint=f"e.g. --shard-size {2 * cp}")
     if spec.world_size % (cp * tp):
         raise SpecError(f"--cp {cp}" + (f" x --tp {tp}" if tp > 1 else "") + f" must divide --world-size {spec.world_size}",
                         hint=f"e.g. --world-size {2 * cp * tp} --cp {cp}" + (f" --tp {tp}" if tp > 1 else ""))

@@ -99,8 +99,8 @@ def test_a_cp_group_shares_one_micro_batch_and_the_spec_round_trips():
 
 @pytest.mark.parametrize("fields, message", [
     ({"sharding": "ddp"}, "--cp 2 composes with FSDP2 over dp_shard x cp (torchtitan's mesh), not with --sharding ddp"),
-    ({"sharding": "hsdp", "shard_size": 2}, "--cp 2 composes with FSDP2 over dp_shard x cp (torchtitan's mesh), not with "
-                                            "--sharding hsdp"),
+    ({"sharding": "hsdp", "shard_size": 3, "world_size": 6}, "--shard-size 3 with --cp 2: HSDP shards each parameter over "
+                                                              "dp_shard x cp GPUs, so --shard-size must be a multiple of 2"),
     ({"cp": 3, "world_size": 4}, "--cp 3 must divide --world-size 4"),
     ({"seq_len": 66}, "--cp 2: the sequence of 66 tokens does not split into 2 x 2 equal chunks (torch's head-tail load "
                       "balancing of causal attention)"),
@@ -144,3 +144,13 @@ def test_selective_checkpointing_keeps_the_merged_attention_not_the_ring(policy,
     assert ev[("backward", "_c10d_functional.all_gather_into_tensor.default", 2 * 2 * kv)] == backward_gathers
     assert ev[("forward", "aten.clone.default", B * H * (L // 2) * 4)] == merged      # the kept fp32 logsumexp, per layer
     assert ev[("forward", "aten.clone.default", q)] == 2 + merged                       # HF's output transpose, and the kept output
+
+
+def test_hsdp_replicas_of_dp_shard_x_cp_hold_what_fsdp2_over_that_group_holds():
+    hsdp = estimate_ranks(CP2.replace(world_size=8, sharding="hsdp", shard_size=4), steps=1)
+    fsdp = estimate_ranks(CP2, steps=1)
+    assert hsdp.data["wrapper"]["mesh"] == {"replicate": 2, "dp_shard": 2, "cp": 2}
+    assert [(e["rank"], e["ranks"]) for e in hsdp.data["ranks"]] == [(0, [0, 2, 4, 6]), (1, [1, 3, 5, 7])]
+    assert ([(e["peak_allocated_bytes"], e["peak_reserved_bytes"]) for e in hsdp.data["ranks"]]
+            == [(e["peak_allocated_bytes"], e["peak_reserved_bytes"]) for e in fsdp.data["ranks"]])
+    assert CP2.replace(world_size=8, sharding="hsdp", shard_size=4).effective_batch_size == 2 * 8 // 2

@@ -1,8 +1,9 @@
 """Context parallel (``--cp N``) composed with FSDP2 (and ``--tp``) for one rank, as torchtitan applies it.
 
 The mesh is torchtitan's (torchtitan/distributed/parallel_dims.py; parallelisms/parallel_dims.py in Dec 2024):
-``init_device_mesh(device, (dp_shard, cp[, tp]), mesh_dim_names=("dp_shard", "cp"[, "tp"]))``, and FSDP2 runs on
-``mesh["dp_shard", "cp"]._flatten("dp_shard_cp")``: every parameter is sharded over dp_shard x cp ranks (a CP
+``init_device_mesh(device, ([replicate, ]dp_shard, cp[, tp]), mesh_dim_names=(["replicate", ]"dp_shard", "cp"[, "tp"]))``,
+and FSDP2 runs on ``mesh["dp_shard", "cp"]._flatten("dp_shard_cp")`` (HSDP: on ``mesh["replicate", "dp_shard_cp"]``,
+``--shard-size`` being dp_shard x cp GPUs): every parameter is sharded over dp_shard x cp ranks (a CP
 group shares no parameter shard), its gradients and AdamW states alike; TP (``--tp``) on the last dim as
 :mod:`.tp` applies it. What a rank then holds while the step runs:
 
@@ -38,13 +39,15 @@ ranks between are bounded by them (each ring step is one of those two shapes).
 
 Refused in one line: attention that is not causal SDPA without a mask (an attention mask, padding, sliding
 windows; ``--attn eager``; the math path of fp32 grouped-query attention), a sequence that does not split into
-2 x N chunks, DP-SGD, HSDP with CP, QLoRA.
+2 x N chunks, DP-SGD, QLoRA.
 
 On a device (``memlens profile --cp N`` under torchrun, bench/gpu_mesh.py) the same wrapper builds the same mesh,
 feeds each rank its L / N tokens and enters torch's own ``context_parallel`` for the process, so the model's SDPA
 calls run torch's ring attention with the real kernels (not yet measured on GPUs).
 """
 from __future__ import annotations
+
+import warnings
 
 from ...core.errors import SpecError
 from ...models.checkpoint import kernel_outputs, opaque_kernels, outside_selective_checkpoint, selective_checkpoint_phase
@@ -64,10 +67,11 @@ class CPWrapper(TPWrapper):
     def __init__(self, spec, **kw):
         super().__init__(spec, **kw)
         self.cp = spec.cp
-        self.dp_shard = self.world_size // (self.cp * self.tp)
+        self.dp_shard = self.shard_size // self.cp          # HSDP: --shard-size is dp_shard x cp GPUs
         self.cp_group = None
-        dims = f"{self.dp_shard} x {self.cp}" + (f" x {self.tp}" if self.tp > 1 else "")
-        names = "(dp_shard x cp" + (" x tp)" if self.tp > 1 else ")")
+        rep = f"{self.replicas} x " if self.hsdp else ""
+        dims = f"{rep}{self.dp_shard} x {self.cp}" + (f" x {self.tp}" if self.tp > 1 else "")
+        names = ("(replicate x " if self.hsdp else "(") + "dp_shard x cp" + (" x tp)" if self.tp > 1 else ")")
         tp = (f"DTensor tensor parallel over {self.tp} GPUs (torchtitan's Llama plan), " if self.tp > 1 else "")
         self.applied[-1] = (f"context parallel over {self.cp} GPUs (torch's ring attention, all-gather K/V rotation, "
                             f"head-tail load balancing: each rank 1/{self.cp} of the sequence) + {tp}FSDP2 fully_shard "
@@ -77,7 +81,8 @@ class CPWrapper(TPWrapper):
     @property
     def strategy(self) -> str:
         return (f"FSDP2 x CP: context parallel over {self.cp} GPUs (ring attention), FSDP2 over dp_shard x cp = "
-                f"{self.shard_size}" + (f", tensor parallel over {self.tp}" if self.tp > 1 else ""))
+                f"{self.shard_size}" + (f", tensor parallel over {self.tp}" if self.tp > 1 else "")
+                + (f", replicated {self.replicas} times (HSDP)" if self.hsdp else ""))
 
     def make_mesh(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh  # heavy: torch, loaded on first use
@@ -86,12 +91,19 @@ class CPWrapper(TPWrapper):
 
         fresh_dtensor_caches()
         shape, names = (self.dp_shard, self.cp), ("dp_shard", "cp")
+        if self.hsdp:
+            shape, names = (self.replicas,) + shape, ("replicate",) + names
         if self.tp > 1:
             shape, names = shape + (self.tp,), names + ("tp",)
         self.mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         self.cp_group = self.mesh["cp"].get_group()
         self.facts.update(mesh=dict(zip(names, shape)), cp=self.cp, fsdp_over=self.shard_size)
-        return self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        flat = self.mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        if not self.hsdp:
+            return flat
+        with warnings.catch_warnings():    # torch 2.13 warns that slicing a flattened dim will be deprecated; it still works
+            warnings.simplefilter("ignore", UserWarning)
+            return self.mesh["replicate", "dp_shard_cp"]     # torchtitan's (dp_replicate, dp_shard_cp) of Dec 2024
 
     def wrap(self, model, *, device, fake_mode=None):
         model = super().wrap(model, device=device, fake_mode=fake_mode)
