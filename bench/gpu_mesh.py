@@ -1,16 +1,18 @@
-"""HSDP and TP x FSDP2 per rank on 4 GPUs (issue 37): measured peaks vs memlens' per-rank estimate.
+"""HSDP, TP x FSDP2 and CP x FSDP2 per rank on 4 GPUs (issue 37): measured peaks vs memlens' per-rank estimate.
 
-Run on a 4-GPU machine from the repo root (4 cases: about 5 minutes on 4 x H100):
+Run on a 4-GPU machine from the repo root (6 cases: about 7 minutes on 4 x H100):
 
     python bench/gpu_mesh.py            # results under $OUT (default ./out): gpu_mesh.jsonl, a table printed last
     python bench/gpu_mesh.py --dry-run  # CPU only: every case's estimate on a tiny Llama (no GPU, no torchrun)
     python bench/gpu_mesh.py hsdp       # only the cases whose name contains "hsdp"
+    python bench/gpu_mesh.py cp2        # only context parallel: CP 2 x FSDP2 2 (torch's ring attention)
     python bench/gpu_mesh.py profile    # only `memlens profile --world-size 4` of each mesh (about 3 minutes)
 
 Each case runs in its own torchrun job through bench/gpu_runner.py (cases already in the JSONL are skipped, --fresh
 starts over, --list names them; bench/gpu_distributed.py's rank code: memlens.step.prepare builds the very
 wrapper the estimate simulates - FSDP2 fully_shard on a 2 x 2 replicate x shard mesh, or parallelize_module with
-torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh - resets the peak counters after building
+torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh, or fully_shard over dp_shard x cp with each
+rank's L / 2 tokens and torch's context_parallel entered for the process (ring attention) - resets the peak counters after building
 and runs 3 steps), so an OOM or a crash loses one case. Every rank's max_memory_allocated / max_memory_reserved is
 compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after each
 case's GPU run; the rank group that stands for it). One JSON line per case (its ranks' records and the estimate) is
@@ -41,7 +43,8 @@ TINY = dict(model="tests/fixtures/tiny-llama", batch_size=2, seq_len=64, precisi
 
 def cases(base: dict) -> list[tuple[str, dict]]:
     """4-GPU meshes on a Llama-class model: FSDP2 over 4 (the baseline, measured exact before), HSDP 2 x 2,
-    TP 2 x FSDP2 2 (with and without checkpointing)."""
+    TP 2 x FSDP2 2 (with and without checkpointing), CP 2 x FSDP2 2 (each rank half of a 2x longer sequence; with and
+    without checkpointing)."""
     w = {"world_size": WORLD}
     return [
         ("fsdp4-llama1b-ampbf16-b4-L1024", dict(base, sharding="fsdp", **w)),
@@ -49,12 +52,16 @@ def cases(base: dict) -> list[tuple[str, dict]]:
         ("tp2xfsdp2-llama1b-ampbf16-b4-L1024", dict(base, sharding="fsdp", tp=2, **w)),
         ("tp2xfsdp2-llama1b-ampbf16-ckpt-b4-L2048", dict(base, sharding="fsdp", tp=2, grad_checkpointing=True,
                                                          seq_len=2 * base["seq_len"], **w)),
+        ("cp2xfsdp2-llama1b-ampbf16-b4-L2048", dict(base, sharding="fsdp", cp=2, seq_len=2 * base["seq_len"], **w)),
+        ("cp2xfsdp2-llama1b-ampbf16-ckpt-b4-L4096", dict(base, sharding="fsdp", cp=2, grad_checkpointing=True,
+                                                         seq_len=4 * base["seq_len"], **w)),
     ]
 
 
 PROFILES = {   # `memlens profile --world-size 4 ... --compare-estimate`: the CLI path (torchrun launched by memlens itself)
     "profile-hsdp2x2": ["--sharding", "hsdp", "--shard-size", "2"],
     "profile-tp2xfsdp2": ["--sharding", "fsdp", "--tp", "2"],
+    "profile-cp2xfsdp2": ["--sharding", "fsdp", "--cp", "2"],
 }
 
 

@@ -103,7 +103,10 @@ COMMANDS = {
     "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 16 --sharding fsdp --tp 8":
         (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 4 --sharding fsdp --tp 2 "
               "--seq-len 32"),
-    "estimate --model llama-3.1-8b --world-size 16 --sharding fsdp --cp 2": (REFUSED, None),
+    "estimate --model llama-3.1-8b --world-size 16 --sharding fsdp --pp 2": (REFUSED, None),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --seq-len 65536 --world-size 8 --sharding fsdp --cp 2":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --seq-len 64 --world-size 4 --sharding fsdp "
+              "--cp 2"),
     "fit --model llama-3.1-8b --precision bf16 --world-size 8 --sharding zero2 --budget 80GiB --target-batch 256":
         (PARSE, "a sharded fit of an 8B model simulates many ranks and sizes (minutes); the sharded estimates above run"),
     "sweep --model gpt2-medium --batch-sizes 4,8,16,32 --measure --gpus 0,1,2,3 --out sw/": (PARSE, "--measure on 4 GPUs"),

@@ -97,7 +97,9 @@ def _add_memory_args(g) -> None:
                    help="checkpoint only some blocks: the first N, or these block indices (0-based); all = --grad-checkpointing")
     g.add_argument("--checkpoint-policy", choices=CHECKPOINT_POLICIES,
                    help="how checkpointed blocks recompute: full = their whole forward (default); selective = keep matmul, "
-                        "attention and conv outputs, recompute the rest (torch's selective activation checkpointing)")
+                        "attention and conv outputs, recompute the rest (torch's selective activation checkpointing); torchtitan-op = "
+                        "torchtitan's selective op AC: keep every other matmul's output (the 1st, 3rd, ... of a block), "
+                        "flash / memory-efficient attention and reduce-scatter outputs")
     g.add_argument("--offload-activations", dest="offload_layers", metavar="all|N|I,J,...",
                    help="blocks whose saved activations go to pinned host memory in forward and come back in backward "
                         "(torch.autograd.graph.save_on_cpu): all, the first N, or these block indices")
@@ -194,7 +196,11 @@ def _add_gpus_args(g) -> None:
                    "(e.g. one node's 8); the world / N groups are replicas")
     g.add_argument("--tp", type=int, metavar="N", help="tensor parallel GPUs (DTensor, torchtitan's Llama plan: colwise "
                    "q/k/v/gate/up, rowwise o/down, sequence-parallel norms) on the last mesh dim, FSDP2 on the others")
-    g.add_argument("--cp", type=int, metavar="N", help="context parallel degree: not modelled, refused")
+    g.add_argument("--loss-parallel", dest="loss_parallel", action="store_const", const=True,
+                   help="--tp: torchtitan's loss parallel (its default with TP): lm_head's logits stay vocabulary-sharded "
+                        "and the cross-entropy runs on the shards (torch's loss_parallel), no logits all-gather")
+    g.add_argument("--cp", type=int, metavar="N", help="context parallel GPUs (torch's ring attention, torchtitan's "
+                   "mesh): each holds 1/N of the sequence; FSDP2 shards over the data-parallel x context-parallel GPUs")
     g.add_argument("--pp", type=int, metavar="N", help="pipeline parallel stages: not modelled, refused")
     g.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="DeepSpeed ZeRO config: not modelled, refused "
                    "(memlens simulates PyTorch's own ZeRO: --sharding zero1/zero2/zero3)")
@@ -209,7 +215,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "shard_size", "tp", "cp", "pp", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
+    "bucket_cap_mb", "shard_size", "tp", "cp", "pp", "loss_parallel", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
     "trainer", "packing", "padding_free", "prompt_len", "precompute_ref_log_probs", "num_generations", "max_completion_length",
     "beta", "steps_per_generation", "vllm_gpu_memory_utilization",
 )

@@ -72,23 +72,26 @@ def is_distributed(spec: Any) -> bool:
 
 def data_parallel_ranks(spec: Any) -> int:
     """Ranks that each take a different micro-batch: every rank of a DDP / ZeRO / FSDP2 / HSDP job, the world over
-    the tensor-parallel degree (a TP group shares one micro-batch); 1 on one GPU."""
-    return spec.world_size // max(1, getattr(spec, "tp", 1) or 1) if is_distributed(spec) else 1
+    the tensor- and context-parallel degrees (a TP group shares one micro-batch, a CP group one sequence); 1 on one GPU."""
+    if not is_distributed(spec):
+        return 1
+    return spec.world_size // (max(1, getattr(spec, "tp", 1) or 1) * max(1, getattr(spec, "cp", 1) or 1))
 
 
 def shard_degree(spec: Any) -> int:
     """Ranks over which FSDP2 shards each parameter (its shard mesh dim): --shard-size under HSDP, else every
-    data-parallel rank (the world over --tp); 1 without sharding."""
+    data-parallel rank times the context-parallel ones (torchtitan's dp_shard_cp: the world over --tp); 1 without
+    sharding."""
     sh = SHARDINGS[spec.sharding]
     if not sh.shards_optimizer_state:
         return 1
     if sh.name == "hsdp":
         return spec.shard_size
-    return data_parallel_ranks(spec)
+    return data_parallel_ranks(spec) * max(1, getattr(spec, "cp", 1) or 1)
 
 
 # The largest job memlens models: DDP, ZeRO-1, FSDP2, HSDP or FSDP2 x TP over this many ranks (torchtitan's
-# largest published runs: 128 GPUs of FSDP, 256 of FSDP x TP, DESIGN.md); no context or pipeline parallelism.
+# largest published runs: 128 GPUs of FSDP, 256 of FSDP x TP, DESIGN.md); no pipeline parallelism.
 # The fake process group builds every sub-group of the mesh on the simulated rank. The simulation also costs with the world
 # size: torch's fully_shard chunks every parameter into world-size pieces on every rank
 # (torch/distributed/fsdp/_fully_shard/_fsdp_common.py: _chunk_with_empty), about 26 s for gpt2 at 100,000.
@@ -126,8 +129,36 @@ def check_fields(spec: Any) -> None:
             raise SpecError(f"--bucket-cap-mb must be a positive number, got {spec.bucket_cap_mb!r}", hint="e.g. --bucket-cap-mb 25")
 
 
-MODELLED_MESHES = ("ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over --world-size, HSDP (--sharding hsdp --shard-size N) "
-                   "and tensor parallel (--tp N with an FSDP2 sharding)")
+MODELLED_MESHES = ("ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over --world-size, HSDP (--sharding hsdp --shard-size N), "
+                   "tensor parallel (--tp N) and context parallel (--cp N) with an FSDP2 sharding")
+
+
+def _check_cp(spec: Any, sh: Sharding, cp: int, tp: int) -> None:
+    """--cp N: torchtitan's FSDP2 x CP (x TP) mesh, in one line per field that cannot go with it."""
+    if not is_distributed(spec):
+        raise SpecError(f"--cp {cp}: context parallel splits each sequence over --cp GPUs of a job of several",
+                        hint=f"add --world-size {2 * cp} --sharding fsdp")
+    if sh.family != "fsdp":
+        raise SpecError(f"--cp {cp} composes with FSDP2 over dp_shard x cp (torchtitan's mesh), not with --sharding "
+                        f"{spec.sharding}", hint="use --sharding fsdp (or zero2, zero3, hsdp)")
+    if sh.name == "hsdp" and spec.shard_size and spec.shard_size % cp:
+        raise SpecError(f"--shard-size {spec.shard_size} with --cp {cp}: HSDP shards each parameter over dp_shard x cp GPUs, "
+                        f"so --shard-size must be a multiple of {cp}", hint=f"e.g. --shard-size {2 * cp}")
+    if spec.world_size % (cp * tp):
+        raise SpecError(f"--cp {cp}" + (f" x --tp {tp}" if tp > 1 else "") + f" must divide --world-size {spec.world_size}",
+                        hint=f"e.g. --world-size {2 * cp * tp} --cp {cp}" + (f" --tp {tp}" if tp > 1 else ""))
+    if spec.seq_len and spec.seq_len % (2 * cp):
+        raise SpecError(f"--cp {cp}: the sequence of {spec.seq_len} tokens does not split into 2 x {cp} equal chunks "
+                        "(torch's head-tail load balancing of causal attention)", hint=f"use a --seq-len that divides by {2 * cp}")
+    if getattr(spec, "dp", False):
+        raise SpecError(f"DP-SGD with --cp {cp}: per-sample gradients of a sequence split over ranks are not modelled",
+                        hint="drop --cp")
+    if getattr(spec, "attn", "sdpa") not in (None, "sdpa"):
+        raise SpecError(f"--cp {cp} with --attn {spec.attn}: torch's ring attention replaces SDPA only",
+                        hint="use --attn sdpa")
+    if getattr(spec, "pad_fraction", None):
+        raise SpecError(f"--cp {cp} with --pad-fraction: the ring takes causal attention without a padding mask",
+                        hint="drop --pad-fraction (context parallel runs packed or unpadded sequences)")
 
 
 def _positive_int(spec: Any, name: str, flag: str, eg: str) -> Any:
@@ -138,14 +169,14 @@ def _positive_int(spec: Any, name: str, flag: str, eg: str) -> Any:
 
 
 def check_mesh(spec: Any) -> None:
-    """The mesh fields (--shard-size, --tp, --cp, --pp): what they go with, in one line each; --cp and --pp are refused."""
+    """The mesh fields (--shard-size, --tp, --cp, --pp): what they go with, in one line each; --pp is refused."""
     shard = _positive_int(spec, "shard_size", "--shard-size", "e.g. --shard-size 8 (the GPUs of one node)")
     tp = _positive_int(spec, "tp", "--tp", "e.g. --tp 8") or 1
-    for name, what in (("cp", "context parallel (ring attention over a sequence split --cp ways)"),
-                       ("pp", "pipeline parallel (stages and a 1F1B / interleaved / GPipe schedule)")):
-        if (_positive_int(spec, name, f"--{name}", f"drop --{name}") or 1) > 1:
-            raise SpecError(f"--{name} {getattr(spec, name)}: {what} is not modelled; memlens models per rank {MODELLED_MESHES}",
-                            hint=f"drop --{name}: estimate the same job without it (a bound: each rank then holds more)")
+    cp = _positive_int(spec, "cp", "--cp", "e.g. --cp 2") or 1
+    if (_positive_int(spec, "pp", "--pp", "drop --pp") or 1) > 1:
+        raise SpecError(f"--pp {spec.pp}: pipeline parallel (stages and a 1F1B / interleaved / GPipe schedule) is not "
+                        f"modelled; memlens models per rank {MODELLED_MESHES}",
+                        hint="drop --pp: estimate the same job without it (a bound: each rank then holds more)")
     sh = SHARDINGS[spec.sharding]
     if sh.name == "hsdp":
         if shard is None:
@@ -157,9 +188,17 @@ def check_mesh(spec: Any) -> None:
                             hint="--shard-size N = --world-size gives --sharding fsdp; 1 gives replication (--sharding ddp)")
     elif shard is not None:
         raise SpecError("--shard-size is HSDP's shard group", hint="use it with --sharding hsdp")
+    if cp > 1:
+        _check_cp(spec, sh, cp, tp)
     if getattr(spec, "dp", False) and (sh.name == "hsdp" or tp > 1):
         raise SpecError(f"DP-SGD with --sharding {spec.sharding}" + (f" --tp {tp}" if tp > 1 else "")
                         + ": Opacus' ghost_fsdp wraps a 1D FSDP2 mesh", hint="use --sharding fsdp --grad-sample-mode ghost, or ddp")
+    if getattr(spec, "loss_parallel", False):
+        if tp < 2:
+            raise SpecError("--loss-parallel is tensor parallel's vocabulary-sharded loss", hint="use it with --tp N")
+        if getattr(spec, "loss", "model") != "model":
+            raise SpecError(f"--loss-parallel with --loss {spec.loss}: the model's own loss runs on the vocabulary shards",
+                            hint="drop --loss")
     if tp > 1:
         if getattr(spec, "lora_rank", None) is not None:
             raise SpecError(f"--tp {tp} with --lora-rank: torchtitan's TP plan shards nn.Linear layers, and peft's LoRA layers "

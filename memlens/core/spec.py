@@ -31,7 +31,7 @@ PRECISIONS = PRECISION_NAMES
 ATTENTION = ("sdpa", "eager")
 SHARDING = SHARDING_NAMES
 GRAD_SAMPLE_MODES = ("hooks", "ghost")
-CHECKPOINT_POLICIES = ("full", "selective")
+CHECKPOINT_POLICIES = ("full", "selective", "torchtitan-op")
 # how the loss is computed (causal LMs): the model's own from labels, or the user's criterion on the shifted
 # logits, logits[:, :-1].reshape(-1, V) against labels[:, 1:], in the logits' dtype or upcast with .float()
 LOSSES = ("model", "criterion", "criterion-fp32")   # Opacus' own names (make_private's grad_sample_mode)
@@ -56,7 +56,8 @@ class TrainingSpec:
     checkpoint_layers: int | tuple[int, ...] | None = None  # which blocks are checkpointed: the first N, or these
                                         # indices (0-based); None: all with grad_checkpointing ("all" and 0 normalize to that)
     checkpoint_policy: str = "full"     # CHECKPOINT_POLICIES: "full" recomputes a checkpointed block's whole forward; "selective"
-                                        # keeps its matmul/attention/conv outputs and recomputes the rest (models/checkpoint.py)
+                                        # keeps its matmul/attention/conv outputs and recomputes the rest; "torchtitan-op"
+                                        # torchtitan's op-level SAC (every second mm recomputed) (models/checkpoint.py)
     offload_layers: int | tuple[int, ...] | str | None = None  # blocks whose saved tensors go to pinned host memory
                                         # (save_on_cpu): "all", the first N or these indices; None/0: none
     attn: str = "sdpa"
@@ -85,11 +86,12 @@ class TrainingSpec:
     bucket_cap_mb: float | None = None
     # meshes beyond one flat group (memlens.step.parallel.hsdp / .tp): HSDP's shard group (--sharding hsdp: FSDP2 on a
     # replicate x shard mesh), tensor parallel ranks (DTensor TP on the last mesh dim, composed with FSDP2 on the others);
-    # context and pipeline parallel degrees (refused: not modelled)
+    # context parallel (torch's ring attention, composed with FSDP2 over dp_shard x cp), pipeline stages (refused)
     shard_size: int | None = None
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    loss_parallel: bool = False         # --tp: torchtitan's loss parallel (lm_head output vocab-sharded, loss on the shards)
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
     compile: bool = False               # torch.compile'd model (estimator/compiled.py)
@@ -255,7 +257,7 @@ class TrainingSpec:
                               ("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
                               ("lengths", None), ("lora_dropout", 0.0), ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None),
-                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1)):
+                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1), ("loss_parallel", False)):
             if d[name] == default:     # absent unless set
                 del d[name]
         for k in ("checkpoint_layers", "offload_layers"):
@@ -306,7 +308,7 @@ class TrainingSpec:
         parts.append(self.precision)
         if self.grad_checkpointing:
             parts.append("ckpt" + ("" if self.checkpoint_layers is None else f"={checkpoint_layers_text(self.checkpoint_layers)}")
-                         + ("-selective" if self.checkpoint_policy == "selective" else ""))
+                         + ({"selective": "-selective", "torchtitan-op": "-titan-op"}.get(self.checkpoint_policy, "")))
         if self.offload_layers is not None:
             parts.append(f"offload={checkpoint_layers_text(self.offload_layers)}")
         if self.attn != "sdpa":
@@ -352,6 +354,10 @@ class TrainingSpec:
             parts.append(f"shard={self.shard_size}")
         if self.tp > 1:
             parts.append(f"tp={self.tp}")
+        if self.cp > 1:
+            parts.append(f"cp={self.cp}")
+        if self.loss_parallel:
+            parts.append("loss-parallel")
         if self.reshard_after_forward is not None:
             parts.append(f"reshard={str(self.reshard_after_forward).lower()}")
         if self.gradient_as_bucket_view:
@@ -390,7 +396,7 @@ def _check_liger(spec: TrainingSpec) -> None:
     clash = (("--dp", spec.dp, "Opacus computes per-sample gradients from hooks on nn.Linear, which the fused linear "
               "cross entropy bypasses (the lm_head is never called)"),
              ("--compile", spec.compile, "the compiled step with liger's Triton kernels is not simulated"),
-             ("--checkpoint-policy selective", spec.checkpoint_policy == "selective",
+             (f"--checkpoint-policy {spec.checkpoint_policy}", spec.checkpoint_policy in ("selective", "torchtitan-op"),
               "selective checkpointing's cache of matmul outputs would hold the q/k projections liger's RoPE rotates in place"))
     for flag, on, why in clash:
         if spec.liger and on:
@@ -573,7 +579,7 @@ def trl_describe(spec: TrainingSpec) -> str:
 
 
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
-          "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs"}
+          "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs", "loss_parallel"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
          "shard_size", "tp", "cp", "pp", "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
 

@@ -149,18 +149,7 @@ class FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, backend):
-        B, H, L, _ = q.shape
-        dev = q.device
-        with kernel_outputs():        # one aten op's outputs on the GPU: selective checkpointing keeps them
-            out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
-            if backend == "efficient":
-                stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
-                rng = ()
-            else:
-                stats = torch.empty(B, H, L, dtype=torch.float32, device=dev)
-                rng = (torch.empty((), dtype=torch.int64, device=dev), torch.empty((), dtype=torch.int64, device=dev))
-        if attn_mask is not None and attn_mask.dtype == torch.bool:
-            attn_mask = torch.empty(attn_mask.shape, dtype=q.dtype, device=dev)  # additive mask
+        out, stats, rng, attn_mask = attention_kernel_forward(q, k, v, attn_mask, backend)
         ctx.backend = backend
         ctx.save_for_backward(q, k, v, out, stats, *rng, *(() if attn_mask is None else (attn_mask,)))
         return out
@@ -168,36 +157,60 @@ class FusedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, stats = ctx.saved_tensors[:5]
-        B, H, L, D = q.shape
-        Hk, S = k.shape[1], k.shape[2]
-        dev = q.device
-        dq = _kernel_output(ctx.backend, q, (B, H, L, D))
-        scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
-        if ctx.backend == "cudnn":
-            scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
-                       torch.empty(B, H, L, dtype=torch.float32, device=dev)]
-        elif ctx.backend == "efficient":
-            scratch = [_bhld(out, B, H, L, out.shape[-1]), torch.empty_like(stats), torch.empty_like(stats)]
-        elif ctx.backend == "flash":
-            scratch = [torch.empty(B, _ceil_to(L, 128), H, _ceil_to(D, 32), dtype=torch.float32, device=dev),
-                       torch.empty(B, H, _ceil_to(L, 128), dtype=torch.float32, device=dev)]
-        if Hk != H:  # grouped-query attention: grads for every query head, then summed per kv head
-            dk_full, dv_full = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
-            scratch.clear()
-            dk = dk_full.reshape(B, Hk, H // Hk, S, k.shape[-1]).sum(2)
-            dv = dv_full.reshape(B, Hk, H // Hk, S, v.shape[-1]).sum(2)
+        mask = ctx.saved_tensors[-1] if ctx.needs_input_grad[3] else None
+        return (*attention_kernel_backward(ctx.backend, q, k, v, out, stats, mask), None)
+
+
+def attention_kernel_forward(q, k, v, attn_mask, backend: str):
+    """What one fused attention kernel's forward allocates (:class:`FusedAttention`): (the output, the softmax
+    statistics, the RNG pair (empty for efficient), the mask as the kernel keeps it)."""
+    B, H, L, _ = q.shape
+    dev = q.device
+    with kernel_outputs():        # one aten op's outputs on the GPU: selective checkpointing keeps them
+        out = _kernel_output(backend, q, (B, H, L, v.shape[-1]))
+        if backend == "efficient":
+            stats = torch.empty(B, H, _ceil_to(L, 32), dtype=torch.float32, device=dev)
+            rng = ()
         else:
-            dk = _kernel_output(ctx.backend, k, (B, H, S, k.shape[-1]))
-            dv = _kernel_output(ctx.backend, v, (B, H, S, v.shape[-1]))
-            scratch.clear()
-        dmask = None
-        if ctx.needs_input_grad[3]:  # efficient kernel: grad_bias over the expanded (B, H, L, ceil16(S)) bias
-            mask = ctx.saved_tensors[-1]
-            full = torch.empty(B, H, L, _ceil_to(S, 16), dtype=mask.dtype, device=dev)[..., :S]
-            lead = full.dim() - mask.dim()
-            dims = [*range(lead), *(lead + i for i, m in enumerate(mask.shape) if m == 1 and full.shape[lead + i] != 1)]
-            dmask = full.sum(dims, keepdim=True).reshape(mask.shape) if dims else full
-        return dq, dk, dv, dmask, None
+            stats = torch.empty(B, H, L, dtype=torch.float32, device=dev)
+            rng = (torch.empty((), dtype=torch.int64, device=dev), torch.empty((), dtype=torch.int64, device=dev))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.empty(attn_mask.shape, dtype=q.dtype, device=dev)  # additive mask
+    return out, stats, rng, attn_mask
+
+
+def attention_kernel_backward(backend: str, q, k, v, out, stats, mask=None):
+    """What one fused attention kernel's backward allocates (:class:`FusedAttention`): (dq, dk, dv, the mask's
+    gradient when ``mask`` is given: the efficient kernel's grad_bias)."""
+    B, H, L, D = q.shape
+    Hk, S = k.shape[1], k.shape[2]
+    dev = q.device
+    dq = _kernel_output(backend, q, (B, H, L, D))
+    scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
+    if backend == "cudnn":
+        scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
+                   torch.empty(B, H, L, dtype=torch.float32, device=dev)]
+    elif backend == "efficient":
+        scratch = [_bhld(out, B, H, L, out.shape[-1]), torch.empty_like(stats), torch.empty_like(stats)]
+    elif backend == "flash":
+        scratch = [torch.empty(B, _ceil_to(L, 128), H, _ceil_to(D, 32), dtype=torch.float32, device=dev),
+                   torch.empty(B, H, _ceil_to(L, 128), dtype=torch.float32, device=dev)]
+    if Hk != H:  # grouped-query attention: grads for every query head, then summed per kv head
+        dk_full, dv_full = _bhld(k, B, H, S, k.shape[-1]), _bhld(v, B, H, S, v.shape[-1])
+        scratch.clear()
+        dk = dk_full.reshape(B, Hk, H // Hk, S, k.shape[-1]).sum(2)
+        dv = dv_full.reshape(B, Hk, H // Hk, S, v.shape[-1]).sum(2)
+    else:
+        dk = _kernel_output(backend, k, (B, H, S, k.shape[-1]))
+        dv = _kernel_output(backend, v, (B, H, S, v.shape[-1]))
+        scratch.clear()
+    dmask = None
+    if mask is not None:  # efficient kernel: grad_bias over the expanded (B, H, L, ceil16(S)) bias
+        full = torch.empty(B, H, L, _ceil_to(S, 16), dtype=mask.dtype, device=dev)[..., :S]
+        lead = full.dim() - mask.dim()
+        dims = [*range(lead), *(lead + i for i, m in enumerate(mask.shape) if m == 1 and full.shape[lead + i] != 1)]
+        dmask = full.sum(dims, keepdim=True).reshape(mask.shape) if dims else full
+    return dq, dk, dv, dmask
 
 
 def _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -239,6 +252,9 @@ def cuda_sdpa(rules: CudaRules, query, key, value, attn_mask=None, dropout_p=0.0
     q, k, v = query, key, value   # torch's own argument names: diffusers' attention dispatch passes them by keyword
     backend = sdpa_backend(q, k, attn_mask, dropout_p, enable_gqa, rules.gpu, v)
     rules.attention_calls.append(AttentionCall(backend, tuple(q.shape), str(q.dtype).replace("torch.", ""), dropout_p > 0))
+    ring = getattr(rules.fused_attention, "refuse", None)    # context parallel's ring attention (step/parallel/cp.py)
+    if ring is not None:
+        ring(backend, attn_mask, dropout_p, is_causal)
     if backend == "math":
         return _math_attention(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is not None and attn_mask.dtype != torch.bool and attn_mask.dtype != q.dtype:

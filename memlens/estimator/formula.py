@@ -73,6 +73,9 @@ def _counts(plan: StepPlan):
     if spec.tp > 1:
         raise MemlensError(f"--method formula does not model tensor parallel (--tp {spec.tp}: DTensor shards, sequence-parallel "
                            "activations)", hint="drop --method formula: the simulation runs torch's parallelize_module itself")
+    if spec.cp > 1:
+        raise MemlensError(f"--method formula does not model context parallel (--cp {spec.cp}: ring attention's K/V buffers)",
+                           hint="drop --method formula: the simulation runs torch's ring attention itself")
     if plan.dp:
         raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")

@@ -125,7 +125,7 @@ def activation_plan(sim) -> dict | None:
     if spec.grad_checkpointing:
         blocks = "all" if spec.checkpoint_layers is None else checkpoint_layers_text(spec.checkpoint_layers)
         sec = c.get("recompute_flops", 0) / rate + 2 * c.get("recompute_bytes", 0) / (gpu.dram_gbps * 1e9)
-        if spec.checkpoint_policy == "selective":     # eager SAC: every op through torch's Python dispatch modes
+        if spec.checkpoint_policy in ("selective", "torchtitan-op"):     # eager SAC: every op through torch's Python dispatch modes
             sec += c.get("recompute_ops", 0) * SAC_HOST_SECONDS_PER_OP
         st = step_time(sim) or {}         # the per-op time model's figure where the simulation priced its ops
         sec = st.get("recompute_seconds_per_micro_batch", sec)

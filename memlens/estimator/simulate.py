@@ -208,6 +208,9 @@ def _simulate(spec: TrainingSpec, source: ModelSource, steps: int, repeat: bool,
     step = prepare(spec, fake=True, source=source, autocast=autocast,
                    scaler=_FakeGradScaler() if precision_of(spec).grad_scaler else None)
     model = step.model            # the eager model (--compile replaces step.model by its compiled forward)
+    ring = getattr(step.wrapper, "ring_attention", None)     # --cp: torch's ring attention around the kernels' stand-ins
+    if ring is not None:
+        rules.fused_attention = ring(cuda_rules.attention_kernel_forward, cuda_rules.attention_kernel_backward)
     _wrap_checkpoint_funcs(model, emulation, tracker)
     _wrap_offload(model, tracker)
     if spec.compile:  # the compiler's own joint-graph partition (estimator/compiled.py)

@@ -88,7 +88,8 @@ REFUSED = {
     "lora_qkv_kernel": "axolotl's fused LoRA kernels are not modelled", "lora_o_kernel": "axolotl's fused LoRA kernels are not modelled",
     "lora_target_parameters": "LoRA on raw parameters (target_parameters) is not modelled",
     "unfrozen_parameters": "unfrozen_parameters (train only matching parameters) is not read: use --freeze PATTERN",
-    "context_parallel_size": "context parallelism is not modelled",
+    "context_parallel_size": "context_parallel_size is not mapped (memlens models torch's ring attention: estimate with "
+                             "--world-size N --sharding fsdp --cp C)",
     "tensor_parallel_size": "tensor_parallel_size is not mapped (memlens models torchtitan's Llama TP plan: estimate with --world-size N --sharding fsdp --tp T)",
     "expert_parallel_size": "expert parallelism is not modelled", "sequence_parallel_degree": "sequence parallelism is not modelled",
     "dp_shard_size": "dp_shard_size is not mapped (HSDP is modelled: estimate with --sharding hsdp --shard-size N)",

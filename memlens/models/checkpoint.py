@@ -16,7 +16,13 @@ share one class: a decoder's layers, a ViT's blocks). How a block is checkpointe
 The checkpoint policy (``checkpoint_policy``): "full" recomputes a checkpointed block's whole forward in
 backward; "selective" passes ``context_fn = create_selective_checkpoint_contexts(selective_policy)``, so the
 outputs of the matmul, attention and convolution ops (:data:`SELECTIVE_SAVE_OPS`) are kept (MUST_SAVE) and
-everything else is recomputed (PREFER_RECOMPUTE): torchtitan's "selective op" activation checkpointing.
+everything else is recomputed (PREFER_RECOMPUTE). "torchtitan-op" is torchtitan's own "selective op" policy
+(torchtitan/parallelisms/parallelize_llama.py ``_apply_ac_to_transformer_block`` in its Dec 2024 benchmarks, the same
+rule in torchtitan/distributed/activation_checkpoint.py today): it keeps the outputs of ``_save_list`` - ``aten.mm``
+but only the odd ones of each block's forward (the 1st, 3rd, 5th, 7th: q, v, gate and down projections of a
+Llama block; the count restarts in recomputation), the flash and memory-efficient attention kernels, the TP
+reduce-scatter, ``abs`` and ``max`` (Float8's amax) - and recomputes the rest. "selective" keeps every matmul,
+so it holds 3 more projection outputs per block than torchtitan does (k, o and up in a Llama block).
 
 Activation offload (``offload_layers``): a chosen block's forward runs under
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)`` (pinned only where CUDA is available): every tensor
@@ -120,6 +126,44 @@ def kernel_outputs():
         _kernel.depth -= 1
 
 
+@contextlib.contextmanager
+def opaque_kernels():
+    """Inside: the kernel stand-ins' outputs are not kept by selective checkpointing. For a composite that stands for
+    one aten op (context parallel's ring attention runs the fused kernel once per ring step inside the aten attention
+    op torch dispatches to it): selective checkpointing keeps that op's merged outputs, marked by the caller with
+    :func:`kernel_outputs`, not each step's."""
+    saved = getattr(_kernel, "depth", 0)
+    _kernel.depth = -(1 << 30)
+    try:
+        yield
+    finally:
+        _kernel.depth = saved
+
+
+_SAC_MODES = {"_CachingTorchDispatchMode": "forward", "_CachedTorchDispatchMode": "recompute"}
+
+
+def selective_checkpoint_phase() -> str | None:
+    """"forward" while a selective checkpoint's forward caches, "recompute" while its recomputation replays the cache,
+    None outside selective checkpointing (torch.utils.checkpoint's two dispatch modes, the innermost user mode)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # heavy: torch, loaded on first use
+
+    return _SAC_MODES.get(type(_get_current_dispatch_mode()).__name__)
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """Run ops that selective checkpointing must not see (neither cache nor replay): its innermost dispatch mode popped
+    for the while, the other modes (fake tensors, the storage tracker) kept."""
+    from torch.utils._python_dispatch import _pop_mode_temporarily  # heavy: torch, loaded on first use
+
+    if selective_checkpoint_phase() is None:
+        yield
+        return
+    with _pop_mode_temporarily():
+        yield
+
+
 def selective_policy(ctx, func, *args, **kwargs):
     """The selective checkpoint policy: MUST_SAVE for :data:`SELECTIVE_SAVE_OPS` (and a simulated kernel's outputs,
     :data:`kernel_outputs`), PREFER_RECOMPUTE otherwise."""
@@ -128,7 +172,7 @@ def selective_policy(ctx, func, *args, **kwargs):
 
     if not _SAVE_PACKETS:
         _SAVE_PACKETS.update(getattr(torch.ops.aten, n) for n in SELECTIVE_SAVE_OPS if hasattr(torch.ops.aten, n))
-    if getattr(_kernel, "depth", 0) or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
+    if getattr(_kernel, "depth", 0) > 0 or getattr(func, "_overloadpacket", None) in _SAVE_PACKETS:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -140,12 +184,48 @@ def selective_context():
     return create_selective_checkpoint_contexts(selective_policy)
 
 
+# torchtitan's _save_list (Dec 2024), by aten name; "reduce_scatter_tensor" is the _c10d_functional op
+TORCHTITAN_SAVE_OPS = ("mm", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention", "abs", "max")
+
+
+def torchtitan_policy():
+    """torchtitan's selective op AC policy with a fresh mm count (one per block call, its ``meta`` defaultdict): the
+    odd matmuls and the listed ops kept. The fused attention's stand-in (:func:`kernel_outputs`) is kept as the flash
+    kernel torchtitan's runs used (torch picked flash on H100 then; cuDNN attention, which its list lacks, is opt-in
+    since torch 2.5.1: pytorch#138522)."""
+    import torch  # heavy (see find_blocks)
+    from torch.utils.checkpoint import CheckpointPolicy  # heavy: torch, loaded on first use
+
+    save = {getattr(torch.ops.aten, n).default for n in TORCHTITAN_SAVE_OPS if hasattr(torch.ops.aten, n)}
+    save.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    mm = torch.ops.aten.mm.default
+    count = {"forward": 0, "recompute": 0}
+
+    def policy(ctx, func, *args, **kwargs):
+        mode = "recompute" if ctx.is_recompute else "forward"
+        if func == mm:
+            count[mode] += 1
+        if getattr(_kernel, "depth", 0) > 0 or (func in save and not (func == mm and count[mode] % 2 == 0)):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def torchtitan_context():
+    """``context_fn`` of torchtitan's selective op AC (:func:`torchtitan_policy`)."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts  # heavy: torch, loaded on first use
+
+    return create_selective_checkpoint_contexts(torchtitan_policy())
+
+
 def checkpoint_kwargs(policy: str = "full") -> dict:
     """Keyword arguments of ``torch.utils.checkpoint.checkpoint`` for a policy (also what
     ``gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)`` takes)."""
-    if policy not in ("full", "selective"):
-        raise SpecError(f"checkpoint policy {policy!r} is not full or selective", hint="use 'full' or 'selective'")
-    return {"use_reentrant": False, **({"context_fn": selective_context} if policy == "selective" else {})}
+    if policy not in ("full", "selective", "torchtitan-op"):
+        raise SpecError(f"checkpoint policy {policy!r} is not full, selective or torchtitan-op", hint="use 'full' or 'selective'")
+    context = {"selective": selective_context, "torchtitan-op": torchtitan_context}.get(policy)
+    return {"use_reentrant": False, **({"context_fn": context} if context else {})}
 
 
 def checkpoint_function(policy: str = "full"):

@@ -164,6 +164,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         else:
             model = materialize_on_fake(built.model, fake_mode)
         batch = fake_batch(built.batch, fake_mode)
+        if wrapper is not None:
+            batch = wrapper.shard_inputs(batch, built.seq_len)    # context parallel: the rank's share of the sequence
         dev = torch.device("cpu")
     elif wrapper is not None and wrapper.builds_on_meta:
         # FSDP2: parameters on the meta device, sharded, then materialized on the device (no rank holds the model)
@@ -179,7 +181,7 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         built = build_for_sharding(spec, source, wrapper)
         stage("model load")                    # parameters still on the meta device: buffers only
         model = wrapper.wrap(built.model, device=dev)
-        batch = to_device(built.batch, dev)
+        batch = wrapper.shard_inputs(to_device(built.batch, dev), built.seq_len)
     else:
         dev = torch.device(device)
         cuda = dev.type == "cuda"
@@ -218,9 +220,12 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if spec.freeze:
         applied.append("freeze " + ",".join(spec.freeze))
     if spec.grad_checkpointing:
-        applied.append(("selective " if spec.checkpoint_policy == "selective" else "") + "gradient checkpointing"
+        applied.append({"selective": "selective ", "torchtitan-op": "torchtitan's selective op "}.get(spec.checkpoint_policy, "")
+                       + "gradient checkpointing"
                        + ("" if spec.checkpoint_layers is None else f" of blocks {checkpoint_layers_text(spec.checkpoint_layers)}")
-                       + (" (matmul, attention and conv outputs kept, the rest recomputed)" if spec.checkpoint_policy == "selective" else ""))
+                       + {"selective": " (matmul, attention and conv outputs kept, the rest recomputed)",
+                          "torchtitan-op": " (every other matmul's output, flash attention and reduce-scatter outputs kept, the "
+                                           "rest recomputed)"}.get(spec.checkpoint_policy, ""))
     if spec.offload_layers is not None:
         applied.append(f"activation offload (save_on_cpu, pinned) of blocks {checkpoint_layers_text(spec.offload_layers)}")
     if source.kind != "factory":

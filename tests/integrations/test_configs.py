@@ -89,7 +89,8 @@ def test_trl_recipe_takes_trl_defaults(tmp_path):
     ({"plugins": ["axolotl.integrations.liger.LigerPlugin"], "liger_rms_norm": True, "liger_glu_activation": True},
      "axolotl key liger_fused_linear_cross_entropy is off while other liger kernels are on: memlens models liger's kernels together"),
     ({"liger_rms_norm": True}, "axolotl key liger_rms_norm without the liger plugin does nothing in axolotl"),
-    ({"context_parallel_size": 2}, "axolotl key context_parallel_size: context parallelism is not modelled"),
+    ({"context_parallel_size": 2}, "axolotl key context_parallel_size: context_parallel_size is not mapped (memlens models "
+     "torch's ring attention: estimate with --world-size N --sharding fsdp --cp C)"),
     ({"tensor_parallel_size": 2}, "axolotl key tensor_parallel_size: tensor_parallel_size is not mapped (memlens models "
      "torchtitan's Llama TP plan: estimate with --world-size N --sharding fsdp --tp T)"),
     ({"dp_shard_size": 8}, "axolotl key dp_shard_size: dp_shard_size is not mapped (HSDP is modelled: estimate with "

@@ -70,6 +70,7 @@ WITH_OTHERS = {  # fields that only mean something with another one
     "shard_size": ("gpt2", {"world_size": 8, "sharding": "hsdp", "shard_size": 4}, 2),
     # GPT-2 has no Llama-style modules for torchtitan's plan: refused (applied to Llama: tests/distributed/test_tp.py)
     "tp": ("gpt2", {"world_size": 4, "sharding": "fsdp"}, 2),
+    "loss_parallel": ("gpt2", {"world_size": 4, "sharding": "fsdp", "tp": 2}, True),    # applied: test_torchtitan.py
     # Opacus has grad samplers for LoRA's Linear layers (GPT-2's Conv1D would need functorch)
     "dp": ("gpt2", {"lora_rank": 8}, True),
     "grad_sample_mode": ("gpt2", {"dp": True, "lora_rank": 8}, "ghost"),

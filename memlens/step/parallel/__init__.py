@@ -19,6 +19,7 @@ from typing import Any, Callable
 from ...core.errors import SpecError
 from .base import RankGroup, Streams, Wrapper, check
 from .ddp import DDPWrapper, Zero1Wrapper
+from .cp import CPWrapper
 from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
 from .fsdp import FSDPWrapper
@@ -31,6 +32,7 @@ _REGISTRY: list[tuple[Callable[[Any], bool], type]] = [
     (lambda p: p.sharding.family == "fsdp" and p.dp, DPFSDPWrapper),   # Opacus' ghost_fsdp
     (lambda p: p.sharding.name == "ddp", DDPWrapper),
     (lambda p: p.sharding.name == "zero1", Zero1Wrapper),
+    (lambda p: p.sharding.family == "fsdp" and p.spec.cp > 1, CPWrapper),   # ring attention x FSDP2 (x TP)
     (lambda p: p.sharding.family == "fsdp" and p.spec.tp > 1, TPWrapper),   # DTensor TP x FSDP2 (or HSDP)
     (lambda p: p.sharding.name == "hsdp", HSDPWrapper),      # FSDP2 on a replicate x shard mesh
     (lambda p: p.sharding.family == "fsdp", FSDPWrapper),

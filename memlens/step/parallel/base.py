@@ -85,6 +85,10 @@ class Wrapper:
     def make_optimizer(self, spec: TrainingSpec, model, simulate: bool):
         return make_optimizer(spec, model, simulate=simulate)
 
+    def shard_inputs(self, batch, seq_len):
+        """The rank's micro-batch from the job's (context parallel keeps its share of the sequence)."""
+        return batch
+
     def simulation(self, tracker, step):
         """Context entered inside the storage tracker for a simulated run (setup events, hooks)."""
         return contextlib.nullcontext()

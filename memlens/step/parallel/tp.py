@@ -13,7 +13,10 @@ The mesh is ``init_device_mesh(device, (dp, tp), mesh_dim_names=("dp_shard", "tp
   Replicate); ``q/k/v_proj``, ``gate/up_proj`` ``ColwiseParallel()`` (heads and the MLP width split N ways);
   ``o_proj`` / ``down_proj`` ``RowwiseParallel(output_layouts=Shard(1))`` (reduce-scatter back to the sequence shard);
 - ``norm``: ``SequenceParallel()``; ``lm_head``: ``ColwiseParallel(input_layouts=Shard(1),
-  output_layouts=Replicate())`` (the logits all-gathered whole: no loss parallel).
+  output_layouts=Replicate())`` (the logits all-gathered whole), or with ``--loss-parallel`` (torchtitan's
+  default with TP) ``output_layouts=Shard(-1), use_local_output=False``: the logits stay vocabulary-sharded and the
+  model's cross-entropy runs on the shards under torch's ``loss_parallel()`` (entered around the simulated step; on
+  a device, for the process), whose handlers all-reduce the max and the sum of the log-softmax across the TP group.
 
 The residual stream stays a sequence-sharded DTensor between the blocks (torchtitan keeps the same
 local tensors; the bytes are the same), so the embedding's output, the residual adds and the norms hold
@@ -24,9 +27,11 @@ output buffers (all-gather, reduce-scatter, all-reduce of the partial norm-weigh
 on fake tensors under the fake process group.
 
 Refused: a model without those module names, heads or widths that do not divide by N (DTensor's uneven
-shards break Hugging Face's ``view(..., -1, head_dim)``), loss parallel.
+shards break Hugging Face's ``view(..., -1, head_dim)``).
 """
 from __future__ import annotations
+
+import contextlib
 
 from ...core.errors import SpecError
 from .fsdp import FSDPWrapper
@@ -52,7 +57,7 @@ class TPWrapper(FSDPWrapper):
         self.mesh = None
         dims = f"{self.replicas} x {self.shard_size} x {self.tp} (replicate x shard x tp)" if self.hsdp else f"{dp} x {self.tp} (dp_shard x tp)"
         self.applied[-1] = (f"DTensor tensor parallel over {self.tp} GPUs (torchtitan's Llama plan: colwise q/k/v/gate/up, rowwise "
-                            f"o/down, sequence-parallel norms) + FSDP2 fully_shard per block + root over {self.shard_size} on a "
+                            f"o/down, sequence-parallel norms{', loss parallel' if spec.loss_parallel else ''}) + FSDP2 fully_shard per block + root over {self.shard_size} on a "
                             f"{dims} DeviceMesh {self.settings}")
 
     @property
@@ -83,16 +88,34 @@ class TPWrapper(FSDPWrapper):
         _check_divisible(inner, self.tp)
         tied = model.lm_head.weight is inner.embed_tokens.weight
         tp_mesh = self.mesh["tp"]
-        plan_top, plan_layer = tp_plan()
+        plan_top, plan_layer = tp_plan(loss_parallel=self.spec.loss_parallel)
         parallelize_module(model, tp_mesh, plan_top)
         for layer in layers:
             parallelize_module(layer, tp_mesh, plan_layer)
+        if self.spec.loss_parallel and not self.fake:
+            from torch.distributed.tensor.parallel import loss_parallel  # heavy: torch, loaded on first use
+
+            self._loss_parallel = loss_parallel()
+            self._loss_parallel.__enter__()     # for the rest of the process (torchrun's worker): every step's loss
         if tied:
             # parallelize_module gives each module its own DTensor parameter, which unties a tied lm_head; both are
             # vocab-sharded (Shard(0)), so the model is tied again as it trains (one weight, its gradient summed)
             model.lm_head.weight = inner.embed_tokens.weight
         self.facts.update(tp=self.tp, tp_layers=len(layers), tied_embeddings=tied)
         return model
+
+
+    @contextlib.contextmanager
+    def simulation(self, tracker, step):
+        """FSDP2's simulation hooks, and torch's ``loss_parallel()`` around the step with ``--loss-parallel``."""
+        with super().simulation(tracker, step), (_loss_parallel() if self.spec.loss_parallel else contextlib.nullcontext()):
+            yield
+
+
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel  # heavy: torch, loaded on first use
+
+    return loss_parallel()
 
 
 def fresh_dtensor_caches() -> None:
@@ -113,8 +136,9 @@ def fresh_dtensor_caches() -> None:
             clear()
 
 
-def tp_plan() -> tuple[dict, dict]:
-    """(the model's plan, a decoder layer's plan): torchtitan's apply_tp with Hugging Face's module names."""
+def tp_plan(loss_parallel: bool = False) -> tuple[dict, dict]:
+    """(the model's plan, a decoder layer's plan): torchtitan's apply_tp with Hugging Face's module names
+    (``loss_parallel``: lm_head's output vocabulary-sharded, as torchtitan's default)."""
     from torch.distributed.tensor import Replicate, Shard  # heavy: torch, loaded on first use
     from torch.distributed.tensor.parallel import (  # heavy: torch, loaded on first use
         ColwiseParallel,
@@ -125,7 +149,8 @@ def tp_plan() -> tuple[dict, dict]:
 
     top = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
            "model.norm": SequenceParallel(),
-           "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+           "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False) if loss_parallel
+           else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
     layer = {n: SequenceParallel() for n in SEQUENCE}
     layer["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                             desired_input_kwarg_layouts={"hidden_states": Replicate()})
