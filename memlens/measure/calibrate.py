@@ -84,27 +84,31 @@ def _graphed_seconds(torch, fn: Callable[[], Any], n: int = 20) -> float:
     return _gpu_seconds(torch, g.replay, budget_s=0.01) / n
 
 
+def _grid(ms, nks, rate: Callable[[int, int, int], float]) -> list:
+    """[m][n][k] of ``rate(m, n, k)`` rounded, over the (M, N=K grid, K) axes."""
+    return [[[round(rate(m, n, k), 3) for k in nks] for n in nks] for m in ms]
+
+
+def _best(grid: list) -> float:
+    return max(max(max(r) for r in p) for p in grid)
+
+
 def measure_matmul(torch, dev, ms, nks, log) -> dict:
     out = {}
     for key, dt in _DTYPES.items():
         torch.backends.cuda.matmul.allow_tf32 = key == "tf32"
         dtype = getattr(torch, dt)
-        grid = []
-        for m in ms:
-            plane = []
-            for n in nks:
-                row = []
-                for k in nks:
-                    a = torch.randn(m, k, device=dev, dtype=dtype)
-                    b = torch.randn(k, n, device=dev, dtype=dtype)
-                    fn = (lambda a=a, b=b: a @ b)
-                    sec = _graphed_seconds(torch, fn, 5) if 2 * m * n * k < 2e9 else _gpu_seconds(torch, fn)
-                    row.append(round(2 * m * n * k / sec / 1e12, 3))
-                    del a, b
-                plane.append(row)
-            grid.append(plane)
+
+        def rate(m: int, n: int, k: int) -> float:
+            a = torch.randn(m, k, device=dev, dtype=dtype)
+            b = torch.randn(k, n, device=dev, dtype=dtype)
+            fn = (lambda: a @ b)
+            sec = _graphed_seconds(torch, fn, 5) if 2 * m * n * k < 2e9 else _gpu_seconds(torch, fn)
+            return 2 * m * n * k / sec / 1e12
+
+        grid = _grid(ms, nks, rate)
         out[key] = {"m": list(ms), "n": list(nks), "k": list(nks), "tflops": grid}
-        log(f"matmul {key}: {max(max(max(r) for r in p) for p in grid):.0f} TFLOP/s at best")
+        log(f"matmul {key}: {_best(grid):.0f} TFLOP/s at best")
     torch.backends.cuda.matmul.allow_tf32 = False
     return out
 
@@ -146,27 +150,21 @@ def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK) 
     out = {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
-        grid = []
-        for m in ms:
-            plane = []
-            for n in nks:
-                row = []
-                for k in nks:
-                    rates = []
-                    for a_shape, b_shape, transposed in (((m, k), (k, n - 1), False), ((m, k - 1), (k - 1, n), False),
-                                                         ((k, m - 1), (k, n), True)):
-                        a = torch.randn(*a_shape, device=dev, dtype=dtype)
-                        b = torch.randn(*b_shape, device=dev, dtype=dtype)
-                        fn = (lambda a=a, b=b: a.t() @ b) if transposed else (lambda a=a, b=b: a @ b)
-                        mm, kk = (a_shape[1], a_shape[0]) if transposed else a_shape
-                        fl = 2 * mm * kk * b_shape[1]
-                        rates.append(fl / _gpu_seconds(torch, fn) / 1e12)
-                        del a, b
-                    row.append(round(math.exp(sum(math.log(r) for r in rates) / 3), 3))
-                plane.append(row)
-            grid.append(plane)
+
+        def rate(m: int, n: int, k: int) -> float:
+            logs = 0.0
+            for a_shape, b_shape, transposed in (((m, k), (k, n - 1), False), ((m, k - 1), (k - 1, n), False),
+                                                 ((k, m - 1), (k, n), True)):
+                a = torch.randn(*a_shape, device=dev, dtype=dtype)
+                b = torch.randn(*b_shape, device=dev, dtype=dtype)
+                fn = (lambda: a.t() @ b) if transposed else (lambda: a @ b)
+                rows, inner = (a_shape[1], a_shape[0]) if transposed else a_shape
+                logs += math.log(2 * rows * inner * b_shape[1] / _gpu_seconds(torch, fn) / 1e12)
+            return math.exp(logs / 3)
+
+        grid = _grid(ms, nks, rate)
         out[key] = {"m": list(ms), "n": list(nks), "k": list(nks), "tflops": grid}
-        log(f"matmul {key}, unaligned leading dims: {max(max(max(r) for r in p) for p in grid):.0f} TFLOP/s at best")
+        log(f"matmul {key}, unaligned leading dims: {_best(grid):.0f} TFLOP/s at best")
     return out
 
 

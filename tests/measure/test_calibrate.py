@@ -1,0 +1,42 @@
+"""memlens calibrate's arithmetic on a CPU (the timings stubbed): what each new table section is made of."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import memlens.measure.calibrate as cal
+
+
+def test_op_ratios_are_the_ops_bytes_rate_over_the_copys():
+    # every op "takes" 1 ms: its ratio is (its bytes as the time model counts them / 1 ms) / the copy's 100 GB/s
+    seen = {}
+
+    def one_ms(torch_, fn, **kw):
+        fn()
+        return 1e-3
+
+    bw = {"bytes": [1, 2**40], "gbps": [100.0, 100.0]}
+    old = cal._gpu_seconds
+    cal._gpu_seconds = one_ms
+    try:
+        ratios = cal.measure_op_ratios(torch, torch.device("cpu"), bw, lambda s: seen.setdefault("log", s))
+    finally:
+        cal._gpu_seconds = old
+    N, H = 8192, 2048
+    # mul of two bf16 [N, H]: 2 read + 1 written = 3 N H 2 bytes in 1 ms = 100.7 GB/s -> 1.007 of a copy
+    assert ratios["mul"] == pytest.approx(3 * N * H * 2 / 1e-3 / 1e9 / 100.0, abs=1e-3)
+    # the loss reads its [N/2, 32768] fp32 input as the model counts it: a gather is far under that: clamped at 50
+    assert ratios["nll_loss_forward"] == pytest.approx(min(50.0, (N // 2 * 32768 * 4 + N // 2 * 8 + 8) / 1e-3 / 1e9 / 100.0), rel=1e-3)
+    assert set(ratios) >= {"_log_softmax", "sum", "native_layer_norm_backward", "native_batch_norm_backward"}
+    assert seen["log"].startswith("memory-bound ops against a copy:")
+
+
+def test_the_unaligned_grid_is_the_geometric_mean_of_three_layouts(monkeypatch):
+    times = itertools.cycle([1e-3, 2e-3, 4e-3])     # bf16, then fp16
+    monkeypatch.setattr(cal, "_gpu_seconds", lambda torch_, fn, **kw: (fn(), next(times))[1])
+    out = cal.measure_matmul_unaligned(torch, torch.device("cpu"), lambda s: None, ms=(64,), nks=(64,))
+    flops = [2 * 64 * 64 * 63, 2 * 64 * 63 * 64, 2 * 63 * 64 * 64]
+    rates = [f / t / 1e12 for f, t in zip(flops, (1e-3, 2e-3, 4e-3))]
+    want = math.exp(sum(math.log(r) for r in rates) / 3)
+    assert out["bfloat16"]["tflops"] == [[[pytest.approx(want, abs=1e-3)]]]
