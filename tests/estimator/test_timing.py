@@ -202,3 +202,23 @@ def test_fp32_attention_runs_at_the_16_bit_rate_scaled_as_the_tables_gemms():
     tab.matmul = {"bfloat16": g, "float32": {**g, "tflops": [[[2.5] * 2] * 2] * 2}}   # fp32 GEMMs 4x slower
     tables._add_logs(tab)
     assert tab.attention_tflops("float32", 1024, False, 64, True) == pytest.approx(10.0 / 4)
+
+
+def test_a_functional_collective_is_priced_by_the_ring_law_over_its_group():
+    import torch
+    import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional
+
+    from memlens.estimator.timing.ops import COMM, op_facts
+    from memlens.estimator.timing.record import OpTrace
+
+    ag = torch.ops._c10d_functional.all_gather_into_tensor.default
+    shard = torch.empty(1024, 512, dtype=torch.bfloat16)                 # 1 MiB a rank, 4 MiB gathered
+    f = op_facts(ag, (shard, 4, "tp-group"), {}, torch.empty(4096, 512, dtype=torch.bfloat16))
+    assert (f.kind, f.op, f.seq, f.nbytes) == (COMM, "all_gather", 4, 4 * 2**20)
+    tab = flat_table()
+    row = {"bytes": [1, 2**40], "busbw_gbps": [100.0, 100.0], "latency_us": 0.0}
+    tab.nccl = {"4": {"all_reduce": dict(row), "all_gather": dict(row)}}
+    tables._add_logs(tab)
+    (priced,) = price(OpTrace(rows=[("forward", 0, f)]), tab)
+    # all-gather moves (n - 1) / n of the 4 MiB buffer through each rank at 100 GB/s of bus bandwidth
+    assert priced[2] == pytest.approx(4 * 2**20 * 3 / 4 / 100e9) and priced[5] == COMM

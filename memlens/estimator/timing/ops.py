@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, MEMORY, META, SYNC, VIEW
+from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, MATMUL, MEMORY, META, SYNC, VIEW
 
 
 class OpFacts(NamedTuple):
@@ -26,7 +26,7 @@ class OpFacts(NamedTuple):
     nbytes: int = 0
     mnk: tuple | None = None       # the GEMM shape a matmul / convolution is priced at (implicit GEMM for a convolution)
     dtype: str = "float32"
-    seq: int = 0                   # attention: the query length (the table's axis)
+    seq: int = 0                   # attention: the query length (the table's axis); a collective: its group's ranks
     op: str = ""                   # the aten op's name (a memory-bound op priced at its own measured rate, if any)
     hd: int = 0                    # attention: the head dim
     causal: bool = False           # attention: a causal mask (the kernels skip the masked tiles)
@@ -52,6 +52,11 @@ _NO_KERNEL = {"_unsafe_view", "_reshape_alias", "_unsafe_index_put_view", "set_"
 _COMM = {"all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_reduce_", "wait_tensor", "_allgather_base_",
          "allgather_", "allreduce_", "reduce_scatter_", "_reduce_scatter_base_", "broadcast_", "all_to_all_single",
          "allgather_into_tensor_coalesced_", "reduce_scatter_tensor_coalesced", "all_gather_into_tensor_coalesced"}
+# functional collectives -> the NCCL pattern they run (the table's all_reduce / all_gather rows; reduce-scatter and
+# all-to-all move (n-1)/n of the buffer per rank, as all-gather does)
+_FUNCOL = {"all_gather_into_tensor": "all_gather", "all_gather_into_tensor_coalesced": "all_gather",
+           "reduce_scatter_tensor": "all_gather", "reduce_scatter_tensor_coalesced": "all_gather",
+           "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "all_to_all_single": "all_gather"}
 _SYNC = {"_local_scalar_dense", "item", "nonzero", "equal", "is_nonzero"}
 
 
@@ -68,6 +73,8 @@ def _classify(func) -> str:
     name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else str(func)
     if hasattr(func, "_schema") and func._schema.name.startswith("prim::"):
         return META
+    if hasattr(func, "_schema") and func._schema.name.startswith("_c10d_functional::") and name in _FUNCOL:
+        return COMM
     if name in _NO_KERNEL or name in _COMM:   # collectives: priced per step from the bytes they move (timing.step)
         return VIEW
     if name in _ALLOC_OPS:
@@ -170,6 +177,22 @@ def _conv_shape(func, args, flops: int) -> tuple[int, int, int]:
     return m, n, k
 
 
+def _group_size(args) -> int:
+    """The ranks of a functional collective's group: its ``group_size`` argument, else its group's size by name."""
+    for a in args[1:]:
+        if isinstance(a, int) and not isinstance(a, bool):
+            return a
+    name = next((a for a in args[1:] if isinstance(a, str) and a not in ("sum", "avg", "max", "min", "product")), None)
+    if name is not None:
+        try:
+            from torch.distributed.distributed_c10d import _resolve_process_group  # heavy: torch.distributed
+
+            return int(_resolve_process_group(name).size())
+        except (RuntimeError, ValueError, KeyError, ImportError):
+            return 0
+    return 0
+
+
 def _aligned(*ts) -> bool:
     """Whether every matrix's leading dimension and offset fall on 16 bytes: cuBLAS(Lt)'s tensor-core kernels on
     Hopper load tiles by TMA, which needs it; a matrix with, say, GPT-2's 50,257-wide vocabulary as its leading
@@ -198,6 +221,10 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
     outs = _tensors(out) if out is not None else []
     nbytes = sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs if not any(t is i for i in ins))
     dtype = _dtype(ins[0]) if ins else "float32"
+    if kind == COMM:
+        name = _op_name(func)
+        full = max(sum(_nbytes(t) for t in ins), sum(_nbytes(t) for t in outs))   # the whole buffer (gathered side)
+        return OpFacts(COMM, 0, full, None, dtype, _group_size(args), op=_FUNCOL[name])
     if kind == MATMUL:
         fl = _flops(func, args, kwargs, out)
         name = _op_name(func)

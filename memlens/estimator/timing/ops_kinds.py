@@ -3,3 +3,6 @@ VIEW, ALLOC, MEMORY, MATMUL, CONV, ATTN_FWD, ATTN_BWD, SYNC = "view", "alloc", "
 # a metadata query (prim::device, prim::layout, ...): it reaches the dispatcher only for tensor subclasses such as the
 # simulation's fake tensors; eager PyTorch answers it in C++ without dispatching: no row, no host cost
 META = "meta"
+# a functional collective (DTensor's tensor / context parallel: on the compute stream's critical path); FSDP2's and
+# DDP's c10d collectives are priced per step instead (memlens.estimator.timing.step.collective_seconds)
+COMM = "comm"

@@ -14,7 +14,7 @@ from typing import Any
 
 from ...models.quant import Linear4bitSim
 from ..depth import TEMPLATE
-from .ops import ALLOC, ATTN_BWD, ATTN_FWD, CONV, MATMUL, META, SYNC, VIEW, OpFacts, attention_facts, op_facts
+from .ops import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, MATMUL, META, SYNC, VIEW, OpFacts, attention_facts, op_facts
 from .tables import TimingTable, table_for
 
 # Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
@@ -167,6 +167,8 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
         elif kind in (ATTN_FWD, ATTN_BWD):
             gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal), f.nbytes)
             fl = f.flops
+        elif kind == COMM:   # NCCL's ring law at the table's bus bandwidth for that size and group
+            gpu = tab.collective_seconds(f.op, f.nbytes, f.seq) if f.seq > 1 else 0.0
         else:
             gpu = max(floor, tab.op_seconds(f.op, f.nbytes)) if f.nbytes else floor
         out.append((bucket, mod, gpu, host, fl, kind))

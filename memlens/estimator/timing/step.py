@@ -18,9 +18,9 @@ import math
 from collections import defaultdict
 
 from ...core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, gpu_facts
-from ...core.parallel import data_parallel_ranks, sharding_of
+from ...core.parallel import data_parallel_ranks, shard_degree, sharding_of
 from ...core.precision import precision_of
-from .ops_kinds import ATTN_BWD, ATTN_FWD
+from .ops_kinds import ATTN_BWD, ATTN_FWD, COMM
 from .tables import TimingTable, table_for
 
 PARTS = ("forward", "backward", "recompute", "optimizer", "collectives", "host", "offload")
@@ -109,11 +109,13 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     forward and (resharded after forward) again in backward, and reduce-scatters its gradients; the next block's
     gather is prefetched under the current block's compute, so exposed is what exceeds the phase's compute, plus
     the first block's gather."""
-    world = spec.world_size
-    if world <= 1:
+    if spec.world_size <= 1:
         return 0.0
     pb = _dtype_bytes(precision_of(spec).weights)
     sh = sharding_of(spec)
+    world = shard_degree(spec) if sh.family == "fsdp" else data_parallel_ranks(spec)   # the group each one runs over
+    tp = max(1, getattr(spec, "tp", 1) or 1)
+    params, trainable = params // tp, trainable // tp       # FSDP2 over TP-local shards (torchtitan's 2D)
     if sh.family == "ddp":
         grad = trainable * pb
         cap = int((spec.bucket_cap_mb or 25) * 2**20)
@@ -173,6 +175,11 @@ def _step_time(sim, tr) -> dict:
     for bucket, sec in busy.items():
         parts[_BUCKET_PART.get(bucket, "forward")] += sec * k
     parts["host"] = sum(wait.values()) * k
+    comm = 0.0   # DTensor's collectives (TP, CP) ran in the queue on the critical path: shown as collectives
+    for r, m in zip(rows, mult):
+        if r[5] == COMM:
+            parts[_BUCKET_PART.get(r[0], "forward")] -= r[2] * m * k
+            comm += r[2] * m * k
     ranks = data_parallel_ranks(spec)
     sh = sharding_of(spec)
     trainable = sim.trainable_count // (ranks if sh.shards_optimizer_state and ranks > 1 else 1)
@@ -201,8 +208,8 @@ def _step_time(sim, tr) -> dict:
     if off:   # save_on_cpu: each saved tensor to pinned host memory in forward and back in backward, on the stream
         parts["offload"] += k * (tab.pcie_seconds(off, "d2h") + tab.pcie_seconds(off, "h2d"))
     blocks = _blocks(sim) if _blocks(sim) > 1 else (tr.layers or 1)
-    parts["collectives"] = collective_seconds(spec, sim.param_count, sim.trainable_count, blocks,
-                                              parts["backward"] + parts["recompute"], parts["forward"], k, tab)
+    parts["collectives"] = comm + collective_seconds(spec, sim.param_count, sim.trainable_count, blocks,
+                                                     parts["backward"] + parts["recompute"], parts["forward"], k, tab)
     seconds = sum(parts.values())
     flops = sum(r[4] * m for r, m in zip(rows, mult) if r[0] != "recompute") * k
     out = _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
