@@ -227,10 +227,16 @@ def _op_cases(torch, dev) -> dict:
         "mean": (a.mean.dim, (x32, [-1], True)),
         "native_layer_norm": (a.native_layer_norm.default, (x, [H], w, b, 1e-5)),
         "native_layer_norm_backward": (a.native_layer_norm_backward.default, (y, x, [H], mean, rstd, w, b, [True, True, True])),
-        "cat": (a.cat.default, ([x[:, : H // 2], y[:, : H // 2]], -1)),
+        "cat": (a.cat.default, ([x, y], -1)),
+        "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
         "mul": (a.mul.Tensor, (x, y)),
+        "mul/bcast": (a.mul.Tensor, (x, w)),                                       # a norm's weight
+        "mul/strided": (a.mul.Tensor, (x.t(), y.t())),
         "add": (a.add.Tensor, (x, y)),
+        "add/bcast": (a.add.Tensor, (x, b)),
         "_to_copy": (a._to_copy.default, (x32,), {"dtype": bf}),
+        "_to_copy/strided": (a._to_copy.default, (x32.t(),), {"dtype": bf}),
+        "clone/strided": (a.clone.default, (x.view(N, 16, H // 16).transpose(0, 1),)),   # .contiguous() of a transpose
         "copy_": (a.copy_.default, (x, x32)),
         "pow": (a.pow.Tensor_Scalar, (x32, 2)),
         "silu_backward": (a.silu_backward.default, (x, y)),
@@ -258,7 +264,9 @@ def measure_op_ratios(torch, dev, bandwidth: dict, log) -> dict:
         except RuntimeError as e:   # an op this build does not have for these arguments: priced as a copy
             log(f"op {name}: not measured ({str(e).splitlines()[0][:80]})")
             continue
-        nbytes = op_facts(func, args, kwargs, res).nbytes
+        facts = op_facts(func, args, kwargs, res)
+        assert facts.op == name, (facts.op, name)    # the key the time model will look up for this op and layout
+        nbytes = facts.nbytes
         out[name] = round(min(50.0, max(0.02, nbytes / sec / 1e9 / bw.bandwidth_gbps(nbytes))), 3)
     torch.cuda.empty_cache()
     log(f"memory-bound ops against a copy: {out}")

@@ -222,3 +222,23 @@ def test_a_functional_collective_is_priced_by_the_ring_law_over_its_group():
     (priced,) = price(OpTrace(rows=[("forward", 0, f)]), tab)
     # all-gather moves (n - 1) / n of the 4 MiB buffer through each rank at 100 GB/s of bus bandwidth
     assert priced[2] == pytest.approx(4 * 2**20 * 3 / 4 / 100e9) and priced[5] == COMM
+
+
+def test_a_memory_bound_op_is_priced_by_its_layout_where_measured_else_by_its_name():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    mul = torch.ops.aten.mul.Tensor
+    x, y, w = torch.empty(64, 32), torch.empty(64, 32), torch.empty(32)
+    assert op_facts(mul, (x, y), {}, x * y).op == "mul"
+    assert op_facts(mul, (x, w), {}, x * w).op == "mul/bcast"            # a norm's weight, re-read per row
+    assert op_facts(mul, (x.t(), y.t()), {}, x.t() * y.t()).op == "mul/strided"
+    cat = torch.ops.aten.cat.default
+    halves = [x[:, 16:], x[:, :16]]                                       # RoPE's rotate_half
+    assert op_facts(cat, (halves, -1), {}, torch.cat(halves, -1)).op == "cat/strided"
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"mul": 1.0, "mul/bcast": 0.5}
+    assert tab.op_seconds("mul/bcast", 1e9) == pytest.approx(0.02)
+    assert tab.op_seconds("mul/strided", 1e9) == pytest.approx(0.01)    # not measured: the op's own rate
+    assert tab.op_seconds("cat/strided", 1e9) == pytest.approx(0.01)    # neither: a copy's

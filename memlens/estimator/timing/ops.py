@@ -193,6 +193,26 @@ def _group_size(args) -> int:
     return 0
 
 
+_BINARY = {"mul", "add", "sub", "div", "mul_", "add_", "sub_", "div_", "where", "maximum", "minimum", "addcmul", "lerp"}
+
+
+def _layout(ins: list, binary: bool) -> str:
+    """How a memory-bound op reads its inputs, when not plainly: ``/strided`` (an input is a non-contiguous view: a
+    transpose, RoPE's half slices - the kernel gathers with strides) or, for an elementwise binary op, ``/bcast`` (an
+    input is broadcast: a norm's weight, RoPE's cos/sin - one operand re-read per row). A table measures such layouts' rates apart
+    (memlens.measure.calibrate) and prices the op by its own name where it has none."""
+    if len(ins) < 1:
+        return ""
+    try:
+        if any(not t.is_contiguous() for t in ins if t.dim() > 1):
+            return "/strided"
+        if binary and len(ins) > 1 and len({t.numel() for t in ins if t.dim() > 0}) > 1:
+            return "/bcast"
+    except RuntimeError:      # a tensor without strides (sparse, nested): as a plain read
+        return ""
+    return ""
+
+
 def _aligned(*ts) -> bool:
     """Whether every matrix's leading dimension and offset fall on 16 bytes: cuBLAS(Lt)'s tensor-core kernels on
     Hopper load tiles by TMA, which needs it; a matrix with, say, GPT-2's 50,257-wide vocabulary as its leading
@@ -237,7 +257,8 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         q = ins[0] if kind == ATTN_FWD else ins[1]
         return OpFacts(kind, _flops(func, args, kwargs, out), nbytes, None, _dtype(q), int(q.shape[-2]),
                        hd=int(q.shape[-1]), causal=bool(kwargs.get("is_causal")) if kwargs else False)
-    return OpFacts(MEMORY, 0, nbytes, None, dtype, op=_op_name(func))
+    name = _op_name(func)
+    return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _layout(ins, name in _BINARY))
 
 
 def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool) -> OpFacts:

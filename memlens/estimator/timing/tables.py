@@ -111,8 +111,12 @@ class TimingTable:
         return scale * math.exp(_linear(g["seq"], pick["log_bwd" if backward else "log_fwd"], seq))
 
     def op_seconds(self, op: str, nbytes: float) -> float:
-        """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the op's measured ratio."""
-        return nbytes / (self.bandwidth_gbps(nbytes) * self.op_ratio.get(op, 1.0) * 1e9)
+        """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the measured ratio of the op in
+        that layout (``name/strided``, ``name/bcast``: memlens.estimator.timing.ops), else of the op, else 1."""
+        ratio = self.op_ratio.get(op)
+        if ratio is None:    # a layout the table did not measure (``mul/bcast``): the op's own rate, else a copy's
+            ratio = self.op_ratio.get(op.partition("/")[0], 1.0)
+        return nbytes / (self.bandwidth_gbps(nbytes) * ratio * 1e9)
 
     def bandwidth_gbps(self, nbytes: float) -> float:
         hit = self._memo.get(nbytes)
