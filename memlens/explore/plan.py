@@ -290,7 +290,27 @@ def make_plan(spec: TrainingSpec, est: CachedEstimator, usable_bytes: int, targe
         bt = predict_step_time(base, run._reference_point()).seconds
     except MemlensError:
         bt = None
-    return rank_entries(entries, bt)
+    return rank_entries(bounded(entries), bt)
+
+
+def bounded(entries: list[PlanEntry]) -> list[PlanEntry]:
+    """Each entry left out, its bound in the seconds the searched entries show: the FLOP model decides what to leave
+    out (its figures need parameter counts only, for entries not simulated), and its bound is scaled by the entry
+    that decided it - that entry's per-op predicted seconds over its FLOP-model seconds (the same model, the same
+    scale on both sides: the order of the two holds; a bound of the per-op model it is not, said in the reason)."""
+    by_name = {e.name: e for e in entries}
+    for e in entries:
+        if not e.not_searched:
+            continue
+        o = by_name.get(e.extra.get("not_searched_for"))
+        flop = (o.extra.get("flop_gpu_seconds") if o is not None else None) or 0.0
+        scale = o.gpu_seconds / flop if flop and o.predicted_step_seconds is not None else 1.0
+        best = e.extra["best_flop_gpu_seconds"] * scale
+        e.extra["best_gpu_seconds"] = best
+        mine = f"{o.gpu_seconds:.3g} GPU-s per step (predicted)" if o is not None and o.predicted_step_seconds is not None else "fewer GPU-s"
+        e.not_searched = (f"not searched: {e.extra['not_searched_for']} fits with {mine}; adding {e.extra['added']} "
+                          f"cannot go below ~{best:.3g} (the FLOP model's bound, in the searched entries' seconds)")
+    return entries
 
 
 class _PlanRun:
@@ -330,8 +350,7 @@ class _PlanRun:
             d = self.decided[o.name].result()
             if d is not None and d.fits and d.gpu_seconds < mine * (1 - 1e-9):   # strictly fewer (not a float tie)
                 added = _flags({k: v for k, v in c.changes.items() if k not in o.changes}, None, None)
-                return (f"not searched: {o.name} fits with {d.gpu_seconds:.3g} GPU-s per step (predicted); "
-                        f"adding {added} cannot go below {mine:.3g}"), mine, o.name
+                return added, mine, o.name
         return None
 
     def entry(self, c: Candidate) -> PlanEntry:
@@ -339,12 +358,13 @@ class _PlanRun:
         try:
             out = self._left_out(c)
             if out is not None:
-                why, best, by = out
+                added, best, by = out
                 fut.set_result(Decision(False, best))
                 n = resolve_step(self.spec.replace(**c.changes), refuse=False).world_size if "world_size" in c.changes else 1
                 return PlanEntry(c.name, c.kind, c.tradeoff, c.changes, None, None, None, None, None, None, None, None,
-                                 gpus=n, not_searched=why, flags=_flags(c.changes, None, None, self.field),
-                                 extra={"best_gpu_seconds": best, "not_searched_for": by})
+                                 gpus=n, not_searched=f"not searched: {by} fits and is faster",
+                                 flags=_flags(c.changes, None, None, self.field),
+                                 extra={"best_flop_gpu_seconds": best, "not_searched_for": by, "added": added})
             e = plan_entry(self.spec, c, self.est, self.usable, self.target, self.field,
                            on_search=lambda d: fut.done() or fut.set_result(d))
             if not fut.done():
