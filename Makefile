@@ -15,8 +15,14 @@ CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tes
 	tests/cli/test_estimate_cli.py tests/step tests/models
 
 # pip --no-compile: no byte-compiling of every installed module (torch, transformers, sympy, ... : thousands of files
-# the tests never import); Python compiles what is imported, once, on first import.
+# the tests never import); Python compiles what is imported, once, on first import, and writes it beside the source.
+# It writes nothing where the environment sets PYTHONDONTWRITEBYTECODE (containers and CI images often do): then
+# every process of the suite (each xdist worker, each subprocess and torchrun rank) compiles torch and transformers
+# again, about 5 CPU-s each: the recipes here run without it. After an install, one import of what the suite imports
+# compiles it once (else both workers compile the same files at the same time).
 PIP_INSTALL := pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
+WARM_IMPORTS := import torch, transformers, peft, opacus, accelerate, hypothesis, pytest, xdist, memlens.cli.main, memlens.estimator
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +33,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/$(PIP_INSTALL) $(TORCH_PIN)
 	$(BIN)/$(PIP_INSTALL) --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
+	$(BIN)/python -c "$(WARM_IMPORTS)"
 	touch $@
 
 $(LOWEST)/bin/python:
@@ -36,6 +43,7 @@ $(LOWEST)/bin/python:
 $(LOWEST)/.installed: $(LOWEST)/bin/python pyproject.toml Makefile
 	$(LOWEST)/bin/$(PIP_INSTALL) $(TORCH_PIN)
 	$(LOWEST)/bin/$(PIP_INSTALL) -e ".[dev]" $(LOWEST_PINS)
+	$(LOWEST)/bin/python -c "$(WARM_IMPORTS)"
 	touch $@
 
 .PHONY: install install-lowest demo test test-main test-lowest clean
