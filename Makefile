@@ -11,12 +11,25 @@ LOWEST := .venv-lowest
 # The core suite: what the installed transformers / peft / opacus change: the spec, the ledger, estimate on small
 # models, every spec field, the step kinds (peft, Opacus, TRL), the architectures, the estimate command. The rest of the
 # CLI (its contract, the fuzz, interrupts, budgets) reads memlens' own code only: it runs once, on the newest versions.
+# Its tests marked slow run once too, on the newest versions (CORE_ARGS): memlens' own searches over steps the core
+# suite simulates here already (fit and compare over the TRL steps and a UNet, a VLM's largest micro-batch as fit
+# probes it, EMA's layers written from shallow models), Opacus trials measured in subprocesses (opacus is 1.6.0 in
+# both venvs) and the simulations of whole UNet/DiT families (diffusers is one release in both; their batches, LoRA
+# through peft, EMA and refusals still run here). Every step kind, architecture and spec field runs on the lowest
+# transformers and peft.
 CORE_TESTS ?= tests/test_spec.py tests/test_ledger.py tests/test_versions.py tests/estimator/test_simulate.py \
 	tests/cli/test_estimate_cli.py tests/step tests/models
+CORE_ARGS ?= -m "not slow"
 
 # pip --no-compile: no byte-compiling of every installed module (torch, transformers, sympy, ... : thousands of files
-# the tests never import); Python compiles what is imported, once, on first import.
+# the tests never import); Python compiles what is imported, once, on first import, and writes it beside the source.
+# It writes nothing where the environment sets PYTHONDONTWRITEBYTECODE (containers and CI images often do): then
+# every process of the suite (each xdist worker, each subprocess and torchrun rank) compiles torch and transformers
+# again, about 5 CPU-s each: the recipes here run without it. After an install, one import of what the suite imports
+# compiles it once (else both workers compile the same files at the same time).
 PIP_INSTALL := pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
+WARM_IMPORTS := import torch, transformers, peft, opacus, accelerate, hypothesis, pytest, xdist, memlens.cli.main, memlens.estimator
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -27,6 +40,7 @@ $(BIN)/python:
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/$(PIP_INSTALL) $(TORCH_PIN)
 	$(BIN)/$(PIP_INSTALL) --upgrade --upgrade-strategy eager -e ".[dev]" $(TORCH_PIN)
+	$(BIN)/python -c "$(WARM_IMPORTS)"
 	touch $@
 
 $(LOWEST)/bin/python:
@@ -36,6 +50,7 @@ $(LOWEST)/bin/python:
 $(LOWEST)/.installed: $(LOWEST)/bin/python pyproject.toml Makefile
 	$(LOWEST)/bin/$(PIP_INSTALL) $(TORCH_PIN)
 	$(LOWEST)/bin/$(PIP_INSTALL) -e ".[dev]" $(LOWEST_PINS)
+	$(LOWEST)/bin/python -c "$(WARM_IMPORTS)"
 	touch $@
 
 .PHONY: install install-lowest demo test test-main test-lowest clean
@@ -64,7 +79,7 @@ test-main: install
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-lowest: install-lowest
-	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(PYTEST_ARGS) $(CORE_TESTS)
+	$(LOWEST)/bin/python -m pytest -q -p no:cacheprovider $(XDIST) $(CORE_ARGS) $(PYTEST_ARGS) $(CORE_TESTS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST) .pytest_cache

@@ -20,6 +20,13 @@ except ImportError:  # pragma: no cover - hypothesis is a dev dependency
 
 HERE = Path(__file__).resolve().parent
 
+# Simulations in this process (and in the subprocesses tests start, which inherit it) unless a test asks for worker
+# processes (ScalingEstimator(workers=2), est.scaler.workers = 2, MEMLENS_WORKERS=2 in a child's env: the tests of the
+# workers themselves). Under xdist every core already runs a test: a fit or sweep that forks min(cores, 4) workers of
+# its own only adds forks, each warming its own imports (tests/cli/test_fuzz_cli.py::test_fit: 33 CPU-s with the
+# default, 12 with one).
+os.environ.setdefault("MEMLENS_WORKERS", "1")
+
 
 def _whole_modules(root: Path) -> set[str]:
     """Test modules that run whole on one pytest-xdist worker, in order: those with module-scoped fixtures (a model or

@@ -1,6 +1,8 @@
 """--compile: the step partitioned by inductor's min-cut partitioner, run on fake tensors."""
 import json
 
+import pytest
+
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 
@@ -8,11 +10,24 @@ TINY_LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 51
               "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 512, "architectures": ["LlamaForCausalLM"]}
 
 
-def test_compiled_step_keeps_fewer_activations_and_says_what_is_modelled(tmp_path):
-    p = tmp_path / "config.json"
+@pytest.fixture(scope="module")
+def llama_estimate(tmp_path_factory):
+    """The tiny Llama's estimate (bf16, 4 x 256) with the given changes, each made once for the module's tests."""
+    p = tmp_path_factory.mktemp("compiled") / "config.json"
     p.write_text(json.dumps(TINY_LLAMA))
-    kw = dict(model=str(p), batch_size=4, seq_len=256, precision="bf16")
-    eager, compiled = estimate(TrainingSpec(**kw)), estimate(TrainingSpec(compile=True, **kw))
+    made = {}
+
+    def get(**changes):
+        key = tuple(sorted(changes.items()))
+        if key not in made:
+            made[key] = estimate(TrainingSpec(model=str(p), batch_size=4, seq_len=256, precision="bf16", **changes))
+        return made[key]
+
+    return get
+
+
+def test_compiled_step_keeps_fewer_activations_and_says_what_is_modelled(llama_estimate):
+    eager, compiled = llama_estimate(), llama_estimate(compile=True)
     # model states are the same; the partitioner recomputes cheap ops (norms, activations, rotary) instead of keeping them
     assert compiled.by_phase["setup"] == eager.by_phase["setup"]
     assert compiled.by_phase["backward"]["peak_allocated_bytes"] < eager.by_phase["backward"]["peak_allocated_bytes"]
@@ -308,14 +323,11 @@ def test_the_backward_is_traced_under_the_forwards_autocast():
     assert mm_dtypes(False) == [torch.float32, torch.float32]
 
 
-def test_checkpointed_regions_are_recomputed_in_the_compiled_backward(tmp_path):
+def test_checkpointed_regions_are_recomputed_in_the_compiled_backward(llama_estimate):
     """Under torch.compile a checkpointed layer is dynamo's tag_activation_checkpoint: its ops are
     tagged "prefer recompute" and the partitioner keeps only the layer inputs (measured on an H100:
     Qwen2.5-0.5B with checkpointing -0.03%; traced as a plain graph it was +59%)."""
-    p = tmp_path / "config.json"
-    p.write_text(json.dumps(TINY_LLAMA))
-    kw = dict(model=str(p), batch_size=4, seq_len=256, precision="bf16")
-    fwd = lambda **k: estimate(TrainingSpec(**kw, **k)).by_phase["forward"]["peak_allocated_bytes"]  # noqa: E731
+    fwd = lambda **k: llama_estimate(**k).by_phase["forward"]["peak_allocated_bytes"]  # noqa: E731
     saved_eager = fwd() - fwd(grad_checkpointing=True)
     saved_compiled = fwd(compile=True) - fwd(compile=True, grad_checkpointing=True)
     assert saved_eager > 0 and saved_compiled > 0.5 * saved_eager   # traced as a plain graph it saved nothing

@@ -30,6 +30,17 @@ def deep(tmp_path, config: str, layers: int = 12, **changes) -> str:
     return str(path)
 
 
+# 6 layers (depth writes from 10 on; lowered by the fixture six_layers): layers 5 and 6 written from 3 and 4, as 5..12
+# are for 12, the whole model's reference simulation half as long; test_the_estimate_says_how_the_layers_were_made
+# keeps the 12 layers and the threshold as shipped
+SIX = 6
+
+
+@pytest.fixture
+def six_layers(monkeypatch):
+    monkeypatch.setattr(depth, "MIN_LAYERS", SIX)
+
+
 def assert_written_equals_whole(spec: TrainingSpec):
     src = resolve(spec.model)
     fast = simulate(spec, src)
@@ -49,14 +60,14 @@ def assert_written_equals_whole(spec: TrainingSpec):
     {"optimizer": "adafactor"},                             # a per-parameter loop with step counters
     {"max_grad_norm": 1.0, "attn": "eager"},                # clip_grad_norm_ stacks one norm per parameter
 ], ids=["fp32", "amp-fp16", "amp-bf16-ckpt", "bf16-accum3", "lora", "adafactor", "clip-eager"])
-def test_tiny_gpt2_of_12_layers(tmp_path, changes):
-    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32, **changes))
+def test_tiny_gpt2_of_6_layers(tmp_path, six_layers, changes):
+    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, GPT2, SIX), batch_size=2, seq_len=32, **changes))
 
 
-def test_tiny_llama_and_vit_of_10_layers(tmp_path):
-    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, LLAMA, 10), batch_size=2, seq_len=32, precision="bf16",
+def test_tiny_llama_and_vit_of_6_layers(tmp_path, six_layers):
+    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, LLAMA, SIX), batch_size=2, seq_len=32, precision="bf16",
                                              optimizer="adamw-8bit"))
-    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, VIT, 10), batch_size=2, precision="amp-fp16"))
+    assert_written_equals_whole(TrainingSpec(model=deep(tmp_path, VIT, SIX), batch_size=2, precision="amp-fp16"))
 
 
 def test_the_estimate_says_how_the_layers_were_made(tmp_path):
@@ -81,7 +92,7 @@ def test_specs_simulated_whole(tmp_path, spec_changes, config_changes, reason):
     assert depth.why_not(plan_of(TrainingSpec(model=model, **spec_changes), source=resolve(model)), resolve(model)) == reason
 
 
-def test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch):
+def test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch, six_layers):
     """The 4-layer log written from 3 layers is compared with its simulation: any difference and the
     whole model is simulated."""
     real = depth.write_layers
@@ -93,7 +104,7 @@ def test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(depth, "write_layers", off_by_one)
-    spec = TrainingSpec(model=deep(tmp_path, GPT2), batch_size=2, seq_len=32)
+    spec = TrainingSpec(model=deep(tmp_path, GPT2, SIX), batch_size=2, seq_len=32)
     sim = simulate(spec)
     assert sim.later_layers == "simulated (the 4-layer log written from 3 layers differs from its simulation)"
     assert canonical(sim.log) == canonical(_simulate(spec, resolve(spec.model), 2, True).log)
@@ -168,10 +179,10 @@ def test_write_layers_on_a_log_written_by_hand():
     assert [ev[1] for ev in out.events if ev[0] == PHASE] == ["forward", "backward", "optimizer", "done"]
 
 
-def test_later_sizes_of_a_checked_family_are_written_from_4_layers(tmp_path):
+def test_later_sizes_of_a_checked_family_are_written_from_4_layers(tmp_path, six_layers):
     """Once a step was checked on 3 and 4 layers, the same step at other sizes or accumulation is
     written from its 4-layer simulation alone (layers 1 and 2 of it checked alike), and is still exact."""
-    model = deep(tmp_path, GPT2)
+    model = deep(tmp_path, GPT2, SIX)
     assert_written_equals_whole(TrainingSpec(model=model, batch_size=2, seq_len=32, precision="amp-bf16"))
     for b, L, k in ((1, 32, 1), (4, 64, 1), (2, 32, 3)):
         spec = TrainingSpec(model=model, batch_size=b, seq_len=L, grad_accum=k, precision="amp-bf16")
@@ -181,14 +192,14 @@ def test_later_sizes_of_a_checked_family_are_written_from_4_layers(tmp_path):
         assert (fast.param_count, fast.trainable_count) == (whole.param_count, whole.trainable_count)
 
 
-def test_a_family_that_failed_is_simulated_whole_at_once(tmp_path, monkeypatch):
-    test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch)
+def test_a_family_that_failed_is_simulated_whole_at_once(tmp_path, monkeypatch, six_layers):
+    test_a_written_log_that_differs_is_not_used(tmp_path, monkeypatch, six_layers)
     depths = []
     real = simulate_module._simulate
     monkeypatch.setattr(simulate_module, "_simulate", lambda spec, source, *a, **k: depths.append(
         source.config.num_hidden_layers) or real(spec, source, *a, **k))
-    sim = simulate(TrainingSpec(model=deep(tmp_path, GPT2), batch_size=4, seq_len=32))
-    assert depths == [12]
+    sim = simulate(TrainingSpec(model=deep(tmp_path, GPT2, SIX), batch_size=4, seq_len=32))
+    assert depths == [SIX]
     assert sim.later_layers == "simulated (the 4-layer log written from 3 layers differs from its simulation)"
 
 

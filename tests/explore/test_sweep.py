@@ -95,9 +95,10 @@ def test_real_cpu_subprocess_cells_oom_marked(tmp_path):
 
 
 @pytest.mark.slow
-def test_kill_9_midway_then_resume_loses_nothing(tmp_path):
+def test_kill_9_midway_then_resume_loses_nothing(tmp_path, capsys, monkeypatch):
     """A CPU sweep of 4 measured cells (fresh subprocess each) is killed with SIGKILL after its second
-    cell; --resume finishes it, keeps the finished cells byte for byte and does not run them again."""
+    cell; --resume finishes it, keeps the finished cells byte for byte and does not run them again. The killed sweep
+    is a process of its own; the resume is `main(argv)` here (its cells still in subprocesses)."""
     out = tmp_path / "sw"
     argv = [sys.executable, "-m", "memlens.cli.main", "sweep", "--model", "explore_models:tiny", "--seq-len", "16",
             "--batch-sizes", "1,2,3,4", "--measure", "--device", "cpu", "--steps", "1", "--out", str(out)]
@@ -115,13 +116,17 @@ def test_kill_9_midway_then_resume_loses_nothing(tmp_path):
     kept = res.read_text()
     n_kept = len([ln for ln in kept.splitlines() if ln.strip()])
     assert 2 <= n_kept < 4
-    r = subprocess.run(argv + ["--resume", "--json"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-500:]
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    capsys.readouterr()
+    code = main(argv[3:] + ["--resume", "--json"])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-500:]
     final = res.read_text()
     assert final.startswith(kept)
     keys = [json.loads(ln)["key"] for ln in final.splitlines() if ln.strip()]
     assert sorted(keys) == ["b=1", "b=2", "b=3", "b=4"] and len(keys) == 4      # nothing lost, nothing redone
-    d = json.loads(r.stdout)
+    d = json.loads(stdout)
     assert [x["status"] for x in d["rows"]] == ["ok"] * 4
     assert (out / "sweep.csv").exists() and len((out / "sweep.csv").read_text().splitlines()) == 5
 

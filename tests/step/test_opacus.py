@@ -250,8 +250,13 @@ def test_seed_sweep_all_physical_too_large_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_seed_sweep_lora_ranks_measured_on_cpu(tmp_path, capsys):
-    """Real Opacus trials in fresh subprocesses (CPU: time only), the detailed mode from a full profile."""
+def test_seed_sweep_lora_ranks_measured_on_cpu(tmp_path, capsys, monkeypatch):
+    """Real Opacus trials (CPU: time only), the detailed mode from a full profile. The trials run in this process
+    (tests/trials.py: the subprocess each trial runs in is tested in tests/explore/test_sweep.py)."""
+    import memlens.explore.sweep as sweep_module
+    from tests import trials
+
+    monkeypatch.setattr(sweep_module, "run_trial", trials.in_process)
     rc = main(["sweep", "--model_name", LLAMA, "--optimizer", "sgd", "--seq_lengths", "16", "--batch_sizes", "4",
                "--max_physical_batch_sizes", "2", "--lora_ranks", "4", "8", "--num_steps", "1", "--measure", "--device", "cpu",
                "--results_dir", str(tmp_path), "--detailed", "--json"])

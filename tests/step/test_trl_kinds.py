@@ -188,7 +188,7 @@ def test_compare_and_fit_run_on_trl_steps(kw):
     s = spec(**kw)
     rows = compare(s, ["fp32", "amp-bf16", "checkpointing"]).data["rows"]
     assert all(r["estimated_peak_allocated_bytes"] for r in rows)
-    f = fit(s, "600MiB", context_bytes=0, margin=0, plan=False)
+    f = fit(s, "300MiB", context_bytes=0, margin=0, plan=False)     # GRPO: 80 (5 probes; at 600 MiB 184 in 10)
     assert f.data["max_batch_size"] >= 1
     if kw["trainer"] == "grpo":
         assert f.data["max_batch_size"] % 8 == 0 and all(t["batch"] % 8 == 0 for t in f.data["estimates"])
