@@ -144,28 +144,33 @@ def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool) -> tuple[list,
 UNALIGNED_M, UNALIGNED_NK = (1024, 16384), (1024, 4096, 16384)
 
 
-def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK) -> dict:
-    """16-bit GEMMs whose leading dimension is one element off 16 bytes, over a coarse grid: the geometric mean of
-    three layouts a training step meets (GPT-2's 50,257-word head: the output's rows, A's rows, A transposed)."""
-    out = {}
+def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK) -> tuple[dict, dict]:
+    """16-bit GEMMs whose leading dimension is one element off 16 bytes, over a coarse grid: (an input's: the
+    geometric mean of A's rows and A transposed - GPT-2's 50,257-word head in backward -, the output's rows: the
+    head in forward)."""
+    ins, outs = {}, {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
+        layouts = {"out": (((lambda m, n, k: (m, k)), (lambda m, n, k: (k, n - 1)), False),),
+                   "in": (((lambda m, n, k: (m, k - 1)), (lambda m, n, k: (k - 1, n)), False),
+                          ((lambda m, n, k: (k, m - 1)), (lambda m, n, k: (k, n)), True))}
 
-        def rate(m: int, n: int, k: int) -> float:
+        def rate(which: str, m: int, n: int, k: int) -> float:
             logs = 0.0
-            for a_shape, b_shape, transposed in (((m, k), (k, n - 1), False), ((m, k - 1), (k - 1, n), False),
-                                                 ((k, m - 1), (k, n), True)):
-                a = torch.randn(*a_shape, device=dev, dtype=dtype)
-                b = torch.randn(*b_shape, device=dev, dtype=dtype)
+            for sa, sb, transposed in layouts[which]:
+                a = torch.randn(*sa(m, n, k), device=dev, dtype=dtype)
+                b = torch.randn(*sb(m, n, k), device=dev, dtype=dtype)
                 fn = (lambda: a.t() @ b) if transposed else (lambda: a @ b)
-                rows, inner = (a_shape[1], a_shape[0]) if transposed else a_shape
-                logs += math.log(2 * rows * inner * b_shape[1] / _gpu_seconds(torch, fn) / 1e12)
-            return math.exp(logs / 3)
+                rows, inner = (a.shape[1], a.shape[0]) if transposed else tuple(a.shape)
+                logs += math.log(2 * rows * inner * b.shape[1] / _gpu_seconds(torch, fn) / 1e12)
+            return math.exp(logs / len(layouts[which]))
 
-        grid = _grid(ms, nks, rate)
-        out[key] = {"m": list(ms), "n": list(nks), "k": list(nks), "tflops": grid}
-        log(f"matmul {key}, unaligned leading dims: {_best(grid):.0f} TFLOP/s at best")
-    return out
+        for which, into in (("in", ins), ("out", outs)):
+            grid = _grid(ms, nks, lambda m, n, k, w=which: rate(w, m, n, k))
+            into[key] = {"m": list(ms), "n": list(nks), "k": list(nks), "tflops": grid}
+        log(f"matmul {key}, unaligned leading dims: {_best(ins[key]['tflops']):.0f} TFLOP/s at best (an input's), "
+            f"{_best(outs[key]['tflops']):.0f} (the output's)")
+    return ins, outs
 
 
 def measure_attention(torch, dev, seqs, log) -> dict:
@@ -503,7 +508,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.bandwidth = measure_bandwidth(torch, dev, sizes, log)
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)
     t.host_us.update(measure_model_host(torch, dev, t.host_us, log))
-    t.matmul_unaligned = measure_matmul_unaligned(torch, dev, log)
+    t.matmul_unaligned, t.matmul_unaligned_out = measure_matmul_unaligned(torch, dev, log)
     t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)
     _add_logs(t)
     t.optimizer_ratio = measure_optimizer_ratios(torch, dev, t, log)

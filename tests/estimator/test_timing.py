@@ -122,6 +122,7 @@ def test_a_matmul_whose_leading_dim_is_off_16_bytes_takes_the_unaligned_rate():
     tab = flat_table(tflops=100.0, gbps=1e9)
     slow = {"m": [1, 2**20], "n": [1, 2**20], "k": [1, 2**20], "tflops": [[[25.0] * 2] * 2] * 2}
     tab.matmul_unaligned = {"bfloat16": slow}
+    tab.matmul_unaligned_out = {"bfloat16": {**slow, "tflops": [[[12.5] * 2] * 2] * 2}}
     tables._add_logs(tab)
     mm = torch.ops.aten.mm.default
     x = torch.empty(64, 768, dtype=torch.bfloat16)
@@ -131,11 +132,13 @@ def test_a_matmul_whose_leading_dim_is_off_16_bytes_takes_the_unaligned_rate():
                        (torch.empty(2304, 768, dtype=torch.bfloat16).t(), True)):   # GPT-2's qkv: every row 16-byte
         f = op_facts(mm, (x, w), {}, mm(x, w))
         assert f.aligned is aligned
-        rate = tab.matmul_tflops("bfloat16", *f.mnk, f.aligned)
-        assert rate == pytest.approx(100.0 if aligned else 25.0)
+        rate = tab.matmul_tflops("bfloat16", *f.mnk, f.aligned, f.out_unaligned)
+        assert rate == pytest.approx(100.0 if aligned else 12.5)      # these three: the output's rows are off
     # the gradient of the head's input reads the [tokens, 50257] gradient: unaligned too
     g = torch.empty(64, 50257, dtype=torch.bfloat16)
-    assert op_facts(mm, (g, torch.empty(50257, 768, dtype=torch.bfloat16)), {}, torch.empty(64, 768)).aligned is False
+    f = op_facts(mm, (g, torch.empty(50257, 768, dtype=torch.bfloat16)), {}, torch.empty(64, 768))
+    assert (f.aligned, f.out_unaligned) == (False, False)
+    assert tab.matmul_tflops("bfloat16", *f.mnk, f.aligned, f.out_unaligned) == pytest.approx(25.0)
 
 
 def test_attention_takes_the_variant_of_its_head_dim_and_mask():

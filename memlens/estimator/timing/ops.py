@@ -31,6 +31,7 @@ class OpFacts(NamedTuple):
     hd: int = 0                    # attention: the head dim
     causal: bool = False           # attention: a causal mask (the kernels skip the masked tiles)
     aligned: bool = True           # matmul: every operand's leading dimension on a 16-byte boundary (cuBLAS' fast path)
+    out_unaligned: bool = False    # matmul: the output's own leading dimension is off (its stores, not its loads)
 
 
 _KIND: dict = {}
@@ -249,7 +250,9 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         fl = _flops(func, args, kwargs, out)
         name = _op_name(func)
         mats = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm", "_addmm_activation") else tuple(args[:2])
-        return OpFacts(MATMUL, fl, nbytes, _gemm_shape(func, args, fl), dtype, aligned=_aligned(*mats, *outs[:1]))
+        out_ok = _aligned(*outs[:1])
+        return OpFacts(MATMUL, fl, nbytes, _gemm_shape(func, args, fl), dtype, aligned=out_ok and _aligned(*mats),
+                       out_unaligned=not out_ok)
     if kind == CONV:
         fl = _flops(func, args, kwargs, out)
         return OpFacts(CONV, fl, nbytes, _conv_shape(func, args, fl), dtype)

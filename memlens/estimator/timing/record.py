@@ -162,7 +162,7 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             gpu = 0.0
         elif kind in (MATMUL, CONV):
             m, n, k = f.mnk
-            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k, f.aligned), f.nbytes)
+            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
             fl = f.flops
         elif kind in (ATTN_FWD, ATTN_BWD):
             gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal), f.nbytes)

@@ -63,7 +63,8 @@ class TimingTable:
     calibrated: bool = False                  # measured by `memlens calibrate` (False: data sheet)
     source: str = ""                          # how it was made
     matmul: dict = field(default_factory=dict)      # dtype -> {"m": [...], "n": [...], "k": [...], "tflops": [m][n][k]}
-    matmul_unaligned: dict = field(default_factory=dict)   # the same for a matrix whose leading dim is off 16 bytes
+    matmul_unaligned: dict = field(default_factory=dict)   # the same for an input whose leading dim is off 16 bytes
+    matmul_unaligned_out: dict = field(default_factory=dict)   # ... for an output whose leading dim is off
     attention: dict = field(default_factory=dict)   # dtype -> {"seq": [...], "fwd_tflops": [...], "bwd_tflops": [...]}
     #                                                 (head dim 128, no mask) + "variants": {"64", "64c", "128c": the
     #                                                 same rows at head dim 64 / with a causal mask}
@@ -82,13 +83,16 @@ class TimingTable:
     _memo: dict = field(default_factory=dict, repr=False, compare=False)   # lookups already made
 
     # ------------------------------------------------------------ lookups
-    def matmul_tflops(self, dtype: str, m: float, n: float, k: float, aligned: bool = True) -> float:
+    def matmul_tflops(self, dtype: str, m: float, n: float, k: float, aligned: bool = True, out: bool = False) -> float:
         """TFLOP/s of one (M x K) @ (K x N) GEMM (a batched one: M counts every batch's rows); ``aligned=False``: a
-        matrix's leading dimension is off 16 bytes (the unaligned grid where measured, else the aligned one)."""
-        key = (dtype, m, n, k, aligned)
+        matrix's leading dimension is off 16 bytes, ``out``: the output's (the unaligned grids where measured - the
+        output's own where there is one - else the aligned one)."""
+        key = (dtype, m, n, k, aligned, out)
         hit = self._memo.get(key)
         if hit is None:
-            grids = self.matmul_unaligned if not aligned and self.matmul_unaligned else self.matmul
+            grids = self.matmul
+            if not aligned:
+                grids = (self.matmul_unaligned_out if out and self.matmul_unaligned_out else self.matmul_unaligned) or grids
             g = grids.get(dtype) or grids.get("float32" if dtype == "tf32" else "bfloat16") or self.matmul.get(dtype) \
                 or self.matmul.get("float32" if dtype == "tf32" else "bfloat16")
             hit = self._memo[key] = math.exp(_trilinear(g["m"], g["n"], g["k"], g["log_tflops"], m, n, k))
@@ -276,7 +280,7 @@ def _add_logs(t: TimingTable) -> None:
     """Cache the logs of every rate (what the interpolation works on); :func:`_strip_logs` drops them on write."""
     for g in t.matmul.values():
         g["log_tflops"] = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
-    for g in t.matmul_unaligned.values():
+    for g in [*t.matmul_unaligned.values(), *t.matmul_unaligned_out.values()]:
         g["log_tflops"] = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
     for g in t.attention.values():
         for row in [g, *(g.get("variants") or {}).values()]:
