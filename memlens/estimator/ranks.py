@@ -125,11 +125,13 @@ def _simulate_ranks(plan: StepPlan, source, steps: int) -> tuple[list, dict, dic
     """(the wrapper's rank groups, rank -> its simulation for each representative, rank -> the analysis of its
     worst case: DDP's old buckets held past the rebuild, when a rank held them; else empty)."""
     spec = plan.spec
-    first = simulate_rank(spec, 0, source, steps, plan=plan)
+    pick = getattr(plan.wrapper, "first_rank", None)       # --pp-stage: the pipeline rank asked for, not rank 0
+    r0 = pick(spec) if pick is not None else 0
+    first = simulate_rank(spec, r0, source, steps, plan=plan)
     groups = first.wrapper.rank_groups()
-    sims = {0: first}
+    sims = {r0: first}
     for g in groups:
-        if g.rank > 0 and g.rank not in sims:
+        if g.rank >= 0 and g.rank not in sims:
             sims[g.rank] = simulate_rank(spec, g.rank, source, steps, plan=plan)
     # DDP: the old buckets may outlive the rebuild (worst case, simulated above) or be reaped first (expected:
     # measured on 2 GPUs, Llama-1B bf16 tied, both ranks peaked without them); the headline is the expected one

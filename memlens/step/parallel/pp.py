@@ -180,6 +180,11 @@ class PPWrapper(FSDPWrapper):
                             f"micro-batches of {spec.batch_size // self.microbatches}) + FSDP2 fully_shard per block + stage "
                             f"over {self.dp} GPUs on a {self.pp} x {self.dp} (pp x dp_shard) DeviceMesh {self.settings}")
 
+    @staticmethod
+    def first_rank(spec) -> int:
+        """The rank simulated first: --pp-stage's first data-parallel rank (else rank 0, stage 0's)."""
+        return (spec.pp_stage or 0) * (spec.world_size // spec.pp)
+
     @property
     def strategy(self) -> str:
         return (f"PP x FSDP2: {self.pp} pipeline ranks ({self.spec.pp_schedule}"
