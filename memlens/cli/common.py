@@ -203,8 +203,8 @@ def _add_gpus_args(g) -> None:
                    "mesh): each holds 1/N of the sequence; FSDP2 shards over the data-parallel x context-parallel GPUs")
     g.add_argument("--pp", type=int, metavar="N", help="pipeline parallel ranks (torch.distributed.pipelining, torchtitan's "
                    "split: embedding on the first stage, norm + lm_head on the last), FSDP2 over each stage's GPUs")
-    g.add_argument("--pp-schedule", dest="pp_schedule", choices=("1f1b", "gpipe", "interleaved-1f1b"),
-                   help="--pp: torch's pipeline schedule (default 1f1b); zero-bubble schedules are refused")
+    g.add_argument("--pp-schedule", dest="pp_schedule", metavar="NAME", help="--pp: torch's pipeline schedule, 1f1b "
+                   "(default), gpipe or interleaved-1f1b; zero-bubble schedules are refused")
     g.add_argument("--pp-stage", dest="pp_stage", type=int, metavar="S", help="--pp: simulate only pipeline rank S "
                    "(default: every rank, the headline the one that peaks)")
     g.add_argument("--virtual-stages", dest="virtual_stages", type=int, metavar="V",
