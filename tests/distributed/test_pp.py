@@ -137,7 +137,8 @@ def test_pp_stage_picks_the_pipeline_rank_reported(llama4):
     r = estimate_ranks(_spec(llama4, pp_stage=1), steps=1)
     assert [(e["rank"], e["ranks"]) for e in r.data["ranks"]] == [(2, [2, 3])]
     assert r.data["ranks"][0]["why"].startswith("pipeline rank 1 (stage 1: layers 2-3 + norm + lm_head + loss)")
-    assert r.data["strategy"] == "PP x FSDP2: 2 pipeline ranks (gpipe, 1 micro-batches), FSDP2 over 2"
+    assert r.data["strategy"] == ("PP x FSDP2: 2 pipeline ranks (gpipe, 1 micro-batches), FSDP2 over 2; "
+                                  "pipeline rank p is ranks 2p-2p+1")
     assert _spec(llama4, world_size=8).effective_batch_size == 4     # 8 GPUs / 2 stages = 4 data-parallel pipelines
 
 

@@ -189,7 +189,8 @@ class PPWrapper(FSDPWrapper):
     def strategy(self) -> str:
         return (f"PP x FSDP2: {self.pp} pipeline ranks ({self.spec.pp_schedule}"
                 + (f", {self.virtual} stages each" if self.virtual > 1 else "")
-                + f", {self.microbatches} micro-batches), FSDP2 over {self.dp}")
+                + f", {self.microbatches} micro-batches), FSDP2 over {self.dp}"
+                + (f"; pipeline rank p is ranks {self.dp}p-{self.dp}p+{self.dp - 1}" if self.dp > 1 else "; pipeline rank p is rank p"))
 
     def make_mesh(self, device_type: str):
         from torch.distributed.device_mesh import init_device_mesh  # heavy: torch, loaded on first use
