@@ -75,7 +75,8 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPl
     nccl, nccl_source = nccl_bytes(gpu.name, plan.world_size)
     ctx = gpu.cuda_context_bytes
     entries, analyses = _entries(groups, sims, worst, ctx, nccl)
-    peak = max(entries, key=lambda e: (e["peak_allocated_bytes"], -e["rank"]))
+    by = getattr(sims[entries[0]["rank"]].wrapper, "headline_by", "peak_allocated_bytes")   # --pp: the largest reserved
+    peak = max(entries, key=lambda e: (e[by], e["peak_allocated_bytes"], -e["rank"]))
     lo = min(entries, key=lambda e: e["peak_allocated_bytes"])
     for g in groups:
         if g.rank < 0:
@@ -93,6 +94,9 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPl
         f"nvidia-smi per rank: reserved + CUDA context ({ctx // 2**20} MiB) + NCCL's own buffers "
         + (f"({nccl / 2**20:.0f} MiB, {nccl_source})." if nccl is not None else f"(unknown: {nccl_source})."),
     ]
+    if by != "peak_allocated_bytes":
+        notes.append(f"the headline is the simulated rank with the largest {by.removeprefix('peak_').removesuffix('_bytes')} "
+                     f"peak: rank {peak['rank']}, {peak['why']}")
     worst_case = _worst_case(entries, notes) if worst else None
     passes = peak.get("passes") or []
     if passes:

@@ -133,6 +133,15 @@ def test_interleaved_runs_torchs_own_order_over_the_ranks_virtual_stages(llama4)
     assert _terms(sim)["sharded parameters"] == _held(EMBED + 2 * LAYER, 2)[0]
 
 
+def test_every_pipeline_rank_is_reported_and_the_headline_reserves_most(llama4):
+    r = estimate_ranks(_spec(llama4, batch_size=2, pp_schedule="1f1b"), steps=1)
+    ranks = r.data["ranks"]
+    assert [(e["rank"], e["ranks"]) for e in ranks] == [(0, [0, 1]), (2, [2, 3])]
+    top = max(ranks, key=lambda e: (e["peak_reserved_bytes"], e["peak_allocated_bytes"]))   # a tie: the larger allocated
+    assert r.data["peak_rank"] == top["rank"] and r.peak_reserved_bytes == top["peak_reserved_bytes"]
+    assert f"the headline is the simulated rank with the largest reserved peak: rank {top['rank']}, pipeline rank" in " ".join(r.notes)
+
+
 def test_pp_stage_picks_the_pipeline_rank_reported(llama4):
     r = estimate_ranks(_spec(llama4, pp_stage=1), steps=1)
     assert [(e["rank"], e["ranks"]) for e in r.data["ranks"]] == [(2, [2, 3])]

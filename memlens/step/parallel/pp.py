@@ -157,6 +157,7 @@ class PPWrapper(FSDPWrapper):
     """Pipeline rank ``rank // dp`` of ``--pp`` stages, FSDP2 over the ``dp`` ranks of its stage (module docstring)."""
 
     name = "pp"
+    headline_by = "peak_reserved_bytes"     # the stages differ: the estimate's headline is the one that reserves most
 
     def __init__(self, spec, **kw):
         super().__init__(spec, **kw)
