@@ -14,7 +14,7 @@ starts over, --list names them; bench/gpu_distributed.py's rank code: memlens.st
 wrapper the estimate simulates - FSDP2 fully_shard on a 2 x 2 replicate x shard mesh, or parallelize_module with
 torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh, or fully_shard over dp_shard x cp with each
 rank's L / 2 tokens and torch's context_parallel entered for the process (ring attention) - resets the peak counters after building
-and runs 3 steps), so an OOM or a crash loses one case. The pipeline cases run bench/gpu_pp.py's rank code instead: the
+and runs 3 steps), so an OOM or a crash loses one case. The pipeline cases run bench/pipeline_rank.py's rank code instead: the
 stages memlens' PPWrapper builds, run by torch's own PipelineStage and schedule (peaks over steps 2-3). Every rank's max_memory_allocated / max_memory_reserved is
 compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after each
 case's GPU run; the rank group that stands for it). One JSON line per case (its ranks' records and the estimate) is
@@ -133,7 +133,7 @@ def mesh_case(name: str, fields: dict, dry: bool) -> dict:
     if dry:
         return {"spec": fields, "estimate": estimate(fields, "h100")}
     if fields.get("pp", 1) > 1:          # torch's own pipeline schedule over memlens' stages
-        from bench.gpu_pp import pp_rank_case
+        from bench.pipeline_rank import pp_rank_case
 
         return pp_rank_case(name, fields, dry)
     from bench.gpu_distributed import rank_case

@@ -135,7 +135,8 @@ def _stage_module(causal_lm, layer_ids: list[int], first: bool, last: bool):
         def __init__(self):
             super().__init__()
             inner = copy.copy(causal_lm.model)
-            inner._modules = dict(causal_lm.model._modules)      # its own children, the layers' modules shared
+            # its own children, parameters, buffers and hooks dicts (the submodules themselves shared)
+            inner.__dict__.update({k: type(v)(v) for k, v in vars(inner).items() if isinstance(v, dict)})
             inner.layers = torch.nn.ModuleList([causal_lm.model.layers[i] for i in layer_ids])
             inner.rotary_emb = copy.deepcopy(causal_lm.model.rotary_emb)
             if not first:

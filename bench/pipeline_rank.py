@@ -1,5 +1,5 @@
-"""One rank of a pipeline-parallel x FSDP2 torchrun job for bench/gpu_mesh.py's `pp` cases (issue 37): torch's own
-PipelineStage and schedule (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B) over the stages memlens' estimate
+"""The rank code (no runner of its own: bench/gpu_mesh.py runs it) of a pipeline-parallel x FSDP2 torchrun job, for
+bench/gpu_mesh.py's `pp` cases (issue 37): torch's own PipelineStage and schedule (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B) over the stages memlens' estimate
 simulates, so the measured peak of each rank is compared with the estimate of the same rank.
 
 The stages are built by memlens' own PPWrapper on the device (torchtitan's split of the Llama, fully_shard per block +
