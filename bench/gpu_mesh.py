@@ -1,11 +1,12 @@
-"""HSDP, TP x FSDP2 and CP x FSDP2 per rank on 4 GPUs (issue 37): measured peaks vs memlens' per-rank estimate.
+"""HSDP, TP x FSDP2, CP x FSDP2 and PP x FSDP2 per rank on 4 GPUs (issue 37): measured peaks vs memlens' per-rank estimate.
 
-Run on a 4-GPU machine from the repo root (6 cases: about 7 minutes on 4 x H100):
+Run on a 4-GPU machine from the repo root (6 mesh cases: about 7 minutes on 4 x H100; the 4 pipeline cases apart):
 
     python bench/gpu_mesh.py            # results under $OUT (default ./out): gpu_mesh.jsonl, a table printed last
     python bench/gpu_mesh.py --dry-run  # CPU only: every case's estimate on a tiny Llama (no GPU, no torchrun)
     python bench/gpu_mesh.py hsdp       # only the cases whose name contains "hsdp"
     python bench/gpu_mesh.py cp2        # only context parallel: CP 2 x FSDP2 2 (torch's ring attention)
+    python bench/gpu_mesh.py pp         # only pipeline parallel (pp2: PP 2 x FSDP2 2 with 1F1B, GPipe, interleaved; pp4)
     python bench/gpu_mesh.py profile    # only `memlens profile --world-size 4` of each mesh (about 3 minutes)
 
 Each case runs in its own torchrun job through bench/gpu_runner.py (cases already in the JSONL are skipped, --fresh
@@ -13,7 +14,8 @@ starts over, --list names them; bench/gpu_distributed.py's rank code: memlens.st
 wrapper the estimate simulates - FSDP2 fully_shard on a 2 x 2 replicate x shard mesh, or parallelize_module with
 torchtitan's Llama TP plan then fully_shard on the data-parallel sub-mesh, or fully_shard over dp_shard x cp with each
 rank's L / 2 tokens and torch's context_parallel entered for the process (ring attention) - resets the peak counters after building
-and runs 3 steps), so an OOM or a crash loses one case. Every rank's max_memory_allocated / max_memory_reserved is
+and runs 3 steps), so an OOM or a crash loses one case. The pipeline cases run bench/pipeline_rank.py's rank code instead: the
+stages memlens' PPWrapper builds, run by torch's own PipelineStage and schedule (peaks over steps 2-3). Every rank's max_memory_allocated / max_memory_reserved is
 compared with memlens' estimate of the same rank (estimate_ranks on fake CPU tensors, in this process after each
 case's GPU run; the rank group that stands for it). One JSON line per case (its ranks' records and the estimate) is
 appended to $OUT/gpu_mesh.jsonl as it comes (--dry-run: $OUT/gpu_mesh_dry.jsonl), with each rank's NCCL memory (NVML
@@ -55,7 +57,25 @@ def cases(base: dict) -> list[tuple[str, dict]]:
         ("cp2xfsdp2-llama1b-ampbf16-b4-L2048", dict(base, sharding="fsdp", cp=2, seq_len=2 * base["seq_len"], **w)),
         ("cp2xfsdp2-llama1b-ampbf16-ckpt-b4-L4096", dict(base, sharding="fsdp", cp=2, grad_checkpointing=True,
                                                          seq_len=4 * base["seq_len"], **w)),
-    ]
+    ] + pp_cases(base)
+
+
+def pp_cases(base: dict) -> list[tuple[str, dict]]:
+    """PP x FSDP2 on 4 GPUs: 2 pipeline ranks x FSDP2 2 under 1F1B, GPipe and interleaved 1F1B (2 stages a rank), and 4
+    pipeline ranks (FSDP2 over 1) under 1F1B; a local batch of 8 sequences in 8 micro-batches of one (on the tiny
+    Llama of --dry-run: 2 and 4 of one, its 2 layers in 2 stages at most, so pp4 and the interleaved case are skipped)."""
+    tiny = base is TINY
+    b = dict(base, sharding="fsdp", world_size=WORLD, batch_size=2 if tiny else 8)
+    out = [(f"pp2xfsdp2-1f1b-mb{b['batch_size']}-" + _tag(base), dict(b, pp=2)),
+           (f"pp2xfsdp2-gpipe-mb{b['batch_size']}-" + _tag(base), dict(b, pp=2, pp_schedule="gpipe"))]
+    if not tiny:
+        out += [("pp2xfsdp2-interleaved-v2-mb8-" + _tag(base), dict(b, pp=2, pp_schedule="interleaved-1f1b", virtual_stages=2)),
+                ("pp4-1f1b-mb8-" + _tag(base), dict(b, pp=4))]
+    return out
+
+
+def _tag(base: dict) -> str:
+    return "tiny" if base is TINY else f"llama1b-ampbf16-L{base['seq_len']}"
 
 
 PROFILES = {   # `memlens profile --world-size 4 ... --compare-estimate`: the CLI path (torchrun launched by memlens itself)
@@ -112,6 +132,10 @@ def mesh_case(name: str, fields: dict, dry: bool) -> dict:
     rank code); with --dry-run, memlens' per-rank estimate of the tiny spec in the case's own CPU subprocess."""
     if dry:
         return {"spec": fields, "estimate": estimate(fields, "h100")}
+    if fields.get("pp", 1) > 1:          # torch's own pipeline schedule over memlens' stages
+        from bench.pipeline_rank import pp_rank_case
+
+        return pp_rank_case(name, fields, dry)
     from bench.gpu_distributed import rank_case
 
     return rank_case(name, fields, dry)

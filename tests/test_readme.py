@@ -103,7 +103,11 @@ COMMANDS = {
     "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --world-size 16 --sharding fsdp --tp 8":
         (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --world-size 4 --sharding fsdp --tp 2 "
               "--seq-len 32"),
-    "estimate --model llama-3.1-8b --world-size 16 --sharding fsdp --pp 2": (REFUSED, None),
+    "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --seq-len 8192 --batch-size 8 --world-size 8 "
+    "--sharding fsdp --pp 4 --pp-microbatches 8":
+        (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --seq-len 64 --batch-size 4 --world-size 4 "
+              "--sharding fsdp --pp 2 --pp-microbatches 4"),
+    "estimate --model llama-3.1-8b --world-size 8 --sharding ddp --pp 4": (REFUSED, None),
     "estimate --model llama-3.1-8b --precision amp-bf16 --grad-checkpointing --seq-len 65536 --world-size 8 --sharding fsdp --cp 2":
         (RUN, f"estimate --model {TINY_LLAMA} --precision amp-bf16 --grad-checkpointing --seq-len 64 --world-size 4 --sharding fsdp "
               "--cp 2"),

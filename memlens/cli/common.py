@@ -201,7 +201,16 @@ def _add_gpus_args(g) -> None:
                         "and the cross-entropy runs on the shards (torch's loss_parallel), no logits all-gather")
     g.add_argument("--cp", type=int, metavar="N", help="context parallel GPUs (torch's ring attention, torchtitan's "
                    "mesh): each holds 1/N of the sequence; FSDP2 shards over the data-parallel x context-parallel GPUs")
-    g.add_argument("--pp", type=int, metavar="N", help="pipeline parallel stages: not modelled, refused")
+    g.add_argument("--pp", type=int, metavar="N", help="pipeline parallel ranks (torch.distributed.pipelining, torchtitan's "
+                   "split: embedding on the first stage, norm + lm_head on the last), FSDP2 over each stage's GPUs")
+    g.add_argument("--pp-schedule", dest="pp_schedule", metavar="NAME", help="--pp: torch's pipeline schedule, 1f1b "
+                   "(default), gpipe or interleaved-1f1b; zero-bubble schedules are refused")
+    g.add_argument("--pp-stage", dest="pp_stage", type=int, metavar="S", help="--pp: simulate only pipeline rank S "
+                   "(default: every rank, the headline the one that peaks)")
+    g.add_argument("--virtual-stages", dest="virtual_stages", type=int, metavar="V",
+                   help="--pp-schedule interleaved-1f1b: stages per pipeline rank (2 or more)")
+    g.add_argument("--pp-microbatches", dest="pp_microbatches", type=int, metavar="M",
+                   help="--pp: micro-batches the local --batch-size is split into (default: --batch-size, micro-batches of 1)")
     g.add_argument("--deepspeed", metavar="DS_CONFIG.json", help="DeepSpeed ZeRO config: not modelled, refused "
                    "(memlens simulates PyTorch's own ZeRO: --sharding zero1/zero2/zero3)")
     g.add_argument("--offload-optimizer", action="store_const", const=True, help="optimizer states and step on the CPU")
@@ -215,7 +224,7 @@ SPEC_FLAG_FIELDS = (
     "attn", "optimizer", "lora_rank", "lora_alpha", "lora_targets", "qlora", "freeze", "grad_accum", "dp",
     "physical_batch_size", "grad_sample_mode", "max_grad_norm", "noise_multiplier", "world_size", "sharding",
     "offload_optimizer", "gpu", "hf_trainer", "target_len", "compile", "reshard_after_forward", "gradient_as_bucket_view",
-    "bucket_cap_mb", "shard_size", "tp", "cp", "pp", "loss_parallel", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
+    "bucket_cap_mb", "shard_size", "tp", "cp", "pp", "pp_schedule", "pp_stage", "virtual_stages", "pp_microbatches", "loss_parallel", "loss", "keep_outputs", "use_cache", "lora_dropout", "pad_fraction", "kbit_prep", "lengths", "ema", "liger",
     "trainer", "packing", "padding_free", "prompt_len", "precompute_ref_log_probs", "num_generations", "max_completion_length",
     "beta", "steps_per_generation", "vllm_gpu_memory_utilization",
 )

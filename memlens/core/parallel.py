@@ -75,7 +75,8 @@ def data_parallel_ranks(spec: Any) -> int:
     the tensor- and context-parallel degrees (a TP group shares one micro-batch, a CP group one sequence); 1 on one GPU."""
     if not is_distributed(spec):
         return 1
-    return spec.world_size // (max(1, getattr(spec, "tp", 1) or 1) * max(1, getattr(spec, "cp", 1) or 1))
+    return spec.world_size // (max(1, getattr(spec, "tp", 1) or 1) * max(1, getattr(spec, "cp", 1) or 1)
+                               * max(1, getattr(spec, "pp", 1) or 1))
 
 
 def shard_degree(spec: Any) -> int:
@@ -130,7 +131,69 @@ def check_fields(spec: Any) -> None:
 
 
 MODELLED_MESHES = ("ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over --world-size, HSDP (--sharding hsdp --shard-size N), "
-                   "tensor parallel (--tp N) and context parallel (--cp N) with an FSDP2 sharding")
+                   "tensor parallel (--tp N), context parallel (--cp N) and pipeline parallel (--pp N) with an FSDP2 sharding")
+
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")       # torch.distributed.pipelining's, as memlens.step.parallel.pp runs them
+PP_ZERO_BUBBLE = ("zbv", "zbvzerobubble", "interleaved-zb", "interleavedzerobubble", "dualpipev", "zero-bubble",
+                  "looped-bfs", "loopedbfs")
+
+
+def _pp_fields_alone(spec: Any) -> None:
+    """The schedule's fields without --pp."""
+    for name, flag, default in (("pp_schedule", "--pp-schedule", "1f1b"), ("pp_stage", "--pp-stage", None),
+                                ("virtual_stages", "--virtual-stages", 1), ("pp_microbatches", "--pp-microbatches", None)):
+        if getattr(spec, name, default) != default:
+            raise SpecError(f"{flag} is pipeline parallel's", hint="use it with --pp N")
+
+
+def _check_pp(spec: Any, sh: Sharding, tp: int, cp: int) -> None:
+    """--pp N: torchtitan's PP x FSDP2 mesh and torch's schedules, in one line per field that cannot go with it."""
+    pp = _positive_int(spec, "pp", "--pp", "e.g. --pp 4") or 1
+    if pp == 1:
+        return _pp_fields_alone(spec)
+    sched = getattr(spec, "pp_schedule", "1f1b")
+    if sched in PP_ZERO_BUBBLE:
+        raise SpecError(f"--pp-schedule {sched}: zero-bubble schedules split each backward into an input and a weight "
+                        "pass, which memlens does not model", hint="use --pp-schedule 1f1b, gpipe or interleaved-1f1b")
+    if sched not in PP_SCHEDULES:
+        raise SpecError(f"--pp-schedule {sched!r} is not one of {', '.join(PP_SCHEDULES)}", hint="e.g. --pp-schedule 1f1b")
+    if not is_distributed(spec) or spec.world_size % pp or sh.name == "none":
+        raise SpecError(f"--pp {pp} must divide --world-size {spec.world_size} (pipeline stages x data-parallel GPUs) with an "
+                        "FSDP2 sharding", hint=f"e.g. --world-size {2 * pp} --sharding fsdp --pp {pp}")
+    if sh.family != "fsdp" or sh.name == "hsdp":
+        raise SpecError(f"--pp {pp} composes with FSDP2 over each stage's data-parallel GPUs (torchtitan's PP x FSDP), "
+                        f"not with --sharding {spec.sharding}", hint="use --sharding fsdp (or zero2, zero3)")
+    if tp > 1 or cp > 1:
+        raise SpecError(f"--pp {pp} with --{'tp' if tp > 1 else 'cp'}: pipeline stages are modelled with FSDP2 alone",
+                        hint="drop --tp / --cp, or --pp")
+    v = _positive_int(spec, "virtual_stages", "--virtual-stages", "e.g. --virtual-stages 2") or 1
+    if (sched == "interleaved-1f1b") != (v > 1):
+        raise SpecError(f"--pp-schedule {sched} with --virtual-stages {v}: the interleaved schedule runs 2 or more stages "
+                        "per rank, the others one", hint="use --pp-schedule interleaved-1f1b --virtual-stages 2, or drop "
+                                                         "--virtual-stages")
+    m = _positive_int(spec, "pp_microbatches", "--pp-microbatches", "e.g. --pp-microbatches 8") or spec.batch_size
+    if spec.batch_size % m:
+        raise SpecError(f"--pp-microbatches {m} must divide the local batch of {spec.batch_size} (--batch-size: each "
+                        "data-parallel rank's batch, split into micro-batches)", hint=f"e.g. --batch-size {2 * m}")
+    if sched == "1f1b" and m < pp:
+        raise SpecError(f"--pp {pp} 1f1b with {m} micro-batches: torch's Schedule1F1B needs at least one per stage",
+                        hint=f"use --pp-microbatches {pp} (and a --batch-size it divides), or --pp-schedule gpipe")
+    rounds = max(1, m // pp)
+    if sched == "interleaved-1f1b" and m % rounds:
+        raise SpecError(f"--pp {pp} interleaved-1f1b with {m} micro-batches: torch's ScheduleInterleaved1F1B needs them in "
+                        f"whole rounds of {pp}", hint=f"use --pp-microbatches {pp * rounds}")
+    stage = getattr(spec, "pp_stage", None)
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < pp):
+        raise SpecError(f"--pp-stage {stage!r} must be a pipeline rank between 0 and {pp - 1}", hint="e.g. --pp-stage 0")
+    for bad, why in ((spec.grad_accum > 1, "--grad-accum: the schedule's micro-batches are the accumulation (use "
+                      "--pp-microbatches)"), (getattr(spec, "dp", False), "DP-SGD"),
+                     (spec.lora_rank is not None, "--lora-rank (peft's wrapper around the stage's layers)"),
+                     (getattr(spec, "loss", "model") != "model", f"--loss {getattr(spec, 'loss', '')} (the last stage "
+                      "runs torchtitan's cross-entropy)"), (bool(getattr(spec, "keep_outputs", None)), "--keep-outputs"),
+                     (bool(getattr(spec, "liger", False)), "--liger"), (bool(getattr(spec, "compile", False)), "--compile"),
+                     (bool(getattr(spec, "pad_fraction", 0)), "--pad-fraction (the stages run without an attention mask)")):
+        if bad:
+            raise SpecError(f"--pp {pp} with {why} is not modelled", hint="drop it, or --pp")
 
 
 def _check_cp(spec: Any, sh: Sharding, cp: int, tp: int) -> None:
@@ -169,15 +232,12 @@ def _positive_int(spec: Any, name: str, flag: str, eg: str) -> Any:
 
 
 def check_mesh(spec: Any) -> None:
-    """The mesh fields (--shard-size, --tp, --cp, --pp): what they go with, in one line each; --pp is refused."""
+    """The mesh fields (--shard-size, --tp, --cp, --pp and its schedule): what they go with, in one line each."""
     shard = _positive_int(spec, "shard_size", "--shard-size", "e.g. --shard-size 8 (the GPUs of one node)")
     tp = _positive_int(spec, "tp", "--tp", "e.g. --tp 8") or 1
     cp = _positive_int(spec, "cp", "--cp", "e.g. --cp 2") or 1
-    if (_positive_int(spec, "pp", "--pp", "drop --pp") or 1) > 1:
-        raise SpecError(f"--pp {spec.pp}: pipeline parallel (stages and a 1F1B / interleaved / GPipe schedule) is not "
-                        f"modelled; memlens models per rank {MODELLED_MESHES}",
-                        hint="drop --pp: estimate the same job without it (a bound: each rank then holds more)")
     sh = SHARDINGS[spec.sharding]
+    _check_pp(spec, sh, tp, cp)
     if sh.name == "hsdp":
         if shard is None:
             raise SpecError("--sharding hsdp needs --shard-size N: the GPUs each parameter is sharded over (replicated across "
@@ -211,4 +271,4 @@ def check_mesh(spec: Any) -> None:
                             hint=f"e.g. --world-size {2 * tp} --tp {tp}")
 
 
-__all__ = ["MAX_WORLD_SIZE", "MODELLED_MESHES", "check_mesh", "shard_degree", "Sharding", "SHARDINGS", "SHARDING_NAMES", "register_sharding", "sharding_names", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]
+__all__ = ["MAX_WORLD_SIZE", "MODELLED_MESHES", "PP_SCHEDULES", "check_mesh", "shard_degree", "Sharding", "SHARDINGS", "SHARDING_NAMES", "register_sharding", "sharding_names", "sharding_of", "is_distributed", "data_parallel_ranks", "check_fields"]

@@ -91,6 +91,13 @@ class TrainingSpec:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    # --pp: torch.distributed.pipelining's schedule (memlens.step.parallel.pp), the stage simulated (None: every stage),
+    # the virtual stages per rank of an interleaved schedule and the micro-batches the local batch is split into (None:
+    # --batch-size, torchtitan's micro-batch of 1)
+    pp_schedule: str = "1f1b"
+    pp_stage: int | None = None
+    virtual_stages: int = 1
+    pp_microbatches: int | None = None
     loss_parallel: bool = False         # --tp: torchtitan's loss parallel (lm_head output vocab-sharded, loss on the shards)
     hf_trainer: bool = False            # run the step as transformers' Trainer does (step/loop.py)
     target_len: int | None = None       # seq2seq: decoder tokens per sample (None: the encoder's seq_len)
@@ -257,7 +264,8 @@ class TrainingSpec:
                               ("step_kind", None), ("loss", "model"), ("ema", False), ("keep_outputs", None), ("use_cache", None),
                               ("lengths", None), ("lora_dropout", 0.0), ("pad_fraction", 0.0), ("kbit_prep", False), ("liger", False),
                               ("checkpoint_layers", None), ("checkpoint_policy", "full"), ("offload_layers", None),
-                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1), ("loss_parallel", False)):
+                              ("shard_size", None), ("tp", 1), ("cp", 1), ("pp", 1), ("loss_parallel", False),
+                              ("pp_schedule", "1f1b"), ("pp_stage", None), ("virtual_stages", 1), ("pp_microbatches", None)):
             if d[name] == default:     # absent unless set
                 del d[name]
         for k in ("checkpoint_layers", "offload_layers"):
@@ -356,6 +364,9 @@ class TrainingSpec:
             parts.append(f"tp={self.tp}")
         if self.cp > 1:
             parts.append(f"cp={self.cp}")
+        if self.pp > 1:
+            parts.append(f"pp={self.pp} {self.pp_schedule}" + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+                         + f" mb={self.pp_microbatches or self.batch_size}" + (f" stage={self.pp_stage}" if self.pp_stage is not None else ""))
         if self.loss_parallel:
             parts.append("loss-parallel")
         if self.reshard_after_forward is not None:
@@ -581,7 +592,7 @@ def trl_describe(spec: TrainingSpec) -> str:
 _BOOLS = {"grad_checkpointing", "qlora", "kbit_prep", "dp", "offload_optimizer", "hf_trainer", "compile", "gradient_as_bucket_view",
           "keep_outputs", "use_cache", "liger", "padding_free", "precompute_ref_log_probs", "loss_parallel"}
 _INTS = {"batch_size", "seq_len", "image_size", "images_per_sample", "lora_rank", "grad_accum", "physical_batch_size", "world_size",
-         "shard_size", "tp", "cp", "pp", "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
+         "shard_size", "tp", "cp", "pp", "pp_stage", "virtual_stages", "pp_microbatches", "target_len", "prompt_len", "num_generations", "max_completion_length", "steps_per_generation"}
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -121,6 +121,8 @@ def why_not(plan, source) -> str | None:
     if plan.distributed and (plan.sharding.family != "fsdp" or plan.dp):
         # DDP's buckets and ZeRO-1's optimizer shards are cut by bytes over the whole model, not per layer
         return "several GPUs with DDP, ZeRO-1 or DP-SGD (FSDP2's ranks are written)"
+    if getattr(spec, "pp", 1) > 1:
+        return "pipeline parallel: each stage holds a slice of the layers"
     kind = plan.kind
     if not kind.layers_written:
         return "--compile" if kind.name == "compiled" else f"the {kind.name} step kind"

@@ -76,6 +76,9 @@ def _counts(plan: StepPlan):
     if spec.cp > 1:
         raise MemlensError(f"--method formula does not model context parallel (--cp {spec.cp}: ring attention's K/V buffers)",
                            hint="drop --method formula: the simulation runs torch's ring attention itself")
+    if spec.pp > 1:
+        raise MemlensError(f"--method formula does not model pipeline parallel (--pp {spec.pp}: a stage's layers, the "
+                           "schedule's micro-batches in flight)", hint="drop --method formula: the simulation runs the schedule itself")
     if plan.dp:
         raise MemlensError("--method formula does not model DP-SGD (Opacus' per-sample gradients, ghost clipping's "
                            "Gram matrices, BatchMemoryManager)", hint="drop --method formula: simulate runs Opacus itself")

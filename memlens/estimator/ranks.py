@@ -75,7 +75,8 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPl
     nccl, nccl_source = nccl_bytes(gpu.name, plan.world_size)
     ctx = gpu.cuda_context_bytes
     entries, analyses = _entries(groups, sims, worst, ctx, nccl)
-    peak = max(entries, key=lambda e: (e["peak_allocated_bytes"], -e["rank"]))
+    by = getattr(sims[entries[0]["rank"]].wrapper, "headline_by", "peak_allocated_bytes")   # --pp: the largest reserved
+    peak = max(entries, key=lambda e: (e[by], e["peak_allocated_bytes"], -e["rank"]))
     lo = min(entries, key=lambda e: e["peak_allocated_bytes"])
     for g in groups:
         if g.rank < 0:
@@ -93,6 +94,9 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPl
         f"nvidia-smi per rank: reserved + CUDA context ({ctx // 2**20} MiB) + NCCL's own buffers "
         + (f"({nccl / 2**20:.0f} MiB, {nccl_source})." if nccl is not None else f"(unknown: {nccl_source})."),
     ]
+    if by != "peak_allocated_bytes":
+        notes.append(f"the headline is the simulated rank with the largest {by.removeprefix('peak_').removesuffix('_bytes')} "
+                     f"peak: rank {peak['rank']}, {peak['why']}")
     worst_case = _worst_case(entries, notes) if worst else None
     passes = peak.get("passes") or []
     if passes:
@@ -125,11 +129,13 @@ def _simulate_ranks(plan: StepPlan, source, steps: int) -> tuple[list, dict, dic
     """(the wrapper's rank groups, rank -> its simulation for each representative, rank -> the analysis of its
     worst case: DDP's old buckets held past the rebuild, when a rank held them; else empty)."""
     spec = plan.spec
-    first = simulate_rank(spec, 0, source, steps, plan=plan)
+    pick = getattr(plan.wrapper, "first_rank", None)       # --pp-stage: the pipeline rank asked for, not rank 0
+    r0 = pick(spec) if pick is not None else 0
+    first = simulate_rank(spec, r0, source, steps, plan=plan)
     groups = first.wrapper.rank_groups()
-    sims = {0: first}
+    sims = {r0: first}
     for g in groups:
-        if g.rank > 0 and g.rank not in sims:
+        if g.rank >= 0 and g.rank not in sims:
             sims[g.rank] = simulate_rank(spec, g.rank, source, steps, plan=plan)
     # DDP: the old buckets may outlive the rebuild (worst case, simulated above) or be reaped first (expected:
     # measured on 2 GPUs, Llama-1B bf16 tied, both ranks peaked without them); the headline is the expected one

@@ -35,7 +35,8 @@ def simulation_facts(sim, a) -> dict:
         "seq_len": sim.seq_len,
         "image_size": sim.image_size,
         "model_source": sim.source.to_dict(),
-        **_timed(step_time(sim)),
+        # --pp: the per-op time model prices one rank's ops, not the pipeline's bubble or its P2P waits: no step time
+        **_timed(step_time(sim) if getattr(sim.spec, "pp", 1) == 1 else None),
     }
 
 

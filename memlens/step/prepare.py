@@ -95,6 +95,8 @@ class PreparedStep:
         the logical batch); returns the last micro-batch's loss."""
         if self.plan is not None and self.plan.kind.run is not None:
             return self.plan.kind.run(self, on_phase)
+        if getattr(self.wrapper, "run_step", None) is not None:     # --pp: the pipeline schedule's own order
+            return self.wrapper.run_step(self, on_phase)
         return train_step(self.model, self.optimizer, self.batch, grad_accum=self.spec.grad_accum,
                           autocast=self.autocast, scaler=self.scaler, loss_fn=self.loss_fn, on_phase=on_phase,
                           max_grad_norm=self.spec.max_grad_norm, hf_trainer=self.spec.hf_trainer,

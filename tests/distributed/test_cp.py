@@ -106,9 +106,7 @@ def test_a_cp_group_shares_one_micro_batch_and_the_spec_round_trips():
                       "balancing of causal attention)"),
     ({"attn": "eager"}, "--cp 2 with --attn eager: torch's ring attention replaces SDPA only"),
     ({"pad_fraction": 0.25}, "--cp 2 with --pad-fraction: the ring takes causal attention without a padding mask"),
-    ({"pp": 2}, "--pp 2: pipeline parallel (stages and a 1F1B / interleaved / GPipe schedule) is not modelled; memlens "
-                "models per rank ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over --world-size, HSDP (--sharding hsdp "
-                "--shard-size N), tensor parallel (--tp N) and context parallel (--cp N) with an FSDP2 sharding"),
+    ({"pp": 2}, "--pp 2 with --cp: pipeline stages are modelled with FSDP2 alone"),
 ])
 def test_what_cp_does_not_go_with_is_refused_in_one_line(fields, message):
     with pytest.raises(SpecError) as e:

@@ -97,10 +97,8 @@ def test_a_1024_rank_hsdp_job_simulates_one_rank_per_shard_index_on_this_cpu():
     ({"sharding": "hsdp", "shard_size": 3}, "--shard-size 3 must divide the 8 data-parallel GPUs and lie between 2 and 4"),
     ({"sharding": "hsdp", "shard_size": 8}, "--shard-size 8 must divide the 8 data-parallel GPUs and lie between 2 and 4"),
     ({"sharding": "fsdp", "shard_size": 4}, "--shard-size is HSDP's shard group"),
-    ({"sharding": "fsdp", "pp": 4}, "--pp 4: pipeline parallel (stages and a 1F1B / interleaved / GPipe schedule) is not "
-                                    "modelled; memlens models per rank ddp / zero1 / FSDP2 (zero2, zero3, fsdp) over "
-                                    "--world-size, HSDP (--sharding hsdp --shard-size N), tensor parallel (--tp N) and "
-                                    "context parallel (--cp N) with an FSDP2 sharding"),
+    ({"sharding": "hsdp", "shard_size": 2, "pp": 2}, "--pp 2 composes with FSDP2 over each stage's data-parallel GPUs "
+                                                     "(torchtitan's PP x FSDP), not with --sharding hsdp"),
     ({"sharding": "ddp", "tp": 2}, "--tp 2 composes with FSDP2 (torchtitan's 2D: TP within a group, FSDP2 across), not "
                                    "with --sharding ddp"),
     ({"sharding": "fsdp", "tp": 3}, "--tp 3 must divide --world-size 8 and leave at least 2 data-parallel ranks"),

@@ -65,7 +65,9 @@ REFUSED = {  # field -> (model key, value, words of the error)
     "liger": ("gpt2", True, "no patch for model_type 'gpt2'"),   # applied to llama/qwen: tests/models/test_liger.py
     "lengths": ("gpt2", "no-such-lengths.txt", "lengths"),   # read and estimated: tests/estimator/test_lengths_estimate.py
     "cp": ("gpt2", 2, "context parallel"),
-    "pp": ("gpt2", 2, "pipeline parallel"),
+    "pp": ("gpt2", 2, "pipeline stages"),      # applied to Llama: tests/distributed/test_pp.py
+    **{name: ("gpt2", v, "pipeline parallel") for name, v in (("pp_schedule", "gpipe"), ("pp_stage", 0), ("virtual_stages", 2),
+                                                             ("pp_microbatches", 2))},     # without --pp
 }
 WITH_OTHERS = {  # fields that only mean something with another one
     "lora_alpha": ("gpt2", {"lora_rank": 8}, 64.0), "lora_targets": ("gpt2", {"lora_rank": 8}, ("c_fc",)),

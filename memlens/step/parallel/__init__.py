@@ -24,6 +24,7 @@ from .dp_fsdp import DPFSDPWrapper
 from .dpddp import DPDDPWrapper
 from .fsdp import FSDPWrapper
 from .hsdp import HSDPWrapper
+from .pp import PPWrapper
 from .tp import TPWrapper
 
 # (applies(plan), wrapper class), asked in order: the first that applies wraps the rank
@@ -32,6 +33,7 @@ _REGISTRY: list[tuple[Callable[[Any], bool], type]] = [
     (lambda p: p.sharding.family == "fsdp" and p.dp, DPFSDPWrapper),   # Opacus' ghost_fsdp
     (lambda p: p.sharding.name == "ddp", DDPWrapper),
     (lambda p: p.sharding.name == "zero1", Zero1Wrapper),
+    (lambda p: p.sharding.family == "fsdp" and p.spec.pp > 1, PPWrapper),   # pipeline stages x FSDP2
     (lambda p: p.sharding.family == "fsdp" and p.spec.cp > 1, CPWrapper),   # ring attention x FSDP2 (x TP)
     (lambda p: p.sharding.family == "fsdp" and p.spec.tp > 1, TPWrapper),   # DTensor TP x FSDP2 (or HSDP)
     (lambda p: p.sharding.name == "hsdp", HSDPWrapper),      # FSDP2 on a replicate x shard mesh

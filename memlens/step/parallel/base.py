@@ -116,6 +116,10 @@ def check(plan, *, fake: bool) -> None:
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {sh.name} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
+    if spec.pp > 1:
+        from .pp import check_pp
+
+        check_pp(plan, fake=fake)
     if plan.kind.refuse_ranks is not None:
         plan.kind.refuse_ranks(plan)   # DP-SGD: DPDDP or ghost_fsdp; --compile: not per rank
     if plan.hf_trainer:

@@ -1,0 +1,183 @@
+"""Pipeline parallel x FSDP2 (--pp N): torchtitan's split of a Llama into stages, FSDP2 per stage over the data-parallel
+ranks, and the schedule's forwards and backwards run op by op on fake tensors under the fake process group (issue 37)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memlens.core.errors import SpecError
+from memlens.core.events import ALLOC, FREE
+from memlens.core.ledger import analyze
+from memlens.core.spec import TrainingSpec
+from memlens.estimator.ranks import estimate_ranks, peak_terms, simulate_rank
+from memlens.step.parallel.pp import in_flight, schedule_order, split_layers
+
+LLAMA = "tests/fixtures/tiny-llama"     # H 64, MLP 128, 4 heads of 16, 2 kv heads, vocab 256, untied, fp32
+
+
+def blocks(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+# One decoder layer's fp32 parameters, each FSDP2-sharded over 2 ranks (ceil(dim0 / 2) rows): q (64 x 64), k, v (32 x
+# 64), o (64 x 64), gate, up (128 x 64), down (64 x 128), two norms (64); the embedding and lm_head (256 x 64), the norm
+LAYER = [64 * 64, 32 * 64, 32 * 64, 64 * 64, 128 * 64, 128 * 64, 64 * 128, 64, 64]
+EMBED, NORM = [256 * 64], [64]
+
+
+def _held(sizes: list[int], shards: int) -> tuple[int, int]:
+    """(the sharded parameters in allocator blocks, the gathered ones) of fp32 tensors of ``sizes`` values, dim 0 halved."""
+    return sum(blocks(n * 4 // shards) for n in sizes), sum(blocks(n * 4) for n in sizes)
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    d = tmp_path_factory.mktemp("llama4")
+    cfg = json.loads(open(f"{LLAMA}/config.json").read())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4}))
+    return str(d)
+
+
+def _spec(model, **kw):
+    return TrainingSpec(**{"model": model, "batch_size": 1, "seq_len": 16, "world_size": 4, "sharding": "fsdp", "pp": 2,
+                           "pp_schedule": "gpipe", **kw})
+
+
+def _terms(sim):
+    return peak_terms(sim.log, analyze(sim.log).peak_event, sim.wrapper)[1]
+
+
+@pytest.fixture(scope="module")
+def one_mb(llama4):
+    """pp 2 x dp 2, one micro-batch of one sequence (GPipe): pipeline ranks 0 (rank 0) and 1 (rank 2)."""
+    return {r: simulate_rank(_spec(llama4), r, steps=1) for r in (0, 2)}
+
+
+def test_the_layers_are_split_as_torchtitan_splits_them():
+    # the embedding and the norm + output weigh one layer each: 4 + 2 over 2 stages is 3 each, over 4 stages 2, 2, 1, 1
+    assert split_layers(2, 4) == [[0, 1], [2, 3]]
+    assert split_layers(4, 4) == [[0], [1, 2], [3], []]
+    assert [len(s) for s in split_layers(4, 32)] == [8, 9, 8, 7]      # Llama-3.1-8B over 4 stages
+    with pytest.raises(SpecError, match=r"^--pp: 8 stages are more than the model's 4 layers \+ embedding \+ output"):
+        split_layers(8, 4)
+
+
+@pytest.mark.parametrize("rank, sizes", [(0, EMBED + 2 * LAYER), (2, 2 * LAYER + NORM + EMBED)])
+def test_pp2_each_stage_holds_its_layers_sharded_over_its_data_parallel_ranks(one_mb, rank, sizes):
+    terms = _terms(one_mb[rank])
+    sharded, gathered = _held(sizes, 2)
+    assert terms["sharded parameters"] == sharded and terms["optimizer states (sharded)"] == 2 * sharded   # AdamW
+    # no gradient sync until the stage's last backward (backward_maybe_with_nosync): the whole stage's gradients
+    # accumulate unsharded beside its gathered parameters (reshard_after_forward=False, torchtitan's default with PP)
+    assert terms["gathered parameters"] == terms["gathered gradients"] == gathered
+    setup = sum(ev.nbytes for ev in one_mb[rank].log.events if ev[0] == ALLOC and ev.phase == "setup" and ev.category == "parameters")
+    assert setup == sum(n * 4 for n in sizes) // 2
+    assert one_mb[rank].wrapper.facts["mesh"] == {"pp": 2, "dp_shard": 2}
+
+
+@pytest.mark.parametrize("pipe_rank, sizes", [(0, EMBED + LAYER), (1, 2 * LAYER), (2, LAYER), (3, NORM + EMBED)])
+def test_pp4_stage_bytes_by_hand(llama4, pipe_rank, sizes):
+    sim = simulate_rank(_spec(llama4, world_size=8, pp=4), 2 * pipe_rank, steps=1)
+    terms = _terms(sim)
+    sharded, gathered = _held(sizes, 2)
+    assert terms["sharded parameters"] == sharded and terms["optimizer states (sharded)"] == 2 * sharded
+    assert terms["gathered parameters"] == gathered
+
+
+@pytest.mark.parametrize("rank, sched, k", [(0, "1f1b", 2), (0, "gpipe", 4), (2, "1f1b", 1), (2, "gpipe", 4)])
+def test_1f1b_holds_pp_minus_stage_micro_batches_gpipe_all_of_them(llama4, one_mb, rank, sched, k):
+    # 4 micro-batches of one sequence: the first stage runs 2 (pp - 0) forwards before its first backward under 1F1B,
+    # all 4 under GPipe; the last stage 1 and 4. Each forward's saved activations are one micro-batch's (one_mb)
+    assert in_flight(schedule_order(sched, 2, rank // 2, 4)) == k
+    sim = simulate_rank(_spec(llama4, batch_size=4, pp_schedule=sched), rank, steps=1)
+    assert _terms(sim)["activations"] == k * _terms(one_mb[rank])["activations"]
+    assert sim.wrapper.facts["microbatches_in_flight"] == k
+
+
+def _live_most(log, module: str, nbytes: int) -> tuple[int, int]:
+    """(how many storages of ``nbytes`` allocated in ``module`` during forward, the most alive at once)."""
+    mid = log.modules.index(module)
+    live, most, made = set(), 0, 0
+    for ev in log.events:
+        if ev[0] == ALLOC and ev.module == mid and ev.nbytes == nbytes and ev.phase == "forward":
+            live.add(ev.key)
+            made += 1
+            most = max(most, len(live))
+        elif ev[0] == FREE:
+            live.discard(ev.key)
+    return made, most
+
+
+@pytest.mark.parametrize("sched, most", [("1f1b", 1), ("gpipe", 4)])
+def test_the_last_stage_holds_each_micro_batchs_logits_until_its_backward(llama4, sched, most):
+    sim = simulate_rank(_spec(llama4, batch_size=4, pp_schedule=sched), 2, steps=1)
+    logits = 1 * 16 * 256 * 4         # one sequence of 16 tokens over the 256-word vocabulary, fp32
+    assert _live_most(sim.log, "stage1.lm_head", logits) == (4, most)
+    # a receive buffer per micro-batch for its input activations (the hidden states), none for gradients (last stage)
+    assert sim.wrapper.facts["recv_buffers"] == 4 and sim.wrapper.facts["recv_buffer_shape"] == [1, 16, 64]
+    comm = sum(ev.nbytes for ev in sim.log.events if ev[0] == ALLOC and sim.log.modules[ev.module] == "(pipeline P2P receive buffers)")
+    assert comm == 4 * 16 * 64 * 4
+
+
+def test_interleaved_runs_torchs_own_order_over_the_ranks_virtual_stages(llama4):
+    spec = _spec(llama4, batch_size=4, pp_schedule="interleaved-1f1b", virtual_stages=2)
+    sim = simulate_rank(spec, 0, steps=1)
+    # 4 stages of a 4-layer model: pipeline rank 0 holds stage 0 (embedding + layer 0) and stage 2 (layer 3)
+    assert sim.wrapper.facts["stages"] == {"0": "embedding + layer 0", "2": "layer 3"}
+    order = schedule_order("interleaved-1f1b", 2, 0, 4, 2)
+    assert order[:5] == [(0, "F", 0), (0, "F", 1), (2, "F", 0), (2, "F", 1), (0, "F", 2)]
+    # torch's warm-up on rank 0: (V - 1) x 2 micro-batches a round + 2 x (pp - 1 - rank) = 4 forwards, and its 1F1B
+    # phase starts with a forward before the first backward: 5 micro-batch stages in flight (the plain 1F1B's 2, x 2.5)
+    assert sim.wrapper.facts["microbatches_in_flight"] == in_flight(order) == 5
+    assert _terms(sim)["sharded parameters"] == _held(EMBED + 2 * LAYER, 2)[0]
+
+
+def test_every_pipeline_rank_is_reported_and_the_headline_reserves_most(llama4):
+    r = estimate_ranks(_spec(llama4, batch_size=2, pp_schedule="1f1b"), steps=1)
+    ranks = r.data["ranks"]
+    assert [(e["rank"], e["ranks"]) for e in ranks] == [(0, [0, 1]), (2, [2, 3])]
+    top = max(ranks, key=lambda e: (e["peak_reserved_bytes"], e["peak_allocated_bytes"]))   # a tie: the larger allocated
+    assert r.data["peak_rank"] == top["rank"] and r.peak_reserved_bytes == top["peak_reserved_bytes"]
+    assert f"the headline is the simulated rank with the largest reserved peak: rank {top['rank']}, pipeline rank" in " ".join(r.notes)
+
+
+def test_pp_stage_picks_the_pipeline_rank_reported(llama4):
+    r = estimate_ranks(_spec(llama4, pp_stage=1), steps=1)
+    assert [(e["rank"], e["ranks"]) for e in r.data["ranks"]] == [(2, [2, 3])]
+    assert r.data["ranks"][0]["why"].startswith("pipeline rank 1 (stage 1: layers 2-3 + norm + lm_head + loss)")
+    assert r.data["strategy"] == ("PP x FSDP2: 2 pipeline ranks (gpipe, 1 micro-batches), FSDP2 over 2; "
+                                  "pipeline rank p is ranks 2p-2p+1")
+    assert _spec(llama4, world_size=8).effective_batch_size == 4     # 8 GPUs / 2 stages = 4 data-parallel pipelines
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"sharding": "ddp"}, "--pp 2 composes with FSDP2 over each stage's data-parallel GPUs (torchtitan's PP x FSDP), "
+     "not with --sharding ddp"),
+    ({"pp_schedule": "zbv"}, "--pp-schedule zbv: zero-bubble schedules split each backward into an input and a weight "
+     "pass, which memlens does not model"),
+    ({"pp_schedule": "1f1b", "batch_size": 1}, "--pp 2 1f1b with 1 micro-batches: torch's Schedule1F1B needs at least "
+     "one per stage"),
+    ({"batch_size": 3, "pp_microbatches": 2}, "--pp-microbatches 2 must divide the local batch of 3 (--batch-size: each "
+     "data-parallel rank's batch, split into micro-batches)"),
+    ({"world_size": 3}, "--pp 2 must divide --world-size 3 (pipeline stages x data-parallel GPUs) with an FSDP2 sharding"),
+    ({"virtual_stages": 2}, "--pp-schedule gpipe with --virtual-stages 2: the interleaved schedule runs 2 or more stages "
+     "per rank, the others one"),
+    ({"pp_stage": 2}, "--pp-stage 2 must be a pipeline rank between 0 and 1"),
+    ({"world_size": 8, "tp": 2}, "--pp 2 with --tp: pipeline stages are modelled with FSDP2 alone"),
+    ({"grad_accum": 2}, "--pp 2 with --grad-accum: the schedule's micro-batches are the accumulation (use "
+     "--pp-microbatches) is not modelled"),
+])
+def test_what_is_not_modelled_is_refused_in_one_line(fields, message):
+    with pytest.raises(SpecError) as e:
+        _spec(LLAMA, **fields)
+    assert e.value.message == message
+
+
+def test_a_model_without_llamas_modules_and_too_many_stages_are_refused():
+    with pytest.raises(SpecError, match=r"^--pp splits a Llama-style causal LM .* and GPT2LMHeadModel has no model.embed_tokens"):
+        simulate_rank(_spec("tests/fixtures/models/tiny-gpt2"), 0, steps=1)
+    with pytest.raises(SpecError, match=r"^--pp: 8 stages are more than the model's 2 layers"):   # 2 layers + 2 over 8
+        simulate_rank(_spec(LLAMA, world_size=8, pp=8), 0, steps=1)
+    with pytest.raises(SpecError, match=r"^--pp-schedule is pipeline parallel's"):
+        TrainingSpec(model=LLAMA, pp_schedule="gpipe")
