@@ -116,10 +116,10 @@ def check(plan, *, fake: bool) -> None:
     if spec.qlora:
         raise SpecError(f"--qlora with --sharding {sh.name} is not simulated per rank",
                         hint="use --lora-rank with bf16 weights, or one GPU")
-    if spec.pp > 1:
-        from .pp import check_pp
-
-        check_pp(plan, fake=fake)
+    if spec.pp > 1 and not fake:   # memlens.step.parallel.pp: a pipeline rank runs its stage without P2P sends
+        raise SpecError(f"--pp {spec.pp} is estimated, not run on a device: memlens' pipeline rank runs its stage "
+                        "without torch's P2P sends", hint="use `memlens estimate`; bench/gpu_mesh.py pp runs "
+                        "torch's own schedule on GPUs")
     if plan.kind.refuse_ranks is not None:
         plan.kind.refuse_ranks(plan)   # DP-SGD: DPDDP or ghost_fsdp; --compile: not per rank
     if plan.hf_trainer:

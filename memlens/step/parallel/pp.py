@@ -354,12 +354,4 @@ def _decoder(model):
     return inner
 
 
-def check_pp(plan, *, fake: bool) -> None:
-    """The wrapper's own refusals (a plan with --pp)."""
-    if not fake:
-        raise SpecError(f"--pp {plan.spec.pp} is estimated, not run on a device: memlens' pipeline rank runs its stage "
-                        "without torch's P2P sends", hint="use `memlens estimate`; bench/gpu_mesh.py --part pp2 runs "
-                        "torch's own schedule on GPUs")
-
-
-__all__ = ["PPWrapper", "check_pp", "in_flight", "schedule_order", "split_layers"]
+__all__ = ["PPWrapper", "in_flight", "schedule_order", "split_layers"]
