@@ -152,3 +152,13 @@ def test_hsdp_replicas_of_dp_shard_x_cp_hold_what_fsdp2_over_that_group_holds():
     assert ([(e["peak_allocated_bytes"], e["peak_reserved_bytes"]) for e in hsdp.data["ranks"]]
             == [(e["peak_allocated_bytes"], e["peak_reserved_bytes"]) for e in fsdp.data["ranks"]])
     assert CP2.replace(world_size=8, sharding="hsdp", shard_size=4).effective_batch_size == 2 * 8 // 2
+
+
+def test_the_step_time_prices_one_attention_kernel_per_ring_step(cp2):
+    # rank 0 of a 2-way ring runs the fused kernel twice a layer (its own chunk, then the other's K/V): 2 layers,
+    # 2 steps, forward and backward, each on its L/2 queries against L/2 keys
+    tr = cp2[0].timing
+    attn = Counter(f.kind for _, _, f in tr.rows if f.kind in ("attn_fwd", "attn_bwd"))
+    assert attn == {"attn_fwd": 2 * 2, "attn_bwd": 2 * 2}
+    f = next(f for _, _, f in tr.rows if f.kind == "attn_fwd")
+    assert (f.seq, f.hd, f.causal) == (L // 2, D, True)

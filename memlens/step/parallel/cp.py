@@ -253,6 +253,10 @@ def ring_attention_function(group, kernel_forward, kernel_backward):
             return dq, dk, dv, None, None
 
     RingAttention.refuse = staticmethod(refuse)
+    # the kernel calls one SDPA is on this rank (the step-time model prices each: memlens.estimator.cuda_rules.cuda_sdpa):
+    # a step per rank of the ring, each the local queries against one K/V chunk; with head-tail load balancing a
+    # rank's causal work is its share of the whole causal attention, cp causal chunks' worth
+    RingAttention.ring_steps = group.size()
     return RingAttention
 
 
