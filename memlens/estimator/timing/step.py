@@ -18,7 +18,7 @@ import math
 from collections import defaultdict
 
 from ...core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, gpu_facts
-from ...core.parallel import data_parallel_ranks, shard_degree, sharding_of
+from ...core.parallel import data_parallel_ranks, is_distributed, shard_degree, sharding_of
 from ...core.precision import precision_of
 from .ops_kinds import ATTN_BWD, ATTN_FWD, COMM
 from .tables import TimingTable, table_for
@@ -100,7 +100,7 @@ def optimizer_seconds(spec, trainable: int, tensors: int, tab: TimingTable) -> t
 
 def collective_seconds(spec, params: int, trainable: int, blocks: int, backward: float, forward: float,
                        micro: int, tab: TimingTable) -> float:
-    """Exposed NCCL time of one step of ``spec.world_size`` ranks.
+    """Exposed NCCL time of one step of a multi-GPU job.
 
     DDP (torch/nn/parallel/distributed.py, reducer.cpp): gradients all-reduced in buckets of ``bucket_cap_mb``
     (25 MiB) as backward produces them (once per step: accumulation under no_sync), overlapped with the backward of
@@ -109,7 +109,7 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     forward and (resharded after forward) again in backward, and reduce-scatters its gradients; the next block's
     gather is prefetched under the current block's compute, so exposed is what exceeds the phase's compute, plus
     the first block's gather."""
-    if spec.world_size <= 1:
+    if not is_distributed(spec):
         return 0.0
     pb = _dtype_bytes(precision_of(spec).weights)
     sh = sharding_of(spec)

@@ -50,6 +50,7 @@ from types import SimpleNamespace
 
 from ...core.enums import Category
 from ...core.errors import SpecError
+from ...core.parallel import data_parallel_ranks
 from .base import RankGroup
 from .fsdp import FSDPWrapper
 
@@ -185,7 +186,7 @@ class PPWrapper(FSDPWrapper):
     @staticmethod
     def first_rank(spec) -> int:
         """The rank simulated first: --pp-stage's first data-parallel rank (else rank 0, stage 0's)."""
-        return (spec.pp_stage or 0) * (spec.world_size // spec.pp)
+        return (spec.pp_stage or 0) * data_parallel_ranks(spec)   # pp is the outermost mesh dim (torchtitan's)
 
     @property
     def strategy(self) -> str:
