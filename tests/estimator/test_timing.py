@@ -245,3 +245,13 @@ def test_a_memory_bound_op_is_priced_by_its_layout_where_measured_else_by_its_na
     assert tab.op_seconds("mul/bcast", 1e9) == pytest.approx(0.02)
     assert tab.op_seconds("mul/strided", 1e9) == pytest.approx(0.01)    # not measured: the op's own rate
     assert tab.op_seconds("cat/strided", 1e9) == pytest.approx(0.01)    # neither: a copy's
+
+
+def test_each_rank_prices_its_own_share_of_the_optimizer_step():
+    from memlens.estimator.ranks import simulate_rank
+
+    base = dict(model="tests/fixtures/tiny-llama", batch_size=2, seq_len=32, world_size=4, precision="bf16")
+    opt = {name: step_mod.step_time(simulate_rank(TrainingSpec(**base, **kw), 0, steps=1))["parts"]["optimizer"]
+           for name, kw in (("fsdp4", dict(sharding="fsdp")), ("tp2xfsdp2", dict(sharding="fsdp", tp=2)))}
+    # FSDP2 over 4 ranks and FSDP2 over 2 x TP over 2 both leave a quarter of every tensor on a rank
+    assert opt["tp2xfsdp2"] == pytest.approx(opt["fsdp4"])

@@ -182,7 +182,12 @@ def _step_time(sim, tr) -> dict:
             comm += r[2] * m * k
     ranks = data_parallel_ranks(spec)
     sh = sharding_of(spec)
-    trainable = sim.trainable_count // (ranks if sh.shards_optimizer_state and ranks > 1 else 1)
+    tp = max(1, getattr(spec, "tp", 1) or 1)
+    # the optimizer's share on this rank: FSDP2 shards every tensor over its shard group, over TP-local tensors;
+    # ZeroRedundancyOptimizer (zero1) hands whole tensors to each data-parallel rank
+    fsdp = sh.family == "fsdp" and sh.shards_optimizer_state
+    div = shard_degree(spec) * tp if fsdp else ranks if sh.shards_optimizer_state and ranks > 1 else 1
+    trainable = sim.trainable_count // max(1, div)
     copies = tr.layers - tr.stack.depth if tr.stack is not None and tr.layers else 0
     tensors = tr.trainable_tensors + copies * tr.layer_tensors
     pb = _dtype_bytes(precision_of(spec).weights)
@@ -200,7 +205,7 @@ def _step_time(sim, tr) -> dict:
         parts["offload"] += tab.pcie_seconds(trainable * pb, "d2h") + tab.pcie_seconds(trainable * pb, "h2d")
         parts["optimizer"] += trainable / HOST_CPU_ADAM_PARAMS_PER_S
     else:
-        og, oh = optimizer_seconds(spec, trainable, max(1, tensors // (ranks if sh.shards_optimizer_state else 1)), tab)
+        og, oh = optimizer_seconds(spec, trainable, max(1, tensors // (1 if fsdp else div)), tab)
         og *= tab.optimizer_ratio.get(_optimizer_kind(spec), 1.0)
         parts["optimizer"] += og
         parts["host"] += max(0.0, oh - og)
