@@ -3,7 +3,7 @@
 On the GPU (``profiled_step``, called by bench/gpu_step_time.py ``--profile`` after a case's timed steps): one more
 step under torch.profiler; every CUDA kernel is attributed to the aten op that launched it (the innermost CPU op
 of its correlation id) and to a phase (backward when an ancestor is an autograd-engine node, else the step loop's
-phase mark around it), then summed per (phase, op name): kernel seconds, kernels, launching ops. Per phase also the kernel seconds and the
+phase region around it), then summed per (phase, op name): kernel seconds, kernels, launching ops. Per phase also the kernel seconds and the
 aten ops dispatched (all, and those called from outside another aten op): the phase's duration measured without
 the profiler (CUDA events) minus its kernel seconds is where the GPU waited on the host.
 
@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 ENGINE = "autograd::engine::evaluate_function"
-PHASE_TAG = "memlens_phase::"
+PHASE_TAG = "memlens/"      # memlens.measure.phase_time.PhaseRegions' region names
 # fused attention: the kernels attach to the innermost op (the flash/efficient call under SDPA's wrapper)
 ATTN_NAMES = {"aten::_cudnn_attention_forward": "attention_fwd", "aten::_cudnn_attention_backward": "attention_bwd",
               "aten::_flash_attention_forward": "attention_fwd", "aten::_efficient_attention_forward": "attention_fwd",
@@ -42,34 +42,17 @@ def op_key(name: str) -> str:
 
 
 # ---------------------------------------------------------------- GPU side
-class _Phases:
-    """The step loop's phase hook, opening a profiler range per phase on the main thread."""
-
-    def __init__(self, torch):
-        self.torch = torch
-        self.cur = None
-
-    def __call__(self, name: str) -> None:
-        if self.cur is not None:
-            self.cur.__exit__(None, None, None)
-        self.cur = self.torch.profiler.record_function(PHASE_TAG + name)
-        self.cur.__enter__()
-
-    def close(self) -> None:
-        if self.cur is not None:
-            self.cur.__exit__(None, None, None)
-            self.cur = None
-
-
 def profiled_step(step, torch, dev) -> dict:
     """One step of ``step`` under torch.profiler, summed per (phase, op) and per phase (module docstring)."""
     from torch.profiler import ProfilerActivity, profile
 
-    hook = _Phases(torch)
+    from memlens.measure.phase_time import PhaseRegions
+
+    regions = PhaseRegions(torch)
     torch.cuda.synchronize(dev)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-        step.run(hook)
-        hook.close()
+        step.run(regions.on_phase)
+        regions.close()
         torch.cuda.synchronize(dev)
     return summarize(prof.events())
 
@@ -81,7 +64,7 @@ def _phase_of(ev) -> str:
             return "backward"
         if p.name.startswith(PHASE_TAG):
             ph = p.name[len(PHASE_TAG):]
-            return "forward" if ph in ("reference", "generation") else "optimizer" if ph == "clip" else ph
+            return "optimizer" if ph == "clip" else ph
         p = p.cpu_parent
     return "other"
 

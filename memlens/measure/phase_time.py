@@ -12,6 +12,8 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
+from ..core.enums import MEASURED_PHASES
+
 # what each mark starts, in the step-time parts' names (memlens.estimator.timing.step.PARTS): checkpoint recompute
 # runs inside backward (measured together), clipping with the optimizer
 PHASE_PART = {"forward": "forward", "reference": "forward", "generation": "forward", "backward": "backward",
@@ -58,3 +60,25 @@ class PhaseTimer:
         first, last = self.marks[0][1], self.marks[-1][1]
         out["step"] = first.elapsed_time(last) / 1e3 if self.cuda else last - first
         return dict(out)
+
+
+class PhaseRegions:
+    """torch.profiler regions ``memlens/forward``, ``/backward``, ``/clip``, ``/optimizer`` opened at the step loop's
+    phase marks on the main thread (its ``on_phase``): profile's trace, and bench/op_profile.py's kernels by phase."""
+
+    PREFIX = "memlens/"
+
+    def __init__(self, torch):
+        self.torch = torch
+        self.cur = None
+
+    def on_phase(self, name: str) -> None:
+        self.close()
+        if name in MEASURED_PHASES:
+            self.cur = self.torch.autograd.profiler.record_function(self.PREFIX + name)
+            self.cur.__enter__()
+
+    def close(self) -> None:
+        if self.cur is not None:
+            self.cur.__exit__(None, None, None)
+            self.cur = None

@@ -23,7 +23,7 @@ from ..models.build import quiet
 from ..models.source import resolve
 from ..step import prepare
 from .launch import profile_distributed
-from .phase_time import PhaseTimer
+from .phase_time import PhaseRegions, PhaseTimer
 from .profiler import Profiler, _resolve_device
 
 
@@ -90,7 +90,7 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         prof = Profiler(step.model, dp.original_optimizer if dp else step.optimizer, device=dev, mode=mode,
                         record_snapshot=snapshot, torch_profiler=torch_profiler, spec=spec.to_dict(), gather=gather)
         prof.setup_snapshots = setup.snapshots()
-        regions = _Regions(torch) if torch_profiler else None
+        regions = PhaseRegions(torch) if torch_profiler else None
         on_phase = _dp_phases(prof, dp, regions) if dp else (regions.on_phase if regions else (lambda name: None))
         if dp:
             dp.observer = prof
@@ -239,22 +239,6 @@ class SetupMeter:
         return [Snapshot(x["label"], 0, x["phase"], x["t"] - t_end, int(x["allocated"]), int(x["reserved"]),
                          int(x["allocated"]), int(x["peak"]), int(x["peak_reserved"]), x["phase"], x["exact"],
                          running_max_bytes=int(x["peak"])) for x in self.readings]
-
-
-class _Regions:
-    """record_function regions memlens/forward, /backward, /optimizer for torch.profiler (main thread)."""
-
-    def __init__(self, torch):
-        self.torch = torch
-        self.cur = None
-
-    def on_phase(self, name: str) -> None:
-        if self.cur is not None:
-            self.cur.__exit__(None, None, None)
-            self.cur = None
-        if name in MEASURED_PHASES:
-            self.cur = self.torch.autograd.profiler.record_function(f"memlens/{name}")
-            self.cur.__enter__()
 
 
 def measured_step_time(times: list[dict], cuda: bool) -> dict[str, Any] | None:
