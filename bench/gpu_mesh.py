@@ -8,6 +8,7 @@ Run on a 4-GPU machine from the repo root (6 mesh cases: about 7 minutes on 4 x 
     python bench/gpu_mesh.py cp2        # only context parallel: CP 2 x FSDP2 2 (torch's ring attention)
     python bench/gpu_mesh.py pp         # only pipeline parallel (pp2: PP 2 x FSDP2 2 with 1F1B, GPipe, interleaved; pp4)
     python bench/gpu_mesh.py profile    # only `memlens profile --world-size 4` of each mesh (about 3 minutes)
+    python bench/gpu_mesh.py 2nodes     # only `memlens profile --nnodes 2 --nproc-per-node 2` (two agents, GPUs 0-1 and 2-3)
 
 Each case runs in its own torchrun job through bench/gpu_runner.py (cases already in the JSONL are skipped, --fresh
 starts over, --list names them; bench/gpu_distributed.py's rank code: memlens.step.prepare builds the very
@@ -102,6 +103,44 @@ def profile_run(out: Path, name: str) -> str:
         text, rc = "timeout", "timeout"
     (out / f"{name}.txt").write_text(" ".join(cmd[2:]) + "\n" + text)
     return f"{name}: rc={rc} {time.time() - t:.0f}s (output in {out / (name + '.txt')})"
+
+
+def two_nodes_run(out: Path) -> str:
+    """`memlens profile` as two nodes of 2 GPUs each on this host (issue 37, item 4): two agents started at once, GPUs 0-1
+    and 2-3 (CUDA_VISIBLE_DEVICES), meeting at a c10d rendezvous on localhost; HSDP 2 x 2 (shard within a node, replicate
+    across). The node whose agent got rank 0 writes every rank's record; each node's output and result.json kept under
+    $OUT/profile-2nodes/node{0,1}."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = out / "profile-2nodes"
+    base = [sys.executable, "-m", "memlens.cli.main", "profile", "--model", "llama-3.2-1b", "--batch-size", "4", "--seq-len", "1024",
+            "--precision", "amp-bf16", "--world-size", str(WORLD), "--sharding", "hsdp", "--shard-size", "2", "--steps", "3",
+            "--compare-estimate", "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [q for q in os.environ.get("PYTHONPATH", "").split(os.pathsep) if q]),
+               COLUMNS="160")
+    t = time.time()
+    procs = {k: subprocess.Popen(base + ["--out", str(d / f"node{k}")], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env=dict(env, CUDA_VISIBLE_DEVICES=gpus), start_new_session=True)
+             for k, gpus in ((0, "0,1"), (1, "2,3"))}
+    lines = []
+    for k, p in procs.items():
+        try:
+            text, _ = p.communicate(timeout=max(1, 360 - (time.time() - t)))
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                try:
+                    os.killpg(q.pid, 9)
+                except ProcessLookupError:
+                    pass
+            text = (p.communicate()[0] or "") + "\ntimeout"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"node{k}.txt").write_text(" ".join(base[2:]) + f" --out node{k}\n" + text)
+        lines.append(f"node{k}: rc={p.returncode}")
+    return f"profile-2nodes: {' '.join(lines)} {time.time() - t:.0f}s (outputs in {d})"
 
 
 def gpu_name() -> str:
@@ -208,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
         list_or_run(a, todo, launcher=torchrun, columns=COLUMNS, meta=lambda c: _estimate_meta(c.payload, gpu), **run)
     for name in profiles:                      # the CLI path, after the per-case runs
         print(profile_run(out, name), flush=True)
+    if any(f in "profile-2nodes" for f in a.filters):     # `python bench/gpu_mesh.py 2nodes`: two torchrun agents, one host
+        print(two_nodes_run(out), flush=True)
     names = {c.name for c in select(as_cases(todo), a.filters)}
     recs = [r for n, r in last_records(read_jsonl(out / JSONL)).items() if n in names]
     env_path = out / "gpu_mesh_env.json"
