@@ -19,6 +19,21 @@ from .events import EventLog
 _ITEM = torch.ops.aten._local_scalar_dense.default
 
 
+def _wait_tensor():
+    """``_c10d_functional.wait_tensor`` (None where torch.distributed is not built)."""
+    try:
+        return torch.ops._c10d_functional.wait_tensor.default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+# torch.distributed's functional collectives: on CUDA ``wait_tensor`` waits for the collective and returns its input
+# (torch/csrc/distributed/c10d/Functional.cpp), but its Meta kernel, which fake tensors run, returns
+# ``torch.empty_like(input)`` (torch/distributed/_functional_collectives.py): a second storage the size of the gathered
+# tensor that the GPU never allocates (TP's all-gathered logits: one more segment of their size in the reserved peak)
+_WAIT_TENSOR = _wait_tensor()
+
+
 def _is_fake(t) -> bool:
     from torch._subclasses.fake_tensor import FakeTensor  # heavy: torch, loaded on first use
 
@@ -200,6 +215,8 @@ class StorageTracker(TorchDispatchMode):
             # an optimizer reading a value (Adafactor's parameter RMS) only scales its update:
             # any number gives the same allocations, and a fake tensor has none to give
             return 1.0 if args[0].is_floating_point() else 1
+        if func is _WAIT_TENSOR and _is_fake(args[0]):
+            return args[0]
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):
             flat = (out,)
