@@ -13,6 +13,12 @@ def cases(world_size: int) -> list[tuple[str, dict]]:
                                                    gradient_as_bucket_view=True, **d)),
         ("ddp-llama1b-bf16-b2-L1024", dict(model="llama-3.2-1b", batch_size=2, seq_len=1024, precision="bf16", sharding="ddp", **d)),
         ("zero1-gpt2m-fp32-b2-L512", dict(model="gpt2-medium", batch_size=2, seq_len=512, sharding="zero1", **d)),
+        # issue 37: GPT-2 medium amp-bf16 (bench/gpu_ddp_gpt2_probe.py's shape) and Llama under ZeRO-1
+        ("ddp-gpt2m-ampbf16-b4-L512", dict(model="gpt2-medium", batch_size=4, seq_len=512, precision="amp-bf16", sharding="ddp", **d)),
+        ("zero1-gpt2m-ampbf16-b4-L512", dict(model="gpt2-medium", batch_size=4, seq_len=512, precision="amp-bf16", sharding="zero1",
+                                              **d)),
+        ("zero1-llama1b-bf16-b2-L1024", dict(model="llama-3.2-1b", batch_size=2, seq_len=1024, precision="bf16", sharding="zero1",
+                                              **d)),
         ("fsdp-llama1b-bf16-b4-L1024", dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16", sharding="fsdp", **d)),
         ("fsdp-llama1b-ampbf16-ckpt-b4-L2048", dict(model="llama-3.2-1b", batch_size=4, seq_len=2048, precision="amp-bf16",
                                                      grad_checkpointing=True, sharding="fsdp", **d)),

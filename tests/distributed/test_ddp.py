@@ -53,7 +53,7 @@ def test_buckets_are_communication_and_gradient_views_save_a_copy():
     assert plain.peak_allocated_bytes - view.peak_allocated_bytes == B1 + W1
 
 
-def test_the_old_buckets_live_until_the_third_forward_and_not_under_zero1():
+def test_the_old_buckets_live_until_the_third_forward_under_ddp_and_zero1():
     import torch
 
     sim = _sim()
@@ -62,10 +62,11 @@ def test_the_old_buckets_live_until_the_third_forward_and_not_under_zero1():
     with torch.enable_grad():
         red._pre_forward(None, ())                                       # step 3's forward: the watchdog has reaped them
     assert red.forwards == 3 and red.stale == []
+    # ZeRO-1 (DDP's Reducer under ZeroRedundancyOptimizer): the same race (measured: held on both ranks of a user loop)
     spec = TrainingSpec(model="tests.distributed.dist_models:three", world_size=2, sharding="zero1", optimizer="sgd")
-    assert simulate_rank(spec, 0).wrapper.reducer.stale == []
-    zero1 = analyze(simulate_rank(spec, 0).log)
-    assert zero1.by_category["communication"] == W0 + W1 + B1
+    assert [t.numel() * 4 for t in simulate_rank(spec, 0).wrapper.reducer.stale] == [W0 + W1 + B1]
+    assert analyze(simulate_rank(spec, 0).log).by_category["communication"] == 2 * (W0 + W1 + B1)
+    assert analyze(simulate_rank(spec, 0, stale_buckets=False).log).by_category["communication"] == W0 + W1 + B1
 
 
 def test_every_ddp_rank_is_the_same():
@@ -113,5 +114,6 @@ def test_the_estimate_reports_the_expected_peak_and_the_stale_buckets_as_the_wor
     assert rank["peak_allocated_bytes"] == expected.peak_allocated_bytes
     assert rank["worst_case"]["peak_allocated_bytes"] == worst.peak_allocated_bytes
     assert any(n.startswith("peak (expected): without DDP's stale buckets; worst case ") for n in r.notes)
-    # ZeRO-1 never holds them: no worst case
-    assert "worst_case" not in estimate(spec.replace(sharding="zero1")).data.to_dict()
+    # ZeRO-1 may hold them too: the same worst case, the expected peak without them
+    z = estimate(spec.replace(sharding="zero1"))
+    assert z.data.worst_case["peak_allocated_bytes"] - z.peak_allocated_bytes == W0 + W1 + B1

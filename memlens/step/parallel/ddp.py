@@ -31,10 +31,11 @@ nn/parallel/distributed.py, torch 2.x):
   step 2's forward to as late as step 3's forward. A simulated rank keeps it until step 3's forward,
   the worst case, unless ``HOLD_STALE_BUCKETS`` is False (the expected case: reaped before the
   rebuild); whether a given rank sees it depends on the watchdog's timing, so
-  :mod:`memlens.estimator.ranks` simulates both and reports the expected peak with the worst case beside it. ZeRO-1 is the
-  exception: its first optimizer step builds its partitions and blocks on one broadcast per
-  parameter, long enough for the watchdog to reap step 1's Works before the rebuild (measured: no
-  stale set on either rank);
+  :mod:`memlens.estimator.ranks` simulates both and reports the expected peak with the worst case beside it. ZeRO-1 too:
+  its first optimizer step builds its partitions and blocks on one broadcast per parameter, often
+  long enough for the watchdog to reap step 1's Works before the rebuild, not always (measured on
+  2 x H200, GPT-2 medium amp-bf16: memlens' own step without the stale set, a plain user loop over
+  ZeroRedundancyOptimizer with it on both ranks, bench/gpu_ddp_gpt2_probe.py);
 - every forward: buffers are broadcast from rank 0 (``broadcast_buffers=True``) through the same
   ``broadcast_coalesced`` flats.
 
@@ -233,7 +234,6 @@ class DDPWrapper(Wrapper):
     """``DistributedDataParallel`` on a device; :class:`SimulatedReducer` on fake tensors."""
 
     name = "ddp"
-    holds_stale_buckets = True
 
     def __init__(self, spec: TrainingSpec, **kw):
         super().__init__(spec, **kw)
@@ -248,7 +248,7 @@ class DDPWrapper(Wrapper):
         if self.fake:
             model = materialize_on_fake(model, fake_mode)
             self.reducer = SimulatedReducer(model, self.spec)
-            self.reducer.hold_stale = self.holds_stale_buckets and HOLD_STALE_BUCKETS.get()
+            self.reducer.hold_stale = HOLD_STALE_BUCKETS.get()
             return model
         from torch.nn.parallel import DistributedDataParallel  # heavy: torch, loaded on first use
 
@@ -275,7 +275,6 @@ class Zero1Wrapper(DDPWrapper):
     """DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` over the spec's optimizer."""
 
     name = "zero1"
-    holds_stale_buckets = False        # its first step outlasts the watchdog's wake-up (module docstring)
 
     def __init__(self, spec: TrainingSpec, **kw):
         super().__init__(spec, **kw)
