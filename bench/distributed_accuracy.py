@@ -1,7 +1,7 @@
 """Compare `memlens estimate --world-size N` with every rank measured on N GPUs (bench/gpu_distributed.py).
 
 python bench/distributed_accuracy.py OUT_DIR/gpu_distributed.jsonl [case-substring ...]
-Writes bench/results/distributed_accuracy.json and .md: per case and per rank, measured and estimated
+Writes bench/results/distributed_accuracy.json and .md (on N = 2 GPUs; distributed_accuracy_wsN.* on N others): per case and per rank, measured and estimated
 max_memory_allocated and max_memory_reserved and their errors; NVML per process and NCCL's own
 memory as measured (the figure memlens.core.gpus.NCCL_MEASURED takes); per case, the rank that
 peaks (a job fails when any rank runs out, so that is the figure a fit decision needs).
@@ -130,10 +130,11 @@ def main() -> None:
     if args:
         return
     out = os.path.join(HERE, "results")
-    ws = env.get("world_size", "N")
-    with open(os.path.join(out, "distributed_accuracy.json"), "w") as f:
+    ws = env.get("world_size") or env.get("gpus") or "N"
+    stem = "distributed_accuracy" if ws in (2, "N") else f"distributed_accuracy_ws{ws}"     # 2 GPUs: the first file
+    with open(os.path.join(out, f"{stem}.json"), "w") as f:
         json.dump({"summary": summary, "rows": rows, "cases": cases}, f, indent=1)
-    with open(os.path.join(out, "distributed_accuracy.md"), "w") as f:
+    with open(os.path.join(out, f"{stem}.md"), "w") as f:
         f.write(f"# per-rank estimate vs {ws} x {env.get('device')} (torch {env.get('torch')}, NCCL {env.get('nccl')}, "
                 f"transformers {env.get('transformers')})\n\n")
         if worst:

@@ -8,6 +8,7 @@ Run on a 4-GPU machine from the repo root (6 mesh cases: about 7 minutes on 4 x 
     python bench/gpu_mesh.py cp2        # only context parallel: CP 2 x FSDP2 2 (torch's ring attention)
     python bench/gpu_mesh.py pp         # only pipeline parallel (pp2: PP 2 x FSDP2 2 with 1F1B, GPipe, interleaved; pp4)
     python bench/gpu_mesh.py profile    # only `memlens profile --world-size 4` of each mesh (about 3 minutes)
+    python bench/gpu_mesh.py --reestimate A/gpu_mesh.jsonl B/gpu_mesh.jsonl --out DIR   # no GPU: estimated again
     python bench/gpu_mesh.py 2nodes     # only `memlens profile --nnodes 2 --nproc-per-node 2` (two agents, GPUs 0-1 and 2-3)
 
 Each case runs in its own torchrun job through bench/gpu_runner.py (cases already in the JSONL are skipped, --fresh
@@ -224,10 +225,39 @@ COLUMNS = [("ranks: max allocated GiB", lambda r: " ".join(f"r{x['rank']}={gib(x
             or "-")]
 
 
+def reestimate(paths: list[str], out: Path, filters: list[str]) -> None:
+    """No GPU: the measured records of earlier runs (their JSONL and the gpu_mesh_env.json beside each) estimated again
+    with this checkout's memlens; written to OUT/gpu_mesh.jsonl and OUT/gpu_mesh.md (what bench/results commits)."""
+    recs, env = [], {}
+    for p in map(Path, paths):
+        env = env or (json.loads((p.parent / "gpu_mesh_env.json").read_text()) if (p.parent / "gpu_mesh_env.json").exists() else {})
+        recs += [r for n, r in last_records(read_jsonl(p)).items() if not filters or any(f in n for f in filters)]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / JSONL, "w") as f:
+        for rec in recs:
+            gpu = rec.get("gpu") or ("h200" if "H200" in env.get("device", "") else "h100")
+            rec = dict(rec, estimate=estimate(rec["spec"], gpu), estimated_by=_checkout())
+            print(f"{rec['name']}: estimated again in {rec['estimate']['seconds']} s", flush=True)
+            f.write(json.dumps(rec) + "\n")
+    text = markdown([json.loads(line) for line in open(out / JSONL)], env)
+    (out / "gpu_mesh.md").write_text(text + "\n")
+    print("\n" + text)
+
+
+def _checkout() -> str:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = runner_args(__doc__.splitlines()[0], timeout=CASE_TIMEOUT)
+    ap.add_argument("--reestimate", nargs="+", metavar="JSONL", help="no GPU: earlier runs' records estimated again")
     a = ap.parse_args(argv)
     out = Path(a.out)
+    if a.reestimate:
+        reestimate(a.reestimate, out, a.filters)
+        return
     profiles = [n for n in PROFILES if any(f in n for f in a.filters)]      # only when asked: `python bench/gpu_mesh.py profile`
     todo = cases(TINY if a.dry_run else LLAMA_1B)
     if a.list:
