@@ -78,11 +78,14 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPl
     by = getattr(sims[entries[0]["rank"]].wrapper, "headline_by", "peak_allocated_bytes")   # --pp: the largest reserved
     peak = max(entries, key=lambda e: (e[by], e["peak_allocated_bytes"], -e["rank"]))
     lo = min(entries, key=lambda e: e["peak_allocated_bytes"])
+    sim_worst = [e["worst_case"] for e in entries if e.get("worst_case")]
     for g in groups:
         if g.rank < 0:
             entries.append({"rank": None, "ranks": list(g.ranks), "why": g.why, "simulated": False,
                             "peak_allocated_bytes_between": [lo["peak_allocated_bytes"], peak["peak_allocated_bytes"]],
                             "peak_reserved_bytes_between": [lo["peak_reserved_bytes"], peak["peak_reserved_bytes"]]})
+            if sim_worst:     # DDP's stale buckets: these ranks' worst case is bounded by the simulated ranks' worst
+                entries[-1]["worst_case"] = {k: max(w[k] for w in sim_worst) for k in ("peak_allocated_bytes", "peak_reserved_bytes")}
     a = analyses[peak["rank"]]
     sim = sims[peak["rank"]]
     notes = [
@@ -166,7 +169,7 @@ def _entries(groups: list, sims: dict, worst: dict, ctx: int, nccl: int | None) 
 
 def _worst_case(entries: list[dict[str, Any]], notes: list[str]) -> dict[str, Any]:
     """The rank that peaks highest with DDP's stale buckets, and a note on it."""
-    wpk = max((e for e in entries if e.get("worst_case")), key=lambda e: (e["worst_case"]["peak_allocated_bytes"], -e["rank"]))
+    wpk = max((e for e in entries if e.get("worst_case") and e["rank"] is not None), key=lambda e: (e["worst_case"]["peak_allocated_bytes"], -e["rank"]))
     worst_case = {"rank": wpk["rank"], **wpk["worst_case"]}
     notes.append(f"peak (expected): without DDP's stale buckets; worst case {_gib(worst_case['peak_allocated_bytes'])} "
                  f"allocated, {_gib(worst_case['peak_reserved_bytes'])} reserved (rank {wpk['rank']}; worst_case): "
