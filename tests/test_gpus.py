@@ -53,8 +53,11 @@ def test_offload_time_uses_the_gpus_pcie_and_the_host_adam_rate():
 
 def test_nccl_bytes_measured_nearest_or_unknown():
     assert nccl_bytes("h200", 2) == gpus.NCCL_MEASURED[("h200", 2)]
-    b, src = nccl_bytes("h200", 4)
-    assert b == 960495616 and "measured at world size 2, not 4" in src
+    b, src = nccl_bytes("h200", 8)
+    assert b == 964689920 and "measured at world size 4, not 8" in src
+    # a rank of a 2D mesh holds a communicator per mesh dimension (measured: 1,886 MiB under HSDP 2 x 2 on 4 H200s)
+    b2, src2 = nccl_bytes("h200", 4, communicators=2)
+    assert b2 == 2 * 964689920 and "x 2 communicators" in src2
     assert nccl_bytes("h100", 2)[0] == 966787072 and "2 x NVIDIA H100" in nccl_bytes("h100", 2)[1]
     assert nccl_bytes("a100-80gb", 2)[0] is None and "not measured for a100-80gb" in nccl_bytes("a100-80gb", 2)[1]
 
@@ -63,3 +66,20 @@ def test_unknown_gpu_is_one_error():
     with pytest.raises(SpecError, match="unknown GPU 'h10'") as e:
         gpu_facts("h10")
     assert "did you mean 'h100'" in e.value.hint
+
+
+@pytest.mark.parametrize("fields, n", [
+    (dict(world_size=1, sharding="none"), 0),
+    (dict(world_size=4, sharding="ddp"), 1), (dict(world_size=4, sharding="fsdp"), 1),
+    (dict(world_size=4, sharding="hsdp", shard_size=2), 2), (dict(world_size=4, sharding="hsdp", shard_size=4), 1),
+    (dict(world_size=4, sharding="fsdp", tp=2), 2), (dict(world_size=2, sharding="fsdp", tp=2), 1),
+    (dict(world_size=8, sharding="hsdp", shard_size=2, tp=2), 3),
+    (dict(world_size=4, sharding="fsdp", cp=2), 2), (dict(world_size=4, sharding="fsdp", pp=2), 2),
+])
+def test_a_rank_uses_one_communicator_per_mesh_dimension(fields, n):
+    from types import SimpleNamespace
+
+    from memlens.core.parallel import communicators
+
+    spec = SimpleNamespace(**{"shard_size": None, "tp": 1, "cp": 1, "pp": 1, **fields})
+    assert communicators(spec) == n

@@ -167,17 +167,26 @@ NCCL_MEASURED: dict[tuple[str, int], tuple[int, str]] = {
                              "median over 40 ranks of 20 cases (916-928 MiB), bench/results/distributed_accuracy.md"),
     ("h200", 2): (960495616, "measured on 2 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
                              "median over 24 ranks of 12 cases (912-922 MiB)"),
+    ("h200", 4): (964689920, "measured on 4 x NVIDIA H200 (NVLink), NCCL 2.28.9, torch 2.11.0+cu130: "
+                             "median over 28 ranks of 7 DDP / ZeRO cases (912-922 MiB)"),
 }
 
 
-def nccl_bytes(gpu: str, world_size: int) -> tuple[int | None, str]:
-    """(bytes NCCL holds per rank outside the caching allocator, or None; where the figure comes from)."""
+def nccl_bytes(gpu: str, world_size: int, communicators: int = 1) -> tuple[int | None, str]:
+    """(bytes NCCL holds per rank outside the caching allocator, or None; where the figure comes from). The figures
+    are measured with one communicator per rank (DDP, ZeRO, FSDP2); a rank of a 2D mesh holds one per mesh dimension
+    (measured on 4 x H200: 916-922 MiB with one, 1,886 MiB under HSDP 2 x 2 and TP 2 x FSDP2 2, 2,044 under CP 2 x
+    FSDP2 2)."""
     hit = NCCL_MEASURED.get((gpu, world_size))
     if hit is not None:
-        return hit[0], hit[1]
-    same_gpu = sorted((w, v) for (g, w), v in NCCL_MEASURED.items() if g == gpu)
-    if same_gpu:
+        b, src = hit
+    else:
+        same_gpu = sorted((w, v) for (g, w), v in NCCL_MEASURED.items() if g == gpu)
+        if not same_gpu:
+            return None, (f"not measured for {gpu} at world size {world_size} (measured as NVML process memory - reserved - "
+                          "CUDA context)")
         w, (b, src) = min(same_gpu, key=lambda wv: abs(wv[0] - world_size))
-        return b, f"{src} (measured at world size {w}, not {world_size})"
-    return None, (f"not measured for {gpu} at world size {world_size} (measured as NVML process memory - reserved - "
-                  "CUDA context)")
+        src = f"{src} (measured at world size {w}, not {world_size})"
+    if communicators > 1:
+        return b * communicators, f"{src}; x {communicators} communicators (one per mesh dimension)"
+    return b, src

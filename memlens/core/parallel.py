@@ -91,6 +91,32 @@ def shard_degree(spec: Any) -> int:
     return data_parallel_ranks(spec) * max(1, getattr(spec, "cp", 1) or 1)
 
 
+def communicators(spec: Any) -> int:
+    """NCCL communicators a rank creates and uses: one per mesh dimension over more than one rank (torch's DeviceMesh
+    gives each its process group; NCCL makes a communicator at a group's first collective). DDP / ZeRO / FSDP2: the
+    world; HSDP: replicate and shard; TP: tp and the data-parallel dims; CP: cp and FSDP2's dp_shard x cp; PP: pp (its
+    sends and receives) and the data-parallel dims. 0 on one GPU.
+
+    >>> from types import SimpleNamespace as S
+    >>> communicators(S(world_size=8, sharding="hsdp", shard_size=4, tp=1, cp=1, pp=1))
+    2
+    >>> communicators(S(world_size=8, sharding="fsdp", shard_size=None, tp=2, cp=1, pp=1))
+    2
+    >>> communicators(S(world_size=2, sharding="fsdp", shard_size=None, tp=2, cp=1, pp=1))     # TP only: the world
+    1
+    """
+    if not is_distributed(spec):
+        return 0
+    tp, cp, pp = (max(1, getattr(spec, k, 1) or 1) for k in ("tp", "cp", "pp"))
+    dp = data_parallel_ranks(spec)
+    if getattr(spec, "sharding", None) == "hsdp":
+        dims = [dp // spec.shard_size, spec.shard_size]
+    else:
+        dims = [dp * cp] if cp > 1 else [dp]          # CP: FSDP2 over dp_shard x cp (flattened: one group)
+    dims += [tp, cp, pp]
+    return sum(d > 1 for d in dims)
+
+
 # The largest job memlens models: DDP, ZeRO-1, FSDP2, HSDP or FSDP2 x TP over this many ranks (torchtitan's
 # largest published runs: 128 GPUs of FSDP, 256 of FSDP x TP, DESIGN.md); no pipeline parallelism.
 # The fake process group builds every sub-group of the mesh on the simulated rank. The simulation also costs with the world

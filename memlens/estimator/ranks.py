@@ -23,6 +23,7 @@ from ..core.enums import Category
 from ..core.events import ALLOC, FREE, PHASE, TAG
 from ..core.gpus import gpu_facts, nccl_bytes
 from ..core.ledger import CachingAllocatorModel, analyze, group_modules
+from ..core.parallel import communicators
 from ..core.result import Result
 from ..core.spec import TrainingSpec
 from ..models.source import resolve
@@ -72,7 +73,7 @@ def estimate_ranks(spec: TrainingSpec, steps: int = 2, source=None, plan: StepPl
     plan = plan or resolve_plan(spec, fake=True, source=source)
     gpu = gpu_facts(spec.gpu)
     groups, sims, worst = _simulate_ranks(plan, source, steps)
-    nccl, nccl_source = nccl_bytes(gpu.name, plan.world_size)
+    nccl, nccl_source = nccl_bytes(gpu.name, plan.world_size, communicators(spec))
     ctx = gpu.cuda_context_bytes
     entries, analyses = _entries(groups, sims, worst, ctx, nccl)
     by = getattr(sims[entries[0]["rank"]].wrapper, "headline_by", "peak_allocated_bytes")   # --pp: the largest reserved

@@ -5,7 +5,7 @@ from ..core.components import by_component
 from ..core.fits import Budget, fits
 from ..core.gpus import gpu_facts, nccl_bytes
 from ..core.ledger import group_modules
-from ..core.parallel import is_distributed
+from ..core.parallel import communicators, is_distributed
 from ..core.payloads import UNSET, EstimatePayload
 from ..core.precision import precision_of
 from ..core.result import Result
@@ -181,7 +181,7 @@ def gpu_verdict(result: Result, spec) -> None:
     g = gpu_facts(spec.gpu)
     ctx = g.cuda_context_bytes
     if is_distributed(spec):
-        ctx += nccl_bytes(g.name, spec.world_size)[0] or 0
+        ctx += nccl_bytes(g.name, spec.world_size, communicators(spec))[0] or 0
     b = Budget.make("total", context_bytes=ctx, gpu=g.name)
     v = fits(result, b)
     words = v.describe(f"the {g.name}" + (" (per rank)" if is_distributed(spec) else ""))
