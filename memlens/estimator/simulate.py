@@ -742,7 +742,7 @@ class SimulationTracker(StorageTracker):
         out = self._dispatch(func, types, args, kwargs)   # StorageTracker's, unwrapped (this call is dynamo-disabled already)
         if self.timer is not None:
             self.timer.op(func, args, kwargs, out)
-        if phase == "backward":
+        if phase == "backward" and self._next > first_new:    # new storages were made (else it would note none)
             self._note_maker(out, first_new)
         if self.recomputing and self._first("backward"):
             self._count_recompute(func, args, kwargs, out, first_new)
