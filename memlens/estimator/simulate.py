@@ -740,6 +740,7 @@ class SimulationTracker(StorageTracker):
                 return None
         first_new = self._next
         out = self._dispatch(func, types, args, kwargs)   # StorageTracker's, unwrapped (this call is dynamo-disabled already)
+        phase = self.phase                                 # read again after the op, as it always was
         if self.timer is not None:
             self.timer.op(func, args, kwargs, out)
         if phase == "backward" and self._next > first_new:    # new storages were made (else it would note none)
