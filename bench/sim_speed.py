@@ -83,7 +83,7 @@ def _load() -> float:
 
 
 def time_cases(names: list[str], runs: int) -> list[dict]:
-    from memlens.core.spec import TrainingSpec
+    from memlens.core.spec import TrainingSpec   # the measured tree's memlens: imported once --tree is on sys.path
     from memlens.estimator import depth, estimate
 
     rows = []
@@ -107,7 +107,7 @@ def time_cases(names: list[str], runs: int) -> list[dict]:
 
 def digest(names: list[str]) -> dict:
     """Each spec's Result (less its creation time and simulation wall seconds) and its event log's sha256."""
-    from memlens.core.errors import MemlensError
+    from memlens.core.errors import MemlensError   # the measured tree's memlens (see time_cases)
     from memlens.core.events import canonical
     from memlens.core.spec import TrainingSpec
     from memlens.estimator import depth, estimate
