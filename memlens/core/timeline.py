@@ -26,9 +26,12 @@ class TimelinePoint:
     rank: int | None = None                # the rank, for jobs over several GPUs
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return {n: v for n in _NAMES if (v := getattr(self, n)) is not None}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TimelinePoint":
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+_NAMES = tuple(f.name for f in fields(TimelinePoint))   # to_dict's keys, in field order (a simulation makes thousands)

@@ -208,7 +208,7 @@ class StorageTracker(TorchDispatchMode):
         self.phase, self.step = name, step
 
     # ---------------------------------------------------------------- the mode
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def _dispatch(self, func, types, args=(), kwargs=None):
         if self.muted:
             return func(*args, **(kwargs or {}))
         if func is _ITEM and self.phase == "optimizer" and _is_fake(args[0]):
@@ -246,6 +246,10 @@ class StorageTracker(TorchDispatchMode):
             else:
                 self.log.alloc(key, nbytes, self.category_default, self.module, self.phase, func, stream=self.stream_of())
         return out
+
+    # torch wraps the __torch_dispatch__ of each mode class in a dynamo-disabling wrapper (TorchDispatchMode's
+    # __init_subclass__); a subclass's own handler, already inside that wrapper, calls _dispatch unwrapped
+    __torch_dispatch__ = _dispatch
 
 
 def pack_hook_for(tracker: StorageTracker):

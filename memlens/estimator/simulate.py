@@ -721,46 +721,85 @@ class SimulationTracker(StorageTracker):
                 self._made_by[key] = _node_key(node) if node is not None else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        into = self._buffer_sum_into(args, kwargs) if self.phase == "backward" and func is torch.ops.aten.add.Tensor else None
+        if func is _DEVICE:
+            return self._device_read(func, args, kwargs)
+        phase = self.phase
+        into = self._buffer_sum_into(args, kwargs) if phase == "backward" and func is _ADD else None
         if into is not None:
             other = args[1] if into is args[0] else args[0]
-            super().__torch_dispatch__(torch.ops.aten.add_.Tensor, types, (into, other), {})
+            self._dispatch(_ADD_, types, (into, other), {})
             return into
-        if self.phase != "backward" and self._made_by:
+        if phase != "backward" and self._made_by:
             self._made_by.clear()
-        if self.phase == "optimizer":
-            if func is torch.ops.aten.lift_fresh.default:
+        if phase == "optimizer":
+            if func is _LIFT_FRESH:
                 # `torch.tensor(x)` in an optimizer step: torch's non-fused optimizers keep their step
                 # counters on the CPU and add a CPU constant to them (torch/optim/adam.py): host memory on CUDA
                 return func(*args, **(kwargs or {}))
             if _inplace_foreach(func) and _same_shapes(args, kwargs):
                 return None
         first_new = self._next
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        out = self._dispatch(func, types, args, kwargs)   # StorageTracker's, unwrapped (this call is dynamo-disabled already)
+        phase = self.phase                                 # read again after the op, as it always was
         if self.timer is not None:
             self.timer.op(func, args, kwargs, out)
-        if self.phase == "backward":
+        if phase == "backward" and self._next > first_new:    # new storages were made (else it would note none)
             self._note_maker(out, first_new)
         if self.recomputing and self._first("backward"):
             self._count_recompute(func, args, kwargs, out, first_new)
-        if self.live_layers is not None and self._next > first_new and self.phase != "forward":
-            self._label_outputs(args, out, first_new, spans_only=self.phase == "backward")
+        if self.live_layers is not None and self._next > first_new and phase != "forward":
+            self._label_outputs(args, out, first_new, spans_only=phase == "backward")
+        if phase == "forward" and self.ops_limit is not None:
+            self._count_forward_op()
+        if func in _EXTRA_WORK:
+            self._extra_work(func, args, out)
+        return out
+
+    def _device_read(self, func, args, kwargs):
+        """``prim::device``, a tensor's device read (the autograd engine asks it of every gradient: about half the ops
+        the mode sees): what :meth:`__torch_dispatch__` does for it, done directly. It makes no storage (nothing to
+        log, label or note), is priced as nothing (the timer only marks the phase), and counts as an op of a
+        recomputation and of the module's forward (``ops_limit``)."""
+        if self.phase != "backward" and self._made_by:
+            self._made_by.clear()
+        out = func(*args, **(kwargs or {}))
+        if self.timer is not None:
+            self.timer.op(func, args, kwargs, out)
+        if self.recomputing and self._first("backward"):
+            self.costs["recompute_ops"] += 1
         if self.phase == "forward" and self.ops_limit is not None:
-            n = self._forward_ops.get(self.module, 0) + 1
-            self._forward_ops[self.module] = n
-            if n > self.ops_limit and self.stopped is None:
-                self.stopped = self._too_many_ops()   # raised at the next module boundary (not from inside an op)
-        if func is torch.ops.aten.embedding_dense_backward.default:
+            self._count_forward_op()
+        return out
+
+    def _count_forward_op(self) -> None:
+        n = self._forward_ops.get(self.module, 0) + 1
+        self._forward_ops[self.module] = n
+        if n > self.ops_limit and self.stopped is None:
+            self.stopped = self._too_many_ops()   # raised at the next module boundary (not from inside an op)
+
+    def _extra_work(self, func, args, out) -> None:
+        """What CUDA allocates beside an op's outputs: embedding backward's sort buffers, cuDNN's convolution
+        workspace, cuBLAS' workspaces at a thread's first GEMM."""
+        if func is _EMBEDDING_BACKWARD:
             self._embedding_backward_scratch(args[0], args[1])
-        if func is torch.ops.aten.convolution.default or func is torch.ops.aten.convolution_backward.default:
+        if func is _CONV or func is _CONV_BACKWARD:
             self._conv_workspace(func, args, out)
         if func in _gemm_ops():
             thread = "backward" if self.phase == "backward" else "forward"
             if thread not in self._workspaces:
                 self._workspace(thread, self.gpu.cublas_workspace_bytes)
-            if func is torch.ops.aten.addmm.default and thread + "-lt" not in self._workspaces:
+            if func is _ADDMM and thread + "-lt" not in self._workspaces:
                 self._workspace(thread + "-lt", self.gpu.cublaslt_workspace_bytes)
-        return out
+
+
+_DEVICE = torch.ops.prim.device.default
+_ADD, _ADD_ = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
+_LIFT_FRESH = torch.ops.aten.lift_fresh.default
+_EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
+_CONV, _CONV_BACKWARD = torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default
+_ADDMM = torch.ops.aten.addmm.default
+# the ops after which _extra_work allocates something
+_EXTRA_WORK = frozenset({_EMBEDDING_BACKWARD, _CONV, _CONV_BACKWARD} | _gemm_ops())
 
 
 def _node_key(node) -> tuple:

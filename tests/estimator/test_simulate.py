@@ -216,3 +216,27 @@ def test_in_place_foreach_ops_that_need_checking_are_run():
         assert not _same_shapes((x, y + y), {"alpha": 2})        # a keyword argument
         assert not _same_shapes((x, [torch.empty(4, 3)] * 2), {})  # lists of different lengths
     assert not _same_shapes(([torch.empty(4, 3)], [torch.empty(4, 3)]), {})   # not fake tensors
+
+
+def test_device_reads_on_the_short_path_give_what_the_full_handler_does(monkeypatch):
+    """``prim::device`` (the autograd engine reads the device of every gradient: half the ops the tracker sees)
+    takes a short path in the tracker's handler: the log, the recompute counts and the priced ops are the ones the
+    full handler gives."""
+    from pathlib import Path
+
+    import memlens.estimator.simulate as sim_mod
+    from tests.estimator.test_periodic import canonical
+
+    spec = TrainingSpec(model=str(Path(__file__).parent.parent / "fixtures" / "models" / "tiny-gpt2" / "config.json"),
+                        batch_size=2, seq_len=32, grad_checkpointing=True, lora_rank=4, precision="amp-bf16")
+    seen = []
+    real = sim_mod.SimulationTracker._device_read
+    monkeypatch.setattr(sim_mod.SimulationTracker, "_device_read", lambda self, *a: seen.append(1) or real(self, *a))
+    short = sim_mod.simulate(spec)
+    assert len(seen) > 100                         # the path was taken
+    monkeypatch.setattr(sim_mod, "_DEVICE", object())   # no op matches: every op takes the full handler
+    full = sim_mod.simulate(spec)
+    assert canonical(short.log) == canonical(full.log)
+    assert short.costs == full.costs
+    assert short.costs["recompute_ops"] > 0        # device reads of a recomputation count as its ops
+    assert short.timing.rows == full.timing.rows
