@@ -275,7 +275,7 @@ class PPWrapper(FSDPWrapper):
             self._first_step(step, ids[:b], labels[:b])
         cache: dict = {}
         left = {s: M for s in self.stages}
-        phase = None
+        phase = held = None
         for s, kind, mb in self.order:
             chunk = self.chunks[s]
             if kind != phase:
@@ -285,6 +285,12 @@ class PPWrapper(FSDPWrapper):
                 x = ids[mb * b:(mb + 1) * b] if chunk.first else self._recv[s]["act"][mb].requires_grad_(True)
                 with step.autocast():
                     out = chunk(x)
+                if self.virtual == 1:
+                    # ScheduleGPipe / Schedule1F1B._step_microbatches: `output = self._stage.forward_one_chunk(...)`,
+                    # a local of the step: the last forward's output stays referenced (past its backward, detached)
+                    # until the next forward returns, and the last one until the step returns, after the gradients'
+                    # reduction (the interleaved runtime's `_perform_action` drops its own at each action's end)
+                    held = out
                 loss = self._loss(out, labels[mb * b:(mb + 1) * b]) if chunk.last else None
                 cache[(s, mb)] = (out, [] if chunk.first else [x], loss)
                 del out, loss, x
@@ -297,6 +303,7 @@ class PPWrapper(FSDPWrapper):
             left[s] -= 1
             if not left[s]:
                 _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=chunk), 1)
+        del held
         step.run_optimizer(on_phase)
         return None
 
