@@ -131,13 +131,21 @@ def _live_most(log, module: str, nbytes: int) -> tuple[int, int]:
     return made, most
 
 
-@pytest.mark.parametrize("sched, most", [("1f1b", 1), ("gpipe", 4)])
+@pytest.mark.parametrize("sched, most", [("1f1b", 2), ("gpipe", 4)])
 def test_the_last_stage_holds_each_micro_batchs_logits_until_its_backward(llama4, sched, most):
     sim = simulate_rank(_spec(llama4, batch_size=4, pp_schedule=sched), 2, steps=1)
     logits = 1 * 16 * 256 * 4         # one sequence of 16 tokens over the 256-word vocabulary, fp32
     # one more than the micro-batches: the first step's inference forward (micro-batch 0's shape), its logits freed
-    # before the schedule's first forward
+    # before the schedule's first forward. 1F1B on the last stage alternates F and B, yet 2 are alive at once: the
+    # schedule's `output` local still holds micro-batch i's logits (past its backward) when micro-batch i + 1's are made
     assert _live_most(sim.log, "stage1.lm_head", logits) == (4 + 1, most)
+    # and the last micro-batch's until the step returns: after the gradients' reduce-scatter, freed with nothing
+    # allocated after it before the optimizer step
+    mid, opt = sim.log.modules.index("stage1.lm_head"), _marks(sim.log, "optimizer")[0]
+    last = [ev.key for ev in sim.log.events if ev[0] == ALLOC and ev.module == mid and ev.nbytes == logits][-1]
+    freed = next(i for i, ev in enumerate(sim.log.events) if ev[0] == FREE and ev.key == last)
+    assert not any(ev[0] == ALLOC for ev in sim.log.events[freed:opt])
+    assert max(i for i, ev in enumerate(sim.log.events[:opt]) if ev[0] == ALLOC and ev.category == "communication") < freed
     # a receive buffer per micro-batch for its input activations (the hidden states), none for gradients (last stage)
     assert sim.wrapper.facts["recv_buffers"] == 4 and sim.wrapper.facts["recv_buffer_shape"] == [1, 16, 64]
     comm = sum(ev.nbytes for ev in sim.log.events if ev[0] == ALLOC and sim.log.modules[ev.module] == "(pipeline P2P receive buffers)")

@@ -35,12 +35,28 @@ torchtitan's use of it (torchtitan/distributed/pipeline_parallel.py, models/llam
   torchtitan's loss is ``cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))`` scaled by 1 / M
   (``rescale_accumulated_loss``).
 
-Not modelled: torch's shape-inference pass of the first step (DYNAMIC metadata inference runs one forward and
-backward before the schedule, then reshards and drops its gradients), the UNSHARD / RESHARD actions the runtime
-schedule adds for FSDP (with ``reshard_after_forward=False`` the blocks are gathered from their first forward to
-the reduce anyway), the P2P sends' NCCL buffers (outside the caching allocator), zero-bubble schedules (backward
-split into input and weight passes). Estimated only: on a device the stages would need torch's P2P sends, which this
-step does not run (bench/gpu_mesh.py runs torch's own schedule for the GPU measurement).
+- **the first step's stage initialization.** Before the schedule's first forward, ``_initialize_stage`` /
+  ``_initialize_stages`` (schedules.py) runs each stage's ``_prepare_forward_infra``, then each one's
+  ``_prepare_backward_infra``, as the installed torch does it (told apart by the method 2.13 added, not by a version):
+  torch 2.11's ``_shape_inference`` (stage.py) runs one ``torch.no_grad()`` forward of micro-batch 0's shape on
+  ``zeros_like`` inputs - FSDP2 gathers the stage's parameters and, with ``reshard_after_forward=False``, keeps them
+  gathered into the first real forward - then frees its outputs and allocates the receive buffers; torch 2.13's DYNAMIC
+  metadata inference (``_forward_metadata_inference`` under ``enable_grad``, ``_backward_metadata_inference`` through
+  ``autograd.grad`` for the inputs alone, ``_post_metadata_inference_cleanup``) runs a forward and an input backward,
+  the receive buffers allocated between, then reshards every FSDP module of the stage. Its temporaries are charged to
+  ``(pipeline first-step inference)``; the allocations it leaves are the buffers, and the segments it made stay
+  reserved (no ``empty_cache``).
+- **the last forward's output.** ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` bind each forward's output to
+  a local (``output = self._stage.forward_one_chunk(...)``): it stays referenced past its backward until the next
+  forward returns, and the last one until the step returns, after the gradients' reduction - on the last stage one
+  micro-batch of logits more. The interleaved runtime's ``_perform_action`` drops it at each action's end.
+
+Not modelled: the UNSHARD / RESHARD actions the runtime schedule adds for FSDP (with ``reshard_after_forward=False``
+the blocks are gathered from their first forward to the reduce anyway), the P2P sends' NCCL buffers (outside the
+caching allocator) and the sent tensors the NCCL work keeps until it is waited (one micro-batch of hidden states or
+its gradient each), the metadata objects the first step's inference sends (a few KiB), zero-bubble schedules
+(backward split into input and weight passes). Estimated only: on a device the stages would need torch's P2P sends,
+which this step does not run (bench/gpu_mesh.py runs torch's own schedule for the GPU measurement).
 """
 from __future__ import annotations
 
