@@ -151,12 +151,17 @@ def gpu_name() -> str:
 
 
 def estimate(fields: dict, gpu: str) -> dict:
-    """memlens' per-rank estimate: {rank: (allocated, reserved)} for every rank, from the rank group standing for it."""
+    """memlens' per-rank estimate: {rank: (allocated, reserved)} for every rank, from the rank group standing for it.
+    A pipeline case simulates the steps bench/pipeline_rank.py runs (its reserved peak is the reserved bytes after the
+    last: a rank's caching allocator may still grow segments in step 3, as interleaved 1F1B's rank 0 does)."""
     from memlens.core.spec import TrainingSpec
     from memlens.estimator.ranks import estimate_ranks
 
+    from bench.pipeline_rank import STEPS as PP_STEPS
+
     t = time.time()
-    r = estimate_ranks(TrainingSpec.from_dict(dict(fields, gpu=gpu)))
+    steps = PP_STEPS if fields.get("pp", 1) > 1 else 2
+    r = estimate_ranks(TrainingSpec.from_dict(dict(fields, gpu=gpu)), steps=steps)
     per: dict[int, list[int]] = {}
     for e in r.data["ranks"]:
         for k in e["ranks"]:
@@ -164,7 +169,8 @@ def estimate(fields: dict, gpu: str) -> dict:
                 per[k] = [e["peak_allocated_bytes"], e["peak_reserved_bytes"]]
             else:      # between two simulated ranks: bounded by them (the higher reported)
                 per[k] = [e["peak_allocated_bytes_between"][1], e["peak_reserved_bytes_between"][1]]
-    return {"ranks": per, "strategy": r.data["strategy"], "applied": r.data.get("applied"), "seconds": round(time.time() - t, 1)}
+    return {"ranks": per, "strategy": r.data["strategy"], "applied": r.data.get("applied"), "steps": steps,
+            "seconds": round(time.time() - t, 1)}
 
 
 def mesh_case(name: str, fields: dict, dry: bool) -> dict:

@@ -6,7 +6,10 @@ The stages are built by memlens' own PPWrapper on the device (torchtitan's split
 stage on the (pp, dp_shard) mesh, reshard_after_forward=False), then handed to torch.distributed.pipelining as
 torchtitan does (PipelineStage per stage on the pp group; the schedule with torchtitan's loss - cross-entropy on the
 fp32 logits over M - and scale_grads=False); the rank steps with return_outputs=False (torchtitan's). Step 1 (torch's
-shape inference runs in it, which the estimate does not model) is a warm-up: the peaks are those of steps 2-3.
+shape inference runs in it: memlens' PPWrapper simulates it) is a warm-up: the allocated peak is that of steps 2-3; the
+reserved peak after the reset starts at what step 1 left reserved (no empty_cache). Each record also keeps the caching
+allocator's segments after the last step (``segments``: [bytes, stream] from torch.cuda.memory_snapshot()), to compare
+with the segments memlens' allocator model creates for the same rank.
 """
 from __future__ import annotations
 
@@ -49,7 +52,8 @@ def pp_rank_case(name: str, fields: dict, dry: bool) -> dict:
                 torch.cuda.reset_peak_memory_stats()
         stats = torch.cuda.memory_stats()
         rec.update(status="ok", max_allocated=torch.cuda.max_memory_allocated(), max_reserved=stats["reserved_bytes.all.peak"],
-                   reserved_now=torch.cuda.memory_reserved())
+                   reserved_now=torch.cuda.memory_reserved(),
+                   segments=[[seg["total_size"], seg["stream"]] for seg in torch.cuda.memory_snapshot()])
     except torch.cuda.OutOfMemoryError as e:
         rec.update(status="oom", error=str(e).splitlines()[0][:300])
     dist.barrier()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from memlens.core.errors import SpecError
-from memlens.core.events import ALLOC, FREE
+from memlens.core.events import ALLOC, FREE, PHASE, TAG
 from memlens.core.ledger import analyze
 from memlens.core.spec import TrainingSpec
 from memlens.estimator.ranks import estimate_ranks, peak_terms, simulate_rank
@@ -46,6 +46,27 @@ def _spec(model, **kw):
 
 def _terms(sim):
     return peak_terms(sim.log, analyze(sim.log).peak_event, sim.wrapper)[1]
+
+
+def _marks(log, name: str) -> list[int]:
+    return [i for i, ev in enumerate(log.events) if ev[0] == PHASE and ev.name == name]
+
+
+def _most_in_schedule(sim, category: str) -> int:
+    """The most bytes (allocator blocks) of the storages last tagged ``category`` live at once from the schedule's first
+    forward on (step 1's second "forward" mark: the first opens the stages' first-step initialization)."""
+    final = {ev.key: ev.category for ev in sim.log.events if ev[0] in (ALLOC, TAG)}
+    start = _marks(sim.log, "forward")[1]
+    live, now, most = {}, 0, 0
+    for i, ev in enumerate(sim.log.events):
+        if ev[0] == ALLOC and final[ev.key] == category:
+            live[ev.key] = blocks(ev.nbytes)
+            now += live[ev.key]
+        elif ev[0] == FREE and ev.key in live:
+            now -= live.pop(ev.key)
+        if i >= start:
+            most = max(most, now)
+    return most
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +109,11 @@ def test_pp4_stage_bytes_by_hand(llama4, pipe_rank, sizes):
 @pytest.mark.parametrize("rank, sched, k", [(0, "1f1b", 2), (0, "gpipe", 4), (2, "1f1b", 1), (2, "gpipe", 4)])
 def test_1f1b_holds_pp_minus_stage_micro_batches_gpipe_all_of_them(llama4, one_mb, rank, sched, k):
     # 4 micro-batches of one sequence: the first stage runs 2 (pp - 0) forwards before its first backward under 1F1B,
-    # all 4 under GPipe; the last stage 1 and 4. Each forward's saved activations are one micro-batch's (one_mb)
+    # all 4 under GPipe; the last stage 1 and 4. Each forward's saved activations are one micro-batch's (one_mb), counted
+    # from the schedule's first forward on (torch >= 2.13's first-step inference saves its own input besides: below)
     assert in_flight(schedule_order(sched, 2, rank // 2, 4)) == k
     sim = simulate_rank(_spec(llama4, batch_size=4, pp_schedule=sched), rank, steps=1)
-    assert _terms(sim)["activations"] == k * _terms(one_mb[rank])["activations"]
+    assert _most_in_schedule(sim, "activations") == k * _most_in_schedule(one_mb[rank], "activations")
     assert sim.wrapper.facts["microbatches_in_flight"] == k
 
 
@@ -109,11 +131,21 @@ def _live_most(log, module: str, nbytes: int) -> tuple[int, int]:
     return made, most
 
 
-@pytest.mark.parametrize("sched, most", [("1f1b", 1), ("gpipe", 4)])
+@pytest.mark.parametrize("sched, most", [("1f1b", 2), ("gpipe", 4)])
 def test_the_last_stage_holds_each_micro_batchs_logits_until_its_backward(llama4, sched, most):
     sim = simulate_rank(_spec(llama4, batch_size=4, pp_schedule=sched), 2, steps=1)
     logits = 1 * 16 * 256 * 4         # one sequence of 16 tokens over the 256-word vocabulary, fp32
-    assert _live_most(sim.log, "stage1.lm_head", logits) == (4, most)
+    # one more than the micro-batches: the first step's inference forward (micro-batch 0's shape), its logits freed
+    # before the schedule's first forward. 1F1B on the last stage alternates F and B, yet 2 are alive at once: the
+    # schedule's `output` local still holds micro-batch i's logits (past its backward) when micro-batch i + 1's are made
+    assert _live_most(sim.log, "stage1.lm_head", logits) == (4 + 1, most)
+    # and the last micro-batch's until the step returns: after the gradients' reduce-scatter, freed with nothing
+    # allocated after it before the optimizer step
+    mid, opt = sim.log.modules.index("stage1.lm_head"), _marks(sim.log, "optimizer")[0]
+    last = [ev.key for ev in sim.log.events if ev[0] == ALLOC and ev.module == mid and ev.nbytes == logits][-1]
+    freed = next(i for i, ev in enumerate(sim.log.events) if ev[0] == FREE and ev.key == last)
+    assert not any(ev[0] == ALLOC for ev in sim.log.events[freed:opt])
+    assert max(i for i, ev in enumerate(sim.log.events[:opt]) if ev[0] == ALLOC and ev.category == "communication") < freed
     # a receive buffer per micro-batch for its input activations (the hidden states), none for gradients (last stage)
     assert sim.wrapper.facts["recv_buffers"] == 4 and sim.wrapper.facts["recv_buffer_shape"] == [1, 16, 64]
     comm = sum(ev.nbytes for ev in sim.log.events if ev[0] == ALLOC and sim.log.modules[ev.module] == "(pipeline P2P receive buffers)")
@@ -181,3 +213,90 @@ def test_a_model_without_llamas_modules_and_too_many_stages_are_refused():
         simulate_rank(_spec(LLAMA, world_size=8, pp=8), 0, steps=1)
     with pytest.raises(SpecError, match=r"^--pp-schedule is pipeline parallel's"):
         TrainingSpec(model=LLAMA, pp_schedule="gpipe")
+
+
+# ---------------------------------------------------------------- the schedule's first step: the stages' initialization
+INFER, RECV = "(pipeline first-step inference)", "(pipeline P2P receive buffers)"
+HIDDEN = 1 * 16 * 64 * 4      # one micro-batch of hidden states: 1 sequence x 16 tokens x H 64, fp32
+
+
+def _init_window(log) -> tuple[int, int, list, list]:
+    """Step 1's stage initialization (its first "forward" mark to the schedule's first forward): (start, end, what it
+    allocated, what of that is still live at its end)."""
+    a, b = _marks(log, "forward")[:2]
+    made = [ev for ev in log.events[a:b] if ev[0] == ALLOC]
+    freed = {ev.key for ev in log.events[a:b] if ev[0] == FREE}
+    return a, b, made, [ev for ev in made if ev.key not in freed]
+
+
+def _at(log, module: str) -> list[int]:
+    mid = log.modules.index(module)
+    return [i for i, ev in enumerate(log.events) if ev[0] == ALLOC and ev.module == mid]
+
+
+def _gathers(log, a: int, b: int) -> list[tuple[str, int]]:
+    """FSDP2's all-gather buffers and gathered parameters between events a and b, charged to their groups' modules (as
+    communication, or parameters once a gathered parameter's storage is allocated again)."""
+    return [(log.modules[ev.module], ev.nbytes) for ev in log.events[a:b] if ev[0] == ALLOC
+            and ev.category in ("communication", "parameters") and log.modules[ev.module] != RECV]
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_torch_2_13_infers_with_a_forward_and_an_input_backward_then_reshards(one_mb, rank):
+    from torch.distributed.pipelining import PipelineStage
+
+    if not hasattr(PipelineStage, "_forward_metadata_inference"):
+        pytest.skip("the installed torch infers shapes as 2.11 does (the test below)")
+    sim = one_mb[rank]
+    log = sim.log
+    a, b, made, live = _init_window(log)
+    # stage 0's input is micro-batch 0's token ids detached (no copy), and its backward inference's output gradient
+    # _ones_from_metadata's (aten.ones); stage 1 (last) gets TensorMeta.to_tensor's empty input and a loss instead
+    mine = [(ev.nbytes, str(ev.op)) for ev in made if log.modules[ev.module] == INFER]
+    assert mine == [(HIDDEN, "aten.ones.default")] if rank == 0 else [(HIDDEN, "aten.empty.memory_format")]
+    # a forward under enable_grad: its graph saves activations (the last stage's input among them)
+    saved = {ev.key for ev in log.events[a:b] if ev[0] == TAG and ev.category == "activations"}
+    assert saved and all(ev.key not in saved for ev in live)
+    # all it made is freed before the schedule runs (the graph by autograd.grad or dropped, the logits, the gathered
+    # parameters resharded by FSDP2's post-backward or the cleanup) but the micro-batch's receive buffer: stage 0's
+    # for the output gradient, stage 1's for its input (and the cuBLAS workspace its first GEMM made, kept as on a GPU)
+    assert [(log.modules[ev.module], ev.nbytes) for ev in live if ev.category != "workspace"] == [(RECV, HIDDEN)]
+    # so the schedule's first forward gathers the stage's parameters again, as the inference did
+    bwd = _marks(log, "backward")[0]
+    assert _gathers(log, a, b) == _gathers(log, b, bwd) != []
+    # in torch's order: the receive buffer after the inference forward (stage 1: after its logits, before its loss)
+    # and, for the gradient buffer, after the backward inference (stage 0: after its ones gradient is freed)
+    buf = _at(log, RECV)[0]
+    if rank == 2:
+        assert next(i for i in _at(log, "stage1.lm_head") if i > a) < buf < next(i for i in range(a, b) if log.events[i][0] == ALLOC
+                                                          and "log_softmax" in str(log.events[i].op))
+    else:
+        ones = next(ev.key for ev in made if log.modules[ev.module] == INFER)
+        assert next(i for i in range(a, b) if log.events[i][0] == FREE and log.events[i].key == ones) < buf
+    assert sim.wrapper.facts["first_step_inference"] == "forward + input backward of micro-batch 0, then resharded"
+
+
+def test_torch_2_11_infers_shapes_with_a_no_grad_forward_its_parameters_kept_gathered(llama4, monkeypatch):
+    from torch.distributed.pipelining import PipelineStage
+
+    # PPWrapper picks torch's mechanism by the method torch >= 2.13 has: without it, 2.11's _shape_inference
+    monkeypatch.delattr(PipelineStage, "_forward_metadata_inference", raising=False)
+    sim = simulate_rank(_spec(llama4), 2, steps=1)
+    log = sim.log
+    a, b, made, live = _init_window(log)
+    # the input torch.zeros_like(meta, device=...) of the received metadata; a no_grad forward saves nothing
+    assert [(ev.nbytes, str(ev.op)) for ev in made if log.modules[ev.module] == INFER] == [(HIDDEN, "aten.zeros.default")]
+    assert not any(ev[0] == TAG and ev.category == "activations" for ev in log.events[a:b])
+    # the logits made and freed, then the input, then the receive buffer (_prepare_forward_infra after _shape_inference)
+    logits = next(i for i in _at(log, "stage1.lm_head") if i > a)
+    frees = {ev.key: i for i, ev in enumerate(log.events[:b]) if ev[0] == FREE}
+    zeros = next(ev.key for ev in made if log.modules[ev.module] == INFER)
+    assert logits < frees[log.events[logits].key] < frees[zeros] < _at(log, RECV)[0] < b
+    # live after it: the receive buffer and the stage's gathered parameters (reshard_after_forward=False keeps them),
+    # which the schedule's first forward does not gather again
+    # (and the cuBLAS workspace)
+    live = [ev for ev in live if ev.category != "workspace"]
+    assert [ev.nbytes for ev in live if log.modules[ev.module] == RECV] == [HIDDEN]
+    assert sum(ev.nbytes for ev in live if log.modules[ev.module] != RECV) == sum(n * 4 for n in 2 * LAYER + NORM + EMBED)
+    assert _gathers(log, b, _marks(log, "backward")[0]) == []
+    assert sim.wrapper.facts["first_step_inference"] == "no_grad forward of micro-batch 0"

@@ -35,12 +35,28 @@ torchtitan's use of it (torchtitan/distributed/pipeline_parallel.py, models/llam
   torchtitan's loss is ``cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))`` scaled by 1 / M
   (``rescale_accumulated_loss``).
 
-Not modelled: torch's shape-inference pass of the first step (DYNAMIC metadata inference runs one forward and
-backward before the schedule, then reshards and drops its gradients), the UNSHARD / RESHARD actions the runtime
-schedule adds for FSDP (with ``reshard_after_forward=False`` the blocks are gathered from their first forward to
-the reduce anyway), the P2P sends' NCCL buffers (outside the caching allocator), zero-bubble schedules (backward
-split into input and weight passes). Estimated only: on a device the stages would need torch's P2P sends, which this
-step does not run (bench/gpu_mesh.py runs torch's own schedule for the GPU measurement).
+- **the first step's stage initialization.** Before the schedule's first forward, ``_initialize_stage`` /
+  ``_initialize_stages`` (schedules.py) runs each stage's ``_prepare_forward_infra``, then each one's
+  ``_prepare_backward_infra``, as the installed torch does it (told apart by the method 2.13 added, not by a version):
+  torch 2.11's ``_shape_inference`` (stage.py) runs one ``torch.no_grad()`` forward of micro-batch 0's shape on
+  ``zeros_like`` inputs - FSDP2 gathers the stage's parameters and, with ``reshard_after_forward=False``, keeps them
+  gathered into the first real forward - then frees its outputs and allocates the receive buffers; torch 2.13's DYNAMIC
+  metadata inference (``_forward_metadata_inference`` under ``enable_grad``, ``_backward_metadata_inference`` through
+  ``autograd.grad`` for the inputs alone, ``_post_metadata_inference_cleanup``) runs a forward and an input backward,
+  the receive buffers allocated between, then reshards every FSDP module of the stage. Its temporaries are charged to
+  ``(pipeline first-step inference)``; the allocations it leaves are the buffers, and the segments it made stay
+  reserved (no ``empty_cache``).
+- **the last forward's output.** ``ScheduleGPipe`` / ``Schedule1F1B._step_microbatches`` bind each forward's output to
+  a local (``output = self._stage.forward_one_chunk(...)``): it stays referenced past its backward until the next
+  forward returns, and the last one until the step returns, after the gradients' reduction - on the last stage one
+  micro-batch of logits more. The interleaved runtime's ``_perform_action`` drops it at each action's end.
+
+Not modelled: the UNSHARD / RESHARD actions the runtime schedule adds for FSDP (with ``reshard_after_forward=False``
+the blocks are gathered from their first forward to the reduce anyway), the P2P sends' NCCL buffers (outside the
+caching allocator) and the sent tensors the NCCL work keeps until it is waited (one micro-batch of hidden states or
+its gradient each), the metadata objects the first step's inference sends (a few KiB), zero-bubble schedules
+(backward split into input and weight passes). Estimated only: on a device the stages would need torch's P2P sends,
+which this step does not run (bench/gpu_mesh.py runs torch's own schedule for the GPU measurement).
 """
 from __future__ import annotations
 
@@ -54,6 +70,7 @@ from ...core.parallel import data_parallel_ranks
 from .base import RankGroup
 from .fsdp import FSDPWrapper
 
+INFERENCE = "(pipeline first-step inference)"   # the pseudo-module of its inputs
 
 
 def split_layers(num_stages: int, num_layers: int, input_weight: int = 1, output_weight: int = 1) -> list[list[int]]:
@@ -177,6 +194,7 @@ class PPWrapper(FSDPWrapper):
         self.chunks: dict = {}
         self.layers: dict[int, list[int]] = {}
         self._recv: dict | None = None
+        self._p2p: tuple | None = None       # the P2P tensors' (shape, dtype): a micro-batch of hidden states
         self._tracker = None
         self.applied[-1] = (f"pipeline parallel: rank {self.pp_rank} of {self.pp} ({spec.pp_schedule}, stage"
                             f"{'s' if self.virtual > 1 else ''} {', '.join(map(str, self.stages))}, {self.microbatches} "
@@ -268,12 +286,12 @@ class PPWrapper(FSDPWrapper):
 
         M, b = self.microbatches, self.spec.batch_size // self.microbatches
         ids, labels = step.batch["input_ids"], step.batch["labels"]
-        if self._recv is None:
+        if self._recv is None:       # the first step: the schedule's _initialize_stage(s) before its first forward
             on_phase("forward")
-            self._allocate_buffers(ids.shape[1])
+            self._first_step(step, ids[:b], labels[:b])
         cache: dict = {}
         left = {s: M for s in self.stages}
-        phase = None
+        phase = held = None
         for s, kind, mb in self.order:
             chunk = self.chunks[s]
             if kind != phase:
@@ -283,6 +301,12 @@ class PPWrapper(FSDPWrapper):
                 x = ids[mb * b:(mb + 1) * b] if chunk.first else self._recv[s]["act"][mb].requires_grad_(True)
                 with step.autocast():
                     out = chunk(x)
+                if self.virtual == 1:
+                    # ScheduleGPipe / Schedule1F1B._step_microbatches: `output = self._stage.forward_one_chunk(...)`,
+                    # a local of the step: the last forward's output stays referenced (past its backward, detached)
+                    # until the next forward returns, and the last one until the step returns, after the gradients'
+                    # reduction (the interleaved runtime's `_perform_action` drops its own at each action's end)
+                    held = out
                 loss = self._loss(out, labels[mb * b:(mb + 1) * b]) if chunk.last else None
                 cache[(s, mb)] = (out, [] if chunk.first else [x], loss)
                 del out, loss, x
@@ -295,6 +319,7 @@ class PPWrapper(FSDPWrapper):
             left[s] -= 1
             if not left[s]:
                 _PipelineStageBase.perform_reduce_grad(SimpleNamespace(submod=chunk), 1)
+        del held
         step.run_optimizer(on_phase)
         return None
 
@@ -305,29 +330,136 @@ class PPWrapper(FSDPWrapper):
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
         return loss / self.microbatches
 
-    def _allocate_buffers(self, seq_len: int) -> None:
-        """The receive buffers torch's stage allocates at the first step: per micro-batch, a non-first stage's input
-        activation and a non-last stage's output gradient (the hidden states' shape, in the compute dtype)."""
+    # ------------------------------------------------------------------ the first step's stage initialization
+    def _first_step(self, step, ids, labels) -> None:
+        """What the schedule's first ``step()`` does before its first forward (``_initialize_stage`` /
+        ``_initialize_stages``), as the installed torch does it: each stage's metadata inference (torch >= 2.13) or
+        shape inference (2.11), and the receive buffers it allocates after it (module docstring)."""
         import torch  # heavy: torch, loaded on first use
+        from torch.distributed.pipelining import PipelineStage  # heavy: torch, loaded on first use
 
-        tr = self._tracker
         cfg = self.model_config
         dtype = torch.bfloat16 if self.spec.precision == "amp-bf16" else getattr(torch, self.spec.param_dtype)
-        shape = (self.spec.batch_size // self.microbatches, seq_len, cfg.hidden_size)
-        total = self.pp * self.virtual
-        old = (tr.category_default, tr.module) if tr is not None else None
-        self._recv = {}
-        try:
-            if tr is not None:
-                tr.category_default, tr.module = Category.COMMUNICATION, tr.log.module_id("(pipeline P2P receive buffers)")
-            for s in self.stages:
-                self._recv[s] = {"act": [torch.empty(shape, dtype=dtype) for _ in range(self.microbatches)] if s > 0 else [],
-                                 "grad": [torch.empty(shape, dtype=dtype) for _ in range(self.microbatches)] if s < total - 1 else []}
-        finally:
-            if old is not None:
-                tr.category_default, tr.module = old
+        self._p2p = ((self.spec.batch_size // self.microbatches, ids.shape[1], cfg.hidden_size), dtype)
+        self._recv = {s: {"act": [], "grad": []} for s in self.stages}
+        if hasattr(PipelineStage, "_forward_metadata_inference"):
+            self._metadata_inference(step, ids, labels)
+            how = "forward + input backward of micro-batch 0, then resharded"
+        else:
+            self._shape_inference(step, ids)
+            how = "no_grad forward of micro-batch 0"
+        shape, dtype = self._p2p
         self.facts.update(recv_buffers=sum(len(v["act"]) + len(v["grad"]) for v in self._recv.values()),
-                          recv_buffer_shape=list(shape), recv_buffer_dtype=str(dtype).removeprefix("torch."))
+                          recv_buffer_shape=list(shape), recv_buffer_dtype=str(dtype).removeprefix("torch."),
+                          first_step_inference=how)
+
+    def _shape_inference(self, step, ids) -> None:
+        """torch 2.11: ``_initialize_stage(s)`` (schedules.py) runs each stage's ``_prepare_forward_infra`` in turn,
+        then each one's ``_prepare_backward_infra``. ``_prepare_forward_infra`` calls ``_shape_inference`` (stage.py):
+        the input (the first stage's micro-batch 0, or the metadata received from the previous stage) made
+        ``torch.zeros_like(meta, device=...)``, one forward of the stage's module under ``torch.no_grad()`` (FSDP2
+        gathers its parameters, kept gathered with ``reshard_after_forward=False``), its outputs turned to meta and
+        sent: the real ones freed; then the micro-batches' receive buffers (``_make_tensor_from_meta``).
+        ``_prepare_backward_infra`` then allocates the gradient receive buffers (``_create_grad_recv_info``)."""
+        import torch  # heavy: torch, loaded on first use
+
+        shape, dtype = self._p2p
+        for s in self.stages:
+            chunk = self.chunks[s]
+            with self._charged(Category.TEMPORARIES, INFERENCE):
+                x = torch.zeros_like(ids) if chunk.first else torch.zeros(shape, dtype=dtype)
+            with torch.no_grad(), step.autocast():
+                out = chunk(x)
+            del out, x
+            self._make_buffers(s, "act")
+        for s in self.stages:
+            self._make_buffers(s, "grad")
+
+    def _metadata_inference(self, step, ids, labels) -> None:
+        """torch >= 2.13 (DYNAMIC inference, no metadata given to the stage): ``_initialize_pp_stages``
+        (schedules.py) runs each stage's ``_prepare_forward_infra``, then each one's ``_prepare_backward_infra`` in
+        reverse, then ``_post_metadata_inference_cleanup`` on each (stage.py).
+        ``_forward_metadata_inference``: the input (the first stage's micro-batch 0 detached - no copy - or
+        ``TensorMeta.to_tensor``'s empty tensor requiring grad), one forward under ``torch.enable_grad()`` whose
+        outputs and graph are kept; then the micro-batches' receive buffers. ``_backward_metadata_inference``: the
+        last stage's loss (the schedule's loss_fn on target micro-batch 0), another stage's outputs with
+        ``_ones_from_metadata`` gradients, through ``_autograd_grad_for_inputs`` (``autograd.grad`` for the inputs
+        alone, none on the first stage: its graph is dropped unused); the graph freed as it returns, then the gradient
+        receive buffers. The cleanup reshards every FSDP module of the stage and drops any gradient."""
+        import torch  # heavy: torch, loaded on first use
+        from torch.distributed.fsdp import FSDPModule  # heavy: torch, loaded on first use
+        from torch.distributed.pipelining._backward import _autograd_grad_for_inputs  # heavy: torch >= 2.13
+
+        shape, dtype = self._p2p
+        kept = {}
+        for s in self.stages:
+            chunk = self.chunks[s]
+            if chunk.first:
+                x = ids.detach()
+            else:
+                with self._charged(Category.TEMPORARIES, INFERENCE):
+                    x = torch.empty(shape, dtype=dtype).requires_grad_(True)
+            with torch.enable_grad(), step.autocast(), self._graph_torch_drops():
+                kept[s] = (x, chunk(x))
+            del x
+            self._make_buffers(s, "act")
+        for s in reversed(self.stages):
+            x, out = kept.pop(s)
+            if self.chunks[s].last:
+                grads = _autograd_grad_for_inputs([self._loss(out, labels)], [x], allow_unused=True)
+            else:
+                with self._charged(Category.TEMPORARIES, INFERENCE):
+                    ones = torch.ones(shape, dtype=dtype)
+                grads = _autograd_grad_for_inputs([out], [x], [ones], allow_unused=True)
+                del ones
+            del grads, x, out
+            self._make_buffers(s, "grad")
+        for s in self.stages:
+            for m in self.chunks[s].modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+                    for p in m.parameters():
+                        p.grad = None
+
+    def _make_buffers(self, s: int, kind: str) -> None:
+        """Stage ``s``'s receive buffers of one kind, one per micro-batch (stage.py ``_make_tensor_from_meta``): a
+        non-first stage's input activations ("act"), a non-last stage's output gradients ("grad"), of the hidden
+        states' shape in the compute dtype."""
+        import torch  # heavy: torch, loaded on first use
+
+        shape, dtype = self._p2p
+        if (kind == "act" and s == 0) or (kind == "grad" and s == self.pp * self.virtual - 1):
+            return
+        with self._charged(Category.COMMUNICATION, "(pipeline P2P receive buffers)"):
+            self._recv[s][kind] = [torch.empty(shape, dtype=dtype) for _ in range(self.microbatches)]
+
+    def _graph_torch_drops(self):
+        """The simulation's saved-tensor hook (core.tracker ``pack_hook_for``) returns the tensor itself: an output
+        its own op saves (rsqrt, softmax, ...) then holds that op's node, a cycle autograd breaks only when a backward
+        releases the graph. torch drops the first stage's inference graph with no backward (on the GPU, with no hook,
+        it is freed as the outputs go), so here the saved tensors are packed as detached aliases (no copy, no node)."""
+        import torch  # heavy: torch, loaded on first use
+
+        from ...core.tracker import pack_hook_for  # heavy: imports torch
+
+        if self._tracker is None:
+            return contextlib.nullcontext()
+        pack = pack_hook_for(self._tracker)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: pack(t).detach(), lambda t: t)
+
+    @contextlib.contextmanager
+    def _charged(self, category, label: str):
+        """Allocations in the block charged to ``category`` and the pseudo-module ``label``."""
+        tr = self._tracker
+        if tr is None:
+            yield
+            return
+        old = (tr.category_default, tr.module)
+        tr.category_default, tr.module = category, tr.log.module_id(label)
+        try:
+            yield
+        finally:
+            tr.category_default, tr.module = old
 
     def wrap(self, model, *, device, fake_mode=None):
         self.model_config = _decoder(model).config
