@@ -159,7 +159,13 @@ def predicted_ops(fields: dict, table: str | None = None) -> dict:
     if rec is None:
         return {"ops": {}, "kinds": {}, "parts": (r.data.get("step_time") or {}).get("parts"), "size": None}
     names = rec.names
-    priced = [p + (names[i],) for i, p in enumerate(record.price(rec.trace, tab))]
+    priced, i = [], 0
+    for p in record.price(rec.trace, tab):     # FSDP2's forward all-gathers are rows of their own (no aten op)
+        if p[5] == "gather":
+            priced.append(p + ("nccl:all_gather",))
+            continue
+        priced.append(p + (names[i],))
+        i += 1
     for b, _mod, g, h, _fl, kind, name in record.expanded(priced, rec.trace):
         row = out[(b, name)]
         row[0] += g

@@ -255,3 +255,41 @@ def test_each_rank_prices_its_own_share_of_the_optimizer_step():
            for name, kw in (("fsdp4", dict(sharding="fsdp")), ("tp2xfsdp2", dict(sharding="fsdp", tp=2)))}
     # FSDP2 over 4 ranks and FSDP2 over 2 x TP over 2 both leave a quarter of every tensor on a rank
     assert opt["tp2xfsdp2"] == pytest.approx(opt["fsdp4"])
+
+
+def test_fsdp2_forward_all_gather_waits_in_the_queue_only_where_the_host_is_behind():
+    # host-bound: the gather (5 us) is issued at t=10 us with the copy-out behind it; the copy-out (host 10 us, so
+    # issued at 20 us) finds the gather done at 15 us: nothing exposed. GPU-bound: a 50 us kernel ahead, the gather
+    # issued at 1 us runs under it: nothing exposed either. A 30 us gather with hosts of 1 us: 31 - 2 = 29 us exposed.
+    gather = ("forward", 0, 5e-6, 0.0, 0, "gather")
+    _, wait, _ = step_mod.queue([("forward", 0, 1e-6, 10e-6, 0, "memory"), gather, ("forward", 0, 1e-6, 10e-6, 0, "memory")], [1.0] * 3)
+    assert wait.get("gather", 0.0) == 0.0
+    _, wait, _ = step_mod.queue([("forward", 0, 50e-6, 1e-6, 0, "matmul"), gather, ("forward", 0, 1e-6, 1e-6, 0, "memory")], [1.0] * 3)
+    assert wait.get("gather", 0.0) == 0.0
+    slow = ("forward", 0, 30e-6, 0.0, 0, "gather")
+    busy, wait, _ = step_mod.queue([("forward", 0, 1e-6, 1e-6, 0, "memory"), slow, ("forward", 0, 1e-6, 1e-6, 0, "memory")], [1.0] * 3)
+    assert wait["gather"] == pytest.approx(31e-6 - 2e-6) and busy["forward"] == pytest.approx(2e-6)
+
+
+def test_an_fsdp2_copy_in_prices_its_groups_hooks_and_all_gather():
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - registers fsdp::all_gather_copy_in
+
+    from memlens.estimator.timing.ops import op_facts
+    from memlens.estimator.timing.record import FSDP_FORWARD_HOOK_OPS, OpTrace
+
+    shards = [torch.empty(1000, dtype=torch.bfloat16, device="meta"), torch.empty(24, dtype=torch.bfloat16, device="meta")]
+    buf = torch.empty(2 * 1024, dtype=torch.bfloat16, device="meta")      # 2 ranks x 1,024 elements
+    func = torch.ops.fsdp.all_gather_copy_in.default
+    f = op_facts(func, (shards, buf, [1000, 24], 1024, 0), {}, (buf[:1024], buf))
+    assert (f.kind, f.op, f.gathered, f.seq) == ("memory", "all_gather_copy_in", 4096, 2)
+    tab = flat_table()
+    tab.host_us["model_forward"], tab.host_us["model_recompute_ckpt"] = 20.0, 40.0
+    tab.nccl = {"2": {"all_gather": {"bytes": [1, 2**40], "busbw_gbps": [100.0, 100.0], "latency_us": 15.0}}}
+    tables._add_logs(tab)
+    rows = price(OpTrace(rows=[("forward", 0, f), ("backward", 0, f)]), tab)
+    assert [r[5] for r in rows] == ["memory", "gather", "memory"]       # backward's gathers are prefetched: no row
+    # the copy-in's host: one forward op (20 us) + the hooks' 30 forward-op equivalents; backward: its op's cost only
+    assert rows[0][3] == pytest.approx((1 + FSDP_FORWARD_HOOK_OPS) * 20e-6) and rows[2][3] == 0.0
+    # the all-gather by the ring law: 4,096 bytes x (2-1)/2 at 100 GB/s bus bandwidth + 15 us latency
+    assert rows[1][2] == pytest.approx(2048 / 100e9 + 15e-6)

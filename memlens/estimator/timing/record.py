@@ -15,6 +15,7 @@ from typing import Any
 from ...models.quant import Linear4bitSim
 from ..depth import TEMPLATE
 from .ops import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, MATMUL, META, SYNC, VIEW, OpFacts, attention_facts, op_facts
+from .ops_kinds import GATHER
 from .tables import TimingTable, table_for
 
 # Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
@@ -22,6 +23,19 @@ from .tables import TimingTable, table_for
 # host (bench/results/recompute_plan_accuracy.md, all blocks selective on an 8B LoRA, a 1B, ViT-L and LLaVA-7B): 12-30
 # us per recomputed op beyond the roofline, median 22 (the figure memlens.estimator.result used before this model).
 SAC_HOST_SECONDS_PER_OP = 22e-6
+
+# FSDP2's hooks per parameter group beyond the aten ops they dispatch (which are rows of their own): pre_forward's
+# unshard / wait_for_unshard / _register_post_backward_hook and post_forward's reshard (torch/distributed/fsdp/
+# _fully_shard/_fsdp_param_group.py: Python over every parameter, setattr swaps, pytree over args), in units of the
+# table's in-model host cost per kernel op (``model_forward``: per op as the simulation counts them, views aside).
+# Measured on a CPU (a 16-layer Llama of width 64 under fully_shard per layer and at the root, gloo over 1 rank, against
+# the same model bare, ops counted as memlens counts them): +31 to +45 forward-op equivalents per group in forward, of
+# which 8.6 are aten kernel ops. Backward: +110 to +127 backward-op equivalents on that CPU, but the H200 measurement
+# contradicts it (Llama-3.2-1B FSDP2 backward 69.7 ms for 65.7 ms of kernels: 17 x 110 x 25 us would make it
+# host-bound at ~120 ms), so backward's hooks are left unpriced. A table may carry its own (host_us
+# "fsdp_forward_group", "fsdp_backward_group", microseconds per group).
+FSDP_FORWARD_HOOK_OPS = 30.0
+FSDP_BACKWARD_HOOK_OPS = 0.0
 
 # phases priced from the op stream (the optimizer is priced from its parameters: .step)
 STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
@@ -154,6 +168,8 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
     out = []
     h_view, h_fwd, h_bwd, h_rec = host_costs(tab, ckpt_share, "selective" if trace.selective else "full")
     floor = tab.min_kernel_us * 1e-6
+    g_fwd = tab.host_seconds("fsdp_forward_group") or FSDP_FORWARD_HOOK_OPS * h_fwd
+    g_bwd = tab.host_seconds("fsdp_backward_group") or FSDP_BACKWARD_HOOK_OPS * h_bwd
     for bucket, mod, f in trace.rows:
         kind = f.kind
         host = h_view if kind in (VIEW, ALLOC) else h_rec if bucket == "recompute" else h_bwd if bucket == "backward" else h_fwd
@@ -171,7 +187,14 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             gpu = tab.collective_seconds(f.op, f.nbytes, f.seq) if f.seq > 1 else 0.0
         else:
             gpu = max(floor, tab.op_seconds(f.op, f.nbytes)) if f.nbytes else floor
+        if f.gathered and bucket in ("forward", "backward"):   # an FSDP2 group's unshard (its hooks on the host)
+            host += g_fwd if bucket == "forward" else g_bwd
         out.append((bucket, mod, gpu, host, fl, kind))
+        if f.gathered and f.seq > 1 and bucket == "forward":
+            # forward's all-gather: issued by the host at the group's pre_forward and waited on by the compute stream
+            # right there (wait_for_unshard); it overlaps earlier compute only as far as the host runs ahead (FSDP2's
+            # implicit prefetch). Backward prefetches the next group explicitly (.step.collective_seconds).
+            out.append((bucket, mod, tab.collective_seconds("all_gather", f.gathered, f.seq), 0.0, 0, GATHER))
     return out
 
 
