@@ -293,3 +293,22 @@ def test_an_fsdp2_copy_in_prices_its_groups_hooks_and_all_gather():
     assert rows[0][3] == pytest.approx((1 + FSDP_FORWARD_HOOK_OPS) * 20e-6) and rows[2][3] == 0.0
     # the all-gather by the ring law: 4,096 bytes x (2-1)/2 at 100 GB/s bus bandwidth + 15 us latency
     assert rows[1][2] == pytest.approx(2048 / 100e9 + 15e-6)
+
+
+def test_an_fp32_convolution_is_priced_at_the_tf32_rate_as_cudnn_runs_it():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+    from memlens.estimator.timing.record import OpTrace
+
+    x, w = torch.empty(8, 16, 32, 32), torch.empty(32, 16, 3, 3)
+    out = torch.empty(8, 32, 32, 32)
+    f = op_facts(torch.ops.aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}, out)
+    tab = flat_table(tflops=10.0, gbps=1e6)        # bytes nearly free: the compute time decides
+    tf32 = {"m": [1, 2**20], "n": [1, 2**20], "k": [1, 2**20], "tflops": [[[40.0] * 2] * 2] * 2}
+    tab.matmul["tf32"] = tf32
+    tables._add_logs(tab)
+    # 2 x (8 x 32 x 32) x 32 x (16 x 9) FLOPs = 75,497,472 at tf32's 40 TFLOP/s, not fp32's 10
+    assert f.flops == 75_497_472
+    (row,) = price(OpTrace(rows=[("forward", 0, f)]), tab)
+    assert row[2] == pytest.approx(75_497_472 / 40e12, rel=1e-3)

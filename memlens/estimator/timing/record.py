@@ -178,7 +178,11 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             gpu = 0.0
         elif kind in (MATMUL, CONV):
             m, n, k = f.mnk
-            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
+            # an fp32 convolution runs on TF32 tensor cores: torch.backends.cudnn.allow_tf32 defaults to True (unlike
+            # matmul's allow_tf32); torchvision's ResNet-50 fp32 forward convs ran at 105 TFLOP/s on an H200, past the
+            # 67 TFLOP/s of its fp32 CUDA cores
+            dt = "tf32" if kind == CONV and f.dtype == "float32" else f.dtype
+            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(dt, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
             fl = f.flops
         elif kind in (ATTN_FWD, ATTN_BWD):
             gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal), f.nbytes)
