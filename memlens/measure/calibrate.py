@@ -113,10 +113,12 @@ def measure_matmul(torch, dev, ms, nks, log) -> dict:
     return out
 
 
-ATTENTION_VARIANTS = {"128": (128, False), "64": (64, False), "64c": (64, True), "128c": (128, True)}
+# name -> (head dim, causal, dropout p): "d" with dropout 0.1 on the probabilities (GPT-2's attn_pdrop in training)
+ATTENTION_VARIANTS = {"128": (128, False, 0.0), "64": (64, False, 0.0), "64c": (64, True, 0.0), "128c": (128, True, 0.0),
+                      "64cd": (64, True, 0.1), "128cd": (128, True, 0.1)}
 
 
-def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool) -> tuple[list, list]:
+def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool, p: float = 0.0) -> tuple[list, list]:
     """Forward and backward TFLOP/s of SDPA (the kernel PyTorch picks) by sequence length, 32k tokens of 2048
     model width (H = 2048 / D heads); a causal mask's FLOPs are half (the kernels skip the masked tiles)."""
     import torch.nn.functional as F  # heavy: torch
@@ -126,12 +128,12 @@ def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool) -> tuple[list,
         B, H = max(1, 32768 // L), 2048 // D
         q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
         fl = 4 * B * H * L * L * D // (2 if causal else 1)
-        tf = _gpu_seconds(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        tf = _gpu_seconds(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
         g = torch.randn_like(o)
 
         def back():
-            out_ = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            out_ = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
             torch.autograd.grad(out_, (q, k, v), g)
 
         tb = max(1e-9, _gpu_seconds(torch, back) - tf)
@@ -178,7 +180,7 @@ def measure_attention(torch, dev, seqs, log) -> dict:
     out = {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
-        rows = {name: _attention_row(torch, dev, dtype, seqs, D, causal) for name, (D, causal) in ATTENTION_VARIANTS.items()}
+        rows = {name: _attention_row(torch, dev, dtype, seqs, D, causal, p) for name, (D, causal, p) in ATTENTION_VARIANTS.items()}
         fwd, bwd = rows.pop("128")
         out[key] = {"seq": list(seqs), "fwd_tflops": fwd, "bwd_tflops": bwd,
                     "variants": {name: {"fwd_tflops": f, "bwd_tflops": b} for name, (f, b) in rows.items()}}

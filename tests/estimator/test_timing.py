@@ -38,7 +38,7 @@ def test_a_linear_step_is_priced_op_by_op(linear_sim, monkeypatch):
     rows = price(linear_sim.timing, tab)
     mm = [r for r in rows if r[5] == "matmul"]
     # forward x @ W.T and backward grad_W = grad_out.T @ x (x needs no gradient): 2 x 16 x 1024 x 1024 FLOPs each
-    assert [(r[0], r[4]) for r in mm] == [("forward", 33_554_432), ("backward", 33_554_432)]
+    assert [(r[0], r[4]) for r in mm] == [("forward", 67_108_864), ("backward", 67_108_864)]
     # each reads a 16 x 1024 fp32 operand (64 KiB) and the 4 MiB weight (or writes the 4 MiB gradient) and the
     # other 64 KiB operand: 4,325,376 bytes at 100 GB/s = 43.25 us, more than 33.5 MFLOP at 10 TFLOP/s (3.36 us)
     assert [r[2] for r in mm] == pytest.approx([4_325_376 / 100e9] * 2)
@@ -50,7 +50,7 @@ def test_a_linear_step_is_priced_op_by_op(linear_sim, monkeypatch):
     # SGD without momentum, foreach add_(p, g): the parameter read and written, the gradient read: 3 x 4 MiB at 100 GB/s
     assert st["parts"]["optimizer"] == pytest.approx(3 * 4 * 2**20 / 100e9)
     assert st["seconds"] == pytest.approx(sum(st["parts"].values()))
-    assert st["model_flops"] == 2 * 33_554_432
+    assert st["model_flops"] == 2 * 67_108_864
 
 
 def test_the_launch_queue_counts_host_bound_ops():
@@ -312,3 +312,25 @@ def test_an_fp32_convolution_is_priced_at_the_tf32_rate_as_cudnn_runs_it():
     assert f.flops == 75_497_472
     (row,) = price(OpTrace(rows=[("forward", 0, f)]), tab)
     assert row[2] == pytest.approx(75_497_472 / 40e12, rel=1e-3)
+
+
+def test_attention_with_dropout_takes_its_measured_variant_where_the_table_has_one():
+    import torch
+
+    from memlens.estimator.timing.ops import attention_facts
+    from memlens.estimator.timing.record import OpTrace
+
+    tab = flat_table(gbps=1e6)
+    tab.attention["bfloat16"]["variants"] = {"64c": {"fwd_tflops": [100.0] * 2, "bwd_tflops": [80.0] * 2},
+                                             "64cd": {"fwd_tflops": [40.0] * 2, "bwd_tflops": [60.0] * 2}}
+    tables._add_logs(tab)
+    q = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
+    fwd = attention_facts(q, q, q, True, backward=False, dropout=True)
+    plain = attention_facts(q, q, q, True, backward=False)
+    # 4 B H L S D / 2 (causal) = 4 x 2 x 4 x 256 x 256 x 64 / 2 = 67,108,864 FLOPs: at 40 TFLOP/s with dropout, 100 without
+    assert fwd.flops == plain.flops == 67_108_864 and fwd.dropout and not plain.dropout
+    rows = price(OpTrace(rows=[("forward", 0, fwd), ("forward", 0, plain)]), tab)
+    assert [r[2] for r in rows] == pytest.approx([67_108_864 / 40e12, 67_108_864 / 100e12], rel=1e-3)
+    # a table without the dropout variant (calibrated before it was measured) prices it as the variant without
+    del tab.attention["bfloat16"]["variants"]["64cd"]
+    assert tab.attention_tflops("bfloat16", 256, True, 64, True, dropout=True) == pytest.approx(80.0)

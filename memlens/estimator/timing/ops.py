@@ -32,6 +32,7 @@ class OpFacts(NamedTuple):
     causal: bool = False           # attention: a causal mask (the kernels skip the masked tiles)
     aligned: bool = True           # matmul: every operand's leading dimension on a 16-byte boundary (cuBLAS' fast path)
     out_unaligned: bool = False    # matmul: the output's own leading dimension is off (its stores, not its loads)
+    dropout: bool = False          # attention: dropout on the probabilities (the kernel draws Philox numbers per score)
     gathered: int = 0              # FSDP2's all_gather_copy_in: the bytes its group's all-gather fills (seq: the ranks)
 
 
@@ -283,7 +284,7 @@ def _copy_in_facts(args, dtype: str, nbytes: int) -> OpFacts:
                    gathered=int(out.numel() * el))
 
 
-def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool) -> OpFacts:
+def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool, dropout: bool = False) -> OpFacts:
     """A fused SDPA kernel (flash / memory-efficient / cuDNN) the simulation emulates without its arithmetic
     (memlens.estimator.cuda_rules.FusedAttention): 4 B H L S D FLOPs forward (QK^T and PV), 2.5x that backward
     (dQ, dK, dV and the recomputed scores: FlashAttention-2's 5 matmuls against 2), halved under a causal mask,
@@ -298,4 +299,4 @@ def attention_facts(q: Any, k: Any, v: Any, causal: bool, backward: bool) -> OpF
     el = q.element_size()
     io = (q.numel() + k.numel() * H // max(1, k.shape[1]) + v.numel() * H // max(1, v.shape[1]) + B * H * L * Dv) * el
     return OpFacts(ATTN_BWD if backward else ATTN_FWD, int(fl), int(io * (2 if backward else 1)), None, _dtype(q), int(L),
-                   hd=int(D), causal=bool(causal and L == S))
+                   hd=int(D), causal=bool(causal and L == S), dropout=bool(dropout))

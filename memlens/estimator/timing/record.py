@@ -93,16 +93,16 @@ class Recorder:
     def add(self, f: OpFacts) -> None:
         self.trace.rows.append((self.bucket(), self.tracker.module, f))
 
-    def attention(self, backend: str, q, k, v, causal: bool, out) -> None:
+    def attention(self, backend: str, q, k, v, causal: bool, out, dropout: bool = False) -> None:
         """A fused SDPA call (memlens.estimator.cuda_rules.cuda_sdpa): its forward kernel now, its backward when
         autograd reaches the node (a pre-hook that holds shapes only, never a tensor)."""
         if not self._live():
             return
-        self.add(attention_facts(q, k, v, causal, backward=False))
+        self.add(attention_facts(q, k, v, causal, backward=False, dropout=dropout))
         fn = getattr(out, "grad_fn", None)
         if fn is None:
             return
-        bwd = attention_facts(q, k, v, causal, backward=True)
+        bwd = attention_facts(q, k, v, causal, backward=True, dropout=dropout)
 
         def before_backward(grad_outputs, facts=bwd):
             if self._live():
@@ -185,7 +185,8 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(dt, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
             fl = f.flops
         elif kind in (ATTN_FWD, ATTN_BWD):
-            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal), f.nbytes)
+            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal, f.dropout),
+                                     f.nbytes)
             fl = f.flops
         elif kind == COMM:   # NCCL's ring law at the table's bus bandwidth for that size and group
             gpu = tab.collective_seconds(f.op, f.nbytes, f.seq) if f.seq > 1 else 0.0
