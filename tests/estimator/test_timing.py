@@ -38,7 +38,7 @@ def test_a_linear_step_is_priced_op_by_op(linear_sim, monkeypatch):
     rows = price(linear_sim.timing, tab)
     mm = [r for r in rows if r[5] == "matmul"]
     # forward x @ W.T and backward grad_W = grad_out.T @ x (x needs no gradient): 2 x 16 x 1024 x 1024 FLOPs each
-    assert [(r[0], r[4]) for r in mm] == [("forward", 67_108_864), ("backward", 67_108_864)]
+    assert [(r[0], r[4]) for r in mm] == [("forward", 33_554_432), ("backward", 33_554_432)]
     # each reads a 16 x 1024 fp32 operand (64 KiB) and the 4 MiB weight (or writes the 4 MiB gradient) and the
     # other 64 KiB operand: 4,325,376 bytes at 100 GB/s = 43.25 us, more than 33.5 MFLOP at 10 TFLOP/s (3.36 us)
     assert [r[2] for r in mm] == pytest.approx([4_325_376 / 100e9] * 2)
@@ -50,7 +50,7 @@ def test_a_linear_step_is_priced_op_by_op(linear_sim, monkeypatch):
     # SGD without momentum, foreach add_(p, g): the parameter read and written, the gradient read: 3 x 4 MiB at 100 GB/s
     assert st["parts"]["optimizer"] == pytest.approx(3 * 4 * 2**20 / 100e9)
     assert st["seconds"] == pytest.approx(sum(st["parts"].values()))
-    assert st["model_flops"] == 2 * 67_108_864
+    assert st["model_flops"] == 2 * 33_554_432
 
 
 def test_the_launch_queue_counts_host_bound_ops():
@@ -334,3 +334,17 @@ def test_attention_with_dropout_takes_its_measured_variant_where_the_table_has_o
     # a table without the dropout variant (calibrated before it was measured) prices it as the variant without
     del tab.attention["bfloat16"]["variants"]["64cd"]
     assert tab.attention_tflops("bfloat16", 256, True, 64, True, dropout=True) == pytest.approx(80.0)
+
+
+def test_each_module_call_in_forward_is_a_host_row_at_the_calibrated_split(linear_sim):
+    from memlens.estimator.timing.record import CALIBRATION_OPS_PER_MODULE
+
+    mods = [r for r in linear_sim.timing.rows if r[2].kind == "module"]
+    assert [r[0] for r in mods] == ["forward"] * 2       # Sequential's forward and its Linear's, once each; none in backward
+    tab = flat_table()
+    tab.host_us.update(forward=5.0, model_forward=8.0, model_recompute_ckpt=50.0)
+    rows = price(linear_sim.timing, tab)
+    # model_forward (8 us an op in the calibration Llama) = the bare dispatch (5) + its module calls' share: each call
+    # costs (8 - 5) x 666 / 214 us, each forward kernel op the bare 5 us
+    assert [r[3] for r in rows if r[5] == "module"] == pytest.approx([3e-6 * CALIBRATION_OPS_PER_MODULE] * 2)
+    assert [r[3] for r in rows if r[0] == "forward" and r[5] == "matmul"] == pytest.approx([5e-6])

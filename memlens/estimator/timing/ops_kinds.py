@@ -9,3 +9,5 @@ COMM = "comm"
 # FSDP2's all-gather of one parameter group (its NCCL kernel on the all-gather stream; the compute stream waits for it
 # before the copy-out): a row of the launch queue on a side stream (memlens.estimator.timing.step.queue)
 GATHER = "gather"
+# a module's forward called (nn.Module.__call__: its hooks, its Python forward around the ops): host time, no kernel
+MODULE = "module"
