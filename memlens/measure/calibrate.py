@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from ..core.errors import MemlensError
 from ..core.gpus import GPUS
+from .calibrate_fsdp import measure_fsdp_host
 from ..estimator.timing.tables import (
     FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
 )
@@ -401,23 +402,25 @@ def _host_per_phase(torch, model, ids) -> tuple[float, float, dict, dict]:
                 self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
             return func(*args, **(kwargs or {}))
 
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)   # a CPU model: tests
+
     def phases(count: bool) -> tuple:
         fwd, bwd = (Count(), Count()) if count else (None, None)
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         if fwd:
             with fwd:
                 loss = model(input_ids=ids, labels=ids).loss
         else:
             loss = model(input_ids=ids, labels=ids).loss
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         if bwd:
             with bwd:
                 loss.backward()
         else:
             loss.backward()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         return t1 - t, t2 - t1, fwd.n if fwd else {}, bwd.n if bwd else {}
@@ -512,6 +515,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.bandwidth = measure_bandwidth(torch, dev, sizes, log)
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)
     t.host_us.update(measure_model_host(torch, dev, t.host_us, log))
+    t.host_us.update(measure_fsdp_host(torch, dev, t.host_us, log))
     t.matmul_unaligned, t.matmul_unaligned_out = measure_matmul_unaligned(torch, dev, log)
     t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)
     _add_logs(t)
