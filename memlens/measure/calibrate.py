@@ -220,6 +220,8 @@ def _op_cases(torch, dev) -> dict:
     ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
     idx = torch.randint(0, V, (N,), device=dev)
     img = torch.randn(64, 256, 28, 28, device=dev, dtype=bf)       # a ResNet stage's activations, batch 64
+    qkv = torch.randn(4, 1024, 3 * H, device=dev, dtype=bf)         # a fused projection's output, 4 x 1,024 tokens
+    heads = qkv[..., H:2 * H].view(4, 1024, H // 64, 64).transpose(1, 2)   # its keys as heads: runs of 64
     cw, cb = torch.ones(256, device=dev), torch.zeros(256, device=dev)
     rm, rv = torch.zeros(256, device=dev), torch.ones(256, device=dev)
     bn, bn_mean, bn_rstd = a.native_batch_norm.default(img, cw, cb, rm, rv, True, 0.1, 1e-5)
@@ -237,6 +239,8 @@ def _op_cases(torch, dev) -> dict:
         "native_layer_norm_backward": (a.native_layer_norm_backward.default, (y, x, [H], mean, rstd, w, b, [True, True, True])),
         "cat": (a.cat.default, ([x, y], -1)),
         "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
+        "cat/heads": (a.cat.default, ([heads[..., 32:], heads[..., :32]], -1)),   # RoPE's rotate_half on heads
+        "clone/heads": (a.clone.default, (heads,)),                               # .contiguous() of heads
         "mul": (a.mul.Tensor, (x, y)),
         "mul/bcast": (a.mul.Tensor, (x, w)),                                       # a norm's weight
         "mul/strided": (a.mul.Tensor, (x.t(), y.t())),

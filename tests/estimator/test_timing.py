@@ -239,7 +239,7 @@ def test_a_memory_bound_op_is_priced_by_its_layout_where_measured_else_by_its_na
     assert op_facts(mul, (x.t(), y.t()), {}, x.t() * y.t()).op == "mul/strided"
     cat = torch.ops.aten.cat.default
     halves = [x[:, 16:], x[:, :16]]                                       # RoPE's rotate_half
-    assert op_facts(cat, (halves, -1), {}, torch.cat(halves, -1)).op == "cat/strided"
+    assert op_facts(cat, (halves, -1), {}, torch.cat(halves, -1)).op == "cat/heads"   # short runs: priced as strided where not measured
     tab = flat_table(gbps=100.0)
     tab.op_ratio = {"mul": 1.0, "mul/bcast": 0.5}
     assert tab.op_seconds("mul/bcast", 1e9) == pytest.approx(0.02)
@@ -348,3 +348,21 @@ def test_each_module_call_in_forward_is_a_host_row_at_the_calibrated_split(linea
     # costs (8 - 5) x 666 / 214 us, each forward kernel op the bare 5 us
     assert [r[3] for r in rows if r[5] == "module"] == pytest.approx([3e-6 * CALIBRATION_OPS_PER_MODULE] * 2)
     assert [r[3] for r in rows if r[0] == "forward" and r[5] == "matmul"] == pytest.approx([5e-6])
+
+
+def test_heads_transposed_out_of_a_projection_are_their_own_layout_falling_back_to_strided():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    qkv = torch.empty(2, 16, 3 * 256, dtype=torch.bfloat16)
+    k = qkv[..., 256:512].view(2, 16, 4, 64).transpose(1, 2)         # runs of 64 elements, 768 apart
+    cat = torch.ops.aten.cat.default
+    assert op_facts(cat, ([k[..., 32:], k[..., :32]], -1), {}, torch.empty(2, 4, 16, 64)).op == "cat/heads"
+    wide = torch.empty(16, 1024, dtype=torch.bfloat16)
+    assert op_facts(cat, ([wide[:, 512:], wide[:, :512]], -1), {}, torch.empty(16, 1024)).op == "cat/strided"
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"cat/strided": 0.5, "cat": 1.0}
+    assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 50e9)      # no heads figure: the strided one
+    tab.op_ratio["cat/heads"] = 0.1
+    assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 10e9)

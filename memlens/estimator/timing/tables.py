@@ -122,6 +122,8 @@ class TimingTable:
         """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the measured ratio of the op in
         that layout (``name/strided``, ``name/bcast``: memlens.estimator.timing.ops), else of the op, else 1."""
         ratio = self.op_ratio.get(op)
+        if ratio is None and op.endswith("/heads"):   # a table calibrated before heads were: as any strided view
+            ratio = self.op_ratio.get(op[:-len("/heads")] + "/strided")
         if ratio is None:    # a layout the table did not measure (``mul/bcast``): the op's own rate, else a copy's
             ratio = self.op_ratio.get(op.partition("/")[0], 1.0)
         return nbytes / (self.bandwidth_gbps(nbytes) * ratio * 1e9)
