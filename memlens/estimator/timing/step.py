@@ -324,7 +324,7 @@ def _replay_scale(tr, spec, sim) -> tuple[tuple[float, float], str]:
 def _scaled(row, scale, tab: TimingTable):
     bucket, mod, g, h, fl, kind = row
     tokens, seq = scale
-    f = tokens * (seq if kind in (ATTN_FWD, ATTN_BWD) else 1.0)
+    f = 1.0 if kind == GATHER else tokens * (seq if kind in (ATTN_FWD, ATTN_BWD) else 1.0)   # a gather: the parameters
     floor = tab.min_kernel_us * 1e-6
     return (bucket, mod, max(floor, g * f) if g > 0 else 0.0, h, fl * f, kind)
 
