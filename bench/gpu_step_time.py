@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     args = ap.parse_args(argv)
     cases = CASES_2GPU if args.gpus == 2 else CASES
+    if args.reprice:   # records of both kinds of run (a 1-GPU and a 2-GPU file, comma-separated) are repriced alike
+        cases = {**CASES, **CASES_2GPU}
     names = [c.name for c in select([Case(n) for n in cases], args.filters)
              if not args.only or c.name in args.only.split(",")]
     if args.list:

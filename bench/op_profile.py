@@ -75,7 +75,18 @@ def summarize(events) -> dict:
     kernel_s: dict = defaultdict(float)                   # phase -> kernel seconds
     top_ops: dict = defaultdict(int)                      # phase -> aten ops called from outside any aten op
     shapes: dict = defaultdict(lambda: [0.0, 0])          # (phase, op, input shapes) -> [kernel s, calls]: matmuls
+    comm: dict = defaultdict(lambda: [0.0, 0])            # phase -> [NCCL kernel s, kernels] (their own stream)
+    host: dict = defaultdict(float)                       # phase -> the host's wall seconds in the phase's region
     for ev in events:
+        if ev.device_type.name == "CPU" and ev.name.startswith(PHASE_TAG):
+            ph = ev.name[len(PHASE_TAG):]
+            host["optimizer" if ph == "clip" else ph] += ev.time_range.elapsed_us() / 1e6
+        if ev.device_type.name == "CPU" and not ev.name.startswith("aten::"):
+            nccl = [k for k in ev.kernels if k.duration > 0 and "nccl" in k.name.lower()]
+            if nccl:   # FSDP2's / DDP's collectives: is a phase's idle GPU time the host's or a wait on NCCL?
+                c = comm[_phase_of(ev)]
+                c[0] += sum(k.duration for k in nccl) / 1e6
+                c[1] += len(nccl)
         if ev.device_type.name != "CPU" or not ev.name.startswith("aten::"):
             continue
         ph = _phase_of(ev)
@@ -98,6 +109,7 @@ def summarize(events) -> dict:
             s[1] += 1
     return {"ops": [[ph, op, round(v[0], 7), v[1], v[2]] for (ph, op), v in sorted(ops.items(), key=lambda x: -x[1][0])],
             "cpu_ops": dict(cpu_ops), "top_ops": dict(top_ops), "kernel_s": dict(kernel_s),
+            "nccl": {ph: [round(v[0], 7), v[1]] for ph, v in comm.items()}, "host_s": {ph: round(v, 6) for ph, v in host.items()},
             "matmul_shapes": [[ph, op, sh, round(v[0], 7), v[1]] for (ph, op, sh), v in
                               sorted(shapes.items(), key=lambda x: -x[1][0])[:60]]}
 
@@ -159,7 +171,13 @@ def predicted_ops(fields: dict, table: str | None = None) -> dict:
     if rec is None:
         return {"ops": {}, "kinds": {}, "parts": (r.data.get("step_time") or {}).get("parts"), "size": None}
     names = rec.names
-    priced = [p + (names[i],) for i, p in enumerate(record.price(rec.trace, tab))]
+    priced, i = [], 0
+    for p in record.price(rec.trace, tab):     # FSDP2's forward all-gathers are rows of their own (no aten op)
+        if p[5] == "gather":
+            priced.append(p + ("nccl:all_gather",))
+            continue
+        priced.append(p + (names[i],))
+        i += 1
     for b, _mod, g, h, _fl, kind, name in record.expanded(priced, rec.trace):
         row = out[(b, name)]
         row[0] += g
@@ -210,7 +228,9 @@ def main(argv=None) -> int:
             continue
         print(f"## {rec['name']}: measured {rec.get('measured_seconds')} s, phases {rec.get('measured_phases')}")
         for ph, ks in prof["kernel_s"].items():
-            print(f"  {ph}: kernels {ks * 1e3:.1f} ms, aten ops {prof['cpu_ops'].get(ph)} ({prof['top_ops'].get(ph)} top-level)")
+            extra = "".join([f", NCCL kernels {prof['nccl'][ph][0] * 1e3:.1f} ms" if ph in prof.get("nccl", {}) else "",
+                             f", host {prof['host_s'][ph] * 1e3:.1f} ms" if ph in prof.get("host_s", {}) else ""])
+            print(f"  {ph}: kernels {ks * 1e3:.1f} ms, aten ops {prof['cpu_ops'].get(ph)} ({prof['top_ops'].get(ph)} top-level){extra}")
         if a.predict:
             pred = predicted_ops(rec["spec"], a.table)
             print("  predicted kinds per phase:", pred["kinds"], "at size", pred["size"])

@@ -282,6 +282,9 @@ class ModuleScope:
         if mid is not None:
             self.stack.append(mid)
             self.tracker.module = mid
+            timer = getattr(self.tracker, "timer", None)    # the step-time pricing prices each module call's host cost
+            if timer is not None:
+                timer.module_call()
 
     def _post(self, mod, args, out):
         mid = self.ids.get(id(mod))

@@ -262,7 +262,7 @@ def cuda_sdpa(rules: CudaRules, query, key, value, attn_mask=None, dropout_p=0.0
     out = (rules.fused_attention or FusedAttention).apply(q, k, v, attn_mask, backend)
     if rules.on_attention is not None:   # context parallel's ring: one kernel call a ring step (step/parallel/cp.py)
         for _ in range(getattr(rules.fused_attention, "ring_steps", 1)):
-            rules.on_attention(backend, q, k, v, is_causal, out)
+            rules.on_attention(backend, q, k, v, is_causal, out, dropout=dropout_p > 0)
     return out
 
 

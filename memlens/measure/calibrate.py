@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from ..core.errors import MemlensError
 from ..core.gpus import GPUS
+from .calibrate_fsdp import measure_fsdp_host
 from ..estimator.timing.tables import (
     FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
 )
@@ -113,10 +114,12 @@ def measure_matmul(torch, dev, ms, nks, log) -> dict:
     return out
 
 
-ATTENTION_VARIANTS = {"128": (128, False), "64": (64, False), "64c": (64, True), "128c": (128, True)}
+# name -> (head dim, causal, dropout p): "d" with dropout 0.1 on the probabilities (GPT-2's attn_pdrop in training)
+ATTENTION_VARIANTS = {"128": (128, False, 0.0), "64": (64, False, 0.0), "64c": (64, True, 0.0), "128c": (128, True, 0.0),
+                      "64cd": (64, True, 0.1), "128cd": (128, True, 0.1)}
 
 
-def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool) -> tuple[list, list]:
+def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool, p: float = 0.0) -> tuple[list, list]:
     """Forward and backward TFLOP/s of SDPA (the kernel PyTorch picks) by sequence length, 32k tokens of 2048
     model width (H = 2048 / D heads); a causal mask's FLOPs are half (the kernels skip the masked tiles)."""
     import torch.nn.functional as F  # heavy: torch
@@ -126,12 +129,12 @@ def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool) -> tuple[list,
         B, H = max(1, 32768 // L), 2048 // D
         q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
         fl = 4 * B * H * L * L * D // (2 if causal else 1)
-        tf = _gpu_seconds(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        tf = _gpu_seconds(torch, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
         g = torch.randn_like(o)
 
         def back():
-            out_ = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            out_ = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=p)
             torch.autograd.grad(out_, (q, k, v), g)
 
         tb = max(1e-9, _gpu_seconds(torch, back) - tf)
@@ -178,7 +181,7 @@ def measure_attention(torch, dev, seqs, log) -> dict:
     out = {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
-        rows = {name: _attention_row(torch, dev, dtype, seqs, D, causal) for name, (D, causal) in ATTENTION_VARIANTS.items()}
+        rows = {name: _attention_row(torch, dev, dtype, seqs, D, causal, p) for name, (D, causal, p) in ATTENTION_VARIANTS.items()}
         fwd, bwd = rows.pop("128")
         out[key] = {"seq": list(seqs), "fwd_tflops": fwd, "bwd_tflops": bwd,
                     "variants": {name: {"fwd_tflops": f, "bwd_tflops": b} for name, (f, b) in rows.items()}}
@@ -217,6 +220,8 @@ def _op_cases(torch, dev) -> dict:
     ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
     idx = torch.randint(0, V, (N,), device=dev)
     img = torch.randn(64, 256, 28, 28, device=dev, dtype=bf)       # a ResNet stage's activations, batch 64
+    qkv = torch.randn(4, 1024, 3 * H, device=dev, dtype=bf)         # a fused projection's output, 4 x 1,024 tokens
+    heads = qkv[..., H:2 * H].view(4, 1024, H // 64, 64).transpose(1, 2)   # its keys as heads: runs of 64
     cw, cb = torch.ones(256, device=dev), torch.zeros(256, device=dev)
     rm, rv = torch.zeros(256, device=dev), torch.ones(256, device=dev)
     bn, bn_mean, bn_rstd = a.native_batch_norm.default(img, cw, cb, rm, rv, True, 0.1, 1e-5)
@@ -234,6 +239,8 @@ def _op_cases(torch, dev) -> dict:
         "native_layer_norm_backward": (a.native_layer_norm_backward.default, (y, x, [H], mean, rstd, w, b, [True, True, True])),
         "cat": (a.cat.default, ([x, y], -1)),
         "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
+        "cat/heads": (a.cat.default, ([heads[..., 32:], heads[..., :32]], -1)),   # RoPE's rotate_half on heads
+        "clone/heads": (a.clone.default, (heads,)),                               # .contiguous() of heads
         "mul": (a.mul.Tensor, (x, y)),
         "mul/bcast": (a.mul.Tensor, (x, w)),                                       # a norm's weight
         "mul/strided": (a.mul.Tensor, (x.t(), y.t())),
@@ -399,23 +406,25 @@ def _host_per_phase(torch, model, ids) -> tuple[float, float, dict, dict]:
                 self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
             return func(*args, **(kwargs or {}))
 
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)   # a CPU model: tests
+
     def phases(count: bool) -> tuple:
         fwd, bwd = (Count(), Count()) if count else (None, None)
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         if fwd:
             with fwd:
                 loss = model(input_ids=ids, labels=ids).loss
         else:
             loss = model(input_ids=ids, labels=ids).loss
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         if bwd:
             with bwd:
                 loss.backward()
         else:
             loss.backward()
-        torch.cuda.synchronize()
+        sync()
         t2 = time.perf_counter()
         model.zero_grad(set_to_none=True)
         return t1 - t, t2 - t1, fwd.n if fwd else {}, bwd.n if bwd else {}
@@ -510,6 +519,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.bandwidth = measure_bandwidth(torch, dev, sizes, log)
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)
     t.host_us.update(measure_model_host(torch, dev, t.host_us, log))
+    t.host_us.update(measure_fsdp_host(torch, dev, t.host_us, log))
     t.matmul_unaligned, t.matmul_unaligned_out = measure_matmul_unaligned(torch, dev, log)
     t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)
     _add_logs(t)

@@ -239,7 +239,7 @@ def test_a_memory_bound_op_is_priced_by_its_layout_where_measured_else_by_its_na
     assert op_facts(mul, (x.t(), y.t()), {}, x.t() * y.t()).op == "mul/strided"
     cat = torch.ops.aten.cat.default
     halves = [x[:, 16:], x[:, :16]]                                       # RoPE's rotate_half
-    assert op_facts(cat, (halves, -1), {}, torch.cat(halves, -1)).op == "cat/strided"
+    assert op_facts(cat, (halves, -1), {}, torch.cat(halves, -1)).op == "cat/heads"   # short runs: priced as strided where not measured
     tab = flat_table(gbps=100.0)
     tab.op_ratio = {"mul": 1.0, "mul/bcast": 0.5}
     assert tab.op_seconds("mul/bcast", 1e9) == pytest.approx(0.02)
@@ -255,3 +255,114 @@ def test_each_rank_prices_its_own_share_of_the_optimizer_step():
            for name, kw in (("fsdp4", dict(sharding="fsdp")), ("tp2xfsdp2", dict(sharding="fsdp", tp=2)))}
     # FSDP2 over 4 ranks and FSDP2 over 2 x TP over 2 both leave a quarter of every tensor on a rank
     assert opt["tp2xfsdp2"] == pytest.approx(opt["fsdp4"])
+
+
+def test_fsdp2_forward_all_gather_waits_in_the_queue_only_where_the_host_is_behind():
+    # host-bound: the gather (5 us) is issued at t=10 us with the copy-out behind it; the copy-out (host 10 us, so
+    # issued at 20 us) finds the gather done at 15 us: nothing exposed. GPU-bound: a 50 us kernel ahead, the gather
+    # issued at 1 us runs under it: nothing exposed either. A 30 us gather with hosts of 1 us: 31 - 2 = 29 us exposed.
+    gather = ("forward", 0, 5e-6, 0.0, 0, "gather")
+    _, wait, _ = step_mod.queue([("forward", 0, 1e-6, 10e-6, 0, "memory"), gather, ("forward", 0, 1e-6, 10e-6, 0, "memory")], [1.0] * 3)
+    assert wait.get("gather", 0.0) == 0.0
+    _, wait, _ = step_mod.queue([("forward", 0, 50e-6, 1e-6, 0, "matmul"), gather, ("forward", 0, 1e-6, 1e-6, 0, "memory")], [1.0] * 3)
+    assert wait.get("gather", 0.0) == 0.0
+    slow = ("forward", 0, 30e-6, 0.0, 0, "gather")
+    busy, wait, _ = step_mod.queue([("forward", 0, 1e-6, 1e-6, 0, "memory"), slow, ("forward", 0, 1e-6, 1e-6, 0, "memory")], [1.0] * 3)
+    assert wait["gather"] == pytest.approx(31e-6 - 2e-6) and busy["forward"] == pytest.approx(2e-6)
+
+
+def test_an_fsdp2_copy_in_prices_its_groups_hooks_and_all_gather():
+    import torch
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives  # noqa: F401 - registers fsdp::all_gather_copy_in
+
+    from memlens.estimator.timing.ops import op_facts
+    from memlens.estimator.timing.record import FSDP_FORWARD_HOOK_OPS, OpTrace
+
+    shards = [torch.empty(1000, dtype=torch.bfloat16, device="meta"), torch.empty(24, dtype=torch.bfloat16, device="meta")]
+    buf = torch.empty(2 * 1024, dtype=torch.bfloat16, device="meta")      # 2 ranks x 1,024 elements
+    func = torch.ops.fsdp.all_gather_copy_in.default
+    f = op_facts(func, (shards, buf, [1000, 24], 1024, 0), {}, (buf[:1024], buf))
+    assert (f.kind, f.op, f.gathered, f.seq) == ("memory", "all_gather_copy_in", 4096, 2)
+    tab = flat_table()
+    tab.host_us["model_forward"], tab.host_us["model_recompute_ckpt"] = 20.0, 40.0
+    tab.nccl = {"2": {"all_gather": {"bytes": [1, 2**40], "busbw_gbps": [100.0, 100.0], "latency_us": 15.0}}}
+    tables._add_logs(tab)
+    rows = price(OpTrace(rows=[("forward", 0, f), ("backward", 0, f)]), tab)
+    assert [r[5] for r in rows] == ["memory", "gather", "memory"]       # backward's gathers are prefetched: no row
+    # the copy-in's host: one forward op (20 us) + the hooks' 30 forward-op equivalents; backward: its op's cost only
+    assert rows[0][3] == pytest.approx((1 + FSDP_FORWARD_HOOK_OPS) * 20e-6) and rows[2][3] == 0.0
+    # the all-gather by the ring law: 4,096 bytes x (2-1)/2 at 100 GB/s bus bandwidth + 15 us latency
+    assert rows[1][2] == pytest.approx(2048 / 100e9 + 15e-6)
+
+
+def test_an_fp32_convolution_is_priced_at_the_tf32_rate_as_cudnn_runs_it():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+    from memlens.estimator.timing.record import OpTrace
+
+    x, w = torch.empty(8, 16, 32, 32), torch.empty(32, 16, 3, 3)
+    out = torch.empty(8, 32, 32, 32)
+    f = op_facts(torch.ops.aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}, out)
+    tab = flat_table(tflops=10.0, gbps=1e6)        # bytes nearly free: the compute time decides
+    tf32 = {"m": [1, 2**20], "n": [1, 2**20], "k": [1, 2**20], "tflops": [[[40.0] * 2] * 2] * 2}
+    tab.matmul["tf32"] = tf32
+    tables._add_logs(tab)
+    # 2 x (8 x 32 x 32) x 32 x (16 x 9) FLOPs = 75,497,472 at tf32's 40 TFLOP/s, not fp32's 10
+    assert f.flops == 75_497_472
+    (row,) = price(OpTrace(rows=[("forward", 0, f)]), tab)
+    assert row[2] == pytest.approx(75_497_472 / 40e12, rel=1e-3)
+
+
+def test_attention_with_dropout_takes_its_measured_variant_where_the_table_has_one():
+    import torch
+
+    from memlens.estimator.timing.ops import attention_facts
+    from memlens.estimator.timing.record import OpTrace
+
+    tab = flat_table(gbps=1e6)
+    tab.attention["bfloat16"]["variants"] = {"64c": {"fwd_tflops": [100.0] * 2, "bwd_tflops": [80.0] * 2},
+                                             "64cd": {"fwd_tflops": [40.0] * 2, "bwd_tflops": [60.0] * 2}}
+    tables._add_logs(tab)
+    q = torch.empty(2, 4, 256, 64, dtype=torch.bfloat16)
+    fwd = attention_facts(q, q, q, True, backward=False, dropout=True)
+    plain = attention_facts(q, q, q, True, backward=False)
+    # 4 B H L S D / 2 (causal) = 4 x 2 x 4 x 256 x 256 x 64 / 2 = 67,108,864 FLOPs: at 40 TFLOP/s with dropout, 100 without
+    assert fwd.flops == plain.flops == 67_108_864 and fwd.dropout and not plain.dropout
+    rows = price(OpTrace(rows=[("forward", 0, fwd), ("forward", 0, plain)]), tab)
+    assert [r[2] for r in rows] == pytest.approx([67_108_864 / 40e12, 67_108_864 / 100e12], rel=1e-3)
+    # a table without the dropout variant (calibrated before it was measured) prices it as the variant without
+    del tab.attention["bfloat16"]["variants"]["64cd"]
+    assert tab.attention_tflops("bfloat16", 256, True, 64, True, dropout=True) == pytest.approx(80.0)
+
+
+def test_each_module_call_in_forward_is_a_host_row_at_the_calibrated_split(linear_sim):
+    from memlens.estimator.timing.record import CALIBRATION_OPS_PER_MODULE
+
+    mods = [r for r in linear_sim.timing.rows if r[2].kind == "module"]
+    assert [r[0] for r in mods] == ["forward"] * 2       # Sequential's forward and its Linear's, once each; none in backward
+    tab = flat_table()
+    tab.host_us.update(forward=5.0, model_forward=8.0, model_recompute_ckpt=50.0)
+    rows = price(linear_sim.timing, tab)
+    # model_forward (8 us an op in the calibration Llama) = the bare dispatch (5) + its module calls' share: each call
+    # costs (8 - 5) x 666 / 214 us, each forward kernel op the bare 5 us
+    assert [r[3] for r in rows if r[5] == "module"] == pytest.approx([3e-6 * CALIBRATION_OPS_PER_MODULE] * 2)
+    assert [r[3] for r in rows if r[0] == "forward" and r[5] == "matmul"] == pytest.approx([5e-6])
+
+
+def test_heads_transposed_out_of_a_projection_are_their_own_layout_falling_back_to_strided():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    qkv = torch.empty(2, 16, 3 * 256, dtype=torch.bfloat16)
+    k = qkv[..., 256:512].view(2, 16, 4, 64).transpose(1, 2)         # runs of 64 elements, 768 apart
+    cat = torch.ops.aten.cat.default
+    assert op_facts(cat, ([k[..., 32:], k[..., :32]], -1), {}, torch.empty(2, 4, 16, 64)).op == "cat/heads"
+    wide = torch.empty(16, 1024, dtype=torch.bfloat16)
+    assert op_facts(cat, ([wide[:, 512:], wide[:, :512]], -1), {}, torch.empty(16, 1024)).op == "cat/strided"
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"cat/strided": 0.5, "cat": 1.0}
+    assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 50e9)      # no heads figure: the strided one
+    tab.op_ratio["cat/heads"] = 0.1
+    assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 10e9)

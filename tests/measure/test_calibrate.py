@@ -39,3 +39,26 @@ def test_the_unaligned_grids_are_an_inputs_two_layouts_and_the_outputs(monkeypat
     a_rows, a_t = 2 * 64 * 63 * 64 / 1e-3 / 1e12, 2 * 63 * 64 * 64 / 2e-3 / 1e12
     assert ins["bfloat16"]["tflops"] == [[[pytest.approx(math.sqrt(a_rows * a_t), abs=1e-3)]]]
     assert outs["bfloat16"]["tflops"] == [[[pytest.approx(2 * 64 * 64 * 63 / 4e-3 / 1e12, abs=1e-3)]]]
+
+
+def test_fsdp2_hook_cost_is_the_extra_host_time_per_group_less_its_aten_ops(monkeypatch):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from memlens.measure.calibrate_fsdp import measure_fsdp_host, one_rank_group
+
+    def timed(torch_, model, ids):   # (fwd s, bwd s, ops counted): 3 ms / 4 ms more and 10 / 20 more ops when sharded
+        sharded = isinstance(model, FSDPModule) and all(isinstance(m, FSDPModule) for m in model.model.layers)
+        return (0.013, 0.024, {"view": 40, "kernel": 10}, {"view": 30, "kernel": 20}) if sharded else \
+            (0.010, 0.020, {"view": 30, "kernel": 0}, {"view": 30, "kernel": 0})
+
+    monkeypatch.setattr(cal, "_host_per_phase", timed)
+    logs = []
+    out = measure_fsdp_host(torch, torch.device("cpu"), {"view": 2.0, "model_forward": 20.0, "model_backward": 50.0},
+                            logs.append, layers=2)
+    # 3 groups (2 layers + the root): forward (3000 - 10 views x 2 - 10 ops x 20) / 3 us, backward (4000 - 20 x 50) / 3
+    assert out == {"fsdp_forward_group": pytest.approx(2780 / 3, abs=0.01), "fsdp_backward_group": 1000.0}
+    assert logs[-1].startswith("FSDP2 hooks per parameter group") and not dist.is_initialized()
+    with one_rank_group(torch, torch.device("cpu")):      # a process already in a group: not measured, said so
+        assert measure_fsdp_host(torch, torch.device("cpu"), {}, logs.append, layers=1) == {}
+    assert logs[-1].startswith("FSDP2 hook cost not measured") and not dist.is_initialized()

@@ -6,3 +6,8 @@ META = "meta"
 # a functional collective (DTensor's tensor / context parallel: on the compute stream's critical path); FSDP2's and
 # DDP's c10d collectives are priced per step instead (memlens.estimator.timing.step.collective_seconds)
 COMM = "comm"
+# FSDP2's all-gather of one parameter group (its NCCL kernel on the all-gather stream; the compute stream waits for it
+# before the copy-out): a row of the launch queue on a side stream (memlens.estimator.timing.step.queue)
+GATHER = "gather"
+# a module's forward called (nn.Module.__call__: its hooks, its Python forward around the ops): host time, no kernel
+MODULE = "module"

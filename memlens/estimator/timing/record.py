@@ -15,6 +15,7 @@ from typing import Any
 from ...models.quant import Linear4bitSim
 from ..depth import TEMPLATE
 from .ops import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, MATMUL, META, SYNC, VIEW, OpFacts, attention_facts, op_facts
+from .ops_kinds import GATHER, MODULE
 from .tables import TimingTable, table_for
 
 # Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
@@ -22,6 +23,28 @@ from .tables import TimingTable, table_for
 # host (bench/results/recompute_plan_accuracy.md, all blocks selective on an 8B LoRA, a 1B, ViT-L and LLaVA-7B): 12-30
 # us per recomputed op beyond the roofline, median 22 (the figure memlens.estimator.result used before this model).
 SAC_HOST_SECONDS_PER_OP = 22e-6
+
+# FSDP2's hooks per parameter group beyond the aten ops they dispatch (which are rows of their own): pre_forward's
+# unshard / wait_for_unshard / _register_post_backward_hook and post_forward's reshard (torch/distributed/fsdp/
+# _fully_shard/_fsdp_param_group.py: Python over every parameter, setattr swaps, pytree over args), in units of the
+# table's in-model host cost per kernel op (``model_forward``: per op as the simulation counts them, views aside).
+# Measured on a CPU (a 16-layer Llama of width 64 under fully_shard per layer and at the root, gloo over 1 rank, against
+# the same model bare, ops counted as memlens counts them): +31 to +45 forward-op equivalents per group in forward, of
+# which 8.6 are aten kernel ops. Backward: +110 to +127 backward-op equivalents on that CPU, but the H200 measurement
+# contradicts it (Llama-3.2-1B FSDP2 backward 69.7 ms for 65.7 ms of kernels: 17 x 110 x 25 us would make it
+# host-bound at ~120 ms), so backward's hooks are left unpriced. A table may carry its own (host_us
+# "fsdp_forward_group", "fsdp_backward_group", microseconds per group).
+FSDP_FORWARD_HOOK_OPS = 30.0
+FSDP_BACKWARD_HOOK_OPS = 0.0
+
+# The calibration model's module calls per kernel op in forward (memlens.measure.calibrate.measure_model_host: a
+# 16-layer Llama of width 64, 1 x 16 tokens): 214 nn.Module calls around 666 kernel ops (counted on a CPU as calibrate
+# counts them, with a forward pre-hook on every module). Its ``model_forward`` per op is split into the bare dispatch
+# (the table's ``forward``) and module calls: ``(model_forward - forward) x 666 / 214`` per call (31.6 us on the H200
+# table, 27.2 on the H100's), so a model with more modules per op than Llama's (ViT: a Linear per op, dropouts, the
+# attention's 4 wrappers) pays their Python, one with fewer less.
+CALIBRATION_OPS_PER_MODULE = 666 / 214
+_MODULE_CALL = OpFacts(MODULE)
 
 # phases priced from the op stream (the optimizer is priced from its parameters: .step)
 STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
@@ -76,19 +99,24 @@ class Recorder:
         if f.kind != META:
             self.add(f)
 
+    def module_call(self) -> None:
+        """A module's forward entered (memlens.core.tracker.ModuleScope): a host-only row (:func:`host_costs`)."""
+        if self._live() and not self.tracker.muted and self.bucket() == "forward":
+            self.add(_MODULE_CALL)
+
     def add(self, f: OpFacts) -> None:
         self.trace.rows.append((self.bucket(), self.tracker.module, f))
 
-    def attention(self, backend: str, q, k, v, causal: bool, out) -> None:
+    def attention(self, backend: str, q, k, v, causal: bool, out, dropout: bool = False) -> None:
         """A fused SDPA call (memlens.estimator.cuda_rules.cuda_sdpa): its forward kernel now, its backward when
         autograd reaches the node (a pre-hook that holds shapes only, never a tensor)."""
         if not self._live():
             return
-        self.add(attention_facts(q, k, v, causal, backward=False))
+        self.add(attention_facts(q, k, v, causal, backward=False, dropout=dropout))
         fn = getattr(out, "grad_fn", None)
         if fn is None:
             return
-        bwd = attention_facts(q, k, v, causal, backward=True)
+        bwd = attention_facts(q, k, v, causal, backward=True, dropout=dropout)
 
         def before_backward(grad_outputs, facts=bwd):
             if self._live():
@@ -153,25 +181,48 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
     host dispatches every op (:func:`host_costs`), plus the selective policy's dispatch modes in recompute."""
     out = []
     h_view, h_fwd, h_bwd, h_rec = host_costs(tab, ckpt_share, "selective" if trace.selective else "full")
+    # an FSDP2 group's hooks, in units of the in-model cost per op (before the module calls' share is split off below)
+    g_fwd = tab.host_seconds("fsdp_forward_group") or FSDP_FORWARD_HOOK_OPS * h_fwd
+    g_bwd = tab.host_seconds("fsdp_backward_group") or FSDP_BACKWARD_HOOK_OPS * h_bwd
+    h_mod = 0.0
+    if any(r[2].kind == MODULE for r in trace.rows) and tab.host_seconds("model_forward") and tab.host_seconds("forward"):
+        # the in-model forward cost split: the bare dispatch per op, the rest per module call (CALIBRATION_OPS_PER_MODULE)
+        split = max(0.0, tab.host_seconds("model_forward") - tab.host_seconds("forward"))
+        h_mod, h_fwd = split * CALIBRATION_OPS_PER_MODULE, h_fwd - split
     floor = tab.min_kernel_us * 1e-6
     for bucket, mod, f in trace.rows:
         kind = f.kind
         host = h_view if kind in (VIEW, ALLOC) else h_rec if bucket == "recompute" else h_bwd if bucket == "backward" else h_fwd
         fl = 0
+        if kind == MODULE:
+            out.append((bucket, mod, 0.0, h_mod, 0, kind))
+            continue
         if kind in (VIEW, ALLOC, SYNC):
             gpu = 0.0
         elif kind in (MATMUL, CONV):
             m, n, k = f.mnk
-            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(f.dtype, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
+            # an fp32 convolution runs on TF32 tensor cores: torch.backends.cudnn.allow_tf32 defaults to True (unlike
+            # matmul's allow_tf32); torchvision's ResNet-50 fp32 forward convs ran at 105 TFLOP/s on an H200, past the
+            # 67 TFLOP/s of its fp32 CUDA cores
+            dt = "tf32" if kind == CONV and f.dtype == "float32" else f.dtype
+            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(dt, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
             fl = f.flops
         elif kind in (ATTN_FWD, ATTN_BWD):
-            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal), f.nbytes)
+            gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal, f.dropout),
+                                     f.nbytes)
             fl = f.flops
         elif kind == COMM:   # NCCL's ring law at the table's bus bandwidth for that size and group
             gpu = tab.collective_seconds(f.op, f.nbytes, f.seq) if f.seq > 1 else 0.0
         else:
             gpu = max(floor, tab.op_seconds(f.op, f.nbytes)) if f.nbytes else floor
+        if f.gathered and bucket in ("forward", "backward"):   # an FSDP2 group's unshard (its hooks on the host)
+            host += g_fwd if bucket == "forward" else g_bwd
         out.append((bucket, mod, gpu, host, fl, kind))
+        if f.gathered and f.seq > 1 and bucket == "forward":
+            # forward's all-gather: issued by the host at the group's pre_forward and waited on by the compute stream
+            # right there (wait_for_unshard); it overlaps earlier compute only as far as the host runs ahead (FSDP2's
+            # implicit prefetch). Backward prefetches the next group explicitly (.step.collective_seconds).
+            out.append((bucket, mod, tab.collective_seconds("all_gather", f.gathered, f.seq), 0.0, 0, GATHER))
     return out
 
 

@@ -20,7 +20,7 @@ from collections import defaultdict
 from ...core.gpus import HOST_CPU_ADAM_PARAMS_PER_S, gpu_facts
 from ...core.parallel import data_parallel_ranks, is_distributed, shard_degree, sharding_of
 from ...core.precision import precision_of
-from .ops_kinds import ATTN_BWD, ATTN_FWD, COMM
+from .ops_kinds import ATTN_BWD, ATTN_FWD, COMM, GATHER
 from .tables import TimingTable, table_for
 
 PARTS = ("forward", "backward", "recompute", "optimizer", "collectives", "host", "offload")
@@ -46,16 +46,27 @@ PER_TENSOR_HOST_US = 0.5          # Python list handling per tensor in a foreach
 
 def queue(rows: list, mult: list[float]) -> tuple[dict, float, float]:
     """Run ``rows`` (bucket, module, gpu s, host s, flops, kind) through the launch queue, each ``mult`` times in a
-    row. Returns (GPU busy seconds per bucket, seconds the GPU waited on the host per bucket, host seconds in all)."""
-    th = tg = 0.0
+    row. Returns (GPU busy seconds per bucket, seconds the GPU waited on the host per bucket, host seconds in all).
+
+    A ``gather`` row (FSDP2's all-gather) runs on a stream of its own from when the host issues it, after the one
+    before it; the next kernel waits for it: what the compute stream waits beyond the host is under ``wait["gather"]``."""
+    th = tg = side = barrier = 0.0
     busy: dict = defaultdict(float)
     wait: dict = defaultdict(float)
     host = 0.0
-    for (bucket, _, g, h, _, _), m in zip(rows, mult):
+    for (bucket, _, g, h, _, kind), m in zip(rows, mult):
+        if kind == GATHER:
+            th += h * m
+            side = barrier = max(side, th) + g * m
+            host += h * m
+            continue
         if m == 1.0:
             th += h
             start = max(tg, th)
             wait[bucket] += start - tg
+            if barrier > start:
+                wait["gather"] += barrier - start
+                start = barrier
             tg = start + g
         else:   # m alike ops in a row: the queue's end, in closed form
             end = max(tg + m * g, th + h + m * g, th + m * h + g)
@@ -99,7 +110,7 @@ def optimizer_seconds(spec, trainable: int, tensors: int, tab: TimingTable) -> t
 
 
 def collective_seconds(spec, params: int, trainable: int, blocks: int, backward: float, forward: float,
-                       micro: int, tab: TimingTable) -> float:
+                       micro: int, tab: TimingTable, forward_queued: bool = False) -> float:
     """Exposed NCCL time of one step of a multi-GPU job.
 
     DDP (torch/nn/parallel/distributed.py, reducer.cpp): gradients all-reduced in buckets of ``bucket_cap_mb``
@@ -108,7 +119,8 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     all-gather after the step. FSDP2 (fully_shard per block): each micro-batch all-gathers every block's parameters in
     forward and (resharded after forward) again in backward, and reduce-scatters its gradients; the next block's
     gather is prefetched under the current block's compute, so exposed is what exceeds the phase's compute, plus
-    the first block's gather."""
+    the first block's gather. ``forward_queued``: forward's gathers ran in the launch queue (.queue: exposed where the
+    host, not the GPU, is behind), only backward's are priced here."""
     if not is_distributed(spec):
         return 0.0
     pb = _dtype_bytes(precision_of(spec).weights)
@@ -134,7 +146,8 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     fwd_comm = gather
     bwd_comm = (gather if reshard else 0.0) + scatter
     first = gather / blocks
-    per_micro = first + max(0.0, fwd_comm - forward / micro) + max(0.0, bwd_comm - backward / micro)
+    fwd_exposed = 0.0 if forward_queued else first + max(0.0, fwd_comm - forward / micro)
+    per_micro = fwd_exposed + max(0.0, bwd_comm - backward / micro)
     return per_micro * micro
 
 
@@ -174,7 +187,8 @@ def _step_time(sim, tr) -> dict:
     parts = dict.fromkeys(PARTS, 0.0)
     for bucket, sec in busy.items():
         parts[_BUCKET_PART.get(bucket, "forward")] += sec * k
-    parts["host"] = sum(wait.values()) * k
+    parts["host"] = sum(v for b, v in wait.items() if b != "gather") * k
+    exposed_gather = wait.get("gather", 0.0) * k     # FSDP2's forward all-gathers the compute stream waited on
     comm = 0.0   # DTensor's collectives (TP, CP) ran in the queue on the critical path: shown as collectives
     for r, m in zip(rows, mult):
         if r[5] == COMM:
@@ -213,8 +227,10 @@ def _step_time(sim, tr) -> dict:
     if off:   # save_on_cpu: each saved tensor to pinned host memory in forward and back in backward, on the stream
         parts["offload"] += k * (tab.pcie_seconds(off, "d2h") + tab.pcie_seconds(off, "h2d"))
     blocks = _blocks(sim) if _blocks(sim) > 1 else (tr.layers or 1)
-    parts["collectives"] = comm + collective_seconds(spec, sim.param_count, sim.trainable_count, blocks,
-                                                     parts["backward"] + parts["recompute"], parts["forward"], k, tab)
+    queued = any(r[5] == GATHER for r in rows)
+    parts["collectives"] = comm + exposed_gather + collective_seconds(
+        spec, sim.param_count, sim.trainable_count, blocks, parts["backward"] + parts["recompute"], parts["forward"], k,
+        tab, forward_queued=queued)
     seconds = sum(parts.values())
     flops = sum(r[4] * m for r, m in zip(rows, mult) if r[0] != "recompute") * k
     out = _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
@@ -308,7 +324,7 @@ def _replay_scale(tr, spec, sim) -> tuple[tuple[float, float], str]:
 def _scaled(row, scale, tab: TimingTable):
     bucket, mod, g, h, fl, kind = row
     tokens, seq = scale
-    f = tokens * (seq if kind in (ATTN_FWD, ATTN_BWD) else 1.0)
+    f = 1.0 if kind == GATHER else tokens * (seq if kind in (ATTN_FWD, ATTN_BWD) else 1.0)   # a gather: the parameters
     floor = tab.min_kernel_us * 1e-6
     return (bucket, mod, max(floor, g * f) if g > 0 else 0.0, h, fl * f, kind)
 

@@ -98,11 +98,14 @@ class TimingTable:
             hit = self._memo[key] = math.exp(_trilinear(g["m"], g["n"], g["k"], g["log_tflops"], m, n, k))
         return hit
 
-    def attention_tflops(self, dtype: str, seq: float, backward: bool, head_dim: int = 128, causal: bool = False) -> float:
+    def attention_tflops(self, dtype: str, seq: float, backward: bool, head_dim: int = 128, causal: bool = False,
+                         dropout: bool = False) -> float:
         """TFLOP/s of a fused attention kernel at query length ``seq``: the variant measured nearest the head dim (64
         or 128, log scale), with or without a causal mask, where calibrate measured them. A dtype calibrate does not
         measure attention in (fp32: the memory-efficient kernel on CUDA cores) runs at the 16-bit rate times the
-        ratio of the two dtypes' large GEMMs in the same table."""
+        ratio of the two dtypes' large GEMMs in the same table. With ``dropout``: the variant measured with dropout
+        (suffix ``d``: the kernel draws a Philox number per score and, backward, regenerates them), where the table has
+        it; else the variant without (a table calibrated before this was measured)."""
         g = self.attention.get(dtype)
         scale = 1.0
         if g is None:   # fp32 attention (no tensor cores): the 16-bit kernel's rate scaled as the table's own GEMMs scale
@@ -111,13 +114,16 @@ class TimingTable:
             scale = self.matmul_tflops(dtype, *big) / self.matmul_tflops("bfloat16", *big)
         var = g.get("variants") or {}
         hd = "64" if head_dim and head_dim < 91 else "128"
-        pick = var.get(hd + ("c" if causal else "")) or (var.get(hd) if hd != "128" else None) or g
+        name = hd + ("c" if causal else "")
+        pick = (var.get(name + "d") if dropout else None) or var.get(name) or (var.get(hd) if hd != "128" else None) or g
         return scale * math.exp(_linear(g["seq"], pick["log_bwd" if backward else "log_fwd"], seq))
 
     def op_seconds(self, op: str, nbytes: float) -> float:
         """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the measured ratio of the op in
         that layout (``name/strided``, ``name/bcast``: memlens.estimator.timing.ops), else of the op, else 1."""
         ratio = self.op_ratio.get(op)
+        if ratio is None and op.endswith("/heads"):   # a table calibrated before heads were: as any strided view
+            ratio = self.op_ratio.get(op[:-len("/heads")] + "/strided")
         if ratio is None:    # a layout the table did not measure (``mul/bcast``): the op's own rate, else a copy's
             ratio = self.op_ratio.get(op.partition("/")[0], 1.0)
         return nbytes / (self.bandwidth_gbps(nbytes) * ratio * 1e9)

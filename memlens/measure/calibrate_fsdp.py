@@ -1,0 +1,70 @@
+"""FSDP2's hooks on the host, per parameter group (``host_us["fsdp_forward_group"]`` / ``["fsdp_backward_group"]``):
+what memlens.estimator.timing.record prices on each group's unshard beyond the aten ops the hooks dispatch.
+
+FSDP2's ``pre_forward`` (unshard, wait_for_unshard, ``_register_post_backward_hook`` over the args), ``post_forward``
+(reshard, setattr swaps of every parameter) and backward's ``pre_backward`` / ``post_backward`` are Python on the host
+(torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py). Measured on calibrate's model (memlens.measure.calibrate:
+a 16-layer Llama of width 64, so small the GPU idles) with every layer and the root under ``fully_shard`` over a
+one-rank process group, against the same model bare: the extra host seconds per group, less the extra aten ops at the
+table's in-model costs (those are priced as rows of their own). With one rank FSDP2 copies instead of all-gathering, so
+the collectives' own host cost is not in it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+
+from ..core.errors import MemlensError
+
+
+@contextlib.contextmanager
+def one_rank_group(torch, dev):
+    """A default process group of one rank (NCCL on a GPU, gloo on a CPU), destroyed on exit; refused (MemlensError)
+    when this process already has one (a torchrun job measures its own collectives)."""
+    import torch.distributed as dist  # heavy: torch.distributed
+
+    if not dist.is_available() or dist.is_initialized():
+        raise MemlensError("FSDP2's hook cost is measured over a process group of its own, and this process has one")
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method="file://" + os.path.join(d, "pg"),
+                                rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
+    """(module docstring) {} where it cannot run (no transformers, no torch.distributed, a process group already up)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # heavy: torch.distributed
+        from transformers import LlamaConfig, LlamaForCausalLM  # optional: the model-level host cost needs it
+    except ImportError:
+        return {}
+    from .calibrate import _host_per_phase
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    try:
+        with one_rank_group(torch, dev):
+            plain = _host_per_phase(torch, LlamaForCausalLM(cfg).to(dev, dtype).train(), ids)
+            model = LlamaForCausalLM(cfg).to(dev, dtype).train()
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            sharded = _host_per_phase(torch, model, ids)
+    except (MemlensError, RuntimeError, ValueError) as e:
+        log(f"FSDP2 hook cost not measured ({str(e).splitlines()[0][:120]})")
+        return {}
+    groups = layers + 1
+    us = 1e-6
+    out = {}
+    for i, (name, per_op) in enumerate((("fsdp_forward_group", "model_forward"), ("fsdp_backward_group", "model_backward"))):
+        ops = {k: sharded[2 + i].get(k, 0) - plain[2 + i].get(k, 0) for k in ("view", "kernel")}
+        extra = sharded[i] - plain[i] - ops["view"] * host.get("view", 0.0) * us - ops["kernel"] * host.get(per_op, 0.0) * us
+        out[name] = round(max(0.0, extra) / groups * 1e6, 2)
+    log(f"FSDP2 hooks per parameter group beyond their aten ops (us): {out}")
+    return out
