@@ -25,6 +25,7 @@ from typing import Any, Callable
 from ..core.errors import MemlensError
 from ..core.gpus import GPUS
 from .calibrate_fsdp import measure_fsdp_host
+from .host_phases import host_per_phase
 from ..estimator.timing.tables import (
     FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
 )
@@ -375,7 +376,7 @@ def measure_model_host(torch, dev, host: dict, log) -> dict:
         model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).train()
         if policy:
             checkpoint_blocks(model, "all", policy)
-        f, b, nf, nb = _host_per_phase(torch, model, ids)
+        f, b, nf, nb = host_per_phase(torch, model, ids)
         del model
         out["model_forward" + (suffix or "")] = round(max(0.0, f - nf["view"] * v) / max(1, nf["kernel"]) * 1e6, 2)
         if plain is None:
@@ -387,53 +388,6 @@ def measure_model_host(torch, dev, host: dict, log) -> dict:
         out["model_recompute" + suffix] = round(max(0.0, rec) * 1e6, 2)
     log(f"host per op in a model's step (us): {out}")
     return out
-
-
-def _host_per_phase(torch, model, ids) -> tuple[float, float, dict, dict]:
-    """(forward s, backward s) of ``model``'s step (median of 10 after 3 warm-ups) and the ops of each, counted."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from ..estimator.timing.ops import ALLOC, META, VIEW, kind_of
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = {"view": 0, "kernel": 0}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kind = kind_of(func)
-            if kind != META:      # a metadata query: not dispatched in eager mode (memlens.estimator.timing.ops_kinds)
-                self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
-            return func(*args, **(kwargs or {}))
-
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)   # a CPU model: tests
-
-    def phases(count: bool) -> tuple:
-        fwd, bwd = (Count(), Count()) if count else (None, None)
-        sync()
-        t = time.perf_counter()
-        if fwd:
-            with fwd:
-                loss = model(input_ids=ids, labels=ids).loss
-        else:
-            loss = model(input_ids=ids, labels=ids).loss
-        sync()
-        t1 = time.perf_counter()
-        if bwd:
-            with bwd:
-                loss.backward()
-        else:
-            loss.backward()
-        sync()
-        t2 = time.perf_counter()
-        model.zero_grad(set_to_none=True)
-        return t1 - t, t2 - t1, fwd.n if fwd else {}, bwd.n if bwd else {}
-
-    _, _, nf, nb = phases(True)
-    for _ in range(3):
-        phases(False)
-    runs = [phases(False) for _ in range(10)]
-    return sorted(r[0] for r in runs)[5], sorted(r[1] for r in runs)[5], nf, nb
 
 
 def measure_pcie(torch, dev, log) -> dict:

@@ -16,6 +16,7 @@ import os
 import tempfile
 
 from ..core.errors import MemlensError
+from .host_phases import host_per_phase
 
 
 @contextlib.contextmanager
@@ -42,7 +43,6 @@ def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
         from transformers import LlamaConfig, LlamaForCausalLM  # optional: the model-level host cost needs it
     except ImportError:
         return {}
-    from .calibrate import _host_per_phase
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
@@ -50,12 +50,12 @@ def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     try:
         with one_rank_group(torch, dev):
-            plain = _host_per_phase(torch, LlamaForCausalLM(cfg).to(dev, dtype).train(), ids)
+            plain = host_per_phase(torch, LlamaForCausalLM(cfg).to(dev, dtype).train(), ids)
             model = LlamaForCausalLM(cfg).to(dev, dtype).train()
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
-            sharded = _host_per_phase(torch, model, ids)
+            sharded = host_per_phase(torch, model, ids)
     except (MemlensError, RuntimeError, ValueError) as e:
         log(f"FSDP2 hook cost not measured ({str(e).splitlines()[0][:120]})")
         return {}

@@ -52,7 +52,9 @@ def test_fsdp2_hook_cost_is_the_extra_host_time_per_group_less_its_aten_ops(monk
         return (0.013, 0.024, {"view": 40, "kernel": 10}, {"view": 30, "kernel": 20}) if sharded else \
             (0.010, 0.020, {"view": 30, "kernel": 0}, {"view": 30, "kernel": 0})
 
-    monkeypatch.setattr(cal, "_host_per_phase", timed)
+    import memlens.measure.calibrate_fsdp as cal_fsdp
+
+    monkeypatch.setattr(cal_fsdp, "host_per_phase", timed)
     logs = []
     out = measure_fsdp_host(torch, torch.device("cpu"), {"view": 2.0, "model_forward": 20.0, "model_backward": 50.0},
                             logs.append, layers=2)
