@@ -133,6 +133,7 @@ def _simulate_ranks(plan: StepPlan, source, steps: int) -> tuple[list, dict, dic
     """(the wrapper's rank groups, rank -> its simulation for each representative, rank -> the analysis of its
     worst case: DDP's old buckets held past the rebuild, when a rank held them; else empty)."""
     spec = plan.spec
+    steps = max(steps, getattr(plan.wrapper, "steady_step", 0))   # DDP: the step after its bucket rebuild
     pick = getattr(plan.wrapper, "first_rank", None)       # --pp-stage: the pipeline rank asked for, not rank 0
     r0 = pick(spec) if pick is not None else 0
     first = simulate_rank(spec, r0, source, steps, plan=plan)
