@@ -45,7 +45,7 @@ STALE_CAUSE = ("DDP's first buckets, dropped when the Reducer rebuilds them at s
 def simulate_rank(spec: TrainingSpec, rank: int, source=None, steps: int = 2, stale_buckets: bool = True,
                   plan: StepPlan | None = None):
     """One rank of ``spec``'s job simulated in this process (a fake process group around it).
-    ``stale_buckets`` False: DDP's old buckets are reaped right after its rebuild (the expected case)."""
+    ``stale_buckets`` False: DDP's old buckets are reaped before its rebuild (the expected case)."""
     from .simulate import simulate  # heavy: imports torch
 
     source = source or resolve(spec.model)

@@ -28,11 +28,9 @@ nn/parallel/distributed.py, torch 2.x):
   the stash goes only when ProcessGroupNCCL's watchdog thread (which wakes every 100 ms) reaps the
   completed Work. Measured on 2 x H200 (torch 2.11, NCCL 2.28): the old set was still allocated at
   step 2's peak on one or both ranks of every DDP case (GPT-2 +498 MB, Llama-3.2-1B +2.47 GB), from
-  step 2's forward to as late as step 3's forward. The new buckets are allocated while the old ones
-  still live. A simulated rank keeps the old set until step 3's forward, the worst case, unless
-  ``HOLD_STALE_BUCKETS`` is False (the expected case: reaped right after the rebuild, before step 2's
-  forward peak; the segments the new buckets took stay reserved); whether a given rank sees it at its peak
-  depends on the watchdog's timing, so
+  step 2's forward to as late as step 3's forward. A simulated rank keeps it until step 3's forward,
+  the worst case, unless ``HOLD_STALE_BUCKETS`` is False (the expected case: reaped before the
+  rebuild); whether a given rank sees it depends on the watchdog's timing, so
   :mod:`memlens.estimator.ranks` simulates both and reports the expected peak with the worst case beside it. ZeRO-1 too:
   its first optimizer step builds its partitions and blocks on one broadcast per parameter, often
   long enough for the watchdog to reap step 1's Works before the rebuild, not always (measured on
@@ -66,8 +64,8 @@ from ..optim import make_optimizer
 from .base import RankGroup, Wrapper
 
 MiB = 1 << 20
-# False: simulate the expected case, the watchdog reaping step 1's Works right after the rebuild (no stale
-# set at step 2's peak); memlens.estimator.ranks reports that as the peak and the default (stale set held) as the worst case
+# False: simulate the expected case, the watchdog reaping step 1's Works before the rebuild (no stale
+# set); memlens.estimator.ranks reports that as the peak and the default (stale set held) as the worst case
 HOLD_STALE_BUCKETS: contextvars.ContextVar[bool] = contextvars.ContextVar("memlens_ddp_hold_stale", default=True)
 BROADCAST_BUCKET_BYTES = 250 * MiB          # DistributedDataParallel.broadcast_bucket_size
 DEFAULT_BUCKET_CAP_MB = 25                  # DistributedDataParallel(bucket_cap_mb=None) -> 25
@@ -209,16 +207,10 @@ class SimulatedReducer:
         indices = self._comm(torch.empty(len(self.params) + 1, dtype=torch.int32))
         sizes = self._comm(torch.empty(len(new), dtype=torch.int32))
         del sizes, indices
-        # buckets_.clear(): only NCCL's stash holds the old ones now (communication, even where they held gradients),
-        # so the new buckets are allocated beside them. Worst case: held until step 3's forward; expected: the watchdog
-        # reaps them early in step 2's forward, before its peak (measured on 4 x H200: every DDP / ZeRO-1 rank whose
-        # allocated peak is the expected one reserved what this order gives, to 0.03%; freeing them before the new
-        # buckets, as if reaped before the rebuild, under-counted the reserved peak by up to 7.3%)
-        old = [self._comm(b) for b in self.buckets]
+        # buckets_.clear(): only NCCL's stash holds the old ones now (communication, even where they held gradients)
+        self.stale = [self._comm(b) for b in self.buckets] if self.hold_stale else []
         self.buckets, self.views = [], {}
         self._allocate(new)
-        self.stale = old if self.hold_stale else []
-        del old
         self.rebuilt = True
 
     def _on_grad(self, p) -> None:
@@ -242,9 +234,10 @@ class DDPWrapper(Wrapper):
     """``DistributedDataParallel`` on a device; :class:`SimulatedReducer` on fake tensors."""
 
     name = "ddp"
-    # The first step whose memory repeats: step 2 rebuilds the buckets (the new ones beside the old), so step 3 is the
-    # first to run on the rebuilt layout, and its free blocks differ from step 2's (measured on 4 x H200: ZeRO-1
-    # Llama-3.2-1B reserved 13.418 GiB over 3 steps; 2 simulated steps give 12.439, 3 and 4 give 13.418)
+    # The first step whose memory repeats: step 2 rebuilds the buckets, so step 3 is the first to run on the rebuilt
+    # layout, and its free blocks differ from step 2's (measured on 4 x H200, every DDP / ZeRO-1 rank that peaked
+    # without the old buckets: ZeRO-1 Llama-3.2-1B reserved 13.418 GiB, 2 simulated steps give 12.439, 3 and 4 give
+    # 13.418; DDP Llama-3.2-1B 16.824 measured, 15.846 / 16.824; DDP GPT-2 medium 12.043 measured, 11.654 / 12.039)
     steady_step = 3
 
     def __init__(self, spec: TrainingSpec, **kw):
