@@ -253,14 +253,11 @@ class StorageTracker(TorchDispatchMode):
 
 
 def pack_hook_for(tracker: StorageTracker):
-    """saved_tensors_hooks pack function: tensors autograd saves become 'activations'. It keeps a detached alias (the
-    same storage, no copy): the tensor itself would hold its own grad_fn when an op saves its output (rsqrt, softmax,
-    ...), a cycle only a backward breaks, so a graph dropped without one (pipeline-parallel shape inference) would never
-    be freed in the simulation. On unpack autograd gives the alias its grad_fn back."""
+    """saved_tensors_hooks pack function: tensors autograd saves become 'activations'."""
 
     def pack(t: torch.Tensor) -> Any:
         tracker.retag(t, Category.ACTIVATIONS, only_from=(Category.TEMPORARIES,))
-        return t.detach()
+        return t
 
     return pack
 

@@ -399,7 +399,7 @@ class PPWrapper(FSDPWrapper):
             else:
                 with self._charged(Category.TEMPORARIES, INFERENCE):
                     x = torch.empty(shape, dtype=dtype).requires_grad_(True)
-            with torch.enable_grad(), step.autocast():
+            with torch.enable_grad(), step.autocast(), self._graph_torch_drops():
                 kept[s] = (x, chunk(x))
             del x
             self._make_buffers(s, "act")
@@ -432,6 +432,20 @@ class PPWrapper(FSDPWrapper):
             return
         with self._charged(Category.COMMUNICATION, "(pipeline P2P receive buffers)"):
             self._recv[s][kind] = [torch.empty(shape, dtype=dtype) for _ in range(self.microbatches)]
+
+    def _graph_torch_drops(self):
+        """The simulation's saved-tensor hook (core.tracker ``pack_hook_for``) returns the tensor itself: an output
+        its own op saves (rsqrt, softmax, ...) then holds that op's node, a cycle autograd breaks only when a backward
+        releases the graph. torch drops the first stage's inference graph with no backward (on the GPU, with no hook,
+        it is freed as the outputs go), so here the saved tensors are packed as detached aliases (no copy, no node)."""
+        import torch  # heavy: torch, loaded on first use
+
+        from ...core.tracker import pack_hook_for  # heavy: imports torch
+
+        if self._tracker is None:
+            return contextlib.nullcontext()
+        pack = pack_hook_for(self._tracker)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: pack(t).detach(), lambda t: t)
 
     @contextlib.contextmanager
     def _charged(self, category, label: str):
