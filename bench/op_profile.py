@@ -141,10 +141,10 @@ def predicted_ops(fields: dict, table: str | None = None) -> dict:
         finally:
             self.nm = None
 
-    def attention(self, backend, q, k, v, causal, out):
+    def attention(self, backend, q, k, v, causal, out, dropout=False):
         self.nm = "attention_fwd"
         try:
-            orig_att(self, backend, q, k, v, causal, out)
+            orig_att(self, backend, q, k, v, causal, out, dropout)
         finally:
             self.nm = None
 
