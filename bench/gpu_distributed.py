@@ -31,7 +31,10 @@ sys.path.insert(0, ROOT)
 
 from bench.gpu_runner import gib, last_records, list_or_run, read_jsonl, runner_args  # noqa: E402
 
-STEPS = 3
+STEPS = int(os.environ.get("MEMLENS_BENCH_STEPS", "3"))    # optimizer steps per case
+# MEMLENS_BENCH_SEGMENTS=1: every rank records the caching allocator's segment allocations after step 1 (size, step,
+# phase, the Python frames of the allocation that made it): where a rank's reserved grows past the estimate
+SEGMENTS = os.environ.get("MEMLENS_BENCH_SEGMENTS") == "1"
 CASE_TIMEOUT = 240
 
 
@@ -122,12 +125,18 @@ def run_steps(step) -> dict:
     """STEPS optimizer steps with the allocated bytes at every phase boundary; the peaks over them."""
     import torch
 
-    steps, phases = [], []
+    steps, phases, marks = [], [], []
     for n in range(1, STEPS + 1):
+        if SEGMENTS and n == 2:
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=400_000)
+
         def on_phase(ph, n=n):
             torch.cuda.synchronize()
             phases.append({"phase": ph, "step": n, "allocated": torch.cuda.memory_allocated(),
                            "peak_so_far": torch.cuda.max_memory_allocated()})
+            if SEGMENTS and n >= 2:    # a marker in the trace: an allocation of a size nothing else makes
+                marks.append((n, ph))
+                torch.empty(512 * (1000 + len(marks)), dtype=torch.uint8, device="cuda")
 
         t1 = time.perf_counter()
         loss = step.run(on_phase)
@@ -135,9 +144,29 @@ def run_steps(step) -> dict:
         steps.append({"step": n, "seconds": time.perf_counter() - t1, "loss": float(loss) if loss is not None else None,
                       "end_allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()})
     stats = torch.cuda.memory_stats()
-    return dict(status="ok", steps=steps, phases=phases, max_allocated=torch.cuda.max_memory_allocated(),
+    extra = {"segment_allocs": _segment_allocs(torch, marks)} if SEGMENTS else {}
+    return dict(status="ok", steps=steps, phases=phases, **extra, max_allocated=torch.cuda.max_memory_allocated(),
                 max_reserved=stats["reserved_bytes.all.peak"], reserved_now=torch.cuda.memory_reserved(),
                 num_alloc_retries=stats.get("num_alloc_retries"), segments=stats.get("segment.all.current"))
+
+
+def _segment_allocs(torch, marks: list) -> list:
+    """The segments allocated from step 2 on: bytes, the step and phase mark before them, and the frames (memlens,
+    torch, transformers) of the allocation that made each."""
+    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    torch.cuda.memory._record_memory_history(enabled=None)
+    out, at = [], (2, "start")
+    for i, e in enumerate(trace):
+        k = e["size"] // 512 - 1001 if e["action"] == "alloc" and e["size"] % 512 == 0 else -1
+        if 0 <= k < len(marks) and e["size"] == 512 * (1001 + k):
+            at = marks[k]
+        if e["action"] != "segment_alloc":
+            continue
+        step, phase = at
+        frames = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" for f in e.get("frames", [])
+                  if "/torch/" in f["filename"] or "memlens" in f["filename"] or "transformers" in f["filename"]][:12]
+        out.append({"bytes": e["size"], "step": step, "after_phase": phase, "index": i, "frames": frames})
+    return out
 
 
 PROFILES = {  # name: the profile command's flags (one run each under torchrun; report.html with a lane per rank)

@@ -80,8 +80,8 @@ CASES: dict[str, dict] = {
     "vit-large-bf16-ckpt": dict(model="vit-large-patch16-224", batch_size=32, precision="bf16", grad_checkpointing=True),
     "resnet50-amp-bf16": dict(model="resnet-50", batch_size=64, precision="amp-bf16"),
     "tv-resnet50-fp32": dict(model="torchvision:resnet50", batch_size=32, precision="fp32"),
-    "llama1b-qlora": {**L1B, "lora_rank": 16, "qlora": True, "skip": "bitsandbytes is not installed on the GPU machine"},
-    "gpt2-dp-sgd": {**GPT2, "batch_size": 8, "seq_len": 256, "dp": True, "skip": "opacus is not installed on the GPU machine"},
+    "llama1b-qlora": {**L1B, "lora_rank": 16, "qlora": True, "needs": "bitsandbytes"},
+    "llama1b-dp-lora": {**L1B, "batch_size": 8, "seq_len": 512, "dp": True, "lora_rank": 16, "needs": "opacus"},
 }
 CASES_2GPU: dict[str, dict] = {
     "gpt2-ddp2": {**GPT2, "precision": "amp-bf16", "world_size": 2, "sharding": "ddp"},
@@ -90,7 +90,15 @@ CASES_2GPU: dict[str, dict] = {
     "llama1b-zero2": {**L1B, "world_size": 2, "sharding": "zero2"},
     "qwen0.5b-fsdp2-ckpt": {**Q05, "world_size": 2, "sharding": "fsdp", "grad_checkpointing": True},
 }
-META = ("base", "skip")
+META = ("base", "skip", "needs")
+
+
+def _missing(fields: dict) -> str | None:
+    """Why a case cannot run here: the library it needs is not installed (carry its wheel: .whl/)."""
+    import importlib.util
+
+    need = fields.get("needs")
+    return f"{need} is not installed on this machine" if need and importlib.util.find_spec(need) is None else None
 
 
 def spec_of(fields: dict, dry: bool = False):
@@ -235,13 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     rows, preds, env_file = [], {}, "gpu_step_time_env.json"
     pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
                                initargs=(table,))
+    skips = {n: cases[n].get("skip") or (None if args.dry_run else _missing(cases[n])) for n in names}
     try:      # the estimates run on the CPU beside the GPU cases
-        preds = {n: pool.submit(predict, n, cases[n], args.dry_run) for n in names if not cases[n].get("skip")}
+        preds = {n: pool.submit(predict, n, cases[n], args.dry_run) for n in names if not skips[n]}
         for n in names:
             rec = {"name": n, "spec": {k: v for k, v in cases[n].items() if k not in META}, "base": cases[n].get("base"),
                    "gpus": args.gpus, "table": table}
-            if cases[n].get("skip"):
-                rec["skipped"] = cases[n]["skip"]
+            if skips[n]:
+                rec["skipped"] = skips[n]
             elif time.perf_counter() - t0 > args.budget_s:
                 rec["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
             else:      # one case a run_cases call: the budget is checked and the row written as each case ends

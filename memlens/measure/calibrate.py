@@ -86,9 +86,9 @@ def _graphed_seconds(torch, fn: Callable[[], Any], n: int = 20) -> float:
     return _gpu_seconds(torch, g.replay, budget_s=0.01) / n
 
 
-def _grid(ms, nks, rate: Callable[[int, int, int], float]) -> list:
-    """[m][n][k] of ``rate(m, n, k)`` rounded, over the (M, N=K grid, K) axes."""
-    return [[[round(rate(m, n, k), 3) for k in nks] for n in nks] for m in ms]
+def _grid(ms, nks, rate: Callable[[int, int, int], float], ns=None) -> list:
+    """[m][n][k] of ``rate(m, n, k)`` rounded, over the (M, N, K) axes (N the K grid unless ``ns`` is given)."""
+    return [[[round(rate(m, n, k), 3) for k in nks] for n in (ns or nks)] for m in ms]
 
 
 def _best(grid: list) -> float:
@@ -146,12 +146,16 @@ def _attention_row(torch, dev, dtype, seqs, D: int, causal: bool, p: float = 0.0
 
 
 UNALIGNED_M, UNALIGNED_NK = (1024, 16384), (1024, 4096, 16384)
+# the output's N reaches a vocabulary's width: an LM head of 50,257 (GPT-2) or 151,655 words writes rows no grid point
+# of 16,384 stands for (cuBLAS picks other kernels for a wide unaligned output: on an H200 the GPT-2 head's forward GEMM
+# ran 6.6 ms where the 16,384 point gave 4.4)
+UNALIGNED_OUT_N = (1024, 4096, 16384, 65536)
 
 
-def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK) -> tuple[dict, dict]:
+def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK, out_ns=UNALIGNED_OUT_N) -> tuple[dict, dict]:
     """16-bit GEMMs whose leading dimension is one element off 16 bytes, over a coarse grid: (an input's: the
     geometric mean of A's rows and A transposed - GPT-2's 50,257-word head in backward -, the output's rows: the
-    head in forward)."""
+    head in forward, its N up to a vocabulary's width)."""
     ins, outs = {}, {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
@@ -169,9 +173,9 @@ def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK) 
                 logs += math.log(2 * rows * inner * b.shape[1] / _gpu_seconds(torch, fn) / 1e12)
             return math.exp(logs / len(layouts[which]))
 
-        for which, into in (("in", ins), ("out", outs)):
-            grid = _grid(ms, nks, lambda m, n, k, w=which: rate(w, m, n, k))
-            into[key] = {"m": list(ms), "n": list(nks), "k": list(nks), "tflops": grid}
+        for which, into, ns in (("in", ins, nks), ("out", outs, out_ns)):
+            grid = _grid(ms, nks, lambda m, n, k, w=which: rate(w, m, n, k), ns=ns)
+            into[key] = {"m": list(ms), "n": list(ns), "k": list(nks), "tflops": grid}
         log(f"matmul {key}, unaligned leading dims: {_best(ins[key]['tflops']):.0f} TFLOP/s at best (an input's), "
             f"{_best(outs[key]['tflops']):.0f} (the output's)")
     return ins, outs
@@ -220,13 +224,14 @@ def _op_cases(torch, dev) -> dict:
     total = torch.tensor(float(N // 2), device=dev)
     ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
     idx = torch.randint(0, V, (N,), device=dev)
-    img = torch.randn(64, 256, 28, 28, device=dev, dtype=bf)       # a ResNet stage's activations, batch 64
+    img = torch.randn(64 * 784, 256, device=dev, dtype=bf)          # BatchNorm1d's (N, C); 4-D ones: _batch_norm_cases
     qkv = torch.randn(4, 1024, 3 * H, device=dev, dtype=bf)         # a fused projection's output, 4 x 1,024 tokens
     heads = qkv[..., H:2 * H].view(4, 1024, H // 64, 64).transpose(1, 2)   # its keys as heads: runs of 64
     cw, cb = torch.ones(256, device=dev), torch.zeros(256, device=dev)
     rm, rv = torch.zeros(256, device=dev), torch.ones(256, device=dev)
     bn, bn_mean, bn_rstd = a.native_batch_norm.default(img, cw, cb, rm, rv, True, 0.1, 1e-5)
     return {
+        **_batch_norm_cases(torch, dev),
         "native_batch_norm": (a.native_batch_norm.default, (img, cw, cb, rm, rv, True, 0.1, 1e-5)),
         "native_batch_norm_backward": (a.native_batch_norm_backward.default,
                                        (img, img, cw, rm, rv, bn_mean, bn_rstd, True, 1e-5, [True, True, True])),
@@ -256,6 +261,24 @@ def _op_cases(torch, dev) -> dict:
         "embedding_dense_backward": (a.embedding_dense_backward.default, (x, idx, V, -1, False)),
         "fill_": (a.fill_.Scalar, (logits, 0.0)),
     }
+
+
+def _batch_norm_cases(torch, dev) -> dict:
+    """Batch norm forward and backward at each spatial size of ``ops.BN_SPATIAL``, on ResNet-50's stage shapes at batch
+    64 (the channels grow as the images shrink): ``native_batch_norm/hw<S>``."""
+    from ..estimator.timing.ops import BN_SPATIAL
+
+    a, out = torch.ops.aten, {}
+    for hw, c in zip(BN_SPATIAL, (64, 256, 512, 1024, 2048)):
+        side = int(round(hw ** 0.5))
+        x = torch.randn(64, c, side, side, device=dev, dtype=torch.bfloat16)
+        w, b = torch.ones(c, device=dev), torch.zeros(c, device=dev)
+        rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
+        _, mean, rstd = a.native_batch_norm.default(x, w, b, rm, rv, True, 0.1, 1e-5)
+        out[f"native_batch_norm/hw{hw}"] = (a.native_batch_norm.default, (x, w, b, rm, rv, True, 0.1, 1e-5))
+        out[f"native_batch_norm_backward/hw{hw}"] = (a.native_batch_norm_backward.default,
+                                                     (x, x, w, rm, rv, mean, rstd, True, 1e-5, [True, True, True]))
+    return out
 
 
 def measure_op_ratios(torch, dev, bandwidth: dict, log) -> dict:

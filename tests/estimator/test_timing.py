@@ -366,3 +366,26 @@ def test_heads_transposed_out_of_a_projection_are_their_own_layout_falling_back_
     assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 50e9)      # no heads figure: the strided one
     tab.op_ratio["cat/heads"] = 0.1
     assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 10e9)
+
+
+def test_batch_norm_is_priced_at_the_spatial_size_measured_nearest_its_input():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    bn = torch.ops.aten.native_batch_norm.default
+    w, b, rm, rv = torch.ones(8), torch.zeros(8), torch.zeros(8), torch.ones(8)
+
+    def name(*shape):
+        x = torch.empty(*shape)
+        return op_facts(bn, (x, w, b, rm, rv, True, 0.1, 1e-5), {}, bn(x, w, b, rm, rv, True, 0.1, 1e-5)).op
+
+    # ResNet-50's stages: 112^2 ... 7^2; between two sizes, the nearer on a log scale (sqrt(784 * 196) = 392)
+    assert [name(2, 8, s, s) for s in (112, 56, 28, 14, 7)] == [f"native_batch_norm/hw{s * s}" for s in (112, 56, 28, 14, 7)]
+    assert (name(2, 8, 20, 20), name(2, 8, 19, 20), name(2, 8, 1, 1)) == \
+        ("native_batch_norm/hw784", "native_batch_norm/hw196", "native_batch_norm/hw49")
+    assert name(4, 8) == "native_batch_norm"                                 # BatchNorm1d's (N, C): the op's own name
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"native_batch_norm": 0.5, "native_batch_norm/hw49": 0.25}
+    assert tab.op_seconds("native_batch_norm/hw49", 1e9) == pytest.approx(0.04)
+    assert tab.op_seconds("native_batch_norm/hw3136", 1e9) == pytest.approx(0.02)   # a table without that size
