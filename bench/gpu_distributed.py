@@ -144,7 +144,7 @@ def run_steps(step) -> dict:
         steps.append({"step": n, "seconds": time.perf_counter() - t1, "loss": float(loss) if loss is not None else None,
                       "end_allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()})
     stats = torch.cuda.memory_stats()
-    extra = {"segment_allocs": _segment_allocs(torch, marks)} if SEGMENTS else {}
+    extra = {"segment_allocs": _segment_allocs(torch, marks)} if SEGMENTS else {}   # {"segments": ..., "large_events": ...}
     return dict(status="ok", steps=steps, phases=phases, **extra, max_allocated=torch.cuda.max_memory_allocated(),
                 max_reserved=stats["reserved_bytes.all.peak"], reserved_now=torch.cuda.memory_reserved(),
                 num_alloc_retries=stats.get("num_alloc_retries"), segments=stats.get("segment.all.current"))
@@ -155,18 +155,22 @@ def _segment_allocs(torch, marks: list) -> list:
     torch, transformers) of the allocation that made each."""
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
-    out, at = [], (2, "start")
+    out, at, big = [], (2, "start"), []
     for i, e in enumerate(trace):
         k = e["size"] // 512 - 1001 if e["action"] == "alloc" and e["size"] % 512 == 0 else -1
         if 0 <= k < len(marks) and e["size"] == 512 * (1001 + k):
             at = marks[k]
+        if e["action"] in ("alloc", "free_requested", "free_completed", "segment_free") and e["size"] >= 2**20:
+            big.append([at[0], at[1], e["action"], e["size"], e["addr"], e.get("stream", 0)])
         if e["action"] != "segment_alloc":
             continue
         step, phase = at
+        big.append([step, phase, "segment_alloc", e["size"], e["addr"], e.get("stream", 0)])
         frames = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" for f in e.get("frames", [])
                   if "/torch/" in f["filename"] or "memlens" in f["filename"] or "transformers" in f["filename"]][:12]
         out.append({"bytes": e["size"], "step": step, "after_phase": phase, "index": i, "frames": frames})
-    return out
+    # every event of 1 MiB or more from step 2 on: [step, phase, action, bytes, address, stream] (to replay against the estimate)
+    return {"segments": out, "large_events": big}
 
 
 PROFILES = {  # name: the profile command's flags (one run each under torchrun; report.html with a lane per rank)
