@@ -144,3 +144,17 @@ def test_a_ddp_estimate_runs_to_the_first_step_after_the_rebuild():
         assert [s["step"] for s in r.data.ranks[0]["steps"]] == [1, 2, 3]
     r = estimate(Spec(model="tests.distributed.dist_models:three", world_size=2, sharding="fsdp", optimizer="sgd"))
     assert [s["step"] for s in r.data.ranks[0]["steps"]] == [1, 2]           # FSDP2 has no rebuild: 2 as before
+
+
+def test_zero1_reports_rank_0_itself_when_its_partition_is_between_the_two_simulated():
+    from memlens.step.parallel.ddp import Zero1Wrapper
+
+    w = Zero1Wrapper(TrainingSpec(model="tests.distributed.dist_models:three", world_size=4, sharding="zero1"),
+                     fake=True, rank=0, world_size=4)
+    # greedy by size over 4 ranks: the largest parameter on rank 0, then ranks 1-3 (ties to the lowest)
+    w.loads = [10, 11, 7, 9]
+    assert [(g.rank, g.ranks) for g in w.rank_groups()] == [(1, (1,)), (2, (2,)), (0, (0,)), (-1, (3,))]
+    w.loads = [10, 11, 7, 10]                  # rank 3's partition is rank 0's size: rank 0 stands for it
+    assert [(g.rank, g.ranks) for g in w.rank_groups()] == [(1, (1,)), (2, (2,)), (0, (0, 3))]
+    w.loads = [11, 11, 7, 9]                   # rank 0 the largest: as before, nothing added
+    assert [(g.rank, g.ranks) for g in w.rank_groups()] == [(0, (0, 1)), (2, (2,)), (-1, (3,))]

@@ -389,3 +389,16 @@ def test_batch_norm_is_priced_at_the_spatial_size_measured_nearest_its_input():
     tab.op_ratio = {"native_batch_norm": 0.5, "native_batch_norm/hw49": 0.25}
     assert tab.op_seconds("native_batch_norm/hw49", 1e9) == pytest.approx(0.04)
     assert tab.op_seconds("native_batch_norm/hw3136", 1e9) == pytest.approx(0.02)   # a table without that size
+
+
+def test_opacus_clip_rows_of_a_shallow_trace_repeat_for_the_tensors_of_the_layers_it_writes():
+    from types import SimpleNamespace
+
+    from memlens.estimator.timing.record import OpTrace
+    from memlens.estimator.timing.step import trainable_tensors
+
+    tr = OpTrace()
+    tr.trainable_tensors, tr.layer_tensors = 12, 4          # a 3-layer LoRA model: 4 adapter tensors a layer
+    assert trainable_tensors(tr) == (12, 1.0)               # the whole model simulated: each row is itself
+    tr.stack, tr.layers = SimpleNamespace(depth=3), 16      # written to 16 layers: 13 more of 4 tensors
+    assert trainable_tensors(tr) == (12 + 13 * 4, pytest.approx(64 / 12))

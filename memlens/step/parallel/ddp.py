@@ -311,7 +311,14 @@ class Zero1Wrapper(DDPWrapper):
         rest = tuple(r for r in range(self.world_size) if r not in (hi, lo))
         groups = [RankGroup(hi, (hi,) + tuple(r for r in rest if self.loads[r] == self.loads[hi]), "the largest optimizer partition"),
                   RankGroup(lo, (lo,) + tuple(r for r in rest if self.loads[r] == self.loads[lo]), "the smallest optimizer partition")]
-        between = tuple(r for r in rest if self.loads[lo] < self.loads[r] < self.loads[hi])
+        if self.loads[lo] < self.loads[0] < self.loads[hi]:
+            # rank 0 is simulated first in every estimate (memlens.estimator.ranks): reported as itself, not bounded by
+            # the two others - its partition's tensors differ from theirs (greedy by size: the largest parameter, a
+            # tied embedding, lands on it), and so may its segments (ZeRO-1 GPT-2 medium over 4 H200s: rank 0 held
+            # rank 3's bytes within 4 KiB and 198 MiB more reserved than either; bench/results/zero1_probe.md)
+            groups.append(RankGroup(0, (0,) + tuple(r for r in rest if r and self.loads[r] == self.loads[0]),
+                                    "rank 0 (an optimizer partition between the largest and the smallest)"))
+        between = tuple(r for r in rest if self.loads[lo] < self.loads[r] < self.loads[hi] and self.loads[r] != self.loads[0])
         if between:
             groups.append(RankGroup(-1, between, "between the two simulated ranks (partitions between theirs)"))
         return groups
