@@ -35,6 +35,7 @@ STEPS = int(os.environ.get("MEMLENS_BENCH_STEPS", "3"))    # optimizer steps per
 # MEMLENS_BENCH_SEGMENTS=1: every rank records the caching allocator's segment allocations after step 1 (size, step,
 # phase, the Python frames of the allocation that made it): where a rank's reserved grows past the estimate
 SEGMENTS = os.environ.get("MEMLENS_BENCH_SEGMENTS") == "1"
+SEGMENTS_FROM = int(os.environ.get("MEMLENS_BENCH_SEGMENTS_FROM", "2"))   # the step the recording starts at
 CASE_TIMEOUT = 240
 
 
@@ -127,14 +128,14 @@ def run_steps(step) -> dict:
 
     steps, phases, marks = [], [], []
     for n in range(1, STEPS + 1):
-        if SEGMENTS and n == 2:
+        if SEGMENTS and n == SEGMENTS_FROM:
             torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=400_000)
 
         def on_phase(ph, n=n):
             torch.cuda.synchronize()
             phases.append({"phase": ph, "step": n, "allocated": torch.cuda.memory_allocated(),
                            "peak_so_far": torch.cuda.max_memory_allocated()})
-            if SEGMENTS and n >= 2:    # a marker in the trace: an allocation of a size nothing else makes
+            if SEGMENTS and n >= SEGMENTS_FROM:    # a marker in the trace: an allocation of a size nothing else makes
                 marks.append((n, ph))
                 torch.empty(512 * (1000 + len(marks)), dtype=torch.uint8, device="cuda")
 
@@ -155,7 +156,7 @@ def _segment_allocs(torch, marks: list) -> list:
     torch, transformers) of the allocation that made each."""
     trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
-    out, at, big = [], (2, "start"), []
+    out, at, big = [], (SEGMENTS_FROM, "start"), []
     for i, e in enumerate(trace):
         k = e["size"] // 512 - 1001 if e["action"] == "alloc" and e["size"] % 512 == 0 else -1
         if 0 <= k < len(marks) and e["size"] == 512 * (1001 + k):
