@@ -12,6 +12,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_peak_probe.py": "one case per command, in its own process",
     "gpu_history_case.py": "one case per command, in its own process",
     "gpu_t5_sdpa_probe.py": "one case per command, in its own process",
+    "gpu_tied_sum_probe.py": "one case per command, in its own process (an allocator trace of one step)",
     "gpu_sdpa_probe.py": "one process of microbenchmarks (kernel choice per dtype), no model step",
     "gpu_calibrate.py": "one process of microbenchmarks: the CUDA context and workspaces it reads need that one process",
     "gpu_compare.py": "memlens.compare(measure=True): the library's own trial runner (memlens.measure.trial)",
