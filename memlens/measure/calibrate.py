@@ -263,6 +263,9 @@ def _op_cases(torch, dev) -> dict:
     }
 
 
+BN_BATCH = 64   # the batch of _batch_norm_cases' images (the per-channel reductions run over batch x H x W)
+
+
 def _batch_norm_cases(torch, dev) -> dict:
     """Batch norm forward and backward at each spatial size of ``ops.BN_SPATIAL``, on ResNet-50's stage shapes at batch
     64 (the channels grow as the images shrink): ``native_batch_norm/hw<S>``."""
@@ -271,7 +274,7 @@ def _batch_norm_cases(torch, dev) -> dict:
     a, out = torch.ops.aten, {}
     for hw, c in zip(BN_SPATIAL, (64, 256, 512, 1024, 2048)):
         side = int(round(hw ** 0.5))
-        x = torch.randn(64, c, side, side, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(BN_BATCH, c, side, side, device=dev, dtype=torch.bfloat16)
         w, b = torch.ones(c, device=dev), torch.zeros(c, device=dev)
         rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
         _, mean, rstd = a.native_batch_norm.default(x, w, b, rm, rv, True, 0.1, 1e-5)
