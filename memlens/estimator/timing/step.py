@@ -174,9 +174,14 @@ def trainable_tensors(tr) -> tuple[int, float]:
     layer's, so the trace of a shallow model (memlens.estimator.depth) holds them for its own tensors only: each
     repeats for the tensors of the layers it writes (Llama-3.2-1B LoRA r16 under Opacus on an H200: 915 top-level ops
     in the step's optimizer phase for 64 adapter tensors; the 3-layer trace held 235 clip rows for its 12)."""
-    copies = tr.layers - tr.stack.depth if tr.stack is not None and tr.layers else 0
+    copies = written_layers(tr)
     tensors = tr.trainable_tensors + copies * tr.layer_tensors
     return tensors, (tensors / tr.trainable_tensors if copies and tr.trainable_tensors else 1.0)
+
+
+def written_layers(tr) -> int:
+    """The layers a shallow model's trace stands for beyond its own (memlens.estimator.depth), else 0."""
+    return tr.layers - tr.stack.depth if tr.stack is not None and tr.layers else 0
 
 
 def _step_time(sim, tr) -> dict:
@@ -215,7 +220,7 @@ def _step_time(sim, tr) -> dict:
     div = shard_degree(spec) * tp if fsdp else ranks if sh.shards_optimizer_state and ranks > 1 else 1
     trainable = sim.trainable_count // max(1, div)
     pb = _dtype_bytes(precision_of(spec).weights)
-    copies = tr.layers - tr.stack.depth if tr.stack is not None and tr.layers else 0
+    copies = written_layers(tr)
     quantized = (tr.quantized[0] + copies * tr.layer_quantized[0], tr.quantized[1] + copies * tr.layer_quantized[1])
     if quantized[0]:   # QLoRA: bitsandbytes dequantizes each 4-bit weight to the compute dtype before its matmul
         parts["forward"] += k * _dequant_seconds(quantized, 1.0, tab)
