@@ -692,10 +692,11 @@ class SimulationTracker(StorageTracker):
         ``accumulate``), else None. After a node's apply its output ``var`` is added to the buffer's ``old_var``
         (which another node made): on the GPU in place into ``old_var`` when the buffer holds the last reference to
         it and its storage (``can_accumulate_inplace``), else a new tensor - never into ``var`` (the ``accumulate`` of
-        the torch releases memlens supports; older ones tried ``var`` too). Measured on an H200 (torch 2.11, bench/results/zero1_probe.md):
-        GPT-2 medium fp32, whose head gradient is TBackward's transposed view, made a third [V, H] tensor every step
-        on one GPU and under DDP / ZeRO-1 (reserved -2.5% when summed into the embedding's gradient, -0.03% with the
-        third tensor); TRL's fused head, whose gradient is a fresh tensor, summed in place.
+        the torch releases memlens supports; older ones tried ``var`` too). Measured on an H200 (torch 2.11,
+        bench/results/zero1_probe.md): GPT-2 medium fp32, whose head gradient is TBackward's transposed view, made a
+        third [V, H] tensor every step on one GPU and under DDP / ZeRO-1 (reserved -2.5% when summed into the
+        embedding's gradient, -0.03% with the third tensor); TRL's fused head, whose gradient is a fresh tensor, was
+        summed into in place.
         Under a Python dispatch mode, as here, that check fails (the wrappers count as references) and the sum is
         always a new tensor: memlens sums in place as the GPU does. Told apart from an add inside a backward
         formula by its operands: ``var`` made by the running node, ``old_var`` by another, the node's output going
