@@ -118,6 +118,7 @@ def spec_of(fields: dict, dry: bool = False):
 def measure(name: str, fields: dict) -> dict:
     import torch
 
+    from memlens.measure.host_phases import host_speed
     from memlens.measure.phase_time import PhaseTimer
     from memlens.step import prepare
 
@@ -132,7 +133,7 @@ def measure(name: str, fields: dict) -> dict:
     torch.manual_seed(0)
     step = prepare(spec, device=dev)
     timer = PhaseTimer(torch, dev)
-    walls, phases = [], []
+    walls, phases, speeds = [], [], []
     for i in range(WARMUP + STEPS):
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -142,6 +143,7 @@ def measure(name: str, fields: dict) -> dict:
         if i >= WARMUP:
             walls.append(time.perf_counter() - t)
             phases.append(timer.finish())
+            speeds.append(host_speed())   # the host's speed beside each step (calibrate records its own: env)
     med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     prof = None
     if os.environ.get(PROFILE_ENV):   # one more step under torch.profiler: GPU time per op (bench/op_profile.py); every
@@ -150,7 +152,7 @@ def measure(name: str, fields: dict) -> dict:
         prof = profiled_step(step, torch, dev)
         prof = prof if rank == 0 else None
     rec = {"profile": prof, "name": name, "rank": rank, "measured_seconds": statistics.median(walls), "measured_steps": walls,
-           "measured_phases": med, "max_allocated": torch.cuda.max_memory_allocated(dev),
+           "measured_phases": med, "host_speed_ms": round(statistics.median(speeds) * 1e3, 2), "max_allocated": torch.cuda.max_memory_allocated(dev),
            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     if spec.world_size > 1:
         import torch.distributed as dist
@@ -161,12 +163,14 @@ def measure(name: str, fields: dict) -> dict:
 
 
 # ---------------------------------------------------------------- one case, estimated (CPU worker)
-def predict(name: str, fields: dict, dry: bool) -> dict:
+def predict(name: str, fields: dict, dry: bool, table: str | None = None) -> dict:
     """memlens' step-time estimate of one case, on the CPU (a worker of main's pool: CUDA hidden, 2 threads, the table
-    of MEMLENS_TIMING_TABLE); its failure is the case's ``predict_error``."""
+    of MEMLENS_TIMING_TABLE, or ``table`` for this case); its failure is the case's ``predict_error``."""
     import torch
 
     torch.set_num_threads(2)
+    if table:
+        os.environ["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
     from memlens.estimator import estimate
 
     t = time.perf_counter()
@@ -215,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler: GPU time per op")
     ap.add_argument("--reprice", metavar="JSONL", help="no GPU: the measured records of an earlier run priced again with "
                     "the current model and --table (or the shipped table), written to OUT as a new run's")
+    ap.add_argument("--host-speed", action="store_true", help="with --reprice: each record priced with the table's host "
+                    "costs scaled by the host's speed beside that case over the speed while calibrate measured them "
+                    "(host_speed_ms in the record and in the table's env): the model's error without the host's drift")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     args = ap.parse_args(argv)
     cases = CASES_2GPU if args.gpus == 2 else CASES
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     os.makedirs(out, exist_ok=True)
     if args.reprice:
-        return reprice(args.reprice, out, args.table, args.workers, names)
+        return reprice(args.reprice, out, args.table, args.workers, names, args.host_speed)
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     table = args.table or (None if args.dry_run else calibrate(out, args.gpus, env))
@@ -273,18 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def reprice(path: str, out: str, table: str | None, workers: int, names: list[str]) -> int:
-    """The measured records of ``path`` (a gpu_step_time.jsonl; several files comma-separated) with fresh predictions."""
+def reprice(path: str, out: str, table: str | None, workers: int, names: list[str], host_speed: bool = False) -> int:
+    """The measured records of ``path`` (a gpu_step_time.jsonl; several files comma-separated) with fresh predictions;
+    ``host_speed``: each with its own table (:func:`host_scaled_table`)."""
     recs = [r for p in path.split(",") for r in read_jsonl(p) if r.get("measured_seconds")]
     recs = [r for r in recs if r["name"] in names]
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
                                initargs=(table,))
     try:
-        futs = {r["name"]: pool.submit(predict, r["name"], r["spec"], False) for r in recs}
+        # by index: a case measured twice (two runs' files) is two records, each with its own host speed
+        own = [host_scaled_table(table, r, out, i) if host_speed else None for i, r in enumerate(recs)]
+        futs = [pool.submit(predict, r["name"], r["spec"], False, own[i]) for i, r in enumerate(recs)]
         rows = []
-        for r in recs:
+        for i, r in enumerate(recs):
             r = {k: v for k, v in r.items() if not k.startswith("predict") and k not in ("error", "mfu", "tokens_per_s", "calibrated")}
-            r.update(_prediction(futs[r["name"]]))
+            r.update(_prediction(futs[i]))
             _errors(r)
             rows.append(r)
             print(_short(r), flush=True)
@@ -297,6 +307,27 @@ def reprice(path: str, out: str, table: str | None, workers: int, names: list[st
         f.write(md)
     print(md)
     return 0
+
+
+def host_scaled_table(table: str | None, rec: dict, out: str, index: int = 0) -> str | None:
+    """``table`` with every host cost (``host_us``) times the host's speed beside ``rec``'s steps over its speed while
+    calibrate measured them (both ``host_speed_ms``: memlens.measure.host_phases.host_speed, a fixed Python loop; the
+    table's median): written to ``out``/tables/<index>-<case>.json. None where either speed is missing."""
+    if not table:
+        return None
+    with open(table) as f:
+        t = json.load(f)
+    cal = (t.get("env") or {}).get("host_speed_ms")
+    if not cal or not rec.get("host_speed_ms"):
+        return None
+    ratio = rec["host_speed_ms"] / cal[1]
+    t["host_us"] = {k: round(v * ratio, 3) for k, v in t["host_us"].items()}
+    t["source"] = f"{t.get('source', '')}; host costs x {ratio:.3f} (the host's speed beside {rec['name']})"
+    os.makedirs(os.path.join(out, "tables"), exist_ok=True)
+    path = os.path.join(out, "tables", f"{index}-{rec['name']}.json")
+    with open(path, "w") as f:
+        json.dump(t, f)
+    return path
 
 
 def _prediction(fut) -> dict:

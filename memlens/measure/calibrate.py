@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from typing import Any, Callable
 
 from ..core.errors import MemlensError
 from ..core.gpus import GPUS
 from .calibrate_fsdp import measure_fsdp_host
-from .host_phases import host_per_phase
+from .host_phases import host_rounds
 from ..estimator.timing.tables import (
     FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
 )
@@ -155,22 +156,30 @@ UNALIGNED_OUT_N = (1024, 4096, 16384, 65536)
 def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK, out_ns=UNALIGNED_OUT_N) -> tuple[dict, dict]:
     """16-bit GEMMs whose leading dimension is one element off 16 bytes, over a coarse grid: (an input's: the
     geometric mean of A's rows and A transposed - GPT-2's 50,257-word head in backward -, the output's rows: the
-    head in forward, its N up to a vocabulary's width)."""
+    head in forward, its N up to a vocabulary's width).
+
+    The output's is measured as a Linear layer runs it: ``x @ W.t()`` with ``W`` (N x K) row-major (F.linear), so only
+    the output's leading dimension is off. Measured with ``B`` (K x N) itself unaligned instead (this grid before), a
+    wide output ran at full rate where the GPT-2 head's forward ran at ~95 TFLOP/s on an H100 (bench/results/
+    step_time_h100.md): cuBLAS picks other kernels for the two layouts."""
     ins, outs = {}, {}
     for key in ("bfloat16", "float16"):
         dtype = getattr(torch, key)
-        layouts = {"out": (((lambda m, n, k: (m, k)), (lambda m, n, k: (k, n - 1)), False),),
-                   "in": (((lambda m, n, k: (m, k - 1)), (lambda m, n, k: (k - 1, n)), False),
-                          ((lambda m, n, k: (k, m - 1)), (lambda m, n, k: (k, n)), True))}
+        # (A's shape, B's shape, how the product is formed)
+        layouts = {"out": (((lambda m, n, k: (m, k)), (lambda m, n, k: (n - 1, k)), "linear"),),
+                   "in": (((lambda m, n, k: (m, k - 1)), (lambda m, n, k: (k - 1, n)), "nn"),
+                          ((lambda m, n, k: (k, m - 1)), (lambda m, n, k: (k, n)), "tn"))}
+        forms = {"nn": lambda a, b: a @ b, "tn": lambda a, b: a.t() @ b, "linear": lambda a, b: a @ b.t()}
 
         def rate(which: str, m: int, n: int, k: int) -> float:
             logs = 0.0
-            for sa, sb, transposed in layouts[which]:
+            for sa, sb, form in layouts[which]:
                 a = torch.randn(*sa(m, n, k), device=dev, dtype=dtype)
                 b = torch.randn(*sb(m, n, k), device=dev, dtype=dtype)
-                fn = (lambda: a.t() @ b) if transposed else (lambda: a @ b)
-                rows, inner = (a.shape[1], a.shape[0]) if transposed else tuple(a.shape)
-                logs += math.log(2 * rows * inner * b.shape[1] / _gpu_seconds(torch, fn) / 1e12)
+                fn = (lambda f=forms[form]: f(a, b))
+                rows, inner = (a.shape[1], a.shape[0]) if form == "tn" else tuple(a.shape)
+                cols = b.shape[0] if form == "linear" else b.shape[1]
+                logs += math.log(2 * rows * inner * cols / _gpu_seconds(torch, fn) / 1e12)
             return math.exp(logs / len(layouts[which]))
 
         for which, into, ns in (("in", ins, nks), ("out", outs, out_ns)):
@@ -366,12 +375,16 @@ def measure_host(torch, dev, log) -> tuple[float, dict]:
             y = y * 1.0001 + 0.0
         return y.sum()
 
-    y = chain()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    y.backward()
-    torch.cuda.synchronize()
-    backward = (time.perf_counter() - t) / 201 * 1e6
+    def chain_backward() -> float:
+        y = chain()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        y.backward()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    chain_backward()
+    backward = statistics.median(chain_backward() for _ in range(15)) / 201 * 1e6   # one backward alone is noise
     ts = [torch.ones(1024, device=dev) for _ in range(100)]
     optimizer = host_us(lambda: torch._foreach_add_(ts, 1.0), 300)
     host = {"forward": round(forward, 2), "backward": round(backward, 2), "optimizer": round(optimizer, 2), "view": round(view, 2)}
@@ -379,7 +392,7 @@ def measure_host(torch, dev, log) -> tuple[float, dict]:
     return round(floor, 3), host
 
 
-def measure_model_host(torch, dev, host: dict, log) -> dict:
+def measure_model_host(torch, dev, host: dict, log, speeds: list | None = None) -> dict:
     """The host's µs per op inside a real model's step: a 16-layer Llama of width 64 from transformers (eager
     Python, module calls, bf16) at 1 x 16 tokens, so small that the GPU idles and the wall time is the host's. Its
     ops are counted as the simulation's trace counts them (every aten op under a dispatch mode; views and allocations
@@ -397,13 +410,16 @@ def measure_model_host(torch, dev, host: dict, log) -> dict:
                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
     ids = torch.randint(0, 512, (1, 16), device=dev)
     v = host.get("view", 0.0) * 1e-6
-    out, plain = {}, None
+    models = {}
     for suffix, policy in (("", None), ("_ckpt", "full"), ("_sac", "selective")):
-        model = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).train()
+        models[suffix] = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).train()
         if policy:
-            checkpoint_blocks(model, "all", policy)
-        f, b, nf, nb = host_per_phase(torch, model, ids)
-        del model
+            checkpoint_blocks(models[suffix], "all", policy)
+    timed = host_rounds(torch, models, ids, speeds=speeds)   # interleaved: the host's drift hits all three alike
+    del models
+    out, plain = {}, None
+    for suffix in ("", "_ckpt", "_sac"):
+        f, b, nf, nb = timed[suffix]
         out["model_forward" + (suffix or "")] = round(max(0.0, f - nf["view"] * v) / max(1, nf["kernel"]) * 1e6, 2)
         if plain is None:
             plain = (b, nb)
@@ -498,7 +514,11 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.attention = measure_attention(torch, dev, seqs, log)
     t.bandwidth = measure_bandwidth(torch, dev, sizes, log)
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)
-    t.host_us.update(measure_model_host(torch, dev, t.host_us, log))
+    speeds: list = []
+    t.host_us.update(measure_model_host(torch, dev, t.host_us, log, speeds))
+    if speeds:   # the host's speed while its costs were measured (a fixed Python loop, ms): how far it drifted
+        t.env["host_speed_ms"] = [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2),
+                                  round(max(speeds) * 1e3, 2)]
     t.host_us.update(measure_fsdp_host(torch, dev, t.host_us, log))
     t.matmul_unaligned, t.matmul_unaligned_out = measure_matmul_unaligned(torch, dev, log)
     t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)

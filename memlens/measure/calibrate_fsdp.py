@@ -5,7 +5,7 @@ FSDP2's ``pre_forward`` (unshard, wait_for_unshard, ``_register_post_backward_ho
 (reshard, setattr swaps of every parameter) and backward's ``pre_backward`` / ``post_backward`` are Python on the host
 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py). Measured on calibrate's model (memlens.measure.calibrate:
 a 16-layer Llama of width 64, so small the GPU idles) with every layer and the root under ``fully_shard`` over a
-one-rank process group, against the same model bare: the extra host seconds per group, less the extra aten ops at the
+one-rank process group, against the same model bare (timed in interleaved rounds: memlens.measure.host_phases): the extra host seconds per group, less the extra aten ops at the
 table's in-model costs (those are priced as rows of their own). With one rank FSDP2 copies instead of all-gathering, so
 the collectives' own host cost is not in it.
 """
@@ -16,7 +16,7 @@ import os
 import tempfile
 
 from ..core.errors import MemlensError
-from .host_phases import host_per_phase
+from .host_phases import host_rounds
 
 
 @contextlib.contextmanager
@@ -50,12 +50,12 @@ def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     try:
         with one_rank_group(torch, dev):
-            plain = host_per_phase(torch, LlamaForCausalLM(cfg).to(dev, dtype).train(), ids)
             model = LlamaForCausalLM(cfg).to(dev, dtype).train()
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
-            sharded = host_per_phase(torch, model, ids)
+            timed = host_rounds(torch, {"plain": LlamaForCausalLM(cfg).to(dev, dtype).train(), "sharded": model}, ids)
+            plain, sharded = timed["plain"], timed["sharded"]
     except (MemlensError, RuntimeError, ValueError) as e:
         log(f"FSDP2 hook cost not measured ({str(e).splitlines()[0][:120]})")
         return {}

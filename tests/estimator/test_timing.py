@@ -139,6 +139,11 @@ def test_a_matmul_whose_leading_dim_is_off_16_bytes_takes_the_unaligned_rate():
     f = op_facts(mm, (g, torch.empty(50257, 768, dtype=torch.bfloat16)), {}, torch.empty(64, 768))
     assert (f.aligned, f.out_unaligned) == (False, False)
     assert tab.matmul_tflops("bfloat16", *f.mnk, f.aligned, f.out_unaligned) == pytest.approx(25.0)
+    # fp32: the unaligned grids are 16-bit only, so an unaligned fp32 GEMM takes fp32's own (aligned) rate, not 16-bit's
+    tab.matmul["float32"] = {**slow, "tflops": [[[50.0] * 2] * 2] * 2}
+    tables._add_logs(tab)
+    head = op_facts(mm, (x.float(), torch.empty(50257, 768).t()), {}, torch.empty(64, 50257))
+    assert head.out_unaligned and tab.matmul_tflops("float32", *head.mnk, head.aligned, head.out_unaligned) == pytest.approx(50.0)
 
 
 def test_attention_takes_the_variant_of_its_head_dim_and_mask():

@@ -52,14 +52,17 @@ def test_fsdp2_hook_cost_is_the_extra_host_time_per_group_less_its_aten_ops(monk
 
     from memlens.measure.calibrate_fsdp import measure_fsdp_host, one_rank_group
 
-    def timed(torch_, model, ids):   # (fwd s, bwd s, ops counted): 3 ms / 4 ms more and 10 / 20 more ops when sharded
+    def timed1(model):   # (fwd s, bwd s, ops counted): 3 ms / 4 ms more and 10 / 20 more ops when sharded
         sharded = isinstance(model, FSDPModule) and all(isinstance(m, FSDPModule) for m in model.model.layers)
         return (0.013, 0.024, {"view": 40, "kernel": 10}, {"view": 30, "kernel": 20}) if sharded else \
             (0.010, 0.020, {"view": 30, "kernel": 0}, {"view": 30, "kernel": 0})
 
+    def timed(torch_, models, ids, **kw):
+        return {name: timed1(m) for name, m in models.items()}
+
     import memlens.measure.calibrate_fsdp as cal_fsdp
 
-    monkeypatch.setattr(cal_fsdp, "host_per_phase", timed)
+    monkeypatch.setattr(cal_fsdp, "host_rounds", timed)
     logs = []
     out = measure_fsdp_host(torch, torch.device("cpu"), {"view": 2.0, "model_forward": 20.0, "model_backward": 50.0},
                             logs.append, layers=2)
@@ -69,3 +72,29 @@ def test_fsdp2_hook_cost_is_the_extra_host_time_per_group_less_its_aten_ops(monk
     with one_rank_group(torch, torch.device("cpu")):      # a process already in a group: not measured, said so
         assert measure_fsdp_host(torch, torch.device("cpu"), {}, logs.append, layers=1) == {}
     assert logs[-1].startswith("FSDP2 hook cost not measured") and not dist.is_initialized()
+
+
+def test_host_rounds_interleave_the_models_and_take_the_median_of_round_medians(monkeypatch):
+    import memlens.measure.host_phases as hp
+
+    calls = []
+    slow = {2}     # the third round runs in a slow stretch of the host: both models' figures double there
+
+    def phases(torch_, model, ids, count):
+        calls.append((model, count))
+        timed = [c for c in calls if not c[1]]
+        warm = 2 * 2                                  # two warm-up steps of each model come first
+        rnd = (len(timed) - 1 - warm) // (2 * 3) if len(timed) > warm else -1
+        f = {"a": 0.010, "b": 0.020}[model] * (2 if rnd in slow else 1) * (1 + 0.01 * (len(timed) % 3))
+        return f, 2 * f, {"kernel": 1} if count else {}, {"kernel": 2} if count else {}
+
+    monkeypatch.setattr(hp, "_phases", phases)
+    speeds = []
+    out = hp.host_rounds(None, {"a": "a", "b": "b"}, None, rounds=5, runs=3, speeds=speeds)
+    # counted once each, then 2 warm-ups each, then rounds of a a a b b b (interleaved per round)
+    assert [m for m, c in calls[:2]] == ["a", "b"] and all(c for _, c in calls[:2])
+    assert [m for m, _ in calls[6:18]] == ["a"] * 3 + ["b"] * 3 + ["a"] * 3 + ["b"] * 3
+    assert len(speeds) == 5 and len(calls) == 2 + 4 + 5 * 6
+    # each round's median is the base figure x 1.01 (its three runs: x1.00, x1.01, x1.02); the slow round is outvoted
+    assert out["a"][0] == pytest.approx(0.0101) and out["b"][1] == pytest.approx(0.0404)
+    assert out["a"][2] == {"kernel": 1} and out["b"][3] == {"kernel": 2}
