@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     args = ap.parse_args(argv)
     cases = CASES_2GPU if args.gpus == 2 else CASES
+    if args.host_speed and not (args.reprice and args.table):
+        ap.error("--host-speed scales a table's host costs: give --reprice FILE and --table TABLE (the one the records' "
+                 "host speeds are compared with)")
     if args.reprice:   # records of both kinds of run (a 1-GPU and a 2-GPU file, comma-separated) are repriced alike
         cases = {**CASES, **CASES_2GPU}
     names = [c.name for c in select([Case(n) for n in cases], args.filters)
@@ -371,12 +374,12 @@ def _short(rec: dict) -> str:
 
 def markdown(rows: list[dict], seconds: float) -> str:
     by = {r["name"]: r for r in rows}
-    lines = ["| case | measured s | predicted s | error | fwd m/p | bwd(+recompute) m/p | optim m/p | overhead vs base m/p |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | measured s | predicted s | error | fwd m/p | bwd(+recompute) m/p | optim m/p | overhead vs base m/p | host ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     errs = []
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | | | | | | | |")
             continue
         m, p = r.get("measured_seconds"), r.get("predicted_seconds")
         mp, pp = r.get("measured_phases") or {}, r.get("predicted_parts") or {}
@@ -397,7 +400,8 @@ def markdown(rows: list[dict], seconds: float) -> str:
         err = f"{r['error'] * 100:+.1f}%" if r.get("error") is not None else (r.get("measure_error") or r.get("predict_error") or "")
         lines.append(f"| {r['name']} | {'' if m is None else f'{m:.4f}'} | {'' if p is None else f'{p:.4f}'} | {err} | "
                      f"{pair(mp.get('forward'), fwd_p)} | {pair(mp.get('backward'), bwd_p)} | "
-                     f"{pair(mp.get('optimizer'), pp.get('optimizer'))} | {over} |")
+                     f"{pair(mp.get('optimizer'), pp.get('optimizer'))} | {over} | {r.get('host_speed_ms') or ''} |")
+    # host ms: memlens.measure.host_phases.host_speed beside the case's steps (a fixed Python loop; lower is faster)
     tab = next((r.get("predicted_table") for r in rows if r.get("predicted_table")), "")
     summary = (f"\n{len(errs)} cases measured and predicted; median |error| {statistics.median(errs) * 100:.1f}%, "
                f"max {max(errs) * 100:.1f}%" if errs else "\nno case both measured and predicted")
