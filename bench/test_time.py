@@ -40,7 +40,19 @@ def timed(cmd: list[str], cwd: str) -> dict:
     return {"command": " ".join(cmd), "rc": p.returncode, "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
             "load_before": load0, "load_after": _load(), "summary": summary[-1:] if summary else [],
             "slowest": [{"s": float(s), "when": w, "test": t} for s, w, t in durations[:40]],
-            "tail": out.splitlines()[-5:] if p.returncode else []}
+            "tail": out.splitlines()[-5:] if p.returncode else [], "failures": _failures(out)}
+
+
+def _failures(out: str, most: int = 200) -> list[str]:
+    """pytest's FAILURES section (each failed test's assertion and output), its last ``most`` lines: what a failure
+    under the whole suite's load said, for the run's record."""
+    lines = out.splitlines()
+    start = next((i for i, ln in enumerate(lines) if re.match(r"^=+ FAILURES =+$", ln)), None)
+    if start is None:
+        return []
+    end = next((i for i in range(start + 1, len(lines)) if re.match(r"^=+ (short test summary|warnings summary)", lines[i])),
+               len(lines))
+    return lines[start:end][-most:]
 
 
 def main(argv: list[str] | None = None) -> int:
