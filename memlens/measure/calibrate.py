@@ -432,6 +432,20 @@ def measure_model_host(torch, dev, host: dict, log, speeds: list | None = None) 
     return out
 
 
+HOST_DRIFT = 1.3   # the fastest and slowest rounds' host speeds further apart than this: said so
+
+
+def host_drift_note(speeds: list[float]) -> str | None:
+    """A line when the host's speed (memlens.measure.host_phases.host_speed, seconds per round) varied by more than
+    :data:`HOST_DRIFT` while calibrate measured its host costs: a shared or throttled CPU, whose host-bound steps vary
+    as much (bench/results/host_probe.md: 13 to 30 ms on one GPU machine within minutes)."""
+    lo, hi = min(speeds), max(speeds)
+    if lo <= 0 or hi / lo <= HOST_DRIFT:
+        return None
+    return (f"note: this host's speed varied {hi / lo:.1f}x while its per-op costs were measured (a shared or throttled "
+            f"CPU): the table keeps the median; steps that wait on the host will vary about as much")
+
+
 def measure_pcie(torch, dev, log) -> dict:
     n = 256 * 2**20
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
@@ -519,6 +533,9 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     if speeds:   # the host's speed while its costs were measured (a fixed Python loop, ms): how far it drifted
         t.env["host_speed_ms"] = [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2),
                                   round(max(speeds) * 1e3, 2)]
+        drift = host_drift_note(speeds)
+        if drift:
+            log(drift)
     t.host_us.update(measure_fsdp_host(torch, dev, t.host_us, log))
     t.matmul_unaligned, t.matmul_unaligned_out = measure_matmul_unaligned(torch, dev, log)
     t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)

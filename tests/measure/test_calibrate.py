@@ -98,3 +98,11 @@ def test_host_rounds_interleave_the_models_and_take_the_median_of_round_medians(
     # each round's median is the base figure x 1.01 (its three runs: x1.00, x1.01, x1.02); the slow round is outvoted
     assert out["a"][0] == pytest.approx(0.0101) and out["b"][1] == pytest.approx(0.0404)
     assert out["a"][2] == {"kernel": 1} and out["b"][3] == {"kernel": 2}
+
+
+def test_a_host_whose_speed_drifts_past_30_percent_is_said_so():
+    from memlens.measure.calibrate import host_drift_note
+
+    assert host_drift_note([0.020, 0.021, 0.025]) is None                # 1.25x: quiet enough
+    note = host_drift_note([0.0133, 0.0204, 0.0219, 0.0204, 0.0210])      # the sixth session's H100 calibrate: 1.6x
+    assert note.startswith("note: this host's speed varied 1.6x") and "median" in note
