@@ -17,7 +17,9 @@ What it does:
    record in $OUT/gpu_step_time_runs.jsonl, a case measured there is not run again unless --fresh): memlens' own step
    (memlens.step.prepare) on random weights, 2 warm-up steps, then 5 steps each CUDA-synchronized: the median step
    seconds (host wall clock) and its phases (CUDA events at the loop's phase marks, memlens.measure.phase_time;
-   recompute is inside backward); with ``--gpus 2`` under torchrun;
+   recompute is inside backward); with ``--gpus 2`` under torchrun; with ``--rounds N`` every case N times, a round over
+   all cases at a time, the record the median of its rounds (a shared host's speed drifts 2x over minutes:
+   bench/results/host_probe.md; each case's host speed beside its steps is ``host_speed_ms``);
 4. one JSON line per case appended to $OUT/gpu_step_time.jsonl (OUT: env var, default ./out) as it comes, and a
    markdown table ($OUT/gpu_step_time.md) printed last: measured vs predicted, error, and the overheads of
    checkpointing and accumulation (measured vs predicted, percentage points).
@@ -198,6 +200,24 @@ def case(name: str, fields: dict, dry: bool) -> dict:
     return {"dry_run": True} if dry else measure(name, fields)
 
 
+def combined(rounds: list[dict]) -> dict:
+    """One case's measured fields from its rounds (each :func:`_measured`'s): the first round's record (its profile)
+    with the step seconds, the phases and the host's speed the median of the rounds that measured (``measured_rounds``:
+    each round's seconds and host speed); a case no round measured keeps the first round's error."""
+    ok = [m for m in rounds if m.get("measured_seconds")]
+    if len(rounds) == 1 or not ok:
+        return rounds[0]
+    out = dict(ok[0])
+    out["measured_seconds"] = statistics.median(m["measured_seconds"] for m in ok)
+    phases = {k for m in ok for k in (m.get("measured_phases") or {})}
+    out["measured_phases"] = {k: statistics.median((m.get("measured_phases") or {}).get(k, 0.0) for m in ok) for k in sorted(phases)}
+    speeds = [m["host_speed_ms"] for m in ok if m.get("host_speed_ms")]
+    out["host_speed_ms"] = round(statistics.median(speeds), 2) if speeds else None
+    out["measured_rounds"] = [{"seconds": m.get("measured_seconds"), "host_speed_ms": m.get("host_speed_ms"),
+                               **({"measure_error": m["measure_error"]} if "measure_error" in m else {})} for m in rounds]
+    return out
+
+
 def _measured(rec: dict) -> dict:
     """The runner's record of a case as the row's measured fields: rank 0's record under torchrun; a failure is
     ``measure_error`` (the row's ``error`` is the relative error of the prediction)."""
@@ -222,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-speed", action="store_true", help="with --reprice: each record priced with the table's host "
                     "costs scaled by the host's speed beside that case over the speed while calibrate measured them "
                     "(host_speed_ms in the record and in the table's env): the model's error without the host's drift")
+    ap.add_argument("--rounds", type=int, default=1, help="measure every case this many times, a round over all cases "
+                    "at a time (the host's speed drifts over minutes): a case's record is the median of its rounds "
+                    "(measured_rounds lists them), its profile the first round's")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     args = ap.parse_args(argv)
     cases = CASES_2GPU if args.gpus == 2 else CASES
@@ -254,20 +277,31 @@ def main(argv: list[str] | None = None) -> int:
     pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
                                initargs=(table,))
     skips = {n: cases[n].get("skip") or (None if args.dry_run else _missing(cases[n])) for n in names}
+    measured: dict = {n: [] for n in names}
     try:      # the estimates run on the CPU beside the GPU cases
         preds = {n: pool.submit(predict, n, cases[n], args.dry_run) for n in names if not skips[n]}
+        for r in range(args.rounds):      # every case once a round: each round meets the host at another moment
+            for n in names:
+                if skips[n] or time.perf_counter() - t0 > args.budget_s:
+                    continue
+                key = n if args.rounds == 1 else f"{n}@{r + 1}"
+                env_r = {k: v for k, v in run_env.items() if k != PROFILE_ENV or r == 0}   # one profile: the first round's
+                run_cases([Case(key, cases[n])], case, out=out, jsonl=RUNS, dry=args.dry_run, timeout=args.timeout,
+                          launcher=torchrun, env=env_r, env_file=env_file, quiet=True)
+                env_file = False     # the versions and the device are written once, before the first run
+                got = _measured(last_records(read_jsonl(os.path.join(out, runs))).get(key, {"error": "no record"}))
+                measured[n].append(got)
+                if args.rounds > 1:
+                    print(f"{key}: measured {got.get('measured_seconds')} s (host {got.get('host_speed_ms')} ms)", flush=True)
         for n in names:
             rec = {"name": n, "spec": {k: v for k, v in cases[n].items() if k not in META}, "base": cases[n].get("base"),
                    "gpus": args.gpus, "table": table}
             if skips[n]:
                 rec["skipped"] = skips[n]
-            elif time.perf_counter() - t0 > args.budget_s:
+            elif not measured[n]:
                 rec["skipped"] = f"time budget ({args.budget_s:.0f} s) spent"
-            else:      # one case a run_cases call: the budget is checked and the row written as each case ends
-                run_cases([Case(n, cases[n])], case, out=out, jsonl=RUNS, dry=args.dry_run, timeout=args.timeout,
-                          launcher=torchrun, env=run_env, env_file=env_file, quiet=True)
-                env_file = False     # the versions and the device are written once, before the first run
-                rec.update(_measured(last_records(read_jsonl(os.path.join(out, runs))).get(n, {"error": "no record"})))
+            else:
+                rec.update(combined(measured[n]))
                 rec.update(_prediction(preds[n]))
                 _errors(rec)
             rows.append(rec)

@@ -35,3 +35,20 @@ def test_every_gpu_script_with_cases_uses_the_one_runner():
             assert not uses, f"{name} uses the runner now: take it out of NOT_CASE_RUNNERS"
         else:
             assert uses and not copied, f"{name}: run its cases through bench/gpu_runner.py"
+
+
+def test_step_time_rounds_combine_to_the_median_of_the_rounds_that_measured():
+    from bench.gpu_step_time import combined
+
+    def rnd(s, fwd, host, **kw):
+        return {"measured_seconds": s, "measured_phases": {"forward": fwd, "backward": 2 * fwd}, "host_speed_ms": host, **kw}
+
+    first = rnd(0.0675, 0.018, 13.2, profile={"ops": []})
+    got = combined([first, rnd(0.0998, 0.031, 21.3), {"measure_error": "OOM: x"}, rnd(0.0800, 0.024, 17.0)])
+    assert got["measured_seconds"] == 0.0800 and got["host_speed_ms"] == 17.0
+    assert got["measured_phases"] == {"backward": 0.048, "forward": 0.024}
+    assert got["profile"] == {"ops": []}                     # the first round's profile
+    assert [r["seconds"] for r in got["measured_rounds"]] == [0.0675, 0.0998, None, 0.0800]
+    assert got["measured_rounds"][2]["measure_error"] == "OOM: x"
+    assert combined([first]) is first                         # one round: as measured
+    assert combined([{"measure_error": "a"}, {"measure_error": "b"}]) == {"measure_error": "a"}
