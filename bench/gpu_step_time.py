@@ -171,8 +171,9 @@ def predict(name: str, fields: dict, dry: bool, table: str | None = None) -> dic
     import torch
 
     torch.set_num_threads(2)
-    if table:
-        os.environ["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
+    own = os.path.abspath(table) if table else _WORKER_TABLE   # a case without its own table: the worker's, not the last case's
+    if own:
+        os.environ["MEMLENS_TIMING_TABLE"] = own
     from memlens.estimator import estimate
 
     t = time.perf_counter()
@@ -187,11 +188,15 @@ def predict(name: str, fields: dict, dry: bool, table: str | None = None) -> dic
             "predicted_peak_allocated": r.peak_allocated_bytes, "estimate_seconds": time.perf_counter() - t}
 
 
+_WORKER_TABLE: str | None = None     # the table a prediction worker was started with (_predict_worker)
+
+
 def _predict_worker(table: str | None) -> None:
     """A prediction worker's environment, set before it imports torch (spawned: nothing of the parent's CUDA)."""
+    global _WORKER_TABLE
     os.environ.update(OMP_NUM_THREADS="2", MKL_NUM_THREADS="2", CUDA_VISIBLE_DEVICES="")
     if table:
-        os.environ["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
+        _WORKER_TABLE = os.environ["MEMLENS_TIMING_TABLE"] = os.path.abspath(table)
 
 
 def case(name: str, fields: dict, dry: bool) -> dict:
