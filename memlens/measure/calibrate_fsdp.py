@@ -5,9 +5,9 @@ FSDP2's ``pre_forward`` (unshard, wait_for_unshard, ``_register_post_backward_ho
 (reshard, setattr swaps of every parameter) and backward's ``pre_backward`` / ``post_backward`` are Python on the host
 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py). Measured on calibrate's model (memlens.measure.calibrate:
 a 16-layer Llama of width 64, so small the GPU idles) with every layer and the root under ``fully_shard`` over a
-one-rank process group, against the same model bare (timed in interleaved rounds: memlens.measure.host_phases): the extra host seconds per group, less the extra aten ops at the
-table's in-model costs (those are priced as rows of their own). With one rank FSDP2 copies instead of all-gathering, so
-the collectives' own host cost is not in it.
+one-rank process group, against the same model bare, the two timed in interleaved rounds (memlens.measure.host_phases):
+the extra host seconds per group, less the extra aten ops at the table's in-model costs (those are priced as rows of
+their own). With one rank FSDP2 copies instead of all-gathering, so the collectives' own host cost is not in it.
 """
 from __future__ import annotations
 
