@@ -16,8 +16,9 @@ What it does:
 3. meanwhile, each case in its own GPU subprocess through bench/gpu_runner.py (an OOM or a crash loses one case; its
    record in $OUT/gpu_step_time_runs.jsonl, a case measured there is not run again unless --fresh): memlens' own step
    (memlens.step.prepare) on random weights, 2 warm-up steps, then 5 steps each CUDA-synchronized: the median step
-   seconds (host wall clock) and its phases (CUDA events at the loop's phase marks, memlens.measure.phase_time;
-   recompute is inside backward); with ``--gpus 2`` under torchrun; with ``--rounds N`` every case N times, a round over
+   seconds (host wall clock, less the time before the step's first phase: DP-SGD's Poisson loader draws its batch
+   there, which memlens does not price; ``data`` among the phases) and its phases (CUDA events at the loop's phase
+   marks, memlens.measure.phase_time; recompute is inside backward); with ``--gpus 2`` under torchrun; with ``--rounds N`` every case N times, a round over
    all cases at a time, the record the median of its rounds (a shared host's speed drifts 2x over minutes:
    bench/results/host_probe.md; each case's host speed beside its steps is ``host_speed_ms``);
 4. one JSON line per case appended to $OUT/gpu_step_time.jsonl (OUT: env var, default ./out) as it comes, and a
@@ -143,8 +144,8 @@ def measure(name: str, fields: dict) -> dict:
         step.run(timer.on_phase)
         torch.cuda.synchronize()
         if i >= WARMUP:
-            walls.append(time.perf_counter() - t)
             phases.append(timer.finish())
+            walls.append(time.perf_counter() - t - phases[-1].get("data", 0.0))   # the step, not its data loader
             speeds.append(host_speed())   # the host's speed beside each step (calibrate records its own: env)
     med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
     prof = None
@@ -364,6 +365,7 @@ def host_scaled_table(table: str | None, rec: dict, out: str, index: int = 0) ->
         return None
     ratio = rec["host_speed_ms"] / cal[1]
     t["host_us"] = {k: round(v * ratio, 3) for k, v in t["host_us"].items()}
+    t["env"].pop("host_reference_ms", None)   # priced at this record's host, not the table's reference host
     t["source"] = f"{t.get('source', '')}; host costs x {ratio:.3f} (the host's speed beside {rec['name']})"
     os.makedirs(os.path.join(out, "tables"), exist_ok=True)
     path = os.path.join(out, "tables", f"{index}-{rec['name']}.json")

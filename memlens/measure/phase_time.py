@@ -5,7 +5,7 @@ after it, so the timing does not change what it times.
 >>> t = PhaseTimer(None)          # on the CPU: wall-clock marks
 >>> t.start(); t.on_phase("forward"); t.on_phase("backward"); t.on_phase("optimizer"); t.on_phase("end")
 >>> sorted(t.finish())
-['backward', 'forward', 'optimizer', 'step']
+['backward', 'data', 'forward', 'optimizer', 'step']
 """
 from __future__ import annotations
 
@@ -44,8 +44,9 @@ class PhaseTimer:
         self._mark(name)
 
     def finish(self) -> dict[str, float]:
-        """Seconds per part (forward, backward, optimizer, ...) and ``step`` (first mark to last), summed over
-        micro-batches."""
+        """Seconds per part (forward, backward, optimizer, ...) summed over micro-batches, ``step`` (the first phase's
+        mark to the last mark) and ``data`` (:meth:`start` to the first phase: a step that draws its batch first -
+        Opacus' Poisson loader - does it there; memlens' step time prices the step, not the loader)."""
         if self.marks[-1][0] != "end":
             self._mark("end")
         if self.cuda:
@@ -57,8 +58,11 @@ class PhaseTimer:
                 out[PHASE_PART[name]] += sec
             elif name != "start":
                 out[name] += sec
-        first, last = self.marks[0][1], self.marks[-1][1]
+        first, last = self.marks[min(1, len(self.marks) - 1)][1], self.marks[-1][1]
         out["step"] = first.elapsed_time(last) / 1e3 if self.cuda else last - first
+        if len(self.marks) > 1:
+            a, b = self.marks[0][1], self.marks[1][1]
+            out["data"] = a.elapsed_time(b) / 1e3 if self.cuda else b - a
         return dict(out)
 
 

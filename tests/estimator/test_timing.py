@@ -407,3 +407,39 @@ def test_opacus_clip_rows_of_a_shallow_trace_repeat_for_the_tensors_of_the_layer
     assert trainable_tensors(tr) == (12, 1.0)               # the whole model simulated: each row is itself
     tr.stack, tr.layers = SimpleNamespace(depth=3), 16      # written to 16 layers: 13 more of 4 tensors
     assert trainable_tensors(tr) == (12 + 13 * 4, pytest.approx(64 / 12))
+
+
+def test_embedding_backward_is_a_fill_of_the_whole_gradient_then_work_per_row():
+    # Llama-3.2-1B at 1 x 512 tokens: the [128256, 2048] bf16 gradient zero-filled (one kernel at the fill's rate), then
+    # the 512 looked-up rows summed (their bytes at the rows' measured ratio): the vocabulary no longer scales the rows
+    import torch
+
+    from memlens.estimator.timing.ops import EMBEDDING_ROWS, op_facts
+    from memlens.estimator.timing.record import OpTrace
+
+    grad = torch.empty(1, 512, 2048, dtype=torch.bfloat16, device="meta")
+    idx = torch.empty(1, 512, dtype=torch.int64, device="meta")
+    out = torch.empty(128256, 2048, dtype=torch.bfloat16, device="meta")
+    f = op_facts(torch.ops.aten.embedding_dense_backward.default, (grad, idx, 128256, -1, False), {}, out)
+    assert (f.op, f.nbytes, f.fill) == (EMBEDDING_ROWS, 512 * 2048 * 2 + 512 * 8, 128256 * 2048 * 2)
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {EMBEDDING_ROWS: 0.025, "fill_": 1.25}
+    [row] = price(OpTrace(rows=[("backward", -1, f)]), tab)
+    assert row[2] == pytest.approx(f.nbytes / (100e9 * 0.025) + f.fill / (100e9 * 1.25))
+
+
+def test_a_table_measured_before_the_split_prices_the_rows_from_its_whole_ratio():
+    # the whole op at EMBEDDING_CAL took (all its bytes) / (copy rate x 0.1); less the fill at its own rate, the rest
+    # over the rows' bytes is their ratio: the calibration case priced the same either way
+    from memlens.estimator.timing.ops import EMBEDDING_CAL, EMBEDDING_ROWS
+
+    d = flat_table(gbps=100.0).to_dict()
+    d["op_ratio"] = {"embedding_dense_backward": 0.1, "fill_": 2.0}
+    t = TimingTable.from_dict(d)
+    n, h, v = EMBEDDING_CAL
+    rows, fill = n * h * 2 + n * 8, v * h * 2
+    whole = (rows + fill) / (100e9 * 0.1)
+    assert t.op_ratio[EMBEDDING_ROWS] == pytest.approx(rows / (100e9 * (whole - fill / 200e9)), rel=1e-3)
+    assert t.op_seconds(EMBEDDING_ROWS, rows) + t.op_seconds("fill_", fill) == pytest.approx(whole, rel=1e-3)
+    d["op_ratio"][EMBEDDING_ROWS] = 0.03          # a table that measured the rows keeps its own
+    assert TimingTable.from_dict(d).op_ratio[EMBEDDING_ROWS] == 0.03

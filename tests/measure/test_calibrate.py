@@ -32,6 +32,11 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     assert set(ratios) >= {"_log_softmax", "sum", "native_layer_norm_backward", "native_batch_norm_backward",
                            "native_batch_norm/hw49", "native_batch_norm_backward/hw12544"}
     assert seen["log"].startswith("memory-bound ops against a copy:")
+    # embedding_dense_backward's 1 ms less its [V, H] zero-fill priced at the fill's ratio (measured in the same pass),
+    # over the rows' bytes: the bf16 gradient [N, H] and the int64 indices
+    fill, rows = 32768 * H * 2, N * H * 2 + N * 8
+    fill_s = fill / (100e9 * ratios["fill_"])
+    assert ratios["embedding_dense_backward/rows"] == pytest.approx(rows / (1e-3 - fill_s) / 1e9 / 100.0, rel=1e-3)
 
 
 def test_the_unaligned_grids_are_an_inputs_two_layouts_and_the_outputs(monkeypatch):

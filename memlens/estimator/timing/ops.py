@@ -36,6 +36,7 @@ class OpFacts(NamedTuple):
     out_unaligned: bool = False    # matmul: the output's own leading dimension is off (its stores, not its loads)
     dropout: bool = False          # attention: dropout on the probabilities (the kernel draws Philox numbers per score)
     gathered: int = 0              # FSDP2's all_gather_copy_in: the bytes its group's all-gather fills (seq: the ranks)
+    fill: int = 0                  # bytes the op zero-fills before its own kernels (embedding_dense_backward's [V, H])
 
 
 _KIND: dict = {}
@@ -280,10 +281,20 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
     name = _op_name(func)
     if name == "all_gather_copy_in":
         return _copy_in_facts(args, dtype, nbytes)
+    if name == "embedding_dense_backward" and outs:
+        # a zero-fill of the whole [V, H] gradient (at::zeros), then kernels over the N looked-up rows (sort the
+        # indices, sum each index's rows, write them): the fill at its own rate, the rest by the rows' bytes
+        fill = _nbytes(outs[0])
+        return OpFacts(MEMORY, 0, nbytes - fill, None, dtype, op=EMBEDDING_ROWS, fill=fill)
     if name in _BATCH_NORM and ins and ins[0].dim() > 2:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _spatial(ins[0]))
     return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _layout(ins, name in _BINARY))
 
+
+# embedding_dense_backward's work past its zero-fill, priced by the rows it reads (the gradient's N x H and the indices);
+# calibrate measures it at EMBEDDING_CAL (N, H, V, bf16) and takes the fill's time off (memlens.measure.calibrate)
+EMBEDDING_ROWS = "embedding_dense_backward/rows"
+EMBEDDING_CAL = (8192, 2048, 32768)
 
 _BATCH_NORM = frozenset({"native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
                          "_native_batch_norm_legit_functional", "cudnn_batch_norm", "cudnn_batch_norm_backward"})

@@ -215,6 +215,8 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             gpu = tab.collective_seconds(f.op, f.nbytes, f.seq) if f.seq > 1 else 0.0
         else:
             gpu = max(floor, tab.op_seconds(f.op, f.nbytes)) if f.nbytes else floor
+            if f.fill:   # a zero-fill before the op's own kernels (a kernel of its own)
+                gpu += max(floor, tab.op_seconds("fill_", f.fill))
         if f.gathered and bucket in ("forward", "backward"):   # an FSDP2 group's unshard (its hooks on the host)
             host += g_fwd if bucket == "forward" else g_bwd
         out.append((bucket, mod, gpu, host, fl, kind))

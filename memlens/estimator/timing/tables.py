@@ -164,7 +164,20 @@ class TimingTable:
         return nbytes / (self.pcie_gbps.get(direction, 20.0) * 1e9)
 
     def host_seconds(self, kind: str) -> float:
-        return self.host_us.get(kind, 0.0) * 1e-6
+        return self.host_us.get(kind, 0.0) * 1e-6 * self.host_scale()
+
+    def host_scale(self) -> float:
+        """The factor on every host cost: a table that names a reference host (env ``host_reference_ms``: the fixed
+        Python loop of memlens.measure.host_phases.host_speed on the typical host of its GPU's machines) prices the
+        host at that speed, not at the speed the host had while calibrate measured (env ``host_speed_ms``: min,
+        median, max; the same host drifts 2x within minutes: bench/results/host_probe.md). Else 1."""
+        hit = self._memo.get("host_scale")
+        if hit is None:
+            env = self.env or {}
+            ref, cal = env.get("host_reference_ms"), env.get("host_speed_ms")
+            ok = isinstance(ref, (int, float)) and ref > 0 and isinstance(cal, list) and len(cal) == 3 and cal[1] > 0
+            hit = self._memo["host_scale"] = ref / cal[1] if ok else 1.0
+        return hit
 
     # ------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
@@ -180,6 +193,7 @@ class TimingTable:
         known = {f for f in cls.__dataclass_fields__}
         t = cls(**{k: v for k, v in d.items() if k in known and k not in ("note", "_memo")})
         _add_logs(t)
+        _embedding_rows(t)
         return t
 
     def write(self, path: str | Path) -> Path:
@@ -300,6 +314,22 @@ def _add_logs(t: TimingTable) -> None:
     for rows in t.nccl.values():
         for r in rows.values():
             r["log_busbw"] = [math.log(max(v, 1e-6)) for v in r["busbw_gbps"]]
+
+
+def _embedding_rows(t: TimingTable) -> None:
+    """A table calibrated before embedding_dense_backward was split (its ratio over all the op's bytes at
+    ``EMBEDDING_CAL``: the [V, H] gradient's zero-fill and the rows' kernels together): the rows' own ratio, the
+    calibration case's time less its fill priced at the table's ``fill_`` rate."""
+    from .ops import EMBEDDING_CAL, EMBEDDING_ROWS
+
+    whole = t.op_ratio.get("embedding_dense_backward")
+    if EMBEDDING_ROWS in t.op_ratio or not whole or not t.bandwidth:
+        return
+    n, h, v = EMBEDDING_CAL
+    rows, fill = n * h * 2 + n * 8, v * h * 2          # bf16 gradient rows and int64 indices; the bf16 [V, H] output
+    left = t.op_seconds("embedding_dense_backward", rows + fill) - t.op_seconds("fill_", fill)
+    if left > 0:
+        t.op_ratio[EMBEDDING_ROWS] = rows / (t.bandwidth_gbps(rows) * 1e9 * left)
 
 
 def _strip_logs(d: Any) -> Any:
