@@ -1,0 +1,155 @@
+"""What activation checkpointing costs the host, per checkpointed call and per op (issue 36).
+
+The time model priced checkpointing's host work per kernel op, from calibrate's small Llama (``model_forward_ckpt`` and
+``model_recompute_ckpt`` over ``model_forward``): ViT-L under full checkpointing ran its forward 25-28% over that price
+on an H100 and an H200 (bench/results/step_time_h100.md), with 2.6x fewer kernel ops per layer than Llama. If the
+cost is per checkpointed call (torch.utils.checkpoint's frame, RNG states, hooks) rather than per op, a model with
+short layers pays more per op. This probe times, on one GPU, interleaved rounds (memlens.measure.host_phases: median
+of the rounds' medians) of:
+
+- ``chain-plain`` / ``chain-ckpt`` / ``chain-ckpt-norng``: 64 tiny calls (one sin each, which saves its input) in a chain, bare, each
+  under torch.utils.checkpoint (non-reentrant, as transformers calls it), and without preserving RNG states;
+- ``llama`` / ``llama-ckpt``: calibrate's 16-layer Llama of width 64 at 1 x 16 tokens, bare and under memlens' full
+  checkpointing; ``vit`` / ``vit-ckpt``: a 24-layer ViT of width 64 (transformers ViTForImageClassification, 32 px
+  images of 8 px patches, batch 1), the same two ways.
+
+Each row: forward and backward seconds, the kernel ops and views each dispatched (counted once as calibrate counts
+them), the tensors autograd saved in forward (bare variants), the layers, and the host's speed over the rounds.
+One JSON line per variant to $OUT/gpu_ckpt_probe.jsonl.
+
+    python bench/gpu_ckpt_probe.py            # on the GPU machine (about a minute)
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from memlens.measure.host_phases import host_speed  # noqa: E402  (no torch)
+
+ROUNDS, RUNS, CHAIN = 5, 5, 64
+
+
+def _out(rec: dict) -> None:
+    print(json.dumps(rec), flush=True)
+    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
+    with open(os.path.join(os.environ.get("OUT", "out"), "gpu_ckpt_probe.jsonl"), "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def variants(torch, dev) -> dict:
+    """name -> (make loss: () -> scalar tensor, layers checkpointed)."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
+
+    from memlens.models.checkpoint import checkpoint_blocks
+
+    x0 = torch.randn(16, device=dev, requires_grad=True)
+
+    def chain(mode):
+        def run():
+            x = x0
+            for _ in range(CHAIN):
+                if mode == "plain":
+                    x = torch.sin(x)
+                else:
+                    x = checkpoint(torch.sin, x, use_reentrant=False, preserve_rng_state=mode == "ckpt")   # saves its input
+            return x.sum()
+        return run
+
+    lcfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    vcfg = ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, image_size=32,
+                     patch_size=8, num_labels=10)
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    px = torch.randn(1, 3, 32, 32, device=dev, dtype=torch.bfloat16)
+    lab = torch.zeros(1, dtype=torch.long, device=dev)
+    out = {"chain-plain": (chain("plain"), 0), "chain-ckpt": (chain("ckpt"), CHAIN), "chain-ckpt-norng": (chain("norng"), CHAIN)}
+    for ck in (False, True):
+        torch.manual_seed(0)
+        lm = LlamaForCausalLM(lcfg).to(dev, torch.bfloat16).train()
+        vm = ViTForImageClassification(vcfg).to(dev, torch.bfloat16).train()
+        if ck:
+            checkpoint_blocks(lm, "all", "full")
+            checkpoint_blocks(vm, "all", "full")
+        sfx = "-ckpt" if ck else ""
+        out["llama" + sfx] = ((lambda m=lm: m(input_ids=ids, labels=ids).loss), 16 if ck else 0)
+        out["vit" + sfx] = ((lambda m=vm: m(pixel_values=px, labels=lab).loss), 24 if ck else 0)
+    return out
+
+
+def step(torch, loss_fn, count: bool = False):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from memlens.estimator.timing.ops import ALLOC, META, VIEW, kind_of
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {"view": 0, "kernel": 0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kind = kind_of(func)
+            if kind != META:
+                self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
+            return func(*args, **(kwargs or {}))
+
+    saved = [0]
+
+    def pack(t):
+        saved[0] += 1
+        return t
+
+    fwd, bwd = (Count(), Count()) if count else (None, None)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)   # the CPU: a smoke test
+    sync()
+    t = time.perf_counter()
+    if count:
+        with fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = loss_fn()
+    else:
+        loss = loss_fn()
+    sync()
+    t1 = time.perf_counter()
+    if count:
+        with bwd:
+            loss.backward()
+    else:
+        loss.backward()
+    sync()
+    t2 = time.perf_counter()
+    return t1 - t, t2 - t1, (fwd.n, bwd.n, saved[0]) if count else None
+
+
+def main() -> int:
+    import torch
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    vs = variants(torch, dev)
+    counted = {n: step(torch, fn, True)[2] for n, (fn, _) in vs.items()}
+    for fn, _ in vs.values():
+        for _ in range(3):
+            step(torch, fn)
+    per: dict = {n: [] for n in vs}
+    speeds = []
+    for _ in range(ROUNDS):
+        for n, (fn, _) in vs.items():
+            rs = [step(torch, fn) for _ in range(RUNS)]
+            per[n].append((statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)))
+        speeds.append(host_speed())
+    for n, (fn, layers) in vs.items():
+        f, b, s = counted[n]
+        _out({"variant": n, "forward_s": statistics.median(x for x, _ in per[n]), "backward_s": statistics.median(y for _, y in per[n]),
+              "rounds": per[n], "forward_ops": f, "backward_ops": b, "saved_in_forward": s, "checkpointed_calls": layers,
+              "host_speed_ms": [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2), round(max(speeds) * 1e3, 2)],
+              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
