@@ -354,6 +354,12 @@ def _notes(spec: TrainingSpec, step, model) -> list[str]:
     return notes
 
 
+def _checkpoint_call(tracker) -> None:
+    timer = getattr(tracker, "timer", None) if tracker is not None else None
+    if timer is not None:
+        timer.checkpoint_call()
+
+
 def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker: SimulationTracker | None = None) -> None:
     """Re-enter the CUDA emulation when checkpointing recomputes a layer inside backward
     (torch function modes are not carried into the autograd engine), and tell ``tracker`` the ops it
@@ -367,6 +373,7 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker
                 again = tracker is not None and tracker.phase == "backward"
                 if again:
                     tracker.recomputing = True
+                    _checkpoint_call(tracker)       # the recomputation's own host work (timing)
                 try:
                     if any(m is emulation for m in _get_current_function_mode_stack()):
                         return function(*a, **k)
@@ -380,6 +387,7 @@ def _wrap_checkpoint_funcs(model, emulation: "cuda_rules.CudaEmulation", tracker
                 from .compiled import checkpoint_as_compiled  # heavy: imports torch
 
                 return checkpoint_as_compiled(run, *args)
+            _checkpoint_call(tracker)               # torch.utils.checkpoint's own host work in forward (timing)
             return orig(run, *args, **kwargs)
 
         return checkpoint

@@ -436,8 +436,24 @@ def measure_model_host(torch, dev, host: dict, log, speeds: list | None = None) 
         extra = {k: nb[k] - plain[1][k] for k in nb}
         rec = (b - plain[0] - extra["view"] * v) / max(1, extra["kernel"])
         out["model_recompute" + suffix] = round(max(0.0, rec) * 1e6, 2)
+        if suffix == "_ckpt":   # full checkpointing's work per checkpointed call (every layer here)
+            out.update(ckpt_layer_costs(timed[""], timed["_ckpt"], cfg.num_hidden_layers, out["model_forward"] * 1e-6, v))
     log(f"host per op in a model's step (us): {out}")
     return out
+
+
+def ckpt_layer_costs(plain: tuple, ckpt: tuple, layers: int, per_op: float, view: float) -> dict:
+    """Full checkpointing's host work per checkpointed call (µs), from the same model timed bare and with every one of
+    its ``layers`` checkpointed ((forward s, backward s, forward ops, backward ops) each): the forward's extra time
+    beyond its ops' own difference, and backward's beyond re-running the recomputed ops (``per_op``: a forward op's
+    cost in a model, module calls included; ``view`` a view). Per call, not per op: on an H100 host a 24-layer ViT of
+    12 kernel ops a layer paid 864 and 1,379 us a layer, calibrate's Llama of 42 ops 898 and 1,400
+    (bench/results/raw/ckpt_probe/; memlens.estimator.timing.step.spread_host)."""
+    (f0, b0, nf0, nb0), (f1, b1, nf1, nb1) = plain, ckpt
+    fwd = f1 - f0 - (nf1["kernel"] - nf0["kernel"]) * per_op - (nf1["view"] - nf0["view"]) * view
+    rec = b1 - b0 - (nb1["kernel"] - nb0["kernel"]) * per_op - (nb1["view"] - nb0["view"]) * view
+    return {"ckpt_layer_forward": round(max(0.0, fwd) / layers * 1e6, 2),
+            "ckpt_layer_recompute": round(max(0.0, rec) / layers * 1e6, 2)}
 
 
 HOST_DRIFT = 1.3   # the fastest and slowest rounds' host speeds further apart than this: said so

@@ -11,6 +11,9 @@ from memlens.estimator.timing import tables
 from memlens.estimator.timing.record import price
 from memlens.estimator.timing.tables import TimingTable, datasheet_table, read_table, table_for
 
+import os
+
+TINY_LLAMA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "tiny-llama")
 LINEAR = "tests.tiny_models:linear"   # one bias-free 1024 x 1024 fp32 linear, batch 16 x 1024, loss = sum
 
 
@@ -443,3 +446,37 @@ def test_a_table_measured_before_the_split_prices_the_rows_from_its_whole_ratio(
     assert t.op_seconds(EMBEDDING_ROWS, rows) + t.op_seconds("fill_", fill) == pytest.approx(whole, rel=1e-3)
     d["op_ratio"][EMBEDDING_ROWS] = 0.03          # a table that measured the rows keeps its own
     assert TimingTable.from_dict(d).op_ratio[EMBEDDING_ROWS] == 0.03
+
+
+def test_checkpointings_host_work_is_per_checkpointed_call_from_calibrates_two_models():
+    # bare: 10 ms forward, 20 ms backward; every one of 4 layers checkpointed: 14 ms and 40 ms, the forward with 2 views
+    # more, backward re-running 100 kernel ops and 40 views (a forward op costs 50 us in the model, a view 1 us)
+    from memlens.measure.calibrate import ckpt_layer_costs
+
+    plain = (0.010, 0.020, {"kernel": 300, "view": 200}, {"kernel": 500, "view": 400})
+    ckpt = (0.014, 0.040, {"kernel": 300, "view": 202}, {"kernel": 600, "view": 440})
+    out = ckpt_layer_costs(plain, ckpt, 4, 50e-6, 1e-6)
+    assert out == {"ckpt_layer_forward": pytest.approx((4e-3 - 2e-6) / 4 * 1e6),
+                   "ckpt_layer_recompute": pytest.approx((20e-3 - 100 * 50e-6 - 40e-6) / 4 * 1e6)}
+
+
+def test_a_checkpointed_step_pays_each_checkpointed_layers_call_on_the_host():
+    # tiny-llama's 2 layers, each checkpointed: one host-only row per call in forward and per recomputation in backward,
+    # at the table's per-call costs; a recomputed op costs what a forward op costs in a model
+    from memlens.estimator.simulate import simulate
+
+    tab = flat_table()
+    tab.host_us = {"forward": 5.0, "backward": 6.0, "optimizer": 0.0, "view": 1.0, "model_forward": 8.0,
+                   "model_backward": 7.0, "ckpt_layer_forward": 300.0, "ckpt_layer_recompute": 500.0}
+    rows = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=1, seq_len=16, grad_checkpointing=True)).timing, tab)
+    calls = [(r[0], r[3]) for r in rows if r[5] == "ckpt"]
+    assert calls == [("forward", 300e-6)] * 2 + [("recompute", 500e-6)] * 2
+    recomputed = [r[3] for r in rows if r[0] == "recompute" and r[5] == "matmul"]   # 8 GEMMs a layer, both layers
+    assert recomputed == pytest.approx([8e-6] * 16)
+    # one layer checkpointed: one call each way; under the selective policy the calls are in its per-op costs
+    one = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=1, seq_len=16, grad_checkpointing=True,
+                                      checkpoint_layers=1)).timing, tab)
+    assert [(r[0], r[3]) for r in one if r[5] == "ckpt"] == [("forward", 300e-6), ("recompute", 500e-6)]
+    sac = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=1, seq_len=16, grad_checkpointing=True,
+                                      checkpoint_policy="selective")).timing, tab)
+    assert {r[3] for r in sac if r[5] == "ckpt"} <= {0.0}

@@ -11,3 +11,6 @@ COMM = "comm"
 GATHER = "gather"
 # a module's forward called (nn.Module.__call__: its hooks, its Python forward around the ops): host time, no kernel
 MODULE = "module"
+# a checkpointed call entered (torch.utils.checkpoint in forward, its recomputation in backward): the frame, RNG states and
+# saved-tensor hooks it runs on the host, per call (memlens.measure.calibrate.ckpt_layer_costs), no kernel
+CKPT = "ckpt"

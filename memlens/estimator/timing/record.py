@@ -15,7 +15,7 @@ from typing import Any
 from ...models.quant import Linear4bitSim
 from ..depth import TEMPLATE
 from .ops import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, MATMUL, META, SYNC, VIEW, OpFacts, attention_facts, op_facts
-from .ops_kinds import GATHER, MODULE
+from .ops_kinds import CKPT, GATHER, MODULE
 from .tables import TimingTable, table_for
 
 # Selective checkpointing in eager mode runs every op of a checkpointed block through torch's Python
@@ -45,6 +45,7 @@ FSDP_BACKWARD_HOOK_OPS = 0.0
 # attention's 4 wrappers) pays their Python, one with fewer less.
 CALIBRATION_OPS_PER_MODULE = 666 / 214
 _MODULE_CALL = OpFacts(MODULE)
+_CKPT_CALL = OpFacts(CKPT)
 
 # phases priced from the op stream (the optimizer is priced from its parameters: .step)
 STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
@@ -103,6 +104,12 @@ class Recorder:
         """A module's forward entered (memlens.core.tracker.ModuleScope): a host-only row (:func:`host_costs`)."""
         if self._live() and not self.tracker.muted and self.bucket() == "forward":
             self.add(_MODULE_CALL)
+
+    def checkpoint_call(self) -> None:
+        """A checkpointed call entered in forward, or its recomputation in backward (memlens.estimator.simulate's
+        checkpoint wrapper): a host-only row where the host pays checkpoint's own work (:func:`price`)."""
+        if self._live() and not self.tracker.muted:
+            self.add(_CKPT_CALL)
 
     def add(self, f: OpFacts) -> None:
         self.trace.rows.append((self.bucket(), self.tracker.module, f))
@@ -164,6 +171,10 @@ def host_costs(tab: TimingTable, ckpt_share: float = 0.0, policy: str = "full") 
     that policy. Else the bare per-op costs, a recomputed op at the backward's plus, under the selective policy,
     :data:`SAC_HOST_SECONDS_PER_OP` (on the forward's ops too, in the layers it covers)."""
     h = tab.host_seconds
+    if policy == "full" and h("ckpt_layer_forward") and h("model_forward"):
+        # checkpoint's work is per checkpointed call (.step spreads it over the phase's rows): the forward's ops cost
+        # what they cost unhooked, a recomputed op what a forward op costs in a model (module calls included)
+        return h("view"), h("model_forward"), h("model_backward"), h("model_forward")
     suffix = "_sac" if policy == "selective" else "_ckpt"
     if h("model_forward") and h("model_recompute" + suffix):
         fwd = h("model_forward") + ckpt_share * (h("model_forward" + suffix) - h("model_forward"))
@@ -190,12 +201,18 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
         split = max(0.0, tab.host_seconds("model_forward") - tab.host_seconds("forward"))
         h_mod, h_fwd = split * CALIBRATION_OPS_PER_MODULE, h_fwd - split
     floor = tab.min_kernel_us * 1e-6
+    # full checkpointing's work per checkpointed call, where calibrate measured it (else it is in host_costs' per-op blend)
+    h_call = {} if trace.selective else {"forward": tab.host_seconds("ckpt_layer_forward"),
+                                         "recompute": tab.host_seconds("ckpt_layer_recompute")}
     for bucket, mod, f in trace.rows:
         kind = f.kind
         host = h_view if kind in (VIEW, ALLOC) else h_rec if bucket == "recompute" else h_bwd if bucket == "backward" else h_fwd
         fl = 0
         if kind == MODULE:
             out.append((bucket, mod, 0.0, h_mod, 0, kind))
+            continue
+        if kind == CKPT:
+            out.append((bucket, mod, 0.0, h_call.get(bucket, 0.0), 0, kind))
             continue
         if kind in (VIEW, ALLOC, SYNC):
             gpu = 0.0
