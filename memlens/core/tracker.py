@@ -284,7 +284,7 @@ class ModuleScope:
             self.tracker.module = mid
             timer = getattr(self.tracker, "timer", None)    # the step-time pricing prices each module call's host cost
             if timer is not None:
-                timer.module_call()
+                timer.module_call(bool(mod._backward_hooks))   # a full backward hook (Opacus'): costs more, both ways
 
     def _post(self, mod, args, out):
         mid = self.ids.get(id(mod))
@@ -295,9 +295,12 @@ class ModuleScope:
         self.tracker.module = self.stack[-1] if self.stack else self.outside
         if torch.is_grad_enabled():
             tracker = self.tracker
+            hooked = bool(mod._backward_hooks)
 
             def enter(grad_outputs, mid=mid):
                 tracker.module = mid
+                if hooked and getattr(tracker, "timer", None) is not None:
+                    tracker.timer.hooked_backward()
 
             seen = set()
             for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:

@@ -442,6 +442,58 @@ def measure_model_host(torch, dev, host: dict, log, speeds: list | None = None) 
     return out
 
 
+def measure_dp_host(torch, dev, host: dict, log, speeds: list | None = None) -> dict:
+    """Opacus' per-sample-gradient hooks per hooked module (µs): calibrate's 16-layer Llama with peft's LoRA (r 8 on
+    q_proj and v_proj: 64 adapter linears) at 1 x 16 tokens, bare and in Opacus' GradSampleModule (hooks mode), timed
+    in interleaved rounds (:func:`host_rounds`): what each hooked module's call adds to forward
+    (``hooked_module_forward``: capture_activations_hook, nn.Module's BackwardHook around its inputs and outputs) and
+    to backward (``hooked_module_backward``: the backward hook's Python around the per-sample gradient's ops, which
+    the trace prices as ops). Needs opacus and peft: {} without them."""
+    import warnings
+
+    try:
+        from opacus import GradSampleModule
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return {}
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    models = {}
+    for name in ("", "_dp"):
+        torch.manual_seed(0)
+        m = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, target_modules=["q_proj", "v_proj"])).to(dev).train()
+        if name:
+            m = GradSampleModule(m, batch_first=True, loss_reduction="mean")
+
+            def zero_grad(set_to_none=True, m=m):    # the per-sample gradients go as Opacus' optimizer clears them
+                for p in m.parameters():
+                    p.grad = None
+                    if hasattr(p, "grad_sample"):
+                        p.grad_sample = None
+            m.zero_grad = zero_grad
+        models[name] = m
+    hooked = sum(1 for mod in models["_dp"].modules() if mod._backward_hooks)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        timed = host_rounds(torch, models, ids, speeds=speeds)
+    out = extra_per_call(timed[""], timed["_dp"], hooked, host.get("model_forward", 0.0) * 1e-6,
+                         host.get("model_backward", 0.0) * 1e-6, host.get("view", 0.0) * 1e-6)
+    out = {"hooked_module_forward": out[0], "hooked_module_backward": out[1]}
+    log(f"Opacus' hooks per hooked module ({hooked} modules, us): {out}")
+    return out
+
+
+def extra_per_call(plain: tuple, other: tuple, calls: int, fwd_op: float, bwd_op: float, view: float) -> tuple:
+    """(forward µs, backward µs) per call of what ``other`` adds over ``plain`` (each (forward s, backward s, forward
+    ops, backward ops)) beyond the ops it adds (``fwd_op`` / ``bwd_op`` each, ``view`` a view), over ``calls``."""
+    (f0, b0, nf0, nb0), (f1, b1, nf1, nb1) = plain, other
+    fwd = f1 - f0 - (nf1["kernel"] - nf0["kernel"]) * fwd_op - (nf1["view"] - nf0["view"]) * view
+    bwd = b1 - b0 - (nb1["kernel"] - nb0["kernel"]) * bwd_op - (nb1["view"] - nb0["view"]) * view
+    return round(max(0.0, fwd) / max(1, calls) * 1e6, 2), round(max(0.0, bwd) / max(1, calls) * 1e6, 2)
+
+
 def ckpt_layer_costs(plain: tuple, ckpt: tuple, layers: int, per_op: float, view: float) -> dict:
     """Full checkpointing's host work per checkpointed call (µs), from the same model timed bare and with every one of
     its ``layers`` checkpointed ((forward s, backward s, forward ops, backward ops) each): the forward's extra time
@@ -449,11 +501,8 @@ def ckpt_layer_costs(plain: tuple, ckpt: tuple, layers: int, per_op: float, view
     cost in a model, module calls included; ``view`` a view). Per call, not per op: on an H100 host a 24-layer ViT of
     12 kernel ops a layer paid 864 and 1,379 us a layer, calibrate's Llama of 42 ops 898 and 1,400
     (bench/results/raw/ckpt_probe/; memlens.estimator.timing.step.spread_host)."""
-    (f0, b0, nf0, nb0), (f1, b1, nf1, nb1) = plain, ckpt
-    fwd = f1 - f0 - (nf1["kernel"] - nf0["kernel"]) * per_op - (nf1["view"] - nf0["view"]) * view
-    rec = b1 - b0 - (nb1["kernel"] - nb0["kernel"]) * per_op - (nb1["view"] - nb0["view"]) * view
-    return {"ckpt_layer_forward": round(max(0.0, fwd) / layers * 1e6, 2),
-            "ckpt_layer_recompute": round(max(0.0, rec) / layers * 1e6, 2)}
+    fwd, rec = extra_per_call(plain, ckpt, layers, per_op, per_op, view)
+    return {"ckpt_layer_forward": fwd, "ckpt_layer_recompute": rec}
 
 
 HOST_DRIFT = 1.3   # the fastest and slowest rounds' host speeds further apart than this: said so
@@ -554,6 +603,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)
     speeds: list = []
     t.host_us.update(measure_model_host(torch, dev, t.host_us, log, speeds))
+    t.host_us.update(measure_dp_host(torch, dev, t.host_us, log, speeds))
     if speeds:   # the host's speed while its costs were measured (a fixed Python loop, ms): how far it drifted
         t.env["host_speed_ms"] = [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2),
                                   round(max(speeds) * 1e3, 2)]

@@ -46,6 +46,12 @@ FSDP_BACKWARD_HOOK_OPS = 0.0
 CALIBRATION_OPS_PER_MODULE = 666 / 214
 _MODULE_CALL = OpFacts(MODULE)
 _CKPT_CALL = OpFacts(CKPT)
+# a module with a full backward hook (Opacus' GradSampleModule hooks every module with trainable parameters: a forward
+# hook keeping its input, nn.Module's BackwardHook around its inputs and outputs, the backward hook computing the
+# per-sample gradient): Python per call beyond the ops it dispatches, priced at the table's hooked_module_forward /
+# hooked_module_backward (memlens.measure.calibrate.measure_dp_host)
+HOOKED = "hooked"
+_HOOKED_CALL = OpFacts(MODULE, op=HOOKED)
 
 # phases priced from the op stream (the optimizer is priced from its parameters: .step)
 STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
@@ -100,10 +106,18 @@ class Recorder:
         if f.kind != META:
             self.add(f)
 
-    def module_call(self) -> None:
-        """A module's forward entered (memlens.core.tracker.ModuleScope): a host-only row (:func:`host_costs`)."""
+    def module_call(self, hooked: bool = False) -> None:
+        """A module's forward entered (memlens.core.tracker.ModuleScope): a host-only row (:func:`host_costs`), and
+        one more for a module with a full backward hook (Opacus' per-sample-gradient hooks: :func:`price`)."""
         if self._live() and not self.tracker.muted and self.bucket() == "forward":
             self.add(_MODULE_CALL)
+            if hooked:
+                self.add(_HOOKED_CALL)
+
+    def hooked_backward(self) -> None:
+        """Backward reached a module with a full backward hook: a host-only row for its hook's Python."""
+        if self._live() and not self.tracker.muted and self.bucket() == "backward":
+            self.add(_HOOKED_CALL)
 
     def checkpoint_call(self) -> None:
         """A checkpointed call entered in forward, or its recomputation in backward (memlens.estimator.simulate's
@@ -202,6 +216,7 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
         h_mod, h_fwd = split * CALIBRATION_OPS_PER_MODULE, h_fwd - split
     floor = tab.min_kernel_us * 1e-6
     # full checkpointing's work per checkpointed call, where calibrate measured it (else it is in host_costs' per-op blend)
+    h_hooked = (tab.host_seconds("hooked_module_forward"), tab.host_seconds("hooked_module_backward"))
     h_call = {} if trace.selective else {"forward": tab.host_seconds("ckpt_layer_forward"),
                                          "recompute": tab.host_seconds("ckpt_layer_recompute")}
     for bucket, mod, f in trace.rows:
@@ -209,7 +224,10 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
         host = h_view if kind in (VIEW, ALLOC) else h_rec if bucket == "recompute" else h_bwd if bucket == "backward" else h_fwd
         fl = 0
         if kind == MODULE:
-            out.append((bucket, mod, 0.0, h_mod, 0, kind))
+            if f.op == HOOKED:
+                out.append((bucket, mod, 0.0, h_hooked[0] if bucket == "forward" else h_hooked[1], 0, kind))
+            else:
+                out.append((bucket, mod, 0.0, h_mod, 0, kind))
             continue
         if kind == CKPT:
             out.append((bucket, mod, 0.0, h_call.get(bucket, 0.0), 0, kind))
