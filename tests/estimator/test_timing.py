@@ -480,3 +480,27 @@ def test_a_checkpointed_step_pays_each_checkpointed_layers_call_on_the_host():
     sac = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=1, seq_len=16, grad_checkpointing=True,
                                       checkpoint_policy="selective")).timing, tab)
     assert {r[3] for r in sac if r[5] == "ckpt"} <= {0.0}
+
+
+def test_opacus_hooked_modules_pay_their_hooks_per_call_both_ways():
+    # tiny-llama's 2 layers, LoRA r8 on q_proj and v_proj: 8 adapter linears, each hooked by Opacus' GradSampleModule: a
+    # row per hooked call in forward and per backward hook, at the table's per-call costs; without DP-SGD no such row
+    from memlens.estimator.simulate import simulate
+
+    tab = flat_table()
+    tab.host_us = {"forward": 5.0, "backward": 6.0, "optimizer": 0.0, "view": 1.0, "model_forward": 8.0,
+                   "model_backward": 7.0, "hooked_module_forward": 150.0, "hooked_module_backward": 200.0}
+    dp = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=2, seq_len=16, dp=True, lora_rank=8)).timing, tab)
+    hooked = sorted((r[0], round(r[3] * 1e6, 6)) for r in dp if r[5] == "module" and r[3] > 100e-6)
+    assert hooked == [("backward", 200.0)] * 8 + [("forward", 150.0)] * 8
+    plain = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=2, seq_len=16, lora_rank=8)).timing, tab)
+    assert not [r for r in plain if r[5] == "module" and r[3] > 100e-6]
+
+
+def test_calibrate_prices_a_wrappers_calls_by_what_it_adds_beyond_its_ops():
+    from memlens.measure.calibrate import extra_per_call
+
+    plain = (0.010, 0.020, {"kernel": 300, "view": 200}, {"kernel": 500, "view": 400})
+    hooked = (0.016, 0.030, {"kernel": 300, "view": 300}, {"kernel": 600, "view": 800})
+    # 10 hooked calls; forward: 6 ms less 100 views at 1 us; backward: 10 ms less 100 ops at 20 us and 400 views
+    assert extra_per_call(plain, hooked, 10, 50e-6, 20e-6, 1e-6) == (pytest.approx(590.0), pytest.approx(760.0))
