@@ -25,12 +25,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from memlens.measure.host_phases import host_speed  # noqa: E402  (no torch)
+from memlens.measure.host_phases import CALIB_LLAMA, host_speed  # noqa: E402  (no torch)
 
 ROUNDS, RUNS, CHAIN = 5, 5, 64
 
@@ -62,8 +61,7 @@ def variants(torch, dev) -> dict:
             return x.sum()
         return run
 
-    lcfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
-                       num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    lcfg = LlamaConfig(**CALIB_LLAMA)
     vcfg = ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, image_size=32,
                      patch_size=8, num_labels=10)
     ids = torch.randint(0, 512, (1, 16), device=dev)
@@ -84,46 +82,12 @@ def variants(torch, dev) -> dict:
 
 
 def step(torch, loss_fn, count: bool = False):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    """(forward s, backward s, (forward ops, backward ops, saved tensors) when counted) of one step of ``loss_fn``."""
+    from memlens.measure.host_phases import timed_step
 
-    from memlens.estimator.timing.ops import ALLOC, META, VIEW, kind_of
-
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.n = {"view": 0, "kernel": 0}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kind = kind_of(func)
-            if kind != META:
-                self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
-            return func(*args, **(kwargs or {}))
-
-    saved = [0]
-
-    def pack(t):
-        saved[0] += 1
-        return t
-
-    fwd, bwd = (Count(), Count()) if count else (None, None)
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)   # the CPU: a smoke test
-    sync()
-    t = time.perf_counter()
-    if count:
-        with fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = loss_fn()
-    else:
-        loss = loss_fn()
-    sync()
-    t1 = time.perf_counter()
-    if count:
-        with bwd:
-            loss.backward()
-    else:
-        loss.backward()
-    sync()
-    t2 = time.perf_counter()
-    return t1 - t, t2 - t1, (fwd.n, bwd.n, saved[0]) if count else None
+    f, b, nf, nb, saved = timed_step(torch, loss_fn, sync, count)
+    return f, b, (nf, nb, saved) if count else None
 
 
 def main() -> int:

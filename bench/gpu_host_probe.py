@@ -29,10 +29,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from memlens.measure.host_phases import host_speed  # noqa: E402  (no torch: the probe's host-speed loop)
+from memlens.measure.host_phases import CALIB_LLAMA, host_speed  # noqa: E402  (no torch: the probe's host-speed loop)
 
-CALIB = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=512, max_position_embeddings=64)
+CALIB = CALIB_LLAMA
 
 
 def _out(rec: dict) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 from ..core.errors import MemlensError
 from ..core.gpus import GPUS
 from .calibrate_fsdp import measure_fsdp_host
-from .host_phases import host_rounds
+from .host_phases import CALIB_LLAMA, host_rounds
 from ..estimator.timing.tables import (
     FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
 )
@@ -414,8 +414,7 @@ def measure_model_host(torch, dev, host: dict, log, speeds: list | None = None) 
         return {}
     from ..models.checkpoint import checkpoint_blocks
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    cfg = LlamaConfig(**CALIB_LLAMA)
     ids = torch.randint(0, 512, (1, 16), device=dev)
     v = host.get("view", 0.0) * 1e-6
     models = {}
@@ -457,8 +456,7 @@ def measure_dp_host(torch, dev, host: dict, log, speeds: list | None = None) -> 
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
         return {}
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    cfg = LlamaConfig(**CALIB_LLAMA)
     ids = torch.randint(0, 512, (1, 16), device=dev)
     models = {}
     for name in ("", "_dp"):

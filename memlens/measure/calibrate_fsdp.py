@@ -16,7 +16,7 @@ import os
 import tempfile
 
 from ..core.errors import MemlensError
-from .host_phases import host_rounds
+from .host_phases import CALIB_LLAMA, host_rounds
 
 
 @contextlib.contextmanager
@@ -44,8 +44,7 @@ def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
     except ImportError:
         return {}
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+    cfg = LlamaConfig(**{**CALIB_LLAMA, "num_hidden_layers": layers})
     ids = torch.randint(0, 512, (1, 16), device=dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     try:

@@ -13,6 +13,9 @@ import statistics
 import time
 
 ROUNDS, RUNS = 5, 5          # interleaved rounds of every model, timed steps per model in each (after a warm-up)
+# calibrate's host model: a 16-layer Llama of width 64 (transformers' LlamaConfig fields), so small that the GPU idles
+CALIB_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
 
 
 def host_speed() -> float:
@@ -50,6 +53,16 @@ def host_rounds(torch, models: dict, ids, rounds: int = ROUNDS, runs: int = RUNS
 
 
 def _phases(torch, model, ids, count: bool) -> tuple:
+    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)   # a CPU model: tests
+    out = timed_step(torch, lambda: model(input_ids=ids, labels=ids).loss, sync, count)
+    model.zero_grad(set_to_none=True)
+    return out[:4]
+
+
+def timed_step(torch, loss_fn, sync, count: bool) -> tuple:
+    """(forward s, backward s, forward ops, backward ops, tensors autograd saved in forward) of ``loss_fn()`` and its
+    backward, ``sync`` between them; with ``count`` the ops (kernel ops and views/allocations, as the simulation's trace
+    counts them) and the saved tensors are counted (that run is slower: its seconds are not the host's)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ..estimator.timing.ops import ALLOC, META, VIEW, kind_of
@@ -65,15 +78,20 @@ def _phases(torch, model, ids, count: bool) -> tuple:
                 self.n["view" if kind in (VIEW, ALLOC) else "kernel"] += 1
             return func(*args, **(kwargs or {}))
 
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)   # a CPU model: tests
+    saved = [0]
+
+    def pack(t):
+        saved[0] += 1
+        return t
+
     fwd, bwd = (Count(), Count()) if count else (None, None)
     sync()
     t = time.perf_counter()
     if fwd:
-        with fwd:
-            loss = model(input_ids=ids, labels=ids).loss
+        with fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            loss = loss_fn()
     else:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = loss_fn()
     sync()
     t1 = time.perf_counter()
     if bwd:
@@ -83,5 +101,4 @@ def _phases(torch, model, ids, count: bool) -> tuple:
         loss.backward()
     sync()
     t2 = time.perf_counter()
-    model.zero_grad(set_to_none=True)
-    return t1 - t, t2 - t1, fwd.n if fwd else {}, bwd.n if bwd else {}
+    return t1 - t, t2 - t1, fwd.n if fwd else {}, bwd.n if bwd else {}, saved[0]
