@@ -498,7 +498,7 @@ def ckpt_layer_costs(plain: tuple, ckpt: tuple, layers: int, per_op: float, view
     beyond its ops' own difference, and backward's beyond re-running the recomputed ops (``per_op``: a forward op's
     cost in a model, module calls included; ``view`` a view). Per call, not per op: on an H100 host a 24-layer ViT of
     12 kernel ops a layer paid 864 and 1,379 us a layer, calibrate's Llama of 42 ops 898 and 1,400
-    (bench/results/raw/ckpt_probe/; memlens.estimator.timing.step.spread_host)."""
+    (bench/results/raw/ckpt_probe/; priced at each checkpointed call: memlens.estimator.timing.record.price)."""
     fwd, rec = extra_per_call(plain, ckpt, layers, per_op, per_op, view)
     return {"ckpt_layer_forward": fwd, "ckpt_layer_recompute": rec}
 

@@ -186,7 +186,7 @@ def host_costs(tab: TimingTable, ckpt_share: float = 0.0, policy: str = "full") 
     :data:`SAC_HOST_SECONDS_PER_OP` (on the forward's ops too, in the layers it covers)."""
     h = tab.host_seconds
     if policy == "full" and h("ckpt_layer_forward") and h("model_forward"):
-        # checkpoint's work is per checkpointed call (.step spreads it over the phase's rows): the forward's ops cost
+        # checkpoint's work is per checkpointed call (a ckpt row at each call: :func:`price`): the forward's ops cost
         # what they cost unhooked, a recomputed op what a forward op costs in a model (module calls included)
         return h("view"), h("model_forward"), h("model_backward"), h("model_forward")
     suffix = "_sac" if policy == "selective" else "_ckpt"
