@@ -10,7 +10,8 @@ own time is read, not the host's launch rate):
 - the kernel floor (a tiny kernel back to back) and the host's dispatch cost per op: an eager Python op, an op the
   autograd engine runs in backward, a foreach op, a view;
 - pinned host <-> GPU copies (PCIe);
-- NCCL all-reduce and all-gather bus bandwidth by size over every visible GPU (when there are several).
+- with several GPUs visible, over all of them (memlens.measure.calibrate_nccl): NCCL's bus bandwidth by size, what a
+  collective beside compute costs the compute, FSDP2's hooks over real all-gathers.
 
 >>> quick_grid(True)[0][:3]
 (256, 1024, 4096)
@@ -18,7 +19,6 @@ own time is read, not the host's launch rate):
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from typing import Any, Callable
@@ -26,6 +26,7 @@ from typing import Any, Callable
 from ..core.errors import MemlensError
 from ..core.gpus import GPUS
 from .calibrate_fsdp import measure_fsdp_host
+from .calibrate_nccl import measure_ranks
 from .host_phases import CALIB_LLAMA, host_rounds
 from ..estimator.timing.tables import (
     FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
@@ -527,53 +528,6 @@ def measure_pcie(torch, dev, log) -> dict:
     return {"h2d": round(h2d, 2), "d2h": round(d2h, 2)}
 
 
-def _nccl_worker(rank: int, world: int, sizes: tuple, path: str) -> None:
-    import json
-
-    import torch  # heavy: torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{path}.store", rank=rank, world_size=world)
-    res: dict = {"all_reduce": [], "all_gather": []}
-    for nbytes in sizes:
-        buf = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        out = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        shard = buf[: buf.numel() // world]
-        for op, fn, factor in (("all_reduce", lambda: dist.all_reduce(buf), 2 * (world - 1) / world),
-                               ("all_gather", lambda: dist.all_gather_into_tensor(out, shard), (world - 1) / world)):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            reps = 10
-            for _ in range(reps):
-                fn()
-            torch.cuda.synchronize()
-            sec = (time.perf_counter() - t) / reps
-            res[op].append(round(nbytes * factor / sec / 1e9, 2))
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(res, f)
-    dist.destroy_process_group()
-
-
-def measure_nccl(torch, world: int, sizes, log) -> dict:
-    import tempfile
-
-    import torch.multiprocessing as mp  # heavy: torch
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "nccl.json")
-        mp.spawn(_nccl_worker, args=(world, tuple(sizes), path), nprocs=world, join=True)
-        import json
-
-        res = json.load(open(path))
-    out = {str(world): {op: {"bytes": list(sizes), "busbw_gbps": v, "latency_us": 15.0} for op, v in res.items()}}
-    log(f"NCCL over {world} GPUs: all-reduce {max(res['all_reduce']):.0f} GB/s bus bandwidth at best")
-    return out
-
-
 def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log: Callable[[str], None] = print) -> TimingTable:
     """Measure the timing table of ``device`` (a CUDA GPU). ``quick``: small grids (a smoke test, not a table to ship).
 
@@ -616,7 +570,10 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.pcie_gbps = measure_pcie(torch, dev, log)
     world = torch.cuda.device_count()
     if nccl and world > 1:
-        t.nccl = measure_nccl(torch, world, GRID_NCCL if not quick else GRID_NCCL[::3], log)
+        ranks = measure_ranks(torch, world, GRID_NCCL if not quick else GRID_NCCL[::3], t.host_us, log)
+        t.nccl, t.nccl_overlap = ranks["nccl"], ranks["overlap"]
+        t.host_us.update(ranks["host_us"])
+        t.env["fsdp_ranks"] = world
     else:
         from ..estimator.timing.tables import _datasheet_nccl
 

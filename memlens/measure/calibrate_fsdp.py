@@ -7,7 +7,9 @@ FSDP2's ``pre_forward`` (unshard, wait_for_unshard, ``_register_post_backward_ho
 a 16-layer Llama of width 64, so small the GPU idles) with every layer and the root under ``fully_shard`` over a
 one-rank process group, against the same model bare, the two timed in interleaved rounds (memlens.measure.host_phases):
 the extra host seconds per group, less the extra aten ops at the table's in-model costs (those are priced as rows of
-their own). With one rank FSDP2 copies instead of all-gathering, so the collectives' own host cost is not in it.
+their own). With one rank FSDP2 copies instead of all-gathering, so the collectives' own host cost is not in it: on
+a machine with several GPUs calibrate measures the same pair over all of them as well (memlens.measure.calibrate_nccl:
+``fsdp_forward_group_ranks`` / ``fsdp_backward_group_ranks``, what a step over several ranks is priced at).
 """
 from __future__ import annotations
 
@@ -36,34 +38,49 @@ def one_rank_group(torch, dev):
             dist.destroy_process_group()
 
 
-def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
-    """(module docstring) {} where it cannot run (no transformers, no torch.distributed, a process group already up)."""
-    try:
-        from torch.distributed.fsdp import fully_shard  # heavy: torch.distributed
-        from transformers import LlamaConfig, LlamaForCausalLM  # optional: the model-level host cost needs it
-    except ImportError:
-        return {}
+def sharded_pair(torch, dev, layers: int = 16) -> tuple:
+    """(plain, sharded): :func:`memlens.measure.host_phases.host_rounds`' figures of calibrate's host model bare and
+    under ``fully_shard`` per layer and at the root, over the process group this process is in (one rank: FSDP2
+    copies; several: it all-gathers and reduce-scatters over NCCL, every rank running this at once)."""
+    from torch.distributed.fsdp import fully_shard  # heavy: torch.distributed
+    from transformers import LlamaConfig, LlamaForCausalLM  # optional: the caller checked it imports
 
     cfg = LlamaConfig(**{**CALIB_LLAMA, "num_hidden_layers": layers})
+    torch.manual_seed(0)
     ids = torch.randint(0, 512, (1, 16), device=dev)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    try:
-        with one_rank_group(torch, dev):
-            model = LlamaForCausalLM(cfg).to(dev, dtype).train()
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-            timed = host_rounds(torch, {"plain": LlamaForCausalLM(cfg).to(dev, dtype).train(), "sharded": model}, ids)
-            plain, sharded = timed["plain"], timed["sharded"]
-    except (MemlensError, RuntimeError, ValueError) as e:
-        log(f"FSDP2 hook cost not measured ({str(e).splitlines()[0][:120]})")
-        return {}
-    groups = layers + 1
-    us = 1e-6
+    model = LlamaForCausalLM(cfg).to(dev, dtype).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    timed = host_rounds(torch, {"plain": LlamaForCausalLM(cfg).to(dev, dtype).train(), "sharded": model}, ids)
+    return timed["plain"], timed["sharded"]
+
+
+def per_group(plain: tuple, sharded: tuple, host: dict, groups: int, suffix: str = "") -> dict:
+    """The sharded model's extra host seconds per parameter group, forward and backward, less its extra aten ops at
+    the table's in-model costs (``host``: microseconds per view, per forward and backward op), in microseconds."""
     out = {}
     for i, (name, per_op) in enumerate((("fsdp_forward_group", "model_forward"), ("fsdp_backward_group", "model_backward"))):
         ops = {k: sharded[2 + i].get(k, 0) - plain[2 + i].get(k, 0) for k in ("view", "kernel")}
-        extra = sharded[i] - plain[i] - ops["view"] * host.get("view", 0.0) * us - ops["kernel"] * host.get(per_op, 0.0) * us
-        out[name] = round(max(0.0, extra) / groups * 1e6, 2)
+        extra = sharded[i] - plain[i] - ops["view"] * host.get("view", 0.0) * 1e-6 - ops["kernel"] * host.get(per_op, 0.0) * 1e-6
+        out[name + suffix] = round(max(0.0, extra) / groups * 1e6, 2)
+    return out
+
+
+def measure_fsdp_host(torch, dev, host: dict, log, layers: int = 16) -> dict:
+    """(module docstring) {} where it cannot run (no transformers, no torch.distributed, a process group already up)."""
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401  heavy: torch.distributed
+        from transformers import LlamaConfig  # noqa: F401  optional: the model-level host cost needs it
+    except ImportError:
+        return {}
+    try:
+        with one_rank_group(torch, dev):
+            plain, sharded = sharded_pair(torch, dev, layers)
+    except (MemlensError, RuntimeError, ValueError) as e:
+        log(f"FSDP2 hook cost not measured ({str(e).splitlines()[0][:120]})")
+        return {}
+    out = per_group(plain, sharded, host, layers + 1)
     log(f"FSDP2 hooks per parameter group beyond their aten ops (us): {out}")
     return out

@@ -209,6 +209,9 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
     # an FSDP2 group's hooks, in units of the in-model cost per op (before the module calls' share is split off below)
     g_fwd = tab.host_seconds("fsdp_forward_group") or FSDP_FORWARD_HOOK_OPS * h_fwd
     g_bwd = tab.host_seconds("fsdp_backward_group") or FSDP_BACKWARD_HOOK_OPS * h_bwd
+    # over several ranks each unshard issues a real all-gather and waits on it: calibrate's measurement over every GPU
+    # of its machine (memlens.measure.calibrate_nccl), where it made one
+    g_ranks = (tab.host_seconds("fsdp_forward_group_ranks"), tab.host_seconds("fsdp_backward_group_ranks"))
     h_mod = 0.0
     if any(r[2].kind == MODULE for r in trace.rows) and tab.host_seconds("model_forward") and tab.host_seconds("forward"):
         # the in-model forward cost split: the bare dispatch per op, the rest per module call (CALIBRATION_OPS_PER_MODULE)
@@ -253,7 +256,8 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             if f.fill:   # a zero-fill before the op's own kernels (a kernel of its own)
                 gpu += max(floor, tab.op_seconds("fill_", f.fill))
         if f.gathered and bucket in ("forward", "backward"):   # an FSDP2 group's unshard (its hooks on the host)
-            host += g_fwd if bucket == "forward" else g_bwd
+            multi = f.seq > 1 and g_ranks[0] > 0
+            host += (g_ranks[0] if multi else g_fwd) if bucket == "forward" else (g_ranks[1] if multi else g_bwd)
         out.append((bucket, mod, gpu, host, fl, kind))
         if f.gathered and f.seq > 1 and bucket == "forward":
             # forward's all-gather: issued by the host at the group's pre_forward and waited on by the compute stream

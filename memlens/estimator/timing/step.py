@@ -120,7 +120,9 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     forward and (resharded after forward) again in backward, and reduce-scatters its gradients; the next block's
     gather is prefetched under the current block's compute, so exposed is what exceeds the phase's compute, plus
     the first block's gather. ``forward_queued``: forward's gathers ran in the launch queue (.queue: exposed where the
-    host, not the GPU, is behind), only backward's are priced here."""
+    host, not the GPU, is behind), only backward's are priced here. A collective beside compute is not free: where
+    calibrate measured it over several GPUs (memlens.measure.calibrate_nccl), the compute loses the table's
+    ``overlap_cost`` per second of NCCL running beside it, and the collective runs that much slower there."""
     if not is_distributed(spec):
         return 0.0
     pb = _dtype_bytes(precision_of(spec).weights)
@@ -128,13 +130,20 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     world = shard_degree(spec) if sh.family == "fsdp" else data_parallel_ranks(spec)   # the group each one runs over
     tp = max(1, getattr(spec, "tp", 1) or 1)
     params, trainable = params // tp, trainable // tp       # FSDP2 over TP-local shards (torchtitan's 2D)
+    cost = tab.overlap_cost(world, "matmul")                  # the compute's loss per second of NCCL beside it
+    slow = tab.overlap_cost(world, "comm_beside_matmul") or 1.0   # the collective's own slowdown there
     if sh.family == "ddp":
         grad = trainable * pb
         cap = int((spec.bucket_cap_mb or 25) * 2**20)
         full, last = divmod(grad, cap)
-        comm = full * tab.collective_seconds("all_reduce", cap, world) + tab.collective_seconds("all_reduce", last, world)
+        comm = slow * (full * tab.collective_seconds("all_reduce", cap, world) + tab.collective_seconds("all_reduce", last, world))
         tail = tab.collective_seconds("all_reduce", last or cap, world)
-        exposed = max(tail, comm - backward / max(1, micro))
+        bwd = backward / max(1, micro)
+        exposed = max(tail, comm - bwd) + cost * min(comm, bwd)
+        # the Reducer's own kernels on the compute stream (reducer.cpp): each gradient copied, scaled by 1/world, into
+        # its bucket as it becomes ready (mul_out), and back into .grad once its bucket is reduced unless the gradients
+        # are the bucket's views (gradient_as_bucket_view); once per step (no_sync skips them)
+        exposed += tab.op_seconds("mul", 2 * grad) + (0.0 if spec.gradient_as_bucket_view else tab.op_seconds("copy_", 2 * grad))
         if sh.shards_optimizer_state:
             exposed += tab.collective_seconds("all_gather", params * pb, world)
         return exposed
@@ -143,11 +152,12 @@ def collective_seconds(spec, params: int, trainable: int, blocks: int, backward:
     gather = tab.collective_seconds("all_gather", per_block, world) * blocks
     scatter = tab.collective_seconds("reduce_scatter", trainable * pb / blocks, world) * blocks
     reshard = spec.reshard_after_forward if spec.reshard_after_forward is not None else sh.shards_parameters
-    fwd_comm = gather
-    bwd_comm = (gather if reshard else 0.0) + scatter
+    fwd_comm = gather * slow
+    bwd_comm = ((gather if reshard else 0.0) + scatter) * slow
     first = gather / blocks
     fwd_exposed = 0.0 if forward_queued else first + max(0.0, fwd_comm - forward / micro)
     per_micro = fwd_exposed + max(0.0, bwd_comm - backward / micro)
+    per_micro += cost * (min(fwd_comm, forward / micro) + min(bwd_comm, backward / micro))
     return per_micro * micro
 
 

@@ -76,7 +76,10 @@ class TimingTable:
     host_us: dict = field(default_factory=dict)     # host dispatch per op: forward (Python eager), backward (autograd
     #                                                 engine), optimizer (per foreach op), view (no kernel)
     pcie_gbps: dict = field(default_factory=dict)   # {"h2d": GB/s, "d2h": GB/s} pinned copies
-    nccl: dict = field(default_factory=dict)        # str(world) -> {"all_reduce"|"all_gather": {"bytes": [...], "busbw_gbps": [...]}}
+    nccl: dict = field(default_factory=dict)        # str(world) -> {"all_reduce"|"all_gather"|"reduce_scatter": {"bytes": [...],
+    #                                                 "busbw_gbps": [...], "latency_us": added per call}}
+    nccl_overlap: dict = field(default_factory=dict)   # str(world) -> {"matmul"|"memory": the compute stream's extra seconds
+    #                                                 per second of a collective beside it (memlens.measure.calibrate_nccl)}
     env: dict = field(default_factory=dict)         # torch / CUDA versions where measured
     format: int = FORMAT
     note: str = ""                                  # set at load time: calibrated or not, for this GPU or another
@@ -151,14 +154,23 @@ class TimingTable:
         all-gather and reduce-scatter (n-1)/n) at the table's bus bandwidth for that size."""
         if world <= 1 or nbytes <= 0:
             return 0.0
-        kind = "all_reduce" if op == "all_reduce" else "all_gather"
         rows = self.nccl.get(str(world)) or self.nccl.get(str(max((int(w) for w in self.nccl), default=2)))
-        if not rows or kind not in rows:
+        if not rows:
             rows = _datasheet_nccl(self.gpu, world)
+        kind = op if op in rows else "all_reduce" if op == "all_reduce" else "all_gather"   # reduce-scatter: measured since
         r = rows[kind]
         busbw = math.exp(_linear(r["bytes"], r["log_busbw"], nbytes)) * 1e9
         factor = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
         return nbytes * factor / busbw + r.get("latency_us", 15.0) * 1e-6
+
+    def overlap_cost(self, world: int, kind: str = "matmul") -> float:
+        """The compute stream's extra seconds per second of an NCCL collective running beside it (its kernels take SMs
+        and memory bandwidth), as calibrate measured it over ``world`` GPUs (else the nearest world it measured);
+        0 where it did not (a data-sheet table, or one calibrated before this was measured: it says uncalibrated)."""
+        if world <= 1 or not self.nccl_overlap:
+            return 0.0
+        near = min(self.nccl_overlap, key=lambda w: abs(int(w) - world))
+        return float(self.nccl_overlap[near].get(kind, 0.0))
 
     def pcie_seconds(self, nbytes: float, direction: str = "h2d") -> float:
         return nbytes / (self.pcie_gbps.get(direction, 20.0) * 1e9)
