@@ -99,6 +99,9 @@ def overlap(torch, dist, world: int, repeats: int = 3) -> dict:
         one = statistics.median(_window(torch, dist, fn, 5, nothing, 0, stream)[0] / 5 for _ in range(3))
         reps = max(10, int(0.04 / max(one, 1e-6)))                   # about 40 ms of compute
         buckets = max(2, int(0.5 * reps * one / max(one_comm, 1e-6)))  # collectives for about half of it
+        counts = torch.tensor([reps, buckets], device="cuda")
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)                  # every rank issues the same collectives
+        reps, buckets = (int(v) for v in counts.tolist())
         extra, slow = [], []
         for _ in range(repeats):
             alone = _window(torch, dist, fn, reps, nothing, 0, stream)[0]
