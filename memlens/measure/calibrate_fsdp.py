@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 
 from ..core.errors import MemlensError
 from .host_phases import CALIB_LLAMA, host_rounds
@@ -53,14 +54,53 @@ def sharded_pair(torch, dev, layers: int = 16) -> tuple:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    timed = host_rounds(torch, {"plain": LlamaForCausalLM(cfg).to(dev, dtype).train(), "sharded": model}, ids)
-    return timed["plain"], timed["sharded"]
+    plain = LlamaForCausalLM(cfg).to(dev, dtype).train()
+    timed = host_rounds(torch, {"plain": plain, "sharded": model}, ids)
+    steps = optimizer_rounds(torch, {"plain": plain, "sharded": model}, ids)
+    tensors = sum(1 for p in plain.parameters() if p.requires_grad)
+    return (*timed["plain"], steps["plain"], tensors), (*timed["sharded"], steps["sharded"], tensors)
+
+
+def optimizer_rounds(torch, models: dict, ids, rounds: int = 5, runs: int = 5) -> dict:
+    """name -> seconds of one foreach AdamW step over each model's gradients (the median over interleaved rounds of
+    each round's median; the GPU idles on these models, so it is the host's time). Under FSDP2 every parameter is a
+    DTensor: each foreach op goes through DTensor's dispatch (its Python, per tensor of the list)."""
+    import statistics
+
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    opts = {}
+    for name, m in models.items():
+        m(input_ids=ids, labels=ids).loss.backward()
+        opts[name] = torch.optim.AdamW(m.parameters(), lr=1e-6, foreach=True)
+        for _ in range(2):
+            opts[name].step()
+    per_round: dict = {name: [] for name in models}
+    for _ in range(rounds):
+        for name, opt in opts.items():
+            ts = []
+            for _ in range(runs):
+                sync()
+                t = time.perf_counter()
+                opt.step()
+                sync()
+                ts.append(time.perf_counter() - t)
+            per_round[name].append(statistics.median(ts))
+    for m in models.values():
+        m.zero_grad(set_to_none=True)
+    return {name: statistics.median(v) for name, v in per_round.items()}
 
 
 def per_group(plain: tuple, sharded: tuple, host: dict, groups: int, suffix: str = "") -> dict:
     """The sharded model's extra host seconds per parameter group, forward and backward, less its extra aten ops at
-    the table's in-model costs (``host``: microseconds per view, per forward and backward op), in microseconds."""
+    the table's in-model costs (``host``: microseconds per view, per forward and backward op), in microseconds; with
+    the optimizer's step times and tensors (the pair's 5th and 6th figures), also the extra per tensor of each
+    foreach op (``fsdp_optimizer_tensor_op``: DTensor's dispatch)."""
+    from ..estimator.timing.step import OPTIMIZER_TRAFFIC
+
     out = {}
+    if len(plain) > 5 and plain[5]:
+        ops = OPTIMIZER_TRAFFIC["adamw"][3]
+        out["fsdp_optimizer_tensor_op" + suffix] = round(max(0.0, sharded[4] - plain[4]) / (plain[5] * ops) * 1e6, 3)
     for i, (name, per_op) in enumerate((("fsdp_forward_group", "model_forward"), ("fsdp_backward_group", "model_backward"))):
         ops = {k: sharded[2 + i].get(k, 0) - plain[2 + i].get(k, 0) for k in ("view", "kernel")}
         extra = sharded[i] - plain[i] - ops["view"] * host.get("view", 0.0) * 1e-6 - ops["kernel"] * host.get(per_op, 0.0) * 1e-6

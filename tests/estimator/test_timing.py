@@ -504,3 +504,75 @@ def test_calibrate_prices_a_wrappers_calls_by_what_it_adds_beyond_its_ops():
     hooked = (0.016, 0.030, {"kernel": 300, "view": 300}, {"kernel": 600, "view": 800})
     # 10 hooked calls; forward: 6 ms less 100 views at 1 us; backward: 10 ms less 100 ops at 20 us and 400 views
     assert extra_per_call(plain, hooked, 10, 50e-6, 20e-6, 1e-6) == (pytest.approx(590.0), pytest.approx(760.0))
+
+
+def _ddp_spec(**kw):
+    return TrainingSpec(model="gpt2", precision="bf16", world_size=2, sharding="ddp", **kw)
+
+
+def test_ddps_reducer_copies_and_the_overlap_cost_are_priced_by_hand():
+    tab = flat_table(gbps=100.0)
+    row = {"bytes": [1, 2**40], "busbw_gbps": [50.0, 50.0], "latency_us": 0.0}
+    tab.nccl = {"2": {"all_reduce": dict(row), "all_gather": dict(row)}}
+    tables._add_logs(tab)
+    grad = 100 * 2**20                                  # 50 Mi bf16 gradients: 4 buckets of 25 MiB
+    comm = grad / 50e9                                  # all-reduce moves 2(n-1)/n = 1x the buffer at 50 GB/s
+    copies = 2 * (2 * grad) / 100e9                     # mul_out into the buckets, then back into .grad: read + write
+    assert step_mod.collective_seconds(_ddp_spec(), grad // 2, grad // 2, 1, 1.0, 0.5, 1, tab) == pytest.approx(
+        comm / 4 + copies)                              # a long backward hides all but the last bucket
+    assert step_mod.collective_seconds(_ddp_spec(gradient_as_bucket_view=True), grad // 2, grad // 2, 1, 1.0, 0.5, 1,
+                                       tab) == pytest.approx(comm / 4 + copies / 2)   # the grads are the buckets' views
+    # measured over 2 GPUs: the collective runs 3x slower beside compute, and the compute loses 0.1 s a second of it
+    tab.nccl_overlap = {"2": {"matmul": 0.1, "comm_beside_matmul": 3.0}}
+    short = 0.5 * comm                                  # a backward shorter than the (slowed) all-reduce
+    assert step_mod.collective_seconds(_ddp_spec(), grad // 2, grad // 2, 1, short, 0.5, 1, tab) == pytest.approx(
+        (3 * comm - short) + 0.1 * short + copies)
+
+
+def test_the_overlap_cost_is_the_nearest_world_measured_and_none_without_one():
+    tab = flat_table()
+    assert tab.overlap_cost(2) == 0.0 and datasheet_table("h100").overlap_cost(8) == 0.0
+    tab.nccl_overlap = {"2": {"matmul": 0.02, "memory": 0.1}, "8": {"matmul": 0.05}}
+    assert (tab.overlap_cost(1), tab.overlap_cost(2, "memory"), tab.overlap_cost(4), tab.overlap_cost(16)) == (0.0, 0.1, 0.02, 0.05)
+
+
+def test_reduce_scatter_takes_its_own_measured_row_else_all_gathers(tmp_path):
+    tab = flat_table()
+    row = lambda bw: {"bytes": [1, 2**40], "busbw_gbps": [bw, bw], "latency_us": 0.0}   # noqa: E731
+    tab.nccl = {"2": {"all_reduce": row(100.0), "all_gather": row(80.0)}}
+    tables._add_logs(tab)
+    assert tab.collective_seconds("reduce_scatter", 1e9, 2) == pytest.approx(0.5e9 / 80e9)
+    tab.nccl["2"]["reduce_scatter"] = row(40.0)
+    tab.nccl_overlap = {"2": {"matmul": 0.013}}
+    back = read_table(tab.write(tmp_path / "t.json"))
+    assert back.collective_seconds("reduce_scatter", 1e9, 2) == pytest.approx(0.5e9 / 40e9)
+    assert back.nccl_overlap == {"2": {"matmul": 0.013}}
+
+
+def test_fsdp2s_optimizer_pays_dtensors_dispatch_per_tensor_of_each_foreach_op():
+    tab = flat_table()
+    tab.host_us.update(optimizer=10.0, fsdp_optimizer_tensor_op=2.0)
+    spec = TrainingSpec(model="gpt2", precision="bf16", world_size=2, sharding="fsdp")
+    _, plain = step_mod.optimizer_seconds(spec, 1000, 100, tab)
+    _, dt = step_mod.optimizer_seconds(spec, 1000, 100, tab, dtensor=True)
+    assert plain == pytest.approx(10 * 10e-6 + 100 * step_mod.PER_TENSOR_HOST_US * 1e-6)   # AdamW's 10 foreach ops
+    assert dt - plain == pytest.approx(10 * 100 * 2e-6)
+    tab.host_us["fsdp_optimizer_tensor_op_ranks"] = 3.0     # measured over several ranks: that one
+    assert step_mod.optimizer_seconds(spec, 1000, 100, tab, dtensor=True)[1] - plain == pytest.approx(10 * 100 * 3e-6)
+
+
+def test_an_fsdp2_unshard_over_several_ranks_pays_the_hooks_measured_over_ranks():
+    from memlens.estimator.timing.ops import OpFacts
+    from memlens.estimator.timing.record import OpTrace
+
+    tab = flat_table()
+    tab.host_us.update(model_forward=20.0, fsdp_forward_group=500.0, fsdp_backward_group=700.0)
+    tab.nccl = {"2": {"all_gather": {"bytes": [1, 2**40], "busbw_gbps": [100.0, 100.0], "latency_us": 0.0}}}
+    tables._add_logs(tab)
+    one = OpFacts("memory", nbytes=8, op="all_gather_copy_in", gathered=4096, seq=1)
+    two = one._replace(seq=2)
+    host = lambda f: [r[3] for r in price(OpTrace(rows=[("forward", 0, f), ("backward", 0, f)]), tab) if r[5] == "memory"]  # noqa: E731
+    assert host(two) == pytest.approx([20e-6 + 500e-6, 700e-6])          # no measurement over ranks: the one-rank one
+    tab.host_us.update(fsdp_forward_group_ranks=1500.0, fsdp_backward_group_ranks=1600.0)
+    assert host(two) == pytest.approx([20e-6 + 1500e-6, 1600e-6])
+    assert host(one) == pytest.approx([20e-6 + 500e-6, 700e-6])          # one rank copies: its own figure

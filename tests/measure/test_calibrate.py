@@ -67,12 +67,18 @@ def test_fsdp2_hook_cost_is_the_extra_host_time_per_group_less_its_aten_ops(monk
 
     import memlens.measure.calibrate_fsdp as cal_fsdp
 
+    def steps(torch_, models, ids):   # one foreach AdamW step: 2 ms bare, 3.5 ms on DTensors
+        return {name: 0.0035 if isinstance(m, FSDPModule) else 0.002 for name, m in models.items()}
+
     monkeypatch.setattr(cal_fsdp, "host_rounds", timed)
+    monkeypatch.setattr(cal_fsdp, "optimizer_rounds", steps)
     logs = []
     out = measure_fsdp_host(torch, torch.device("cpu"), {"view": 2.0, "model_forward": 20.0, "model_backward": 50.0},
                             logs.append, layers=2)
-    # 3 groups (2 layers + the root): forward (3000 - 10 views x 2 - 10 ops x 20) / 3 us, backward (4000 - 20 x 50) / 3
-    assert out == {"fsdp_forward_group": pytest.approx(2780 / 3, abs=0.01), "fsdp_backward_group": 1000.0}
+    # 3 groups (2 layers + the root): forward (3000 - 10 views x 2 - 10 ops x 20) / 3 us, backward (4000 - 20 x 50) / 3;
+    # the optimizer: 1.5 ms more over 21 tensors (9 a layer, the embedding, the final norm, the head) x AdamW's 10 ops
+    assert out == {"fsdp_forward_group": pytest.approx(2780 / 3, abs=0.01), "fsdp_backward_group": 1000.0,
+                   "fsdp_optimizer_tensor_op": pytest.approx(1500 / 210, abs=1e-3)}
     assert logs[-1].startswith("FSDP2 hooks per parameter group") and not dist.is_initialized()
     with one_rank_group(torch, torch.device("cpu")):      # a process already in a group: not measured, said so
         assert measure_fsdp_host(torch, torch.device("cpu"), {}, logs.append, layers=1) == {}

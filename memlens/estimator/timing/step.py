@@ -90,8 +90,10 @@ def _dtype_bytes(name: str) -> int:
     return 4 if name == "float32" else 2
 
 
-def optimizer_seconds(spec, trainable: int, tensors: int, tab: TimingTable) -> tuple[float, float]:
-    """(GPU seconds, host seconds) of one optimizer step over ``trainable`` elements in ``tensors`` tensors."""
+def optimizer_seconds(spec, trainable: int, tensors: int, tab: TimingTable, dtensor: bool = False) -> tuple[float, float]:
+    """(GPU seconds, host seconds) of one optimizer step over ``trainable`` elements in ``tensors`` tensors.
+    ``dtensor``: the parameters are DTensors (FSDP2): each op of the step goes through DTensor's dispatch for every
+    tensor of its list, priced at calibrate's ``fsdp_optimizer_tensor_op`` (over several ranks where measured)."""
     pb = _dtype_bytes(precision_of(spec).weights)
     if spec.qlora or spec.lora_rank:
         pb = pb        # LoRA adapters take the weights' dtype (peft)
@@ -101,6 +103,8 @@ def optimizer_seconds(spec, trainable: int, tensors: int, tab: TimingTable) -> t
     per = nbytes / max(1, kernels)
     gpu = nbytes / (tab.bandwidth_gbps(per) * 1e9) + kernels * tab.min_kernel_us * 1e-6 if nbytes else 0.0
     host = (ops * (tensors if per_tensor else 1)) * tab.host_seconds("optimizer") + tensors * PER_TENSOR_HOST_US * 1e-6
+    if dtensor:
+        host += ops * tensors * (tab.host_seconds("fsdp_optimizer_tensor_op_ranks") or tab.host_seconds("fsdp_optimizer_tensor_op"))
     if spec.max_grad_norm and not spec.dp:   # clip_grad_norm_: _foreach_norm (read), stack, norm, _foreach_mul_ (r+w)
         gpu += 3 * trainable * pb / (tab.bandwidth_gbps(trainable * pb) * 1e9)
         host += 6 * tab.host_seconds("optimizer")
@@ -245,7 +249,7 @@ def _step_time(sim, tr) -> dict:
         parts["offload"] += tab.pcie_seconds(trainable * pb, "d2h") + tab.pcie_seconds(trainable * pb, "h2d")
         parts["optimizer"] += trainable / HOST_CPU_ADAM_PARAMS_PER_S
     else:
-        og, oh = optimizer_seconds(spec, trainable, max(1, tensors // (1 if fsdp else div)), tab)
+        og, oh = optimizer_seconds(spec, trainable, max(1, tensors // (1 if fsdp else div)), tab, dtensor=sh.family == "fsdp")
         og *= tab.optimizer_ratio.get(_optimizer_kind(spec), 1.0)
         parts["optimizer"] += og
         parts["host"] += max(0.0, oh - og)
