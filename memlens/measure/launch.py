@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,7 +95,7 @@ def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = 
     try:
         p = subprocess.run(torchrun_command(spec.world_size, str(req_path), nodes), env=child_env(gpus),
                            capture_output=True, text=True, timeout=timeout)
-        tail = [ln for ln in (p.stderr or "").splitlines() if ln.strip()][-1:]
+        tail = [why_torchrun_failed(p.stderr or "")]
         rc = p.returncode
     except subprocess.TimeoutExpired:
         rc, tail = None, [f"no result after {timeout:g} s"]
@@ -119,8 +120,39 @@ def run_job(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, mode: str = 
         out["error"] = f"rank {r}: {rec.get('error', '')}"
         out["hint"] = rec.get("hint")
     else:
-        out["error"] = (tail[0] if tail else f"torchrun exit code {rc}")[:300]
+        out["error"] = (tail[0] if tail and tail[0] else f"torchrun exit code {rc}")[:300]
     return out
+
+
+_EXCEPTION = re.compile(r"^(\w+\.)*\w*(Error|Exception|Interrupt)\b.*")
+_ROOT_CAUSE = re.compile(r"^\s*(rank|exitcode|traceback)\s*:\s*(.+)$")
+
+
+def why_torchrun_failed(stderr: str) -> str:
+    r"""The line of a failed torchrun job's stderr that says why, for a one-line error: the last exception a rank
+    printed (not torchrun's own ChildFailedError), else the root cause torchrun's summary names (the rank, its exit
+    code, the signal), else the last line that is not the summary's ``=====`` rule.
+
+    >>> why_torchrun_failed("Traceback (most recent call last):\n  ...\nRuntimeError: gloo timeout\n====\n[0]:\n")
+    'RuntimeError: gloo timeout'
+    >>> why_torchrun_failed("Root Cause (first observed failure):\n  rank : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)\n"
+    ...                     "  traceback : Signal 9 (SIGKILL) received by PID 7\n=====")
+    'rank 1 (local_rank: 1): exitcode -9 (pid: 7); Signal 9 (SIGKILL) received by PID 7'
+    """
+    lines = [ln.rstrip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln.strip() for ln in lines if _EXCEPTION.match(ln.strip()) and "ChildFailedError" not in ln]
+    if errors:
+        return errors[-1][:300]
+    start = max((i for i, ln in enumerate(lines) if ln.startswith("Root Cause")), default=None)
+    if start is not None:
+        found = dict(m.groups() for m in (_ROOT_CAUSE.match(ln) for ln in lines[start:]) if m)
+        parts = [f"exitcode {found['exitcode']}" if "exitcode" in found else "",
+                 found.get("traceback", "") if found.get("traceback") != "<N/A>" else ""]
+        why = "; ".join(p for p in parts if p)
+        if why:
+            return (f"rank {found['rank']}: {why}" if "rank" in found else why)[:300]
+    rest = [ln for ln in lines if set(ln.strip()) - set("=-")]
+    return rest[-1][:300] if rest else ""
 
 
 def profile_distributed(spec: TrainingSpec, *, steps: int = 3, warmup: int = 1, device: str | None = None,
