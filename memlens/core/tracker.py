@@ -284,7 +284,9 @@ class ModuleScope:
             self.tracker.module = mid
             timer = getattr(self.tracker, "timer", None)    # the step-time pricing prices each module call's host cost
             if timer is not None:
-                timer.module_call(bool(mod._backward_hooks))   # a full backward hook (Opacus'): costs more, both ways
+                # a full backward hook (Opacus'): costs more, both ways; a module naming its own host work per call
+                # (memlens_host_call: the 4-bit stand-in for bitsandbytes' Linear4bit) has it priced per call
+                timer.module_call(bool(mod._backward_hooks), getattr(mod, "memlens_host_call", None))
 
     def _post(self, mod, args, out):
         mid = self.ids.get(id(mod))
@@ -296,11 +298,16 @@ class ModuleScope:
         if torch.is_grad_enabled():
             tracker = self.tracker
             hooked = bool(mod._backward_hooks)
+            call = getattr(mod, "memlens_host_call", None)
 
             def enter(grad_outputs, mid=mid):
                 tracker.module = mid
-                if hooked and getattr(tracker, "timer", None) is not None:
-                    tracker.timer.hooked_backward()
+                timer = getattr(tracker, "timer", None)
+                if timer is not None:
+                    if hooked:
+                        timer.hooked_backward()
+                    if call:
+                        timer.host_call_backward(call)
 
             seen = set()
             for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:

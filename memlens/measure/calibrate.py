@@ -484,6 +484,44 @@ def measure_dp_host(torch, dev, host: dict, log, speeds: list | None = None) -> 
     return out
 
 
+def measure_qlora_host(torch, dev, host: dict, log, speeds: list | None = None) -> dict:
+    """bitsandbytes' 4-bit layers on the host, per layer call (µs): calibrate's 16-layer Llama in bf16 at 1 x 16 tokens
+    with its linears frozen, bare and with every one of them but the head bitsandbytes' Linear4bit
+    (:func:`memlens.models.quant.quantize_with_bitsandbytes`: 112 layers), timed in interleaved rounds
+    (:func:`host_rounds`): what each 4-bit layer's call adds to forward (``qlora_layer_forward``: Linear4bit.forward,
+    matmul_4bit, the quant state's absmax and weight dequantized) and to backward (``qlora_layer_backward``: the weight
+    dequantized again for the input's gradient), beyond the ops it dispatches. Needs bitsandbytes and a GPU: {}
+    without them."""
+    if dev.type != "cuda":
+        return {}
+    try:
+        import bitsandbytes  # noqa: F401  optional: the 4-bit layers' own host cost needs it
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        return {}
+    from ..models.quant import quantize_with_bitsandbytes
+
+    cfg = LlamaConfig(**CALIB_LLAMA)
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    models = {}
+    for name in ("plain", "4bit"):
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(cfg).to(dev, torch.bfloat16).train()
+        for mod in m.modules():    # frozen linears both ways (QLoRA's base): backward computes their inputs' gradients
+            if type(mod) is torch.nn.Linear and mod is not m.lm_head:
+                mod.weight.requires_grad_(False)
+        if name == "4bit":
+            quantize_with_bitsandbytes(m, torch.bfloat16)
+        models[name] = m
+    layers = sum(1 for mod in models["4bit"].modules() if type(mod).__name__ == "Linear4bit")
+    timed = host_rounds(torch, models, ids, speeds=speeds)
+    out = extra_per_call(timed["plain"], timed["4bit"], layers, host.get("model_forward", 0.0) * 1e-6,
+                         host.get("model_backward", 0.0) * 1e-6, host.get("view", 0.0) * 1e-6)
+    out = {"qlora_layer_forward": out[0], "qlora_layer_backward": out[1]}
+    log(f"bitsandbytes' 4-bit layers per call ({layers} layers, us): {out}")
+    return out
+
+
 def extra_per_call(plain: tuple, other: tuple, calls: int, fwd_op: float, bwd_op: float, view: float) -> tuple:
     """(forward µs, backward µs) per call of what ``other`` adds over ``plain`` (each (forward s, backward s, forward
     ops, backward ops)) beyond the ops it adds (``fwd_op`` / ``bwd_op`` each, ``view`` a view), over ``calls``."""
@@ -556,6 +594,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     speeds: list = []
     t.host_us.update(measure_model_host(torch, dev, t.host_us, log, speeds))
     t.host_us.update(measure_dp_host(torch, dev, t.host_us, log, speeds))
+    t.host_us.update(measure_qlora_host(torch, dev, t.host_us, log, speeds))
     if speeds:   # the host's speed while its costs were measured (a fixed Python loop, ms): how far it drifted
         t.env["host_speed_ms"] = [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2),
                                   round(max(speeds) * 1e3, 2)]

@@ -142,6 +142,11 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any, fake: bool =
         # without it the kernel keeps V as a view of its projection: a fused qkv output (GPT-NeoX, GPT-2) stays alive
         model.config.use_cache = spec.use_cache
     apply_freeze(model, spec.freeze)
+    compute = torch.float16 if spec.precision in ("fp16", "amp-fp16") else torch.bfloat16
+    if spec.qlora and not fake:   # on a device: bitsandbytes' own 4-bit layers, as from_pretrained(load_in_4bit) leaves them
+        from .quant import quantize_with_bitsandbytes  # heavy: imports torch; bitsandbytes on first use
+
+        quantize_with_bitsandbytes(model, compute)
     if spec.kbit_prep:
         prepare_for_kbit(model, source.name)
     if spec.grad_checkpointing:
@@ -163,8 +168,8 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any, fake: bool =
     if spec.qlora:
         from .quant import quantize_frozen_linears, unquantized_note  # heavy: imports torch
 
-        quantize_frozen_linears(model, compute_dtype=torch.bfloat16 if spec.precision != "fp16" and spec.precision != "amp-fp16" else torch.float16,
-                                bias_dtype=torch.float32 if spec.kbit_prep else None)
+        if fake:   # the stand-ins go in after LoRA (its base layers among them): memory-faithful, no bitsandbytes needed
+            quantize_frozen_linears(model, compute_dtype=compute, bias_dtype=torch.float32 if spec.kbit_prep else None)
         left = unquantized_note(model)
         if left:
             notes += (left,)

@@ -49,6 +49,7 @@ class Linear4bitSim(torch.nn.Module):
     dtypes: uint8 (two 4-bit weights a byte), uint8 absmax per 64 weights, fp32 per 256 blocks."""
 
     memlens_weight_buffers = ("weight_packed", "absmax", "absmax2")   # core.tracker.register_model: parameters
+    memlens_host_call = "qlora_layer"   # bitsandbytes' Python per call, priced by the time model (timing.record)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype, device=None,
                  bias_dtype: torch.dtype | None = None):
@@ -111,6 +112,39 @@ def quantize_frozen_linears(model, compute_dtype: torch.dtype, bias_dtype: torch
                                     bias_dtype=bias_dtype)
                 setattr(parent, name, new)
                 count += 1
+    return count
+
+
+def quantize_with_bitsandbytes(model, compute_dtype: torch.dtype) -> int:
+    """On a device: every nn.Linear but the LM head replaced by bitsandbytes' ``Linear4bit`` (NF4, double
+    quantization, storage uint8, compute in ``compute_dtype``), its weight quantized where it lies - what
+    ``from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True))`` leaves (transformers' ``replace_with_bnb_linear`` skips the output head). LoRA
+    comes after, on the 4-bit layers, as peft wraps them in a QLoRA recipe. Refused without bitsandbytes (a stand-in
+    would be measured, not bitsandbytes: the simulation's stand-ins are for fake tensors)."""
+    try:
+        import bitsandbytes as bnb  # optional: bitsandbytes (a GPU's)
+    except ImportError:
+        from ..core.errors import SpecError
+
+        raise SpecError("--qlora on a device needs bitsandbytes (its 4-bit layers are what is measured)",
+                        hint="pip install bitsandbytes; `memlens estimate --qlora` simulates QLoRA without it") from None
+    count = 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child is head or "lm_head" in name:
+                continue
+            new = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                    compute_dtype=compute_dtype, compress_statistics=True, quant_type="nf4",
+                                    quant_storage=torch.uint8, device="meta")
+            new.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, compress_statistics=True,
+                                           quant_type="nf4", quant_storage=torch.uint8)
+            if child.bias is not None:
+                new.bias = torch.nn.Parameter(child.bias.data, requires_grad=child.bias.requires_grad)
+            setattr(parent, name, new.to(child.weight.device))   # Params4bit quantizes on its move to a GPU
+            count += 1
+    model.is_loaded_in_4bit = True     # what peft reads to pick its bitsandbytes LoRA layers
     return count
 
 

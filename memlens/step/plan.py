@@ -141,6 +141,15 @@ def resolve(spec: TrainingSpec, *, fake: bool = True, source: Any = None, refuse
         return plan
 
 
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):     # a module set to None in sys.modules, or one without a spec
+        return False
+
+
 def _refuse(plan: StepPlan, fake: bool, source: Any) -> None:
     """Every refusal of the plan's entries, in the order a user meets them."""
     spec, kind = plan.spec, plan.kind
@@ -151,9 +160,9 @@ def _refuse(plan: StepPlan, fake: bool, source: Any) -> None:
     if not plan.distributed and spec.offload_optimizer:
         raise SpecError("--offload-optimizer is not simulated or run by this step yet",
                         hint="use --method formula, or drop --offload-optimizer")
-    if spec.qlora and not fake:
-        raise SpecError("--qlora on a real device needs bitsandbytes' 4-bit layers, which this step does not build",
-                        hint="use `memlens estimate --qlora` (simulated), or drop --qlora")
+    if spec.qlora and not fake and not _importable("bitsandbytes"):   # a device builds bitsandbytes' own 4-bit layers
+        raise SpecError("--qlora on a device needs bitsandbytes (its 4-bit layers are what is measured)",
+                        hint="pip install bitsandbytes; `memlens estimate --qlora` simulates QLoRA without it")
     kind.refuse(spec, task)                     # the kind's own (selective checkpointing / offload with --compile, DP hooks)
     if source is not None:
         refuse_liger(spec, source, fake)        # --liger: the architectures liger patches and memlens models

@@ -254,6 +254,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         if q:
             applied.append("4-bit NF4 frozen weights under parameters: " + ", ".join(f"{fmt_bytes(v)} {k}" for k, v in q.items())
                            + " (packed 2 a byte; absmax uint8 per 64 weights, fp32 per 256 blocks)")
+        n4 = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes"))
+        if n4:   # a device's build: bitsandbytes' own layers (memlens.models.quant.quantize_with_bitsandbytes)
+            applied.append(f"bitsandbytes Linear4bit on {n4} linear layers (NF4, double quantization), LoRA on them")
     if wrapper is not None:
         applied.extend(wrapper.applied)
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)

@@ -20,6 +20,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_budget_rule.py": "memlens.sweep(measure=True): the library's own trial runner",
     "gpu_host_probe.py": "times the host's seconds of a few loops on one GPU in one process (no cases, no subprocesses)",
     "gpu_ranks_calibrate.py": "one measurement over every GPU (memlens.measure.calibrate_nccl spawns a process per GPU), no cases",
+    "gpu_qlora_calibrate.py": "one measurement of host costs on one GPU in one process, no cases",
     "gpu_unaligned_probe.py": "re-measures calibrate's unaligned GEMM grids and the GPT-2 head's rates in one process",
     "gpu_opacus_sweep.py": "kills and resumes `memlens sweep --measure` itself (the test is the sweep's own resume)",
     "gpu_ckpt_probe.py": "times tiny models' host work in interleaved rounds in one process (as calibrate does)",

@@ -576,3 +576,22 @@ def test_an_fsdp2_unshard_over_several_ranks_pays_the_hooks_measured_over_ranks(
     tab.host_us.update(fsdp_forward_group_ranks=1500.0, fsdp_backward_group_ranks=1600.0)
     assert host(two) == pytest.approx([20e-6 + 1500e-6, 1600e-6])
     assert host(one) == pytest.approx([20e-6 + 500e-6, 700e-6])          # one rank copies: its own figure
+
+
+def test_each_4bit_layer_call_pays_bitsandbytes_host_work_both_ways():
+    from memlens.estimator.simulate import simulate
+    from memlens.estimator.timing.ops import OpFacts
+
+    sim = simulate(TrainingSpec(model=TINY_LLAMA, batch_size=1, seq_len=16, precision="bf16", lora_rank=4, qlora=True))
+    calls = [(b, f.op) for b, _, f in sim.timing.rows if f.kind == "module" and f.op]
+    # 2 layers x 7 projections, each a 4-bit stand-in: 14 calls forward; backward reaches 11 (layer 0's q, k and v
+    # take the frozen embedding's output, which needs no gradient: autograd never runs their backward)
+    assert calls.count(("forward", "qlora_layer")) == 14 and calls.count(("backward", "qlora_layer/backward")) == 11
+    tab = flat_table()
+    rows = [OpFacts("module", op="qlora_layer"), OpFacts("module", op="qlora_layer/backward")]
+    from memlens.estimator.timing.record import OpTrace
+
+    trace = OpTrace(rows=[("forward", 0, rows[0]), ("recompute", 0, rows[0]), ("backward", 0, rows[1])])
+    assert [r[3] for r in price(trace, tab)] == [0.0, 0.0, 0.0]          # a table without the costs: none
+    tab.host_us.update(qlora_layer_forward=60.0, qlora_layer_backward=170.0)
+    assert [r[3] for r in price(trace, tab)] == pytest.approx([60e-6, 60e-6, 170e-6])

@@ -35,3 +35,87 @@ def test_qlora_says_what_bitsandbytes_leaves_unquantized():
     r = estimate(TrainingSpec(model=str(cfg), batch_size=1, seq_len=16, lora_rank=4, qlora=True, precision="bf16"))
     note = next(n for n in r.notes if "quantizes nn.Linear layers only" in n)
     assert "OlmoeExperts 96.00 KiB" in note and "OlmoeTopKRouter 1.00 KiB" in note
+
+
+def _fake_bitsandbytes(monkeypatch):
+    """A stand-in ``bitsandbytes`` module with the two classes memlens builds on a device (no GPU, no bitsandbytes
+    here): Params4bit records that it was quantized when moved, Linear4bit its construction arguments."""
+    import sys
+    import types
+
+    import torch
+
+    class Params4bit(torch.nn.Parameter):
+        def __new__(cls, data=None, requires_grad=False, **kw):
+            p = super().__new__(cls, data, requires_grad)
+            p.kw = kw
+            p.moved = False
+            return p
+
+        def to(self, *a, **kw):
+            self.moved = True
+            return self
+
+    class Linear4bit(torch.nn.Linear):
+        def __init__(self, i, o, bias=True, device=None, **kw):
+            super().__init__(i, o, bias=bias, device=device)
+            self.kw = kw
+
+        def to(self, *a, **kw):
+            self.weight.to(*a, **kw)
+            return self
+
+    bnb = types.ModuleType("bitsandbytes")
+    bnb.nn = types.SimpleNamespace(Linear4bit=Linear4bit, Params4bit=Params4bit)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", bnb)
+    return bnb
+
+
+def test_bitsandbytes_layers_replace_every_linear_but_the_head(monkeypatch):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from memlens.models.quant import quantize_with_bitsandbytes
+
+    bnb = _fake_bitsandbytes(monkeypatch)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(Path(TINY_LLAMA).parent)))
+    assert quantize_with_bitsandbytes(model, torch.bfloat16) == 7 * model.config.num_hidden_layers
+    four = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert [n for n, m in model.named_modules() if type(m) is torch.nn.Linear] == ["lm_head"] and len(four) == 14
+    m = model.model.layers[0].self_attn.q_proj
+    assert m.kw == {"compute_dtype": torch.bfloat16, "compress_statistics": True, "quant_type": "nf4",
+                    "quant_storage": torch.uint8}
+    assert m.weight.moved and not m.weight.requires_grad and m.weight.kw["quant_type"] == "nf4"
+    assert m.weight.shape == (64, 64) and model.is_loaded_in_4bit
+
+
+def test_a_device_build_quantizes_before_lora_and_never_puts_stand_ins(monkeypatch):
+    import memlens.models.quant as quant
+    from memlens.models.build import build
+    from memlens.models.source import resolve
+
+    seen = []
+    monkeypatch.setattr(quant, "quantize_with_bitsandbytes", lambda model, dt: seen.append((type(model).__name__, dt)))
+    monkeypatch.setattr(quant, "quantize_frozen_linears", lambda *a, **k: seen.append("stand-ins"))
+    spec = TrainingSpec(model=TINY_LLAMA, batch_size=1, seq_len=16, qlora=True, lora_rank=4, precision="bf16")
+    build(spec, resolve(spec.model), device="cpu", fake=False)
+    import torch
+
+    assert seen == [("LlamaForCausalLM", torch.bfloat16)]       # the bare model, before peft wraps it
+    seen.clear()
+    build(spec, resolve(spec.model), fake=True)
+    assert seen == ["stand-ins"]
+
+
+def test_a_device_build_without_bitsandbytes_is_refused_in_one_line(monkeypatch, capsys):
+    import sys
+
+    from memlens.cli.main import main
+
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)     # not importable
+    code = main(["profile", "--model", TINY_LLAMA, "--batch-size", "1", "--seq-len", "16", "--qlora", "--lora-rank", "4",
+                 "--precision", "bf16", "--device", "cpu", "--steps", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert err.startswith("ERROR: --qlora on a device needs bitsandbytes") and "HINT: pip install bitsandbytes" in err
+    assert "`memlens estimate --qlora` simulates QLoRA without it" in err

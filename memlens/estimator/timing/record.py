@@ -52,6 +52,11 @@ _CKPT_CALL = OpFacts(CKPT)
 # hooked_module_backward (memlens.measure.calibrate.measure_dp_host)
 HOOKED = "hooked"
 _HOOKED_CALL = OpFacts(MODULE, op=HOOKED)
+# a module's own host work per call, named by the module (``memlens_host_call``): bitsandbytes' Linear4bit
+# ("qlora_layer": Linear4bit.forward -> matmul_4bit -> MatMul4Bit, its quant state's double-quantized absmax
+# dequantized, then the weight, then F.linear; backward dequantizes again), priced at the table's ``<name>_forward`` and
+# ``<name>_backward`` (memlens.measure.calibrate.measure_qlora_host)
+BACKWARD_CALL = "/backward"
 
 # phases priced from the op stream (the optimizer is priced from its parameters: .step)
 STREAM_PHASES = ("forward", "backward", "clip", "reference", "generation")
@@ -106,13 +111,25 @@ class Recorder:
         if f.kind != META:
             self.add(f)
 
-    def module_call(self, hooked: bool = False) -> None:
-        """A module's forward entered (memlens.core.tracker.ModuleScope): a host-only row (:func:`host_costs`), and
-        one more for a module with a full backward hook (Opacus' per-sample-gradient hooks: :func:`price`)."""
-        if self._live() and not self.tracker.muted and self.bucket() == "forward":
+    def module_call(self, hooked: bool = False, call: str | None = None) -> None:
+        """A module's forward entered (memlens.core.tracker.ModuleScope): a host-only row (:func:`host_costs`), one
+        more for a module with a full backward hook (Opacus' per-sample-gradient hooks: :func:`price`), and one for a
+        module that names its own host work per call (``call``: priced at the table's ``<call>_forward``, in forward
+        and in recompute)."""
+        if not self._live() or self.tracker.muted:
+            return
+        bucket = self.bucket()
+        if bucket == "forward":
             self.add(_MODULE_CALL)
             if hooked:
                 self.add(_HOOKED_CALL)
+        if call and bucket in ("forward", "recompute"):
+            self.add(OpFacts(MODULE, op=call))
+
+    def host_call_backward(self, call: str) -> None:
+        """Backward reached a module that names its own host work per call: a host-only row (``<call>_backward``)."""
+        if self._live() and not self.tracker.muted and self.bucket() == "backward":
+            self.add(OpFacts(MODULE, op=call + BACKWARD_CALL))
 
     def hooked_backward(self) -> None:
         """Backward reached a module with a full backward hook: a host-only row for its hook's Python."""
@@ -229,6 +246,9 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
         if kind == MODULE:
             if f.op == HOOKED:
                 out.append((bucket, mod, 0.0, h_hooked[0] if bucket == "forward" else h_hooked[1], 0, kind))
+            elif f.op:
+                key = f.op[:-len(BACKWARD_CALL)] + "_backward" if f.op.endswith(BACKWARD_CALL) else f.op + "_forward"
+                out.append((bucket, mod, 0.0, tab.host_seconds(key), 0, kind))
             else:
                 out.append((bucket, mod, 0.0, h_mod, 0, kind))
             continue

@@ -30,3 +30,17 @@ def test_calibrate_over_every_gpu_measures_the_collectives_the_overlap_and_fsdp2
     assert 0 <= ov["matmul"] < 1 and 0 <= ov["memory"] < 1 and ov["comm_beside_matmul"] >= 0.9
     assert out["host_us"]["fsdp_forward_group_ranks"] > 0 and out["host_us"]["fsdp_optimizer_tensor_op_ranks"] >= 0
     assert logs[0].startswith(f"NCCL over {_gpus()} GPUs")
+
+
+@pytest.mark.gpu
+def test_calibrate_measures_bitsandbytes_4bit_layers_per_call_where_it_is_installed():
+    import torch
+
+    pytest.importorskip("bitsandbytes")
+    from memlens.measure.calibrate import measure_qlora_host
+
+    logs = []
+    out = measure_qlora_host(torch, torch.device("cuda"), {"view": 2.0, "model_forward": 30.0, "model_backward": 30.0}, logs.append)
+    assert set(out) == {"qlora_layer_forward", "qlora_layer_backward"} and all(v >= 0 for v in out.values())
+    assert logs[-1].startswith("bitsandbytes' 4-bit layers per call (112 layers")
+    assert measure_qlora_host(torch, torch.device("cpu"), {}, logs.append) == {}
