@@ -243,3 +243,10 @@ class _Tied(torch.nn.Module):
 def tied(spec=None):
     """Tied embedding and head, 1024 x 1024 fp32 (4 MiB); 16 token ids; loss = sum of the logits."""
     return _Tied(), torch.randint(0, 1024, (16,)), lambda out, batch: out.sum()
+
+
+def hooked_linear(spec=None):
+    """:func:`linear` with a user's own full backward hook on its layer (not Opacus')."""
+    model, x, loss = linear(spec)
+    model[0].register_full_backward_hook(lambda mod, grad_in, grad_out: None)
+    return model, x, loss

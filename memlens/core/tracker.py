@@ -262,6 +262,17 @@ def pack_hook_for(tracker: StorageTracker):
     return pack
 
 
+def opacus_hooked(mod) -> bool:
+    """Whether Opacus hooks ``mod`` for per-sample gradients: a full backward hook that is GradSampleModule's
+    ``capture_backprops_hook`` (a partial of it). The step-time model prices those calls at calibrate's hooked-module
+    costs; a user's own full backward hook is not Opacus' work and is not priced as it."""
+    for h in mod._backward_hooks.values():
+        f = getattr(h, "func", h)
+        if (getattr(f, "__module__", None) or "").startswith("opacus"):
+            return True
+    return False
+
+
 class ModuleScope:
     """Charge allocations to the module running: forward pre/post hooks keep a stack, and a
     pre-hook on each module output's grad_fn marks where backward enters that module.
@@ -286,7 +297,7 @@ class ModuleScope:
             if timer is not None:
                 # a full backward hook (Opacus'): costs more, both ways; a module naming its own host work per call
                 # (memlens_host_call: the 4-bit stand-in for bitsandbytes' Linear4bit) has it priced per call
-                timer.module_call(bool(mod._backward_hooks), getattr(mod, "memlens_host_call", None))
+                timer.module_call(opacus_hooked(mod), getattr(mod, "memlens_host_call", None))
 
     def _post(self, mod, args, out):
         mid = self.ids.get(id(mod))
@@ -297,7 +308,7 @@ class ModuleScope:
         self.tracker.module = self.stack[-1] if self.stack else self.outside
         if torch.is_grad_enabled():
             tracker = self.tracker
-            hooked = bool(mod._backward_hooks)
+            hooked = opacus_hooked(mod)
             call = getattr(mod, "memlens_host_call", None)
 
             def enter(grad_outputs, mid=mid):

@@ -495,6 +495,9 @@ def test_opacus_hooked_modules_pay_their_hooks_per_call_both_ways():
     assert hooked == [("backward", 200.0)] * 8 + [("forward", 150.0)] * 8
     plain = price(simulate(TrainingSpec(model=TINY_LLAMA, batch_size=2, seq_len=16, lora_rank=8)).timing, tab)
     assert not [r for r in plain if r[5] == "module" and r[3] > 100e-6]
+    # a user's own full backward hook is not Opacus' per-sample work: no hooked-module row
+    user = price(simulate(TrainingSpec(model="tests.tiny_models:hooked_linear", optimizer="sgd")).timing, tab)
+    assert [r for r in user if r[5] == "module"] and not [r for r in user if r[5] == "module" and r[3] > 100e-6]
 
 
 def test_calibrate_prices_a_wrappers_calls_by_what_it_adds_beyond_its_ops():
