@@ -458,7 +458,6 @@ def measure_dp_host(torch, dev, host: dict, log, speeds: list | None = None) -> 
     except ImportError:
         return {}
     cfg = LlamaConfig(**CALIB_LLAMA)
-    ids = torch.randint(0, 512, (1, 16), device=dev)
     models = {}
     for name in ("", "_dp"):
         torch.manual_seed(0)
@@ -476,12 +475,21 @@ def measure_dp_host(torch, dev, host: dict, log, speeds: list | None = None) -> 
     hooked = sum(1 for mod in models["_dp"].modules() if mod._backward_hooks)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        timed = host_rounds(torch, models, ids, speeds=speeds)
-    out = extra_per_call(timed[""], timed["_dp"], hooked, host.get("model_forward", 0.0) * 1e-6,
-                         host.get("model_backward", 0.0) * 1e-6, host.get("view", 0.0) * 1e-6)
-    out = {"hooked_module_forward": out[0], "hooked_module_backward": out[1]}
+        out = per_call_costs(torch, dev, models, hooked, host, ("hooked_module_forward", "hooked_module_backward"), speeds)
     log(f"Opacus' hooks per hooked module ({hooked} modules, us): {out}")
     return out
+
+
+def per_call_costs(torch, dev, models: dict, calls: int, host: dict, keys: tuple, speeds: list | None = None) -> dict:
+    """Two models (bare, then wrapped: name -> model) timed at 1 x 16 tokens in interleaved rounds (:func:`host_rounds`):
+    what each of the wrapped one's ``calls`` adds to forward and backward beyond the ops it adds (priced at the table's
+    ``host`` costs so far), in µs, as ``keys`` (forward key, backward key)."""
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    (bare, wrapped) = list(models)
+    timed = host_rounds(torch, models, ids, speeds=speeds)
+    fwd, bwd = extra_per_call(timed[bare], timed[wrapped], calls, host.get("model_forward", 0.0) * 1e-6,
+                              host.get("model_backward", 0.0) * 1e-6, host.get("view", 0.0) * 1e-6)
+    return {keys[0]: fwd, keys[1]: bwd}
 
 
 def measure_qlora_host(torch, dev, host: dict, log, speeds: list | None = None) -> dict:
@@ -502,7 +510,6 @@ def measure_qlora_host(torch, dev, host: dict, log, speeds: list | None = None) 
     from ..models.quant import quantize_with_bitsandbytes
 
     cfg = LlamaConfig(**CALIB_LLAMA)
-    ids = torch.randint(0, 512, (1, 16), device=dev)
     models = {}
     for name in ("plain", "4bit"):
         torch.manual_seed(0)
@@ -514,10 +521,7 @@ def measure_qlora_host(torch, dev, host: dict, log, speeds: list | None = None) 
             quantize_with_bitsandbytes(m, torch.bfloat16)
         models[name] = m
     layers = sum(1 for mod in models["4bit"].modules() if type(mod).__name__ == "Linear4bit")
-    timed = host_rounds(torch, models, ids, speeds=speeds)
-    out = extra_per_call(timed["plain"], timed["4bit"], layers, host.get("model_forward", 0.0) * 1e-6,
-                         host.get("model_backward", 0.0) * 1e-6, host.get("view", 0.0) * 1e-6)
-    out = {"qlora_layer_forward": out[0], "qlora_layer_backward": out[1]}
+    out = per_call_costs(torch, dev, models, layers, host, ("qlora_layer_forward", "qlora_layer_backward"), speeds)
     log(f"bitsandbytes' 4-bit layers per call ({layers} layers, us): {out}")
     return out
 
