@@ -117,3 +117,20 @@ def test_a_host_whose_speed_drifts_past_30_percent_is_said_so():
     assert host_drift_note([0.020, 0.021, 0.025]) is None                # 1.25x: quiet enough
     note = host_drift_note([0.0133, 0.0204, 0.0219, 0.0204, 0.0210])      # the sixth session's H100 calibrate: 1.6x
     assert note.startswith("note: this host's speed varied 1.6x") and "median" in note
+
+
+def test_a_wrappers_cost_per_call_is_its_extra_time_less_its_extra_ops(monkeypatch):
+    import torch
+
+    import memlens.measure.calibrate as cal
+
+    def rounds(torch_, models, ids, speeds=None):   # the wrapped model: 10 ms / 30 ms more, 100 more kernel ops forward
+        assert list(models) == ["bare", "wrapped"] and ids.shape == (1, 16)
+        return {"bare": (0.020, 0.040, {"kernel": 500, "view": 50}, {"kernel": 600, "view": 80}),
+                "wrapped": (0.030, 0.070, {"kernel": 600, "view": 50}, {"kernel": 600, "view": 90})}
+
+    monkeypatch.setattr(cal, "host_rounds", rounds)
+    out = cal.per_call_costs(torch, torch.device("cpu"), {"bare": None, "wrapped": None}, 50,
+                             {"model_forward": 30.0, "model_backward": 40.0, "view": 2.0}, ("x_forward", "x_backward"))
+    # forward: (10 ms - 100 ops x 30 us) / 50 calls = 140 us; backward: (30 ms - 10 views x 2 us) / 50 = 599.6 us
+    assert out == {"x_forward": 140.0, "x_backward": 599.6}
