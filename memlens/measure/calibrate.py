@@ -570,6 +570,30 @@ def measure_pcie(torch, dev, log) -> dict:
     return {"h2d": round(h2d, 2), "d2h": round(d2h, 2)}
 
 
+def ranks_section(t: TimingTable, torch, world: int, nccl: bool, quick: bool, log) -> None:
+    """The table's multi-GPU part: measured over the ``world`` GPUs here (memlens.measure.calibrate_nccl) where there
+    are several and ``nccl``, else data-sheet NCCL rows; a failed measurement (a busy GPU, NCCL) keeps the rest of the
+    table and says so."""
+    ranks = None
+    if nccl and world > 1:
+        try:
+            ranks = measure_ranks(torch, world, GRID_NCCL if not quick else GRID_NCCL[::3], t.host_us, log)
+        except Exception as e:  # noqa: BLE001 - a process per GPU failed: the one-GPU table is kept
+            why = (str(e).strip().splitlines() or [""])[-1][:160]
+            log(f"NCCL over {world} GPUs not measured ({type(e).__name__}: {why}); its rows are data-sheet rates "
+                "(--no-nccl skips it)")
+    if ranks is not None:
+        t.nccl, t.nccl_overlap = ranks["nccl"], ranks["overlap"]
+        t.host_us.update(ranks["host_us"])
+        t.env["fsdp_ranks"] = world
+        t.env["nccl"] = f"measured over {world} GPUs (memlens.measure.calibrate_nccl)"
+        return
+    from ..estimator.timing.tables import _datasheet_nccl
+
+    t.nccl = {str(w): _datasheet_nccl(t.gpu, w) for w in (2, 4, 8)} if t.gpu in GPUS else {}
+    t.env["nccl"] = "data sheet (one GPU here)" if world <= 1 or not nccl else "data sheet (not measured here)"
+
+
 def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log: Callable[[str], None] = print) -> TimingTable:
     """Measure the timing table of ``device`` (a CUDA GPU). ``quick``: small grids (a smoke test, not a table to ship).
 
@@ -611,17 +635,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     _add_logs(t)
     t.optimizer_ratio = measure_optimizer_ratios(torch, dev, t, log)
     t.pcie_gbps = measure_pcie(torch, dev, log)
-    world = torch.cuda.device_count()
-    if nccl and world > 1:
-        ranks = measure_ranks(torch, world, GRID_NCCL if not quick else GRID_NCCL[::3], t.host_us, log)
-        t.nccl, t.nccl_overlap = ranks["nccl"], ranks["overlap"]
-        t.host_us.update(ranks["host_us"])
-        t.env["fsdp_ranks"] = world
-    else:
-        from ..estimator.timing.tables import _datasheet_nccl
-
-        t.nccl = {str(w): _datasheet_nccl(t.gpu, w) for w in (2, 4, 8)} if t.gpu in GPUS else {}
-        t.env["nccl"] = "data sheet (one GPU here)"
+    ranks_section(t, torch, torch.cuda.device_count(), nccl, quick, log)
     t.env["seconds"] = round(time.perf_counter() - t0, 1)
     _add_logs(t)
     log(f"calibrated in {t.env['seconds']} s")

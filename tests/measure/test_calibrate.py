@@ -134,3 +134,25 @@ def test_a_wrappers_cost_per_call_is_its_extra_time_less_its_extra_ops(monkeypat
                              {"model_forward": 30.0, "model_backward": 40.0, "view": 2.0}, ("x_forward", "x_backward"))
     # forward: (10 ms - 100 ops x 30 us) / 50 calls = 140 us; backward: (30 ms - 10 views x 2 us) / 50 = 599.6 us
     assert out == {"x_forward": 140.0, "x_backward": 599.6}
+
+
+def test_a_failed_measurement_over_the_gpus_keeps_the_table_with_data_sheet_nccl(monkeypatch):
+    import memlens.measure.calibrate as cal
+    from memlens.estimator.timing.tables import TimingTable
+
+    def fails(*a, **k):
+        raise RuntimeError("process 1 terminated with signal SIGABRT\nNCCL error: unhandled system error")
+
+    monkeypatch.setattr(cal, "measure_ranks", fails)
+    t, logs = TimingTable(gpu="h100", host_us={"forward": 10.0}), []
+    cal.ranks_section(t, None, 2, True, False, logs.append)
+    assert set(t.nccl) == {"2", "4", "8"} and t.nccl_overlap == {} and t.env["nccl"] == "data sheet (not measured here)"
+    assert logs == ["NCCL over 2 GPUs not measured (RuntimeError: NCCL error: unhandled system error); its rows are "
+                    "data-sheet rates (--no-nccl skips it)"]
+    monkeypatch.setattr(cal, "measure_ranks", lambda *a, **k: {"nccl": {"2": {}}, "overlap": {"2": {"matmul": 0.1}},
+                                                               "host_us": {"fsdp_forward_group_ranks": 900.0}})
+    cal.ranks_section(t, None, 2, True, False, logs.append)
+    assert t.nccl == {"2": {}} and t.host_us == {"forward": 10.0, "fsdp_forward_group_ranks": 900.0}
+    assert t.env["fsdp_ranks"] == 2 and t.env["nccl"].startswith("measured over 2 GPUs")
+    cal.ranks_section(t, None, 1, True, False, logs.append)       # one GPU: data sheet, said so
+    assert t.env["nccl"] == "data sheet (one GPU here)"
