@@ -167,8 +167,10 @@ def _history_notes(prof: Any, data: ProfilePayload, notes: list[str]) -> None:
 
 
 def _model_sizes(model: Any, data: ProfilePayload) -> None:
+    from ..models.quant import param_count  # heavy: imports torch (a profiled model has it loaded)
+
     params = list(model.parameters())
-    data.param_count = sum(p.numel() for p in params)
+    data.param_count = param_count(model)      # a 4-bit weight (QLoRA) as the weights it packs
     data.trainable_param_count = sum(p.numel() for p in params if p.requires_grad)
     data.theoretical_param_bytes = sum(p.numel() * p.element_size() for p in params)
     data.buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())

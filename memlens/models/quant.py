@@ -81,6 +81,20 @@ def quantized_weight_count(model) -> int:
     return sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, Linear4bitSim))
 
 
+def packed(p) -> bool:
+    """bitsandbytes' packed 4-bit weight (``Params4bit``, a uint8 parameter of half the weights' elements)."""
+    return type(p).__name__ == "Params4bit"
+
+
+def param_count(model) -> int:
+    """The model's parameters, each 4-bit weight counted as the ``in x out`` weights it packs: the stand-ins' (buffers)
+    and bitsandbytes' own (:func:`packed` parameters, whose Linear4bit keeps the layer's shape)."""
+    plain = sum(p.numel() for p in model.parameters() if not packed(p))
+    bnb = sum(m.in_features * m.out_features for m in model.modules()
+              if type(m).__name__ == "Linear4bit" and packed(getattr(m, "weight", None)))
+    return plain + bnb + quantized_weight_count(model)
+
+
 def unquantized_note(model) -> str | None:
     """What bitsandbytes' 4-bit loading leaves in 16/32 bits besides embeddings, norms and lm_head: frozen weights
     that are no nn.Linear, such as the fused expert tensors of Mixtral/OLMoE-style MoE layers (an

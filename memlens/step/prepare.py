@@ -40,7 +40,7 @@ from ..core.spec import TrainingSpec, checkpoint_layers_text
 from ..core.units import fmt_bytes
 from ..models.build import build, quiet
 from ..models.liger import applied_line as liger_applied
-from ..models.quant import quantized_weight_count
+from ..models.quant import param_count
 from ..models.source import resolve as resolve_source
 from .fake import fake_batch, materialize_on_fake, tensors, to_device
 from .ema import attach as attach_ema
@@ -84,7 +84,7 @@ class PreparedStep:
     @property
     def param_count(self) -> int:
         """The model's parameters, a 4-bit weight (QLoRA) counted as the weights it packs (models/quant.py)."""
-        return sum(p.numel() for p in self.model.parameters()) + quantized_weight_count(self.model)
+        return param_count(self.model)
 
     @property
     def trainable_param_count(self) -> int:

@@ -77,16 +77,24 @@ def test_bitsandbytes_layers_replace_every_linear_but_the_head(monkeypatch):
 
     from memlens.models.quant import quantize_with_bitsandbytes
 
+    from memlens.models.quant import param_count
+
     bnb = _fake_bitsandbytes(monkeypatch)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(Path(TINY_LLAMA).parent)))
+    before = sum(p.numel() for p in model.parameters())
     assert quantize_with_bitsandbytes(model, torch.bfloat16) == 7 * model.config.num_hidden_layers
+    # bitsandbytes packs two 4-bit weights a byte (Params4bit holds in x out / 2 uint8): the count stays the weights'
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.weight.data = torch.empty(m.in_features * m.out_features // 2, 1, dtype=torch.uint8)
+    assert param_count(model) == before
     four = [n for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert [n for n, m in model.named_modules() if type(m) is torch.nn.Linear] == ["lm_head"] and len(four) == 14
     m = model.model.layers[0].self_attn.q_proj
     assert m.kw == {"compute_dtype": torch.bfloat16, "compress_statistics": True, "quant_type": "nf4",
                     "quant_storage": torch.uint8}
     assert m.weight.moved and not m.weight.requires_grad and m.weight.kw["quant_type"] == "nf4"
-    assert m.weight.shape == (64, 64) and model.is_loaded_in_4bit
+    assert m.weight.shape == (64 * 64 // 2, 1) and model.is_loaded_in_4bit
 
 
 def test_a_device_build_quantizes_before_lora_and_never_puts_stand_ins(monkeypatch):
