@@ -143,7 +143,10 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any, fake: bool =
         model.config.use_cache = spec.use_cache
     apply_freeze(model, spec.freeze)
     compute = torch.float16 if spec.precision in ("fp16", "amp-fp16") else torch.bfloat16
-    if spec.qlora and not fake:   # on a device: bitsandbytes' own 4-bit layers, as from_pretrained(load_in_4bit) leaves them
+    # a model that runs (not fake, not the formula's meta model): bitsandbytes' own 4-bit layers, as
+    # from_pretrained(load_in_4bit) leaves them; else the memory-faithful stand-ins after LoRA (below)
+    runs = not fake and next(model.parameters()).device.type != "meta"
+    if spec.qlora and runs:
         from .quant import quantize_with_bitsandbytes  # heavy: imports torch; bitsandbytes on first use
 
         quantize_with_bitsandbytes(model, compute)
@@ -168,7 +171,7 @@ def _build_hf(spec: TrainingSpec, source: ModelSource, device: Any, fake: bool =
     if spec.qlora:
         from .quant import quantize_frozen_linears, unquantized_note  # heavy: imports torch
 
-        if fake:   # the stand-ins go in after LoRA (its base layers among them): memory-faithful, no bitsandbytes needed
+        if not runs:   # the stand-ins go in after LoRA (its base layers among them): memory-faithful, no bitsandbytes
             quantize_frozen_linears(model, compute_dtype=compute, bias_dtype=torch.float32 if spec.kbit_prep else None)
         left = unquantized_note(model)
         if left:

@@ -143,6 +143,20 @@ def quantize_with_bitsandbytes(model, compute_dtype: torch.dtype) -> int:
 
         raise SpecError("--qlora on a device needs bitsandbytes (its 4-bit layers are what is measured)",
                         hint="pip install bitsandbytes; `memlens estimate --qlora` simulates QLoRA without it") from None
+    where = next(model.parameters()).device
+    if where.type != "cuda":
+        from ..core.errors import SpecError
+
+        raise SpecError(f"--qlora builds bitsandbytes' 4-bit layers on a CUDA GPU; this model is built on {where.type}",
+                        hint="profile QLoRA on a GPU (without --load-on-cpu), or `memlens estimate --qlora` simulates it")
+    count = replace_linears_4bit(model, bnb, compute_dtype)
+    model.is_loaded_in_4bit = True     # what peft reads to pick its bitsandbytes LoRA layers
+    return count
+
+
+def replace_linears_4bit(model, bnb, compute_dtype: torch.dtype) -> int:
+    """:func:`quantize_with_bitsandbytes`' replacement, with the ``bnb`` module given: every nn.Linear but the output
+    head a ``Linear4bit`` whose ``Params4bit`` quantizes as it moves to the layer's device. Returns how many."""
     count = 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for parent in list(model.modules()):
@@ -158,7 +172,6 @@ def quantize_with_bitsandbytes(model, compute_dtype: torch.dtype) -> int:
                 new.bias = torch.nn.Parameter(child.bias.data, requires_grad=child.bias.requires_grad)
             setattr(parent, name, new.to(child.weight.device))   # Params4bit quantizes on its move to a GPU
             count += 1
-    model.is_loaded_in_4bit = True     # what peft reads to pick its bitsandbytes LoRA layers
     return count
 
 

@@ -1,6 +1,8 @@
 """QLoRA's 4-bit weights are the model's parameters (as bitsandbytes' Params4bit), at their storage dtypes."""
 from pathlib import Path
 
+import pytest
+
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import estimate
 
@@ -75,14 +77,16 @@ def test_bitsandbytes_layers_replace_every_linear_but_the_head(monkeypatch):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from memlens.models.quant import quantize_with_bitsandbytes
-
-    from memlens.models.quant import param_count
+    from memlens.core.errors import SpecError
+    from memlens.models.quant import param_count, quantize_with_bitsandbytes, replace_linears_4bit
 
     bnb = _fake_bitsandbytes(monkeypatch)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(Path(TINY_LLAMA).parent)))
+    with pytest.raises(SpecError) as e:         # a model on the CPU: bitsandbytes' layers are a GPU's
+        quantize_with_bitsandbytes(model, torch.bfloat16)
+    assert e.value.message == "--qlora builds bitsandbytes' 4-bit layers on a CUDA GPU; this model is built on cpu"
     before = sum(p.numel() for p in model.parameters())
-    assert quantize_with_bitsandbytes(model, torch.bfloat16) == 7 * model.config.num_hidden_layers
+    assert replace_linears_4bit(model, bnb, torch.bfloat16) == 7 * model.config.num_hidden_layers
     # bitsandbytes packs two 4-bit weights a byte (Params4bit holds in x out / 2 uint8): the count stays the weights'
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
@@ -94,7 +98,7 @@ def test_bitsandbytes_layers_replace_every_linear_but_the_head(monkeypatch):
     assert m.kw == {"compute_dtype": torch.bfloat16, "compress_statistics": True, "quant_type": "nf4",
                     "quant_storage": torch.uint8}
     assert m.weight.moved and not m.weight.requires_grad and m.weight.kw["quant_type"] == "nf4"
-    assert m.weight.shape == (64 * 64 // 2, 1) and model.is_loaded_in_4bit
+    assert m.weight.shape == (64 * 64 // 2, 1)
 
 
 def test_a_device_build_quantizes_before_lora_and_never_puts_stand_ins(monkeypatch):
