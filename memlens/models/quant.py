@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.errors import SpecError
 from ..core.units import fmt_bytes
 
 NF4_BLOCK = 64
@@ -139,14 +140,10 @@ def quantize_with_bitsandbytes(model, compute_dtype: torch.dtype) -> int:
     try:
         import bitsandbytes as bnb  # optional: bitsandbytes (a GPU's)
     except ImportError:
-        from ..core.errors import SpecError
-
         raise SpecError("--qlora on a device needs bitsandbytes (its 4-bit layers are what is measured)",
                         hint="pip install bitsandbytes; `memlens estimate --qlora` simulates QLoRA without it") from None
     where = next(model.parameters()).device
     if where.type != "cuda":
-        from ..core.errors import SpecError
-
         raise SpecError(f"--qlora builds bitsandbytes' 4-bit layers on a CUDA GPU; this model is built on {where.type}",
                         hint="profile QLoRA on a GPU (without --load-on-cpu), or `memlens estimate --qlora` simulates it")
     count = replace_linears_4bit(model, bnb, compute_dtype)
