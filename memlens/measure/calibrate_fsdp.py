@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import tempfile
 import time
 
@@ -65,8 +66,6 @@ def optimizer_rounds(torch, models: dict, ids, rounds: int = 5, runs: int = 5) -
     """name -> seconds of one foreach AdamW step over each model's gradients (the median over interleaved rounds of
     each round's median; the GPU idles on these models, so it is the host's time). Under FSDP2 every parameter is a
     DTensor: each foreach op goes through DTensor's dispatch (its Python, per tensor of the list)."""
-    import statistics
-
     sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
     opts = {}
     for name, m in models.items():
