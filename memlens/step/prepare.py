@@ -131,6 +131,24 @@ def build_for_sharding(spec: TrainingSpec, source, wrapper):
     return built
 
 
+def _qlora_applied(model) -> list[str]:
+    """What QLoRA put in the model, for ``applied``: the stand-ins' 4-bit weights, counted as parameters
+    (core.tracker.register_model) at their storage dtypes, or on a device bitsandbytes' own layers
+    (memlens.models.quant.quantize_with_bitsandbytes)."""
+    out, q = [], {}
+    for mod in model.modules():
+        for bname in getattr(mod, "memlens_weight_buffers", ()):
+            b = getattr(mod, bname)
+            q[str(b.dtype).removeprefix("torch.")] = q.get(str(b.dtype).removeprefix("torch."), 0) + b.numel() * b.element_size()
+    if q:
+        out.append("4-bit NF4 frozen weights under parameters: " + ", ".join(f"{fmt_bytes(v)} {k}" for k, v in q.items())
+                   + " (packed 2 a byte; absmax uint8 per 64 weights, fp32 per 256 blocks)")
+    n4 = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes"))
+    if n4:
+        out.append(f"bitsandbytes Linear4bit on {n4} linear layers (NF4, double quantization), LoRA on them")
+    return out
+
+
 def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, source=None, fake_mode=None,
             autocast: Callable[[], Any] | None = None, scaler: Any = None, load_on_cpu: bool = False,
             seed: int | None = None, on_stage: Callable[[str], None] | None = None) -> PreparedStep:
@@ -245,18 +263,8 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
         applied.append(("QLoRA" if spec.qlora else "LoRA") + f" r={spec.lora_rank} alpha={spec.lora_alpha or 2 * spec.lora_rank:g}"
                        + (f" on {','.join(spec.lora_targets)}" if spec.lora_targets else "")
                        + (f" dropout {spec.lora_dropout:g}" if spec.lora_dropout else ""))
-    if spec.qlora:   # the 4-bit weights count as parameters (core.tracker.register_model), at their storage dtypes
-        q = {}
-        for mod in model.modules():
-            for bname in getattr(mod, "memlens_weight_buffers", ()):
-                b = getattr(mod, bname)
-                q[str(b.dtype).removeprefix("torch.")] = q.get(str(b.dtype).removeprefix("torch."), 0) + b.numel() * b.element_size()
-        if q:
-            applied.append("4-bit NF4 frozen weights under parameters: " + ", ".join(f"{fmt_bytes(v)} {k}" for k, v in q.items())
-                           + " (packed 2 a byte; absmax uint8 per 64 weights, fp32 per 256 blocks)")
-        n4 = sum(1 for m in model.modules() if type(m).__name__ == "Linear4bit" and type(m).__module__.startswith("bitsandbytes"))
-        if n4:   # a device's build: bitsandbytes' own layers (memlens.models.quant.quantize_with_bitsandbytes)
-            applied.append(f"bitsandbytes Linear4bit on {n4} linear layers (NF4, double quantization), LoRA on them")
+    if spec.qlora:
+        applied.extend(_qlora_applied(model))
     if wrapper is not None:
         applied.extend(wrapper.applied)
         optimizer = wrapper.make_optimizer(spec, model, simulate=fake)
