@@ -250,3 +250,28 @@ def hooked_linear(spec=None):
     model, x, loss = linear(spec)
     model[0].register_full_backward_hook(lambda mod, grad_in, grad_out: None)
     return model, x, loss
+
+
+class _Twice(torch.nn.Module):
+    """``h = fc(x)``, then ``h * 2 + h.tanh()``: h's gradient is the sum of two, made by two nodes."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(1024, 1024, bias=False)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return h * 2 + h.tanh()
+
+
+def twice(spec=None):
+    """:class:`_Twice` over 16 x 1024 fp32 (64 KiB activations); loss = sum of the outputs."""
+    return _Twice(), torch.randn(16, 1024), lambda out, batch: out.sum()
+
+
+def biased_tokens(spec=None):
+    """A 64 -> 1024 linear layer with a bias over batch (2, or the spec's) x 512 tokens fp32: the bias gradient sums
+    1,024 token rows per output (a long column reduction); loss = sum of the squared outputs (a dense gradient)."""
+    batch = 2 if spec is None or spec.batch_size == 1 else spec.batch_size
+    return (torch.nn.Sequential(torch.nn.Linear(64, 1024)), torch.randn(batch, 512, 64),
+            lambda out, batch: out.pow(2).sum())

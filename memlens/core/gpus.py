@@ -66,6 +66,12 @@ class GpuFacts:
     sm_count: int = 0              # streaming multiprocessors (torch.cuda.get_device_properties().multi_processor_count):
                                    # kernels that size scratch per SM (liger's RMSNorm backward, memlens.models.liger)
 
+    @property
+    def max_threads_per_sm(self) -> int:
+        """Resident threads per SM (``maxThreadsPerMultiProcessor``; CUDA C++ Programming Guide, compute capabilities
+        table): 2048 on sm70/sm80/sm90, 1536 on sm86/sm89, 1024 on sm75. CUDA reductions size their grids by it."""
+        return {(7, 5): 1024, (8, 6): 1536, (8, 7): 1536, (8, 9): 1536}.get(tuple(self.compute_capability), 2048)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["compute_capability"] = list(self.compute_capability)

@@ -123,7 +123,11 @@ class CachingAllocatorModel:
         del lst[i]
 
     def malloc(self, key: Any, nbytes: int, stream: int = 0) -> int:
-        """Allocate ``nbytes`` for ``key`` on ``stream``; returns the block size charged to ``allocated``."""
+        """Allocate ``nbytes`` for ``key`` on ``stream``; returns the block size charged to ``allocated``. Zero bytes
+        take no block (the allocator returns a null pointer without touching its pools)."""
+        if nbytes == 0:
+            self._live[key] = (None, 0)
+            return 0
         size = round_size(nbytes)
         small = size <= K_SMALL_SIZE
         pool = (small, stream)
@@ -164,6 +168,8 @@ class CachingAllocatorModel:
     def free(self, key: Any) -> int:
         """Free the block of ``key``; returns the block size released from ``allocated``."""
         block, nbytes = self._live.pop(key)
+        if block is None:
+            return 0
         released = block.size
         self.allocated -= released
         self.requested -= nbytes
@@ -194,7 +200,7 @@ class CachingAllocatorModel:
     @property
     def inactive_split_bytes(self) -> int:
         """Free bytes inside segments that also hold live blocks (fragmentation, as memory_stats names it)."""
-        live_segments = {b.segment for b, _ in self._live.values()}
+        live_segments = {b.segment for b, _ in self._live.values() if b is not None}
         total = 0
         for lst in self._free.values():
             for size, addr in lst:
@@ -224,7 +230,7 @@ class RawSizes:
         return key in self._live
 
     def malloc(self, key: Any, nbytes: int, stream: int = 0) -> int:
-        size = self.size_fn(nbytes)
+        size = self.size_fn(nbytes) if nbytes else 0
         self._live[key] = (size, nbytes)
         self.allocated += size
         self.requested += nbytes

@@ -105,6 +105,10 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float, 
     return "math"
 
 
+def _ceil_div(n: int, k: int) -> int:
+    return -(-n // k)
+
+
 def _ceil_to(x: int, m: int) -> int:
     return (x + m - 1) // m * m
 
@@ -140,10 +144,12 @@ class FusedAttention(torch.autograd.Function):
       efficient: logsumexp (B, H, ceil32(L)) fp32; a bool mask becomes an fp32 additive mask;
       flash: logsumexp (B, H, L) fp32 plus the RNG pair.
     backward allocates dq, dk, dv and the kernel's scratch while they are written:
-      cudnn: two output-sized buffers, one stats-sized buffer, and with grouped-query attention
-      dk/dv expanded to all query heads before they are summed;
+      cudnn: two output-sized buffers, one stats-sized buffer; with grouped-query attention no
+      scratch, dk/dv at the kv heads' size, then a workspace (fp32 dK/dV for every query head);
       efficient: one output-sized buffer and two logsumexp-sized buffers; a mask that requires
       grad gets its gradient over the expanded (B, H, L, ceil16(S)) bias, then summed to its shape;
+      in fp32, a dq workspace after dk/dv (other backends with grouped-query attention: dk/dv for
+      every query head, summed per kv head);
       flash: a float32 dq accumulator (B, ceil128(L), H, ceil32(D)) and softmax_d (B, H, ceil128(L)).
     """
 
@@ -187,6 +193,16 @@ def attention_kernel_backward(backend: str, q, k, v, out, stats, mask=None):
     dev = q.device
     dq = _kernel_output(backend, q, (B, H, L, D))
     scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
+    if backend == "cudnn" and Hk != H:
+        # grouped-query attention through cuDNN: dk and dv at the kv heads' size, then cuDNN's workspace: dK and dV
+        # for every query head in fp32, the softmax statistics' size and 256 bytes, freed when the call returns
+        # (measured on an H100, torch 2.11: Llama-3.2-3B, 24 query and 8 kv heads, 2 x 1,024 tokens: 50,528,512 B)
+        dk = _kernel_output(backend, k, (B, Hk, S, k.shape[-1]))
+        dv = _kernel_output(backend, v, (B, Hk, S, v.shape[-1]))
+        workspace = torch.empty(B * H * S * (k.shape[-1] + v.shape[-1]) * 4 + B * H * L * 4 + 256, dtype=torch.uint8,
+                                device=dev)
+        del workspace
+        return dq, dk, dv, None
     if backend == "cudnn":
         scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
                    torch.empty(B, H, L, dtype=torch.float32, device=dev)]
@@ -204,9 +220,18 @@ def attention_kernel_backward(backend: str, q, k, v, out, stats, mask=None):
         dk = _kernel_output(backend, k, (B, H, S, k.shape[-1]))
         dv = _kernel_output(backend, v, (B, H, S, v.shape[-1]))
         scratch.clear()
-    dmask = None
+    dmask = full = None
     if mask is not None:  # efficient kernel: grad_bias over the expanded (B, H, L, ceil16(S)) bias
         full = torch.empty(B, H, L, _ceil_to(S, 16), dtype=mask.dtype, device=dev)[..., :S]
+    if backend == "efficient" and q.dtype == torch.float32:
+        # the fp32 kernel accumulates dq in a float workspace, allocated after the gradients and freed when the call
+        # returns (attention_backward.cu `p.workspace_size()`; kernel_backward.h: per batch and head, a
+        # GradQTempStorage of kBlockSizeI x kBlockSizeJ floats (64 x 64 in fp32) and a 16-byte counter per tile of
+        # queries and of the head dim): 4,198,400 B for GPT-2 medium at 2 x 512 tokens, measured on an H100
+        tiles = _ceil_div(L, 64) * _ceil_div(D, 64)
+        workspace = torch.empty(B * H * tiles * (64 * 64 * 4 + 16), dtype=torch.uint8, device=dev)
+        del workspace
+    if full is not None:
         lead = full.dim() - mask.dim()
         dims = [*range(lead), *(lead + i for i, m in enumerate(mask.shape) if m == 1 and full.shape[lead + i] != 1)]
         dmask = full.sum(dims, keepdim=True).reshape(mask.shape) if dims else full

@@ -33,6 +33,7 @@ layers were written, how, or why the model was simulated whole.
 """
 from __future__ import annotations
 
+import bisect
 import copy
 import re
 from dataclasses import dataclass
@@ -225,13 +226,26 @@ def layers_of(log: EventLog, stack: Stack, live: dict) -> tuple[list, dict]:
             runs[-1][1] = r
         else:
             runs.append([r, r])
+    freed = {ev.key: i for i, ev in enumerate(events) if ev.kind == FREE}
+    outlive: list = []
     for q in range(1, len(runs) - 1):
         prev, cur, nxt = (allocs[runs[x][0]] for x in (q - 1, q, q + 1))
         if (prev[1] is not None and prev[1:] == nxt[1:] and cur[2] == prev[2] != "setup"
                 and (cur[1] is None or cur[2] in _POSITIONAL)):
+            # but a storage that outlives the layer's next run is not one of its temporaries (the residual stream's
+            # gradient, summed into in place down the whole stack from the step's top, made while a layer's hooks
+            # ran around it)
+            unowned = cur[1] is None
             for r in range(runs[q][0], runs[q][1] + 1):
                 allocs[r][1] = prev[1]
-    key_layer = {events[i].key: lay for i, lay, _ in allocs}
+                if unowned and events[allocs[r][0]].key in freed:
+                    outlive.append((events[allocs[r][0]].key, prev[1]))
+    # ... but a storage that lives two layers on is not one of its temporaries (the residual stream's gradient summed
+    # into in place down the stack, made at its top while the hooks of the layers around ran): outside the stack
+    at = [a[0] for a in allocs]
+    far = {key for key, lay in outlive if (f := bisect.bisect_left(at, freed[key]) - 1) >= 0
+           and allocs[f][1] is not None and abs(allocs[f][1] - lay) >= 2}
+    key_layer = {events[i].key: (None if events[i].key in far else lay) for i, lay, _ in allocs}
     alloc_layer = {i: lay for i, lay, _ in allocs}
     owner: list = []
     phase = "setup"

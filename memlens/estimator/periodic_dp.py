@@ -160,7 +160,10 @@ class DPFirstStep:
                     return "physical batch 2 frees a storage of batch 1 that nothing Opacus keeps holds"
                 continue
             rest.append(ev)
-        once = {ev.key for ev in events[one[0]:one[1]] if ev.kind == ALLOC and ev.category == Category.WORKSPACE}   # batch 1's alone
+        # batch 1's alone: the workspaces made once and kept (cuBLAS' at the first GEMM), not a kernel's for its call
+        freed_in_one = {ev.key for ev in events[one[0]:one[1]] if ev.kind == FREE}
+        once = {ev.key for ev in events[one[0]:one[1]]
+                if ev.kind == ALLOC and ev.category == Category.WORKSPACE and ev.key not in freed_in_one}
         first = [(j, ev) for j, ev in enumerate(events[one[0]:one[1]], one[0]) if ev.kind == PHASE or ev.key not in once]
         mods = self.tracker.log.modules
         if canonical(EventLog(events=rest, modules=mods)) != canonical(EventLog(events=[ev for _, ev in first], modules=mods)):

@@ -64,6 +64,7 @@ from ..core.spec import TrainingSpec
 from ..models.source import resolve
 from . import depth
 from .depth import write_layers
+from .reduce_scratch import ReduceScratch
 from .result import simulation_result
 from .timing.record import timing_at
 
@@ -84,11 +85,12 @@ def family_of(spec: TrainingSpec) -> tuple[tuple, Point]:
 
 # ---------------------------------------------------------------- one trace
 def _by_name(events: list) -> list:
-    """The events with each allocation's op by name (ops do not pickle; names compare as ops do)."""
+    """The events with each allocation's op by name (ops do not pickle; names compare as ops do). A reduction's
+    scratch keeps its op: what sizes it (:class:`~memlens.estimator.reduce_scratch.ReduceScratch`)."""
     names: dict = {}
     out = []
     for ev in events:
-        if ev.kind == ALLOC and not isinstance(ev.op, str):
+        if ev.kind == ALLOC and not isinstance(ev.op, (str, ReduceScratch)):
             name = names.get(ev.op)
             if name is None:
                 name = names[ev.op] = str(ev.op)
@@ -125,8 +127,14 @@ class Trace:
     @cached_property
     def skeleton(self) -> list:
         """The events with allocation sizes left out."""
-        return [(ALLOC, ev.key, ev.category, ev.module, ev.phase, ev.op, ev.rank, ev.stream) if ev.kind == ALLOC else ev
-                for ev in self.log.events]
+        return [(ALLOC, ev.key, ev.category, ev.module, ev.phase, ev.op.kind if isinstance(ev.op, ReduceScratch) else ev.op,
+                 ev.rank, ev.stream) if ev.kind == ALLOC else ev for ev in self.log.events]
+
+    @cached_property
+    def derived(self) -> dict[int, ReduceScratch]:
+        """Allocations sized by a rule from shapes, by position among allocations: a reduction's scratch."""
+        allocs = (ev for ev in self.log.events if ev.kind == ALLOC)
+        return {i: ev.op for i, ev in enumerate(allocs) if isinstance(ev.op, ReduceScratch)}
 
     @cached_property
     def sizes(self) -> list[int]:
@@ -195,6 +203,7 @@ class Regime:
         self.traces: list[Trace] = [first]
         self.template = first
         self._fit: tuple[list[_Space], list[int], list[int]] | str | None = None
+        self._derived: dict[int, list[tuple[int, list[int]]]] = {}   # allocation -> (space, values) per number
 
     def matches(self, t: Trace) -> bool:
         return t.facts == self.template.facts and t.skeleton == self.template.skeleton
@@ -246,24 +255,46 @@ class Regime:
         varying: list[int] = []
         chosen: list[int] = []
         n = len(cols[0])
+        derived = self.template.derived
         for e in range(n):
-            v0 = cols[0][e]
-            if all(c[e] == v0 for c in cols):
+            if e in derived:
                 continue
-            vals = [c[e] for c in cols]
-            for si, sp in enumerate(spaces):
-                if sp.db == 0 and sp.dL == 0:
-                    continue
-                if all(self._predict(sp, vals, self.traces[q].point) == vals[q] for q in sp.checks):
-                    varying.append(e)
-                    chosen.append(si)
-                    break
-            else:
+            si = self._fit_column([c[e] for c in cols], spaces)
+            if si is None:
                 self._fit = (f"allocation {e} ({self._describe(e)}) fits no polynomial of degree <= {MAX_DEGREE} "
                              f"in batch and seq len that the traces ({self._points()}) determine")
                 return self._fit
+            if si >= 0:
+                varying.append(e)
+                chosen.append(si)
+        # a reduction's scratch: each number of its input's shape and strides fitted, the size computed again
+        self._derived = {}
+        for e, op in derived.items():
+            numbers = [t.derived[e].numbers for t in self.traces]
+            fits = []
+            for k in range(len(op.numbers)):
+                si = self._fit_column([nums[k] for nums in numbers], spaces)
+                if si is None:
+                    self._fit = (f"allocation {e} ({self._describe(e)}): its input's shape fits no polynomial of degree "
+                                 f"<= {MAX_DEGREE} in batch and seq len that the traces ({self._points()}) determine")
+                    return self._fit
+                fits.append((si, [nums[k] for nums in numbers]))
+                if si >= 0:
+                    chosen.append(si)
+            self._derived[e] = fits
         self._fit = (spaces, chosen, varying)
         return self._fit
+
+    def _fit_column(self, vals: list[int], spaces: list[_Space]) -> int | None:
+        """The index of the first space whose polynomial reproduces every trace's value (-1: a constant), or None."""
+        if all(v == vals[0] for v in vals):
+            return -1
+        for si, sp in enumerate(spaces):
+            if sp.db == 0 and sp.dL == 0:
+                continue
+            if all(self._predict(sp, vals, self.traces[q].point) == vals[q] for q in sp.checks):
+                return si
+        return None
 
     @staticmethod
     def _predict(sp: _Space, vals: list[int], x: Point) -> int | None:
@@ -313,6 +344,14 @@ class Regime:
             if v is None or v < 0:
                 raise _NoAnswer(f"allocation {e} ({self._describe(e)}) is not a whole number of bytes at {_fmt(x)}")
             sizes[e] = v
+        for e, fits in self._derived.items():
+            numbers = []
+            for si, vals in fits:
+                v = vals[0] if si < 0 else self._predict(spaces[si], vals, x)
+                if v is None or v < 0:
+                    raise _NoAnswer(f"allocation {e} ({self._describe(e)}): its input's shape is not whole at {_fmt(x)}")
+                numbers.append(v)
+            sizes[e] = self.template.derived[e].at(tuple(numbers)).nbytes
         return sizes
 
     def simulation_at(self, spec: TrainingSpec, x: Point):

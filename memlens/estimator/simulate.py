@@ -47,6 +47,7 @@ from ..step.plan import StepPlan
 from ..step.plan import resolve as resolve_plan
 from ..step.prepare import prepare
 from . import conv_workspaces, cuda_rules, depth, periodic
+from .reduce_scratch import ReduceScratch
 from .timing import record as timing_record
 
 check_tested_versions()   # one warning line when torch / transformers is outside the tested range
@@ -663,11 +664,15 @@ class SimulationTracker(StorageTracker):
             "selective scan without mamba-ssm) runs; simulated op by op it takes minutes, and it is not the fused "
             "kernel's memory", hint="use --method formula, or simulate a short --seq-len (the cost grows with it)")
 
-    def _embedding_backward_scratch(self, grad: torch.Tensor, indices: torch.Tensor) -> None:
+    def _embedding_backward_scratch(self, grad: torch.Tensor, indices: torch.Tensor, by_freq: bool = False) -> None:
         """CUDA's embedding backward sorts the indices and sums rows per index segment in fp32
         after allocating the weight gradient: measured on an H100 (8192 indices x 768) at
-        N*D*4 bytes of partial sums plus about 454 bytes per index of sort buffers."""
+        N*D*4 bytes of partial sums plus about 454 bytes per index of sort buffers. Up to 3,072 indices (without
+        ``scale_grad_by_freq``) it adds rows into the gradient directly, with no scratch (Embedding.cu
+        ``embedding_dense_backward_cuda``; GPT-2's 1,024 positions: none on an H100)."""
         n = indices.numel()
+        if n <= 3072 and not by_freq:
+            return
         d = grad.shape[-1]
         scratch = [torch.empty(n * d * 4, dtype=torch.uint8), torch.empty(n * 454, dtype=torch.uint8)]
         for t in scratch:
@@ -687,6 +692,24 @@ class SimulationTracker(StorageTracker):
             ws = torch.empty(nbytes, dtype=torch.uint8)
             self.register(ws, Category.WORKSPACE)
             del ws
+
+    def _reduce_scratch(self, args) -> None:
+        """``gpu_reduce_kernel``'s staging buffer and semaphores (estimator/reduce_scratch.py): allocated after the
+        output, freed when the call returns (the semaphores first). Logged for every float reduction on the device, 0
+        bytes where it takes none (the log's sequence then does not depend on the sizes: scaling.py)."""
+        x = args[0]
+        if (not isinstance(x, torch.Tensor) or x.is_complex() or x.dtype == torch.float64 or not x.is_floating_point()
+                or (self.device_type is not None and x.device.type != self.device_type)):
+            return      # float accumulators only (a double sum accumulates in double: not modelled)
+        dims = args[1] if len(args) > 1 and args[1] is not None else ()
+        ops = [ReduceScratch(part, tuple(x.shape), tuple(x.stride()), tuple(dims), x.element_size(), self.gpu.sm_count,
+                             self.gpu.max_threads_per_sm) for part in (0, 1)]
+        keys = [self.new_key(), self.new_key()]
+        stream = self.stream_of() if self.stream_of is not None else 0
+        for key, op in zip(keys, ops):
+            self.log.alloc(key, op.nbytes, Category.WORKSPACE, self.module, self.phase, op, stream=stream)
+        for key in reversed(keys):
+            self.log.free(key)
 
     def _workspace(self, name: str, nbytes: int) -> None:
         t = torch.empty(nbytes, dtype=torch.uint8)  # inside the handler this mode is off: register it
@@ -719,9 +742,6 @@ class SimulationTracker(StorageTracker):
             return None
         me = _node_key(node)
         if self._made_by.get(self.key_of(b)) != me or self._made_by.get(self.key_of(a)) in (None, me):
-            return None
-        if not any(nxt is not None and hasattr(nxt, "variable") and nxt.variable.shape == a.shape
-                   and nxt.variable.dtype == a.dtype for nxt, _ in node.next_functions):
             return None
         return a if _stealable(a) else None
 
@@ -792,9 +812,12 @@ class SimulationTracker(StorageTracker):
 
     def _extra_work(self, func, args, out) -> None:
         """What CUDA allocates beside an op's outputs: embedding backward's sort buffers, cuDNN's convolution
-        workspace, cuBLAS' workspaces at a thread's first GEMM."""
+        workspace, cuBLAS' workspaces at a thread's first GEMM, a long reduction's staging buffer."""
+        if func in _REDUCTIONS:
+            self._reduce_scratch(args)
+            return
         if func is _EMBEDDING_BACKWARD:
-            self._embedding_backward_scratch(args[0], args[1])
+            self._embedding_backward_scratch(args[0], args[1], bool(args[4]) if len(args) > 4 else False)
         if func is _CONV or func is _CONV_BACKWARD:
             self._conv_workspace(func, args, out)
         if func in _gemm_ops():
@@ -811,8 +834,11 @@ _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
 _CONV, _CONV_BACKWARD = torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default
 _ADDMM = torch.ops.aten.addmm.default
+# Reduce.cuh's gpu_reduce_kernel with a float accumulator (sum and mean of floating tensors, over dims or all of them)
+_REDUCTIONS = frozenset({torch.ops.aten.sum.dim_IntList, torch.ops.aten.sum.default, torch.ops.aten.mean.dim,
+                         torch.ops.aten.mean.default})
 # the ops after which _extra_work allocates something
-_EXTRA_WORK = frozenset({_EMBEDDING_BACKWARD, _CONV, _CONV_BACKWARD} | _gemm_ops())
+_EXTRA_WORK = frozenset({_EMBEDDING_BACKWARD, _CONV, _CONV_BACKWARD} | _gemm_ops() | _REDUCTIONS)
 
 
 def _node_key(node) -> tuple:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memlens.estimator.reduce_scratch import ReduceScratch
 from memlens.core.events import ALLOC, FREE, PHASE, EventLog, canonical
 from memlens.core.spec import TrainingSpec
 from memlens.estimator import depth, estimate
@@ -264,7 +265,8 @@ def test_a_worker_sends_the_shallow_log_and_its_result(tmp_path):
     sent = _simulate_in_worker(spec)
     shallow, stack, _, copies, _ = sent.sim.written
     assert sent.sim.log is None and (stack.depth, copies) == (4, 8)
-    assert all(isinstance(ev[6], str) for ev in shallow.events if ev[0] == ALLOC)     # ops by name: they pickle
+    # ops by name (they pickle), a reduction's scratch by what sizes it
+    assert all(isinstance(ev[6], (str, ReduceScratch)) for ev in shallow.events if ev[0] == ALLOC)
     here = simulate(spec)
     assert canonical(Trace.of(sent.sim, (2, 128)).log) == canonical(Trace.of(here, (2, 128)).log)
     assert comparable(sent.result) == comparable(estimate(spec))
