@@ -35,7 +35,7 @@ STEPS = int(os.environ.get("MEMLENS_BENCH_STEPS", "3"))    # optimizer steps per
 # MEMLENS_BENCH_SEGMENTS=1: every rank records the caching allocator's segment allocations after step 1 (size, step,
 # phase, the Python frames of the allocation that made it): where a rank's reserved grows past the estimate
 SEGMENTS = os.environ.get("MEMLENS_BENCH_SEGMENTS") == "1"
-SEGMENTS_FROM = int(os.environ.get("MEMLENS_BENCH_SEGMENTS_FROM", "2"))   # the step the recording starts at
+SEGMENTS_FROM = int(os.environ.get("MEMLENS_BENCH_SEGMENTS_FROM", "2"))   # the step the recording starts at (0: the build)
 CASE_TIMEOUT = 240
 
 
@@ -100,6 +100,8 @@ def rank_case(name: str, fields: dict, dry: bool) -> dict:
     rec["nvml_after_process_group"] = _nvml_used(pid)
     rec["reserved_after_process_group"] = torch.cuda.memory_reserved()
     spec = TrainingSpec.from_dict(fields)
+    if SEGMENTS and SEGMENTS_FROM == 0:     # every segment's address, the build's included
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=400_000)
     t0 = time.perf_counter()
     step = prepare(spec, device=dev, seed=0)
     torch.cuda.synchronize()
@@ -128,7 +130,7 @@ def run_steps(step) -> dict:
 
     steps, phases, marks = [], [], []
     for n in range(1, STEPS + 1):
-        if SEGMENTS and n == SEGMENTS_FROM:
+        if SEGMENTS and n == max(SEGMENTS_FROM, 1) and SEGMENTS_FROM != 0:
             torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=400_000)
 
         def on_phase(ph, n=n):
@@ -154,9 +156,13 @@ def run_steps(step) -> dict:
 def _segment_allocs(torch, marks: list) -> list:
     """The segments allocated from step 2 on: bytes, the step and phase mark before them, and the frames (memlens,
     torch, transformers) of the allocation that made each."""
-    trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    snap = torch.cuda.memory._snapshot()
+    trace = snap["device_traces"][torch.cuda.current_device()]
     torch.cuda.memory._record_memory_history(enabled=None)
-    out, at, big = [], (SEGMENTS_FROM, "start"), []
+    # every segment held at the end: [address, bytes, pool ("large"/"small"), stream]
+    held = sorted([s["address"], s["total_size"], s.get("segment_type"), s.get("stream", 0)] for s in snap["segments"]
+                  if s.get("device", torch.cuda.current_device()) == torch.cuda.current_device())
+    out, at, big = [], ((SEGMENTS_FROM, "start") if SEGMENTS_FROM else (0, "build")), []
     for i, e in enumerate(trace):
         k = e["size"] // 512 - 1001 if e["action"] == "alloc" and e["size"] % 512 == 0 else -1
         if 0 <= k < len(marks) and e["size"] == 512 * (1001 + k):
@@ -171,7 +177,7 @@ def _segment_allocs(torch, marks: list) -> list:
                   if "/torch/" in f["filename"] or "memlens" in f["filename"] or "transformers" in f["filename"]][:12]
         out.append({"bytes": e["size"], "step": step, "after_phase": phase, "index": i, "frames": frames})
     # every event of 1 MiB or more from step 2 on: [step, phase, action, bytes, address, stream] (to replay against the estimate)
-    return {"segments": out, "large_events": big}
+    return {"segments": out, "large_events": big, "held_segments": held}
 
 
 PROFILES = {  # name: the profile command's flags (one run each under torchrun; report.html with a lane per rank)

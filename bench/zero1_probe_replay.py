@@ -5,6 +5,7 @@ each rank (issue 37; the runs: bench/results/zero1_probe.md, raw/zero1_probe/).
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import sys
@@ -26,15 +27,16 @@ def simulated(ws: int, rank: int, steps: int) -> tuple[int, list[int]]:
 
 def main() -> None:
     mib = lambda xs: " / ".join(f"{x / 2**20:,.0f}" for x in xs)   # noqa: E731
-    print("| GPUs | rank | measured: peak allocated, reserved per step (MiB) | memlens | reserved |")
-    print("|---|---|---|---|---|")
-    for name, ws in (("ws2_events.jsonl", 2), ("ws4_plain.jsonl", 4)):
-        rec = json.loads(open(os.path.join(RAW, name)).readline())
+    print("| run | GPUs | rank | measured: peak allocated, reserved per step (MiB) | memlens | reserved |")
+    print("|---|---|---|---|---|---|")
+    for name, ws in (("ws2_events.jsonl", 2), ("ws4_plain.jsonl", 4), ("ws2_h100_addresses.jsonl.gz", 2),
+                     ("ws4_h100_addresses.jsonl.gz", 4)):
+        rec = json.loads((gzip.open if name.endswith(".gz") else open)(os.path.join(RAW, name), "rt").readline())
         for r in rec["ranks"]:
             meas = [s["reserved"] for s in r["steps"]]
             alloc, res = simulated(ws, r["rank"], len(meas))
             same = "same" if res == meas else f"{(res[-1] - meas[-1]) / meas[-1] * 100:+.2f}% at the end"
-            print(f"| {ws} | {r['rank']} | {r['max_allocated'] / 2**20:,.1f}; {mib(meas)} | {alloc / 2**20:,.1f}; {mib(res)} | {same} |")
+            print(f"| {'H100' if 'h100' in name else 'H200'} | {ws} | {r['rank']} | {r['max_allocated'] / 2**20:,.1f}; {mib(meas)} | {alloc / 2**20:,.1f}; {mib(res)} | {same} |")
 
 
 if __name__ == "__main__":
