@@ -66,6 +66,7 @@ class StorageTracker(TorchDispatchMode):
         self._next = 0
         self.stream_of: Any = None           # () -> CUDA stream id of the next allocation (None: always 0)
         self.muted = False                   # True: ops run unaccounted (stand-ins for storages already logged)
+        self.output_order: dict = {}         # op -> the order its outputs are allocated in, where not as returned
         self._host: dict[int, Any] = {}      # id(storage) -> storage: on the host in the real run, never logged (on_host)
 
     # ---------------------------------------------------------------- registration
@@ -222,6 +223,9 @@ class StorageTracker(TorchDispatchMode):
             flat = (out,)
         elif type(out) in (tuple, list):
             flat = out
+            order = self.output_order.get(func)
+            if order is not None:
+                flat = [out[i] for i in order]
         else:
             flat = tree_flatten(out)[0]
         dev = self.device_type

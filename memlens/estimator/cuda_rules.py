@@ -144,8 +144,9 @@ class FusedAttention(torch.autograd.Function):
       efficient: logsumexp (B, H, ceil32(L)) fp32; a bool mask becomes an fp32 additive mask;
       flash: logsumexp (B, H, L) fp32 plus the RNG pair.
     backward allocates dq, dk, dv and the kernel's scratch while they are written:
-      cudnn: two output-sized buffers, one stats-sized buffer; with grouped-query attention no
-      scratch, dk/dv at the kv heads' size, then a workspace (fp32 dK/dV for every query head);
+      cudnn: no scratch beside them (dk/dv at the kv heads' size under grouped-query attention),
+      then a workspace: fp32 dQ, with grouped-query attention dK/dV for every query head, the
+      statistics' size;
       efficient: one output-sized buffer and two logsumexp-sized buffers; a mask that requires
       grad gets its gradient over the expanded (B, H, L, ceil16(S)) bias, then summed to its shape;
       in fp32, a dq workspace after dk/dv (other backends with grouped-query attention: dk/dv for
@@ -192,21 +193,20 @@ def attention_kernel_backward(backend: str, q, k, v, out, stats, mask=None):
     Hk, S = k.shape[1], k.shape[2]
     dev = q.device
     dq = _kernel_output(backend, q, (B, H, L, D))
-    scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
-    if backend == "cudnn" and Hk != H:
-        # grouped-query attention through cuDNN: dk and dv at the kv heads' size, then cuDNN's workspace: dK and dV
-        # for every query head in fp32, the softmax statistics' size and 256 bytes, freed when the call returns
-        # (measured on an H100, torch 2.11: Llama-3.2-3B, 24 query and 8 kv heads, 2 x 1,024 tokens: 50,528,512 B)
+    if backend == "cudnn":
+        # dq, dk and dv (dk and dv at the kv heads' size under grouped-query attention), then cuDNN's workspace,
+        # freed when the call returns: dQ accumulated in fp32, with grouped-query attention dK and dV for every query
+        # head, the softmax statistics' size and 256 bytes (measured on an H100, torch 2.11, cuDNN 9.19: GPT-2 XL bf16,
+        # 25 heads of 64, 2 x 512 tokens: 6,656,256 B; Llama-3.2-3B, 24 query and 8 kv heads of 128, 2 x 1,024 tokens:
+        # 50,528,512 B)
         dk = _kernel_output(backend, k, (B, Hk, S, k.shape[-1]))
         dv = _kernel_output(backend, v, (B, Hk, S, v.shape[-1]))
-        workspace = torch.empty(B * H * S * (k.shape[-1] + v.shape[-1]) * 4 + B * H * L * 4 + 256, dtype=torch.uint8,
-                                device=dev)
+        expanded = B * H * S * (k.shape[-1] + v.shape[-1]) * k.element_size() if Hk != H else 0
+        workspace = torch.empty(B * H * L * D * 4 + expanded + B * H * L * 4 + 256, dtype=torch.uint8, device=dev)
         del workspace
         return dq, dk, dv, None
-    if backend == "cudnn":
-        scratch = [_bhld(out, B, H, L, out.shape[-1]), _bhld(out, B, H, L, out.shape[-1]),
-                   torch.empty(B, H, L, dtype=torch.float32, device=dev)]
-    elif backend == "efficient":
+    scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written
+    if backend == "efficient":
         scratch = [_bhld(out, B, H, L, out.shape[-1]), torch.empty_like(stats), torch.empty_like(stats)]
     elif backend == "flash":
         scratch = [torch.empty(B, _ceil_to(L, 128), H, _ceil_to(D, 32), dtype=torch.float32, device=dev),

@@ -529,6 +529,8 @@ class SimulationTracker(StorageTracker):
         self.layer_hint = None                    # a tensor whose layer an allocation made from no tensor takes (layer_from)
         self._made_by: dict[int, tuple | None] = {}  # this backward's storages -> the autograd node that made them
         self.timer = None                         # prices each op for the step time (memlens.estimator.timing.record)
+        # CUDA's dropout allocates the mask, then the output (Dropout.cu dropout_cuda; measured on an H100)
+        self.output_order = {torch.ops.aten.native_dropout.default: (1, 0)}
 
     # ---------------------------------------------------------------- layers (memlens.estimator.depth)
     def label_layers(self, stack) -> None:

@@ -115,9 +115,18 @@ def test_fp32_efficient_attention_backward_takes_a_dq_workspace():
     assert big[-1] == 4_198_400 and big[:-1].count(4 * 2**20) == 4    # dq, the output-sized scratch, dk, dv
 
 
+def test_cudnn_backward_takes_one_workspace_after_the_gradients():
+    # GPT-2 XL bf16, 2 x 512 tokens, 25 heads of 64: dq, dk, dv (3,276,800 B each), then fp32 dQ (6,553,600 B), the
+    # statistics' size (102,400 B) and 256 B in one block: 6,656,256 B, as the H100 allocated it
+    B, H, L, D = 2, 25, 512, 64
+    allocs, _ = _backward_allocs("cudnn", ((B, H, L, D), torch.bfloat16), ((B, H, L, D), None), ((B, H, L, D), None))
+    assert [n for kind, n in allocs if kind == ALLOC] == [3_276_800] * 3 + [6_656_256]
+
+
 def test_cudnn_grouped_query_backward_writes_kv_sized_grads_and_an_fp32_workspace():
     # Llama-3.2-3B, 2 x 1,024 tokens, 24 query heads, 8 kv heads of 128, bf16: dq 12 MiB, dk and dv 4 MiB each, then
-    # fp32 dK and dV for every query head (2 x 24 MiB), the statistics' size (192 KiB) and 256 B: 50,528,512 B
+    # fp32 dQ (24 MiB), dK and dV for every query head (2 x 12 MiB), the statistics' size (192 KiB) and 256 B:
+    # 50,528,512 B
     B, H, Hk, L, D = 2, 24, 8, 1024, 128
     allocs, (dq, dk, dv, _) = _backward_allocs("cudnn", ((B, H, L, D), torch.bfloat16), ((B, Hk, L, D), None),
                                                ((B, Hk, L, D), None))
