@@ -65,6 +65,8 @@ def global_reduce_bytes(shape, strides, dims, elem_size: int, *, acc_size: int =
     reduce through global memory. ``dims``: the reduced dims (empty: all); ``elem_size``: the input's element
     size; ``acc_size``: the accumulator's (``arg_t``: float for fp32/fp16/bf16 sums and means)."""
     n = len(shape)
+    if n == 0:
+        return 0, 0         # a 0-dim tensor: one value, one thread
     reduced = {d % n for d in dims} if dims else set(range(n))
     it = _iterator_dims(shape, strides, reduced)
     numel = 1

@@ -36,8 +36,10 @@ def test_no_staging_where_blocks_do_not_split_an_output():
     assert global_reduce_bytes((1024, 1024), (1024, 1), (1,), 4, **H100) == (0, 0)
     # 1,000 inputs per output: 250 values per thread, under 256
     assert global_reduce_bytes((1000, 1024), (1024, 1), (0,), 4, **H100) == (0, 0)
-    # more outputs than the GPU's blocks take at once: no split (grid 2,112 > target 2,112 is false at 270,336)
+    # 270,336 outputs: 2,112 block columns, the H100's whole target grid (132 SMs x 16): one block per column, no split
     assert global_reduce_bytes((1024, 270336), (270336, 1), (0,), 4, **H100) == (0, 0)
+    # a 0-dim tensor summed over its one dim
+    assert global_reduce_bytes((), (), (0,), 4, **H100) == (0, 0)
 
 
 def test_staging_follows_the_gpu():
