@@ -763,6 +763,8 @@ class SimulationTracker(StorageTracker):
         if into is not None:
             other = args[1] if into is args[0] else args[0]
             self._dispatch(_ADD_, types, (into, other), {})
+            if self.timer is not None:          # the GPU runs the sum all the same, in place
+                self.timer.op(_ADD_, (into, other), {}, into)
             return into
         if phase != "backward" and self._made_by:
             self._made_by.clear()

@@ -4,11 +4,13 @@ measured by one process per GPU (torch.multiprocessing, an NCCL group over all o
 - NCCL's bus bandwidth by message size for all-reduce, all-gather and reduce-scatter (nccl-tests' convention: the
   buffer's bytes x 2(n-1)/n, resp. (n-1)/n, over the seconds of one collective, back to back): ``table.nccl[world]``.
   The seconds are end to end (launch and latency included), so the rows carry ``latency_us`` 0;
-- the overlap's cost (``table.nccl_overlap[world]``): a collective on NCCL's stream while the compute stream runs
+- the overlap's cost (``table.nccl_overlap[world]``): collectives on NCCL's stream while the compute stream runs
   GEMMs (DDP's bucket all-reduces under backward, FSDP2's all-gathers under forward) or a memory-bound copy. NCCL's
   kernels take SMs and memory bandwidth from the compute kernels beside them: ``matmul`` / ``memory`` is the compute
-  stream's extra seconds per second of collective running beside it; ``comm`` how much longer the collective took
-  there than alone;
+  stream's extra seconds per second of collective running beside it; ``comm_beside_*`` how much longer the
+  collectives took there than alone. Paced as DDP paces them: a layer's backward GEMMs (4,096 tokens x 2,048 x 8,192)
+  with a 25 MiB all-reduce launched after every third (bench/gpu_overlap_pattern_probe.py: on 2 x H200 the GEMMs lose
+  0.29 s per second of NCCL so, against 0.01 when 8192^3 GEMMs were queued first and held every SM);
 - FSDP2's hooks on the host over every rank (:func:`memlens.measure.calibrate_fsdp.sharded_pair`: with several ranks
   each group's unshard issues a real all-gather and its wait, which the one-rank measurement does not):
   ``host_us["fsdp_forward_group_ranks"]`` / ``["fsdp_backward_group_ranks"]``.
@@ -23,8 +25,10 @@ import tempfile
 import time
 
 BUCKET_BYTES = 25 * 2**20       # DDP's bucket_cap_mb default: the collective the overlap is measured with
-GEMM = 8192                     # the compute beside it: bf16 GEMMs of 8192^3 (about 1.1 TFLOP each)
-COPY_BYTES = 2**29              # ... or copies of 512 MiB
+LAYER = (4096, 2048, 8192)      # the compute beside it: a layer's backward bf16 GEMMs, tokens x hidden x intermediate
+LAYERS = 16                     # ... 8 GEMMs a layer (the MLP's three projections and attention's, inputs and weights)
+EVERY = 3                       # a bucket's all-reduce every 3 GEMMs (Llama-3.2-1B: ~5 buckets of 25 MiB a layer)
+COPY_BYTES = 2**27              # ... or copies of 128 MiB, as many
 
 
 def _seconds(sync, fn, reps: int) -> float:
@@ -60,53 +64,60 @@ def busbw(torch, dist, world: int, sizes, device: str = "cuda") -> dict:
     return out
 
 
-def _window(torch, dist, compute, reps: int, collective, buckets: int, stream) -> tuple[float, float]:
-    """(compute stream's seconds for ``reps`` calls of ``compute``, seconds of ``buckets`` collectives issued on
-    ``stream`` right after): either may be 0 calls (alone). Every rank runs the same sequence."""
+def _paced(torch, dist, ops: list, every: int, collective, stream, comm: bool, compute: bool = True) -> tuple[float, float]:
+    """(compute stream's seconds for ``ops`` run in order, seconds from the first to the last collective): with
+    ``comm``, one collective on ``stream`` after every ``every`` ops, as DDP's Reducer launches a bucket's all-reduce
+    while the backward goes on; without ``compute``, the same collectives back to back. Every rank runs the same
+    sequence."""
     Ev = torch.cuda.Event
     dist.barrier()
     torch.cuda.synchronize()
     s0, e0, s1, e1 = (Ev(enable_timing=True) for _ in range(4))
+    works: list = []
+
+    def launch():
+        with torch.cuda.stream(stream):
+            if not works:
+                s1.record(stream)
+            works.append(collective())
+
     s0.record()
-    for _ in range(reps):
-        compute()
+    for i, op in enumerate(ops, 1):
+        if compute:
+            op()
+        if comm and i % every == 0:
+            launch()
     e0.record()
-    with torch.cuda.stream(stream):
-        s1.record(stream)
-        works = [collective() for _ in range(buckets)]
-        for w in works:
-            w.wait()              # the stream waits on NCCL's: e1 marks the last collective's end
-        e1.record(stream)
+    if works:
+        with torch.cuda.stream(stream):
+            for w in works:
+                w.wait()              # the stream waits on NCCL's: e1 marks the last collective's end
+            e1.record(stream)
     torch.cuda.synchronize()
-    return s0.elapsed_time(e0) / 1e3, (s1.elapsed_time(e1) / 1e3 if buckets else 0.0)
+    return s0.elapsed_time(e0) / 1e3, (s1.elapsed_time(e1) / 1e3 if works else 0.0)
 
 
 def overlap(torch, dist, world: int, repeats: int = 3) -> dict:
     """The overlap's cost (module docstring): the median of ``repeats`` measurements of each kind."""
-    a = torch.randn(GEMM, GEMM, dtype=torch.bfloat16, device="cuda")
-    b, c = torch.randn_like(a), torch.empty_like(a)
-    x = torch.empty(COPY_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    bf = torch.bfloat16
+    t, h, i = LAYER
+    shapes = [(t, i, h), (i, t, h), (t, h, i), (h, t, i), (t, h, i), (h, t, i), (t, h, h), (h, t, h)]
+    mats = [(torch.randn(m, k, dtype=bf, device="cuda"), torch.randn(k, n, dtype=bf, device="cuda")) for m, k, n in shapes]
+    x = torch.empty(COPY_BYTES // 2, dtype=bf, device="cuda")
     y = torch.empty_like(x)
-    bucket = torch.empty(BUCKET_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    bucket = torch.empty(BUCKET_BYTES // 2, dtype=bf, device="cuda")
     stream = torch.cuda.Stream()
-    computes = {"matmul": lambda: torch.mm(a, b, out=c), "memory": lambda: y.copy_(x)}
-    collective = {"all_reduce": lambda: dist.all_reduce(bucket, async_op=True)}
-    nothing = lambda: None   # noqa: E731
-    one_comm = statistics.median(_window(torch, dist, nothing, 0, collective["all_reduce"], 8, stream)[1] / 8
-                                 for _ in range(3))
+    kinds = {"matmul": [lambda a=a, b=b: torch.mm(a, b) for a, b in mats] * LAYERS,
+             "memory": [lambda: y.copy_(x)] * (len(mats) * LAYERS)}
+    collective = lambda: dist.all_reduce(bucket, async_op=True)   # noqa: E731
     out: dict = {}
-    for kind, fn in computes.items():
-        one = statistics.median(_window(torch, dist, fn, 5, nothing, 0, stream)[0] / 5 for _ in range(3))
-        reps = max(10, int(0.04 / max(one, 1e-6)))                   # about 40 ms of compute
-        buckets = max(2, int(0.5 * reps * one / max(one_comm, 1e-6)))  # collectives for about half of it
-        counts = torch.tensor([reps, buckets], device="cuda")
-        dist.all_reduce(counts, op=dist.ReduceOp.MAX)                  # every rank issues the same collectives
-        reps, buckets = (int(v) for v in counts.tolist())
+    for kind, ops in kinds.items():
+        _paced(torch, dist, ops, EVERY, collective, stream, comm=False)          # warm
         extra, slow = [], []
         for _ in range(repeats):
-            alone = _window(torch, dist, fn, reps, nothing, 0, stream)[0]
-            comm = _window(torch, dist, nothing, 0, collective["all_reduce"], buckets, stream)[1]
-            both, comm_beside = _window(torch, dist, fn, reps, collective["all_reduce"], buckets, stream)
+            alone = _paced(torch, dist, ops, EVERY, collective, stream, comm=False)[0]
+            comm = _paced(torch, dist, ops, EVERY, collective, stream, comm=True, compute=False)[1]
+            both, comm_beside = _paced(torch, dist, ops, EVERY, collective, stream, comm=True)
             extra.append(max(0.0, both - alone) / max(min(comm_beside, both), 1e-9))
             slow.append(comm_beside / max(comm, 1e-9))
         out[kind] = round(statistics.median(extra), 3)
