@@ -203,6 +203,11 @@ def attention_kernel_backward(backend: str, q, k, v, out, stats, mask=None):
         dv = _kernel_output(backend, v, (B, Hk, S, v.shape[-1]))
         expanded = B * H * S * (k.shape[-1] + v.shape[-1]) * k.element_size() if Hk != H else 0
         workspace = torch.empty(B * H * L * D * 4 + expanded + B * H * L * 4 + 256, dtype=torch.uint8, device=dev)
+        if Hk != H:   # cuDNN sums each kv head's query-head gradients into dk and dv: the same reads and writes here,
+            # into the gradients already made (no allocation: the step-time model prices the pass)
+            for g, at in ((dk, B * H * L * D * 4), (dv, B * H * L * D * 4 + B * H * S * k.shape[-1] * k.element_size())):
+                part = workspace[at:at + B * H * S * g.shape[-1] * g.element_size()].view(g.dtype)
+                torch.sum(part.view(B, Hk, H // Hk, S, g.shape[-1]), dim=2, out=g)
         del workspace
         return dq, dk, dv, None
     scratch: list[torch.Tensor] = []  # kernel scratch, alive while dk and dv are written

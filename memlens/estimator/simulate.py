@@ -763,8 +763,8 @@ class SimulationTracker(StorageTracker):
         if into is not None:
             other = args[1] if into is args[0] else args[0]
             self._dispatch(_ADD_, types, (into, other), {})
-            if self.timer is not None:          # the GPU runs the sum all the same, in place
-                self.timer.op(_ADD_, (into, other), {}, into)
+            if self.timer is not None:   # the GPU runs the sum all the same, in place: priced as the add (two reads, a
+                self.timer.op(_ADD, (into, other), {}, into.view_as(into))   # write: a view is not an input)
             return into
         if phase != "backward" and self._made_by:
             self._made_by.clear()
