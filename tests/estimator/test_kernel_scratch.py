@@ -134,3 +134,21 @@ def test_cudnn_grouped_query_backward_writes_kv_sized_grads_and_an_fp32_workspac
                                                ((B, Hk, L, D), None))
     assert [n for kind, n in allocs if kind == ALLOC] == [12 * 2**20, 4 * 2**20, 4 * 2**20, 50_528_512]
     assert dk.shape == dv.shape == (B, Hk, L, D)
+
+
+def test_the_in_place_sum_is_priced_as_the_add_it_is(monkeypatch):
+    # the engine's sum of h's two gradients runs in place on the GPU, reading both and writing one: 3 x 64 KiB
+    from memlens.estimator import estimate
+    from memlens.estimator.timing import record
+
+    seen = []
+    orig_op = record.Recorder.op
+
+    def op(self, func, args, kwargs, out):
+        if func is torch.ops.aten.add.Tensor and self.tracker.phase == "backward":
+            seen.append(record.op_facts(func, args, kwargs, out).nbytes)
+        return orig_op(self, func, args, kwargs, out)
+
+    monkeypatch.setattr(record.Recorder, "op", op)
+    estimate(TrainingSpec(model="tests.tiny_models:twice", optimizer="sgd"))
+    assert 3 * 16 * 1024 * 4 in seen
