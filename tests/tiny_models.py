@@ -275,3 +275,20 @@ def biased_tokens(spec=None):
     batch = 2 if spec is None or spec.batch_size == 1 else spec.batch_size
     return (torch.nn.Sequential(torch.nn.Linear(64, 1024)), torch.randn(batch, 512, 64),
             lambda out, batch: out.pow(2).sum())
+
+
+class _PatchEmbed(torch.nn.Module):
+    """ViT's patch embedding: a 4x4 stride-4 convolution with a bias, flattened and transposed to (B, patches, C), then
+    made contiguous (as ViT's concatenation with the class token does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Conv2d(3, 64, 4, stride=4)
+
+    def forward(self, x):
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()
+
+
+def patch_embed(spec=None):
+    """:class:`_PatchEmbed` over 32 images of 64 x 64 fp32 (256 patches each); loss = sum of the squared outputs."""
+    return _PatchEmbed(), torch.randn(32, 3, 64, 64), lambda out, batch: out.pow(2).sum()

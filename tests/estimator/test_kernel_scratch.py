@@ -152,3 +152,13 @@ def test_the_in_place_sum_is_priced_as_the_add_it_is(monkeypatch):
     monkeypatch.setattr(record.Recorder, "op", op)
     estimate(TrainingSpec(model="tests.tiny_models:twice", optimizer="sgd"))
     assert 3 * 16 * 1024 * 4 in seen
+
+
+def test_a_convolutions_bias_gradient_stages_its_sum():
+    # the bias gradient sums grad_output over (N, H, W) as it came: transposed back from (B, patches, C), channels are
+    # its fastest dim, so TensorIterator coalesces the reduced dims to 8,192 rows beside 64 channels - a column
+    # reduction: 4-wide vectors, block 16 x 8, 1,024 values per thread, one block column; CTAs min(2,112, 1024 / 16) = 64;
+    # 4 B x 64 outputs x 64 CTAs x (16 x 4) = 1 MiB, then 4 B of semaphores
+    sim = simulate(TrainingSpec(model="tests.tiny_models:patch_embed", optimizer="sgd"), steps=1, repeat=False)
+    staged = [(ev[2], ev[5]) for ev in _scratch(sim.log) if ev[2] and ev[6].part == 0]
+    assert (4 * 64 * 64 * 16 * 4, "backward") in staged
