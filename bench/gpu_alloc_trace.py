@@ -11,7 +11,6 @@ memlens' simulation of the same spec.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time

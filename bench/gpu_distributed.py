@@ -130,7 +130,7 @@ def run_steps(step) -> dict:
 
     steps, phases, marks = [], [], []
     for n in range(1, STEPS + 1):
-        if SEGMENTS and n == max(SEGMENTS_FROM, 1) and SEGMENTS_FROM != 0:
+        if SEGMENTS and n == SEGMENTS_FROM:
             torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=400_000)
 
         def on_phase(ph, n=n):

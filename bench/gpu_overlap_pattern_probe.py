@@ -24,6 +24,8 @@ import statistics
 import sys
 import tempfile
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 
 def _worker(rank: int, world: int, a: argparse.Namespace, path: str) -> None:
     import datetime
@@ -34,14 +36,10 @@ def _worker(rank: int, world: int, a: argparse.Namespace, path: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{path}.store", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
-    dev = "cuda"
-    bf = torch.bfloat16
-    # a layer's backward GEMMs: grad inputs and weight grads of the MLP's three projections and attention's four
-    shapes = [(a.tokens, a.inter, a.hidden), (a.inter, a.tokens, a.hidden), (a.tokens, a.hidden, a.inter),
-              (a.hidden, a.tokens, a.inter), (a.tokens, a.hidden, a.inter), (a.hidden, a.tokens, a.inter),
-              (a.tokens, a.hidden, a.hidden), (a.hidden, a.tokens, a.hidden)]
-    mats = [(torch.randn(m, k, dtype=bf, device=dev), torch.randn(k, n, dtype=bf, device=dev)) for m, k, n in shapes]
-    bucket = torch.empty(25 * 2**20 // 2, dtype=bf, device=dev)
+    from memlens.measure.calibrate_nccl import BUCKET_BYTES, layer_gemms
+
+    mats = layer_gemms(torch, a.tokens, a.hidden, a.inter)
+    bucket = torch.empty(BUCKET_BYTES // 2, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     Ev = torch.cuda.Event
 
@@ -75,7 +73,7 @@ def _worker(rank: int, world: int, a: argparse.Namespace, path: str) -> None:
         return s0.elapsed_time(e0) / 1e3, (s1.elapsed_time(e1) / 1e3 if works else 0.0)
 
     out: dict = {"world": world, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "shapes": shapes, "every": a.every, "layers": a.layers}
+                 "shapes": [(x.shape[0], x.shape[1], y.shape[1]) for x, y in mats], "every": a.every, "layers": a.layers}
     for _ in range(2):
         run("alone", 2)
     comm_alone = []

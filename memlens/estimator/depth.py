@@ -209,7 +209,8 @@ def layers_of(log: EventLog, stack: Stack, live: dict) -> tuple[list, dict]:
     recorded as they happen from the parameter each was computed from). In the forward and
     backward, a run of allocations charged to another module between two runs of one layer is
     that layer's (after a checkpointed layer's recomputation stops early, the backward's next op
-    is charged to the module running before it: the layer above's)."""
+    is charged to the module running before it: the layer above's); a storage of such a run freed two layers
+    on is outside the stack (its events stay the layer's)."""
     module_layer = [stack.layer_of(name) for name in log.modules]
     events = log.events
     allocs: list = []            # (event index, layer, phase)
@@ -227,23 +228,20 @@ def layers_of(log: EventLog, stack: Stack, live: dict) -> tuple[list, dict]:
         else:
             runs.append([r, r])
     freed = {ev.key: i for i, ev in enumerate(events) if ev.kind == FREE}
-    outlive: list = []
+    adopted: list = []           # (key, layer) of storages given the layer of the runs around them
     for q in range(1, len(runs) - 1):
         prev, cur, nxt = (allocs[runs[x][0]] for x in (q - 1, q, q + 1))
         if (prev[1] is not None and prev[1:] == nxt[1:] and cur[2] == prev[2] != "setup"
                 and (cur[1] is None or cur[2] in _POSITIONAL)):
-            # but a storage that outlives the layer's next run is not one of its temporaries (the residual stream's
-            # gradient, summed into in place down the whole stack from the step's top, made while a layer's hooks
-            # ran around it)
             unowned = cur[1] is None
             for r in range(runs[q][0], runs[q][1] + 1):
                 allocs[r][1] = prev[1]
                 if unowned and events[allocs[r][0]].key in freed:
-                    outlive.append((events[allocs[r][0]].key, prev[1]))
-    # ... but a storage that lives two layers on is not one of its temporaries (the residual stream's gradient summed
+                    adopted.append((events[allocs[r][0]].key, prev[1]))
+    # but an adopted storage freed two layers on is not one of that layer's temporaries (the residual stream's gradient summed
     # into in place down the stack, made at its top while the hooks of the layers around ran): outside the stack
     at = [a[0] for a in allocs]
-    far = {key for key, lay in outlive if (f := bisect.bisect_left(at, freed[key]) - 1) >= 0
+    far = {key for key, lay in adopted if (f := bisect.bisect_left(at, freed[key]) - 1) >= 0
            and allocs[f][1] is not None and abs(allocs[f][1] - lay) >= 2}
     key_layer = {events[i].key: (None if events[i].key in far else lay) for i, lay, _ in allocs}
     alloc_layer = {i: lay for i, lay, _ in allocs}

@@ -700,7 +700,7 @@ class SimulationTracker(StorageTracker):
         output, freed when the call returns (the semaphores first). Logged for every float reduction on the device, 0
         bytes where it takes none (the log's sequence then does not depend on the sizes: scaling.py)."""
         x = args[0]
-        if (not isinstance(x, torch.Tensor) or x.is_complex() or x.dtype == torch.float64 or not x.is_floating_point()
+        if (not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dtype == torch.float64
                 or (self.device_type is not None and x.device.type != self.device_type)):
             return      # float accumulators only (a double sum accumulates in double: not modelled)
         dims = args[1] if len(args) > 1 and args[1] is not None else ()
@@ -721,8 +721,8 @@ class SimulationTracker(StorageTracker):
     # ---------------------------------------------------------------- autograd's InputBuffer sums
     def _buffer_sum_into(self, args, kwargs):
         """The tensor the engine sums into, in place, when this ``add.Tensor`` is its sum of two gradients of one
-        parameter (a tied weight: ``lm_head.weight is embed_tokens.weight``; torch/csrc/autograd/input_buffer.cpp
-        ``accumulate``), else None. After a node's apply its output ``var`` is added to the buffer's ``old_var``
+        tensor (a residual stream's, a tensor used twice, a tied weight's: ``lm_head.weight is embed_tokens.weight``;
+        torch/csrc/autograd/input_buffer.cpp ``accumulate``), else None. After a node's apply its output ``var`` is added to the buffer's ``old_var``
         (which another node made): on the GPU in place into ``old_var`` when the buffer holds the last reference to
         it and its storage (``can_accumulate_inplace``), else a new tensor - never into ``var`` (the ``accumulate`` of
         the torch releases memlens supports; older ones tried ``var`` too). Measured on an H200 (torch 2.11,
@@ -732,9 +732,9 @@ class SimulationTracker(StorageTracker):
         summed into in place.
         Under a Python dispatch mode, as here, that check fails (the wrappers count as references) and the sum is
         always a new tensor: memlens sums in place as the GPU does. Told apart from an add inside a backward
-        formula by its operands: ``var`` made by the running node, ``old_var`` by another, the node's output going
-        to the AccumulateGrad of a parameter of that shape. Sums inside the graph (residual streams) stay out of
-        place (not yet measured on a GPU)."""
+        formula by its operands: ``var`` made by the running node, ``old_var`` by another. Sums inside the graph were
+        measured in place too (GPT-2 medium on an H100: GELU's input and both residual streams of every layer, no new
+        tensor; bench/results/zero1_probe.md, ninth session)."""
         node = torch._C._current_autograd_node()
         if kwargs or node is None or torch.is_grad_enabled() or len(args) != 2:
             return None

@@ -97,12 +97,19 @@ def _paced(torch, dist, ops: list, every: int, collective, stream, comm: bool, c
     return s0.elapsed_time(e0) / 1e3, (s1.elapsed_time(e1) / 1e3 if works else 0.0)
 
 
+def layer_gemms(torch, tokens: int, hidden: int, inter: int) -> list:
+    """A transformer layer's backward GEMM operands, bf16 on the GPU: the input and weight gradients of the MLP's up /
+    gate (tokens x inter into hidden) and down projections and of attention's (tokens x hidden x hidden), as (a, b)."""
+    t, h, i = tokens, hidden, inter
+    shapes = [(t, i, h), (i, t, h), (t, h, i), (h, t, i), (t, h, i), (h, t, i), (t, h, h), (h, t, h)]
+    return [(torch.randn(m, k, dtype=torch.bfloat16, device="cuda"), torch.randn(k, n, dtype=torch.bfloat16, device="cuda"))
+            for m, k, n in shapes]
+
+
 def overlap(torch, dist, world: int, repeats: int = 3) -> dict:
     """The overlap's cost (module docstring): the median of ``repeats`` measurements of each kind."""
     bf = torch.bfloat16
-    t, h, i = LAYER
-    shapes = [(t, i, h), (i, t, h), (t, h, i), (h, t, i), (t, h, i), (h, t, i), (t, h, h), (h, t, h)]
-    mats = [(torch.randn(m, k, dtype=bf, device="cuda"), torch.randn(k, n, dtype=bf, device="cuda")) for m, k, n in shapes]
+    mats = layer_gemms(torch, *LAYER)
     x = torch.empty(COPY_BYTES // 2, dtype=bf, device="cuda")
     y = torch.empty_like(x)
     bucket = torch.empty(BUCKET_BYTES // 2, dtype=bf, device="cuda")

@@ -2,7 +2,6 @@
 (bench/results/zero1_probe.md, ninth session): reductions' staging, autograd's in-place sums, embedding backward's
 sort, fused attention's backward workspaces. Sizes by hand."""
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memlens.core.events import ALLOC, FREE
