@@ -172,9 +172,9 @@ def prepare(spec: TrainingSpec, *, device: Any = "cuda", fake: bool = False, sou
     if seed is not None:
         torch.manual_seed(seed)
     if fake:
-        from torch._subclasses.fake_tensor import FakeTensorMode  # heavy: torch, loaded on first use
+        from .fake_mode import simulation_fake_mode  # heavy: torch, loaded on first use
 
-        fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=False)
+        fake_mode = fake_mode or simulation_fake_mode(allow_non_fake_inputs=False)
         with torch.device("meta"), quiet():
             built = build(spec, source, fake=True)
             if source.kind == "factory" and spec.param_dtype != "float32":
