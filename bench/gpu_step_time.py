@@ -50,6 +50,7 @@ JSONL, MD = "gpu_step_time.jsonl", "gpu_step_time.md"
 RUNS = "gpu_step_time_runs.jsonl"     # the runner's record of each GPU run (resume: a case measured is not run again)
 CASE_TIMEOUT = 150
 PROFILE_ENV = "MEMLENS_BENCH_PROFILE"   # --profile: each case's record holds one profiled step (bench/op_profile.py)
+DISPATCH_ENV = "MEMLENS_BENCH_DISPATCH"  # --dispatch: each case's record holds the host's dispatch speed (dispatch_probe)
 GPT2 = dict(model="gpt2", batch_size=8, seq_len=1024)
 L1B = dict(model="llama-3.2-1b", batch_size=4, seq_len=1024, precision="bf16")
 Q05 = dict(model="qwen2.5-0.5b", batch_size=8, seq_len=1024, precision="bf16")
@@ -148,6 +149,7 @@ def measure(name: str, fields: dict) -> dict:
             walls.append(time.perf_counter() - t - phases[-1].get("data", 0.0))   # the step, not its data loader
             speeds.append(host_speed())   # the host's speed beside each step (calibrate records its own: env)
     med = {k: statistics.median(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    disp = dispatch_probe(torch, dev) if os.environ.get(DISPATCH_ENV) else None
     prof = None
     if os.environ.get(PROFILE_ENV):   # one more step under torch.profiler: GPU time per op (bench/op_profile.py); every
         from bench.op_profile import profiled_step   # rank steps (its collectives need them all), rank 0's is kept
@@ -155,7 +157,8 @@ def measure(name: str, fields: dict) -> dict:
         prof = profiled_step(step, torch, dev)
         prof = prof if rank == 0 else None
     rec = {"profile": prof, "name": name, "rank": rank, "measured_seconds": statistics.median(walls), "measured_steps": walls,
-           "measured_phases": med, "host_speed_ms": round(statistics.median(speeds) * 1e3, 2), "max_allocated": torch.cuda.max_memory_allocated(dev),
+           "measured_phases": med, "host_speed_ms": round(statistics.median(speeds) * 1e3, 2), "dispatch": disp,
+           "max_allocated": torch.cuda.max_memory_allocated(dev),
            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__}
     if spec.world_size > 1:
         import torch.distributed as dist
@@ -163,6 +166,34 @@ def measure(name: str, fields: dict) -> dict:
         dist.barrier()
         dist.destroy_process_group()
     return rec
+
+
+def dispatch_probe(torch, dev) -> dict:
+    """The host's eager dispatch speed right after a case's steps, as calibrate measures its host costs: calibrate's
+    small Llama (memlens.measure.host_phases.CALIB_LLAMA, 1 x 16 tokens: the GPU idles) forward and backward, 3
+    rounds of 3 steps, the ops of each counted. ``--reprice --host-speed`` scales a table's host costs by this over
+    what the table's own costs give for the same ops: the host this case met, in the units the model prices."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from memlens.measure.host_phases import CALIB_LLAMA, host_rounds
+
+    model = LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)).to(dev, torch.bfloat16).train()
+    ids = torch.randint(0, CALIB_LLAMA["vocab_size"], (1, 16), device=dev)
+    f, b, nf, nb = host_rounds(torch, {"calib": model}, ids, rounds=3, runs=3)["calib"]
+    del model
+    return {"forward_s": f, "backward_s": b, "forward_ops": nf, "backward_ops": nb}
+
+
+def dispatch_ratio(table: dict, disp: dict) -> float | None:
+    """The probe's seconds (:func:`dispatch_probe`) over the table's raw host costs for the same ops (its
+    ``model_forward`` / ``model_backward`` per kernel op and ``view`` per view, at the host calibrate met)."""
+    h = table.get("host_us") or {}
+    if not disp or not h.get("model_forward") or not h.get("model_backward"):
+        return None
+    nf, nb = disp["forward_ops"], disp["backward_ops"]
+    expected = (h["model_forward"] * nf["kernel"] + h["model_backward"] * nb["kernel"]
+                + h.get("view", 0.0) * (nf["view"] + nb["view"])) * 1e-6
+    return (disp["forward_s"] + disp["backward_s"]) / expected if expected else None
 
 
 # ---------------------------------------------------------------- one case, estimated (CPU worker)
@@ -219,7 +250,11 @@ def combined(rounds: list[dict]) -> dict:
     out["measured_phases"] = {k: statistics.median((m.get("measured_phases") or {}).get(k, 0.0) for m in ok) for k in sorted(phases)}
     speeds = [m["host_speed_ms"] for m in ok if m.get("host_speed_ms")]
     out["host_speed_ms"] = round(statistics.median(speeds), 2) if speeds else None
+    disp = [m["dispatch"] for m in ok if m.get("dispatch")]
+    if disp:    # the round of the median dispatch speed stands for the case's host
+        out["dispatch"] = sorted(disp, key=lambda d: d["forward_s"] + d["backward_s"])[len(disp) // 2]
     out["measured_rounds"] = [{"seconds": m.get("measured_seconds"), "host_speed_ms": m.get("host_speed_ms"),
+                               "dispatch": m.get("dispatch"),
                                **({"measure_error": m["measure_error"]} if "measure_error" in m else {})} for m in rounds]
     return out
 
@@ -243,11 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table", help="an existing timing table (skips calibrate)")
     ap.add_argument("--workers", type=int, default=6, help="estimates side by side (default 6)")
     ap.add_argument("--profile", action="store_true", help="one more step per case under torch.profiler: GPU time per op")
+    ap.add_argument("--dispatch", action="store_true", help="after each case's steps, the host's eager dispatch speed "
+                    "(calibrate's small Llama, as calibrate times it): --reprice --host-speed scales by it")
     ap.add_argument("--reprice", metavar="JSONL", help="no GPU: the measured records of an earlier run priced again with "
                     "the current model and --table (or the shipped table), written to OUT as a new run's")
     ap.add_argument("--host-speed", action="store_true", help="with --reprice: each record priced with the table's host "
                     "costs scaled by the host's speed beside that case over the speed while calibrate measured them "
-                    "(host_speed_ms in the record and in the table's env): the model's error without the host's drift")
+                    "(the dispatch speed of a --dispatch record, else host_speed_ms in the record and in the table's "
+                    "env): the model's error without the host's drift")
     ap.add_argument("--rounds", type=int, default=1, help="measure every case this many times, a round over all cases "
                     "at a time (the host's speed drifts over minutes): a case's record is the median of its rounds "
                     "(measured_rounds lists them), its profile the first round's")
@@ -279,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     run_env = {"MEMLENS_TIMING_TABLE": os.path.abspath(table)} if table else {}
     if args.profile:
         run_env[PROFILE_ENV] = "1"
+    if args.dispatch:
+        run_env[DISPATCH_ENV] = "1"
     rows, preds, env_file = [], {}, "gpu_step_time_env.json"
     pool = ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_predict_worker,
                                initargs=(table,))
@@ -354,19 +394,22 @@ def reprice(path: str, out: str, table: str | None, workers: int, names: list[st
 
 def host_scaled_table(table: str | None, rec: dict, out: str, index: int = 0) -> str | None:
     """``table`` with every host cost (``host_us``) times the host's speed beside ``rec``'s steps over its speed while
-    calibrate measured them (both ``host_speed_ms``: memlens.measure.host_phases.host_speed, a fixed Python loop; the
-    table's median): written to ``out``/tables/<index>-<case>.json. None where either speed is missing."""
+    calibrate measured them: the dispatch speed where the record has one (:func:`dispatch_ratio`: --dispatch), else
+    the fixed Python loop's (both ``host_speed_ms``: memlens.measure.host_phases.host_speed; the table's median),
+    written to ``out``/tables/<index>-<case>.json. None where neither can be compared."""
     if not table:
         return None
     with open(table) as f:
         t = json.load(f)
     cal = (t.get("env") or {}).get("host_speed_ms")
-    if not cal or not rec.get("host_speed_ms"):
-        return None
-    ratio = rec["host_speed_ms"] / cal[1]
+    ratio, by = dispatch_ratio(t, rec.get("dispatch")), "dispatch speed"
+    if ratio is None:
+        if not cal or not rec.get("host_speed_ms"):
+            return None
+        ratio, by = rec["host_speed_ms"] / cal[1], "speed"
     t["host_us"] = {k: round(v * ratio, 3) for k, v in t["host_us"].items()}
     t["env"].pop("host_reference_ms", None)   # priced at this record's host, not the table's reference host
-    t["source"] = f"{t.get('source', '')}; host costs x {ratio:.3f} (the host's speed beside {rec['name']})"
+    t["source"] = f"{t.get('source', '')}; host costs x {ratio:.3f} (the host's {by} beside {rec['name']})"
     os.makedirs(os.path.join(out, "tables"), exist_ok=True)
     path = os.path.join(out, "tables", f"{index}-{rec['name']}.json")
     with open(path, "w") as f:
