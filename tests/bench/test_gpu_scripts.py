@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_bert_eager_probe.py": "one case per command, in its own process",
@@ -25,6 +27,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_unaligned_probe.py": "re-measures calibrate's unaligned GEMM grids and the GPT-2 head's rates in one process",
     "gpu_opacus_sweep.py": "kills and resumes `memlens sweep --measure` itself (the test is the sweep's own resume)",
     "gpu_ckpt_probe.py": "times tiny models' host work in interleaved rounds in one process (as calibrate does)",
+    "gpu_host_size_probe.py": "times real models' host work at several sizes in interleaved rounds in one process",
     "gpu_dp_probe.py": "runs calibrate's own host measurements in one process",
 }
 
@@ -57,3 +60,30 @@ def test_step_time_rounds_combine_to_the_median_of_the_rounds_that_measured():
     assert got["measured_rounds"][2]["measure_error"] == "OOM: x"
     assert combined([first]) is first                         # one round: as measured
     assert combined([{"measure_error": "a"}, {"measure_error": "b"}]) == {"measure_error": "a"}
+
+
+def test_step_time_host_speed_scales_by_the_dispatch_probe_beside_a_record(tmp_path):
+    import json
+
+    from bench.gpu_step_time import combined, dispatch_ratio, host_scaled_table
+
+    table = {"host_us": {"model_forward": 10.0, "model_backward": 20.0, "view": 1.0, "ckpt_layer_forward": 900.0},
+             "env": {"host_speed_ms": [12.0, 20.0, 24.0], "host_reference_ms": 20.77}, "source": "t"}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(table))
+    # 100 + 200 kernel ops at 10 / 20 us, 150 views at 1 us: 5.15 ms at the table's host; the probe took 10.3
+    probe = {"forward_s": 0.0042, "backward_s": 0.0061, "forward_ops": {"kernel": 100, "view": 50},
+             "backward_ops": {"kernel": 200, "view": 100}}
+    assert dispatch_ratio(table, probe) == pytest.approx(2.0)
+    scaled = json.loads(open(host_scaled_table(str(path), {"name": "c", "dispatch": probe, "host_speed_ms": 5.0},
+                                               str(tmp_path), 0)).read())
+    assert scaled["host_us"] == {"model_forward": 20.0, "model_backward": 40.0, "view": 2.0, "ckpt_layer_forward": 1800.0}
+    assert "host_reference_ms" not in scaled["env"]           # priced at this record's host, not the reference
+    # no probe: the fixed loop's speed over calibrate's median (5 / 20)
+    loop = json.loads(open(host_scaled_table(str(path), {"name": "c", "host_speed_ms": 5.0}, str(tmp_path), 1)).read())
+    assert loop["host_us"]["model_forward"] == 2.5
+    assert dispatch_ratio({"host_us": {}}, probe) is None
+    # rounds: the round of the median probe stands for the case
+    slow, mid, fast = ({**probe, "forward_s": f} for f in (0.009, 0.005, 0.001))
+    got = combined([{"measured_seconds": s, "dispatch": d} for s, d in ((0.1, slow), (0.2, fast), (0.3, mid))])
+    assert got["dispatch"] is mid and [r["dispatch"] for r in got["measured_rounds"]] == [slow, fast, mid]
