@@ -16,6 +16,7 @@ from typing import Any
 from unittest import mock
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten
 
 from ..core import progress, usercode
@@ -799,7 +800,11 @@ class SimulationTracker(StorageTracker):
         recomputation and of the module's forward (``ops_limit``)."""
         if self.phase != "backward" and self._made_by:
             self._made_by.clear()
-        out = func(*args, **(kwargs or {}))
+        t = args[0] if len(args) == 1 and not kwargs else None
+        if type(t) is FakeTensor:    # FakeTensorMode's own answer (its prim.device handler), without the mode's dispatch
+            out = _META if t.fake_mode.in_kernel_invocation else t.fake_device
+        else:
+            out = func(*args, **(kwargs or {}))
         if self.timer is not None:
             self.timer.op(func, args, kwargs, out)
         if self.recomputing and self._first("backward"):
@@ -839,6 +844,7 @@ class SimulationTracker(StorageTracker):
 
 
 _DEVICE = torch.ops.prim.device.default
+_META = torch.device("meta")
 _ADD, _ADD_ = torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor
 _LIFT_FRESH = torch.ops.aten.lift_fresh.default
 _EMBEDDING_BACKWARD = torch.ops.aten.embedding_dense_backward.default
