@@ -598,3 +598,23 @@ def test_each_4bit_layer_call_pays_bitsandbytes_host_work_both_ways():
     assert [r[3] for r in price(trace, tab)] == [0.0, 0.0, 0.0]          # a table without the costs: none
     tab.host_us.update(qlora_layer_forward=60.0, qlora_layer_backward=170.0)
     assert [r[3] for r in price(trace, tab)] == pytest.approx([60e-6, 60e-6, 170e-6])
+
+
+def test_matmul_flops_read_directly_are_torchs_formulas():
+    import torch
+    from torch.utils.flop_counter import flop_registry
+
+    from memlens.estimator.timing.ops import _flops
+
+    aten = torch.ops.aten
+    e = torch.empty
+    cases = [(aten.mm.default, (e(4, 6), e(6, 5)), 240), (aten.addmm.default, (e(5), e(4, 6), e(6, 5)), 240),
+             (aten.bmm.default, (e(3, 4, 6), e(3, 6, 5)), 720),
+             (aten.baddbmm.default, (e(3, 4, 5), e(3, 4, 6), e(3, 6, 5)), 720),
+             (aten.mm.default, (e(4, 6), e(7, 5)), 0)]       # operands that do not multiply: no FLOPs, as torch's says
+    for func, args, flops in cases:
+        try:
+            torchs = int(flop_registry[func._overloadpacket](*args, out_val=None))
+        except AssertionError:
+            torchs = 0
+        assert _flops(func, args, {}, None) == torchs == flops
