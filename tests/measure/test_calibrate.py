@@ -21,7 +21,8 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     old = cal._gpu_seconds
     cal._gpu_seconds = one_ms
     try:
-        ratios = cal.measure_op_ratios(torch, torch.device("cpu"), bw, lambda s: seen.setdefault("log", s))
+        # on the meta device: the ops' shapes, not their work (a real CPU ran them at calibrate's sizes: seconds)
+        ratios = cal.measure_op_ratios(torch, torch.device("meta"), bw, lambda s: seen.setdefault("log", s))
     finally:
         cal._gpu_seconds = old
     N, H = 8192, 2048
