@@ -1,10 +1,10 @@
 """The fake-tensor mode of memlens' simulations: torch's FakeTensorMode with a cheaper key for its dispatch cache.
 
 FakeTensorMode caches each op's output metadata under a key made of the op and its arguments, a fake tensor's part
-of it being its whole :func:`torch._subclasses.fake_tensor.extract_tensor_metadata` flattened field by field (about
-50 us of Python a tensor: the sparse-layout checks, the suggested memory format and its contiguity, a dataclass
-walk). A simulation hits that cache on nine ops in ten (a model's layers repeat), so the key is where most of a hit's
-time goes. For a plain fake tensor of this mode (strided, no symbolic sizes, no constant value, not quantized) the
+of it being its whole :func:`torch._subclasses.fake_tensor.extract_tensor_metadata` flattened field by field (the
+sparse-layout checks, the suggested memory format and its contiguity, a dataclass walk: tens of microseconds of
+Python a tensor). A simulation hits that cache on about nine ops in ten (a model's layers repeat), so the key was
+much of a hit's time: this key takes 11.7% off a whole estimate's CPU (bench/results/sim_speed.md). For a plain fake tensor of this mode (strided, no symbolic sizes, no constant value, not quantized) the
 same metadata is a function of fewer reads, which go into the key as one tuple: dtype, shape, stride, device,
 storage offset, storage bytes, requires_grad and the conjugate / negative / inference bits (the memory format is a
 function of shape and stride, the sparse fields are empty for a strided tensor). Anything else (nested lists,
