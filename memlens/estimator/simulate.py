@@ -765,7 +765,8 @@ class SimulationTracker(StorageTracker):
             other = args[1] if into is args[0] else args[0]
             self._dispatch(_ADD_, types, (into, other), {})
             if self.timer is not None:   # the GPU runs the sum all the same, in place: priced as the add (two reads, a
-                self.timer.op(_ADD, (into, other), {}, into.view_as(into))   # write: a view is not an input)
+                # write: a view is not an input; view, not view_as: FakeTensorMode caches view and runs view_as whole)
+                self.timer.op(_ADD, (into, other), {}, into.view(into.shape))
             return into
         if phase != "backward" and self._made_by:
             self._made_by.clear()
