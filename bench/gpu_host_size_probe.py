@@ -56,7 +56,7 @@ def main() -> int:
     import torch
 
     from memlens.core.spec import TrainingSpec
-    from memlens.measure.host_phases import CALIB_LLAMA, host_speed
+    from memlens.measure.host_phases import CALIB_LLAMA, calib_llama, host_speed
     from memlens.step import prepare
 
     out = os.environ.get("OUT", "out")
@@ -66,9 +66,7 @@ def main() -> int:
     for name, (fields, sizes) in MODELS.items():
         t0 = time.perf_counter()
         if fields is None:
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            model = LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)).to(dev, torch.bfloat16).train()
+            model = calib_llama(torch, dev)
             vocab = CALIB_LLAMA["vocab_size"]
         else:
             step = prepare(TrainingSpec(batch_size=1, seq_len=16, **fields), device=dev)

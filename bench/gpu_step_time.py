@@ -173,11 +173,9 @@ def dispatch_probe(torch, dev) -> dict:
     small Llama (memlens.measure.host_phases.CALIB_LLAMA, 1 x 16 tokens: the GPU idles) forward and backward, 3
     rounds of 3 steps, the ops of each counted. ``--reprice --host-speed`` scales a table's host costs by this over
     what the table's own costs give for the same ops: the host this case met, in the units the model prices."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from memlens.measure.host_phases import CALIB_LLAMA, calib_llama, host_rounds
 
-    from memlens.measure.host_phases import CALIB_LLAMA, host_rounds
-
-    model = LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)).to(dev, torch.bfloat16).train()
+    model = calib_llama(torch, dev)
     ids = torch.randint(0, CALIB_LLAMA["vocab_size"], (1, 16), device=dev)
     f, b, nf, nb = host_rounds(torch, {"calib": model}, ids, rounds=3, runs=3)["calib"]
     del model

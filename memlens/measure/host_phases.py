@@ -18,6 +18,13 @@ CALIB_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=16, 
                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
 
 
+def calib_llama(torch, dev):
+    """Calibrate's host model (:data:`CALIB_LLAMA`) in bf16 on ``dev``, in training mode (random weights)."""
+    from transformers import LlamaConfig, LlamaForCausalLM  # heavy: transformers, loaded on first use
+
+    return LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)).to(dev, torch.bfloat16).train()
+
+
 def host_speed() -> float:
     """Seconds of a fixed pure-Python loop: the host's speed at this moment (lower is faster)."""
     t = time.perf_counter()

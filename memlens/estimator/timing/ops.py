@@ -143,25 +143,22 @@ def _dtype(t) -> str:
 
 _REGISTRY: list = []
 _ATEN = torch.ops.aten
-_GEMM_OPERANDS = {_ATEN.mm: 0, _ATEN.bmm: 0, _ATEN.addmm: 1, _ATEN.baddbmm: 1}   # where a matmul's two operands start
+_GEMM_OPERANDS = {_ATEN.mm: (0, 2), _ATEN.addmm: (1, 2), _ATEN.bmm: (0, 3), _ATEN.baddbmm: (1, 3)}   # (first operand, dims)
 
 
 def _gemm_flops(func, args) -> int | None:
     """torch's flop formulas for the plain matmuls (torch.utils.flop_counter: mm, addmm, bmm, baddbmm: 2 x M x N x K
     per batch), read from the operands' shapes directly: the registry's wrapper maps every argument through a pytree
     first, a few percent of a simulation. None for any other op, or operands not as those formulas read them."""
-    packet = getattr(func, "_overloadpacket", None)
-    i = _GEMM_OPERANDS.get(packet)
+    i, dims = _GEMM_OPERANDS.get(getattr(func, "_overloadpacket", None), (None, 0))
     if i is None or len(args) < i + 2:
         return None
     a, b = args[i], args[i + 1]
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim() or a.dim() not in (2, 3):
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != dims or b.dim() != dims:
         return None
-    if a.dim() == 3 and (packet is _ATEN.mm or packet is _ATEN.addmm or a.shape[0] != b.shape[0]):
+    if a.shape[-1] != b.shape[-2] or (dims == 3 and a.shape[0] != b.shape[0]):
         return None
-    if a.dim() == 2 and (packet is _ATEN.bmm or packet is _ATEN.baddbmm) or a.shape[-1] != b.shape[-2]:
-        return None
-    return (a.shape[0] if a.dim() == 3 else 1) * a.shape[-2] * b.shape[-1] * 2 * a.shape[-1]
+    return (a.shape[0] if dims == 3 else 1) * a.shape[-2] * b.shape[-1] * 2 * a.shape[-1]
 
 
 def _flops(func, args, kwargs, out) -> int:
