@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 
 from .enums import CATEGORIES
 from .events import ALLOC, FREE, PHASE, TAG, EventLog  # noqa: F401 - EventLog re-exported
-from .timeline import TimelinePoint
+from .timeline import simulated_point
 
 KB_MIN_BLOCK = 512
 K_SMALL_SIZE = 1 << 20          # 1 MiB
@@ -478,12 +478,8 @@ def downsample(raw: list[tuple], max_points: int) -> list[dict[str, Any]]:
         return []
     n = len(raw)
     bucket = max(1, n // max_points)
-    out = []
-    for s in range(0, n, bucket):
-        best = max(raw[s:s + bucket], key=lambda r: r[3])
-        out.append(TimelinePoint(event=best[0], phase=best[1], step=best[2], allocated_bytes=best[3],
-                                 reserved_bytes=best[4] if len(best) > 4 else None).to_dict())
-    return out
+    best = raw if bucket == 1 else [max(raw[s:s + bucket], key=lambda r: r[3]) for s in range(0, n, bucket)]
+    return [simulated_point(*r) for r in best]
 
 
 def module_group(name: str) -> str:

@@ -35,3 +35,18 @@ class TimelinePoint:
 
 
 _NAMES = tuple(f.name for f in fields(TimelinePoint))   # to_dict's keys, in field order (a simulation makes thousands)
+
+
+def simulated_point(event: int | None, phase: str, step: int, allocated_bytes: int,
+                    reserved_bytes: int | None = None) -> dict[str, Any]:
+    """``TimelinePoint(...).to_dict()`` of a simulated step's point, built directly (a ledger keeps thousands).
+
+    >>> simulated_point(7, "forward", 1, 1024) == TimelinePoint("forward", 1, 1024, event=7).to_dict()
+    True
+    """
+    d = {"phase": phase, "step": step, "allocated_bytes": allocated_bytes}
+    if reserved_bytes is not None:
+        d["reserved_bytes"] = reserved_bytes
+    if event is not None:
+        d["event"] = event
+    return d
