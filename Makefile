@@ -26,10 +26,13 @@ CORE_ARGS ?= -m "not slow"
 # It writes nothing where the environment sets PYTHONDONTWRITEBYTECODE (containers and CI images often do): then
 # every process of the suite (each xdist worker, each subprocess and torchrun rank) compiles torch and transformers
 # again, about 5 CPU-s each: the recipes here run without it. After an install, one import of what the suite imports
-# compiles it once (else both workers compile the same files at the same time).
+# compiles it once (else both workers compile the same files at the same time): the test modules' imports, and what
+# torch, trl and lightning import on first use (torch._dynamo, datasets, pandas, torchmetrics: ~2,300 files that a
+# fresh clone's suite compiled in its workers before).
 PIP_INSTALL := pip install -q --no-compile
 unexport PYTHONDONTWRITEBYTECODE
-WARM_IMPORTS := import torch, transformers, peft, opacus, accelerate, hypothesis, pytest, xdist, memlens.cli.main, memlens.estimator
+WARM_IMPORTS := import torch, transformers, peft, opacus, accelerate, hypothesis, pytest, xdist, memlens.cli.main, memlens.estimator, \
+	torch._dynamo, lightning, diffusers, trl, matplotlib.pyplot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
