@@ -66,6 +66,22 @@ def test_the_launch_queue_counts_host_bound_ops():
     assert busy3["forward"] + wait3["forward"] == pytest.approx(busy["forward"] + wait["forward"])
 
 
+def test_a_later_micro_batch_starts_behind_the_one_before():
+    # GPU-bound (1 s of kernel, 0.5 s of host each): the first micro-batch's forward waits 0.5 s for its dispatch; the
+    # next one's forward is dispatched while the GPU still runs the backward before it: no wait (a step of 4
+    # micro-batches pays 0.5 s of host, not 2)
+    rows = [("forward", 0, 1.0, 0.5, 0, "memory"), ("backward", 0, 1.0, 0.5, 0, "memory")]
+    _, first, _ = step_mod.queue(rows, [1.0, 1.0])
+    assert first == {"forward": pytest.approx(0.5), "backward": 0.0}
+    assert step_mod.later_waits(rows, [1.0, 1.0], first) == {"forward": 0.0, "backward": 0.0}
+    # host-bound (0.2 s of kernel, 0.5 of host): each op waits for its dispatch, the later forward 0.3 s (its queue is
+    # empty 0.3 s before its dispatch ends), not the first's 0.5
+    rows = [("forward", 0, 0.2, 0.5, 0, "memory"), ("backward", 0, 0.2, 0.5, 0, "memory")]
+    _, first, _ = step_mod.queue(rows, [1.0, 1.0])
+    assert first == {"forward": pytest.approx(0.5), "backward": pytest.approx(0.3)}
+    assert step_mod.later_waits(rows, [1.0, 1.0], first) == {"forward": pytest.approx(0.3), "backward": pytest.approx(0.3)}
+
+
 def test_the_table_file_round_trips(tmp_path):
     t = datasheet_table("h100")
     path = t.write(tmp_path / "h100_timing.json")

@@ -78,6 +78,15 @@ def queue(rows: list, mult: list[float]) -> tuple[dict, float, float]:
     return dict(busy), dict(wait), host
 
 
+def later_waits(rows: list, mult: list[float], first: dict) -> dict:
+    """The seconds the GPU waits on the host, per bucket, in a micro-batch that follows another with nothing between
+    them that synchronizes (the training loop's accumulation: the host dispatches micro-batch i+1's forward while the
+    GPU still runs micro-batch i's backward, so a GPU-bound micro-batch's start-up wait is paid once a step): the
+    queue run over two micro-batches back to back, less the first's waits (``first``, :func:`queue`'s)."""
+    _, two, _ = queue(rows + rows, mult + mult)
+    return {b: two[b] - first.get(b, 0.0) for b in two}
+
+
 def micro_batches(spec) -> tuple[int, int]:
     """(micro-batches per optimizer step, samples in each)."""
     if spec.dp:
@@ -214,12 +223,14 @@ def _step_time(sim, tr) -> dict:
     if scale != (1.0, 1.0):
         rows = [_scaled(r, scale, tab) for r in rows]
     busy, wait, host_total = queue(rows, mult)
+    later = later_waits(rows, mult, wait)
     k, mb = micro_batches(spec)
     parts = dict.fromkeys(PARTS, 0.0)
     for bucket, sec in busy.items():
         parts[_BUCKET_PART.get(bucket, "forward")] += sec * k
-    parts["host"] = sum(v for b, v in wait.items() if b != "gather") * k
-    exposed_gather = wait.get("gather", 0.0) * k     # FSDP2's forward all-gathers the compute stream waited on
+    parts["host"] = sum(v for b, v in wait.items() if b != "gather") + (k - 1) * sum(
+        v for b, v in later.items() if b != "gather")
+    exposed_gather = wait.get("gather", 0.0) + (k - 1) * later.get("gather", 0.0)   # FSDP2's all-gathers waited on
     comm = 0.0   # DTensor's collectives (TP, CP) ran in the queue on the critical path: shown as collectives
     for r, m in zip(rows, mult):
         if r[5] == COMM:
@@ -265,7 +276,8 @@ def _step_time(sim, tr) -> dict:
     flops = sum(r[4] * m for r, m in zip(rows, mult) if r[0] != "recompute") * k
     out = _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total * k, scaled_from)
     out["gpu_busy_per_micro_batch"] = sum(busy.values())
-    out["host_wait_per_micro_batch"] = sum(wait.values())
+    out["host_wait_per_micro_batch"] = sum(wait.values())       # the first micro-batch's
+    out["host_wait_later_micro_batch"] = sum(later.values())    # each one after it (later_waits)
     if busy.get("recompute"):
         # what checkpointing adds to one micro-batch, additive over blocks (fit --least-recompute weighs blocks one by
         # one): each recomputed op's kernel (its dispatch hides behind the GPU's work in a step that keeps the GPU busy),
@@ -383,12 +395,16 @@ def rescaled(st: dict, micro_batch: int, grad_accum: int, seq_len: int | None) -
     parts = dict(st["parts"])
     busy = st.get("gpu_busy_per_micro_batch", 0.0)
     wait = st.get("host_wait_per_micro_batch", 0.0)
+    later = st.get("host_wait_later_micro_batch", wait)
     host_micro = st.get("host_seconds", 0.0) / max(1, k0)
     for name in ("forward", "backward", "recompute"):
         parts[name] = parts.get(name, 0.0) / k0 * r * grad_accum
-    wall = max(busy * r, host_micro, busy * r + wait - busy * (r - 1))
-    opt_host = parts.get("host", 0.0) - wait * k0           # the optimizer's share of the host part stays
-    parts["host"] = max(0.0, wall - busy * r) * grad_accum + max(0.0, opt_host)
+
+    def exposed(w: float) -> float:   # a micro-batch's wall beyond its kernels, at the new size
+        return max(0.0, max(busy * r, host_micro, busy * r + w - busy * (r - 1)) - busy * r)
+
+    opt_host = parts.get("host", 0.0) - wait - (k0 - 1) * later    # the optimizer's share of the host part stays
+    parts["host"] = exposed(wait) + (grad_accum - 1) * exposed(later) + max(0.0, opt_host)
     if parts.get("offload"):
         parts["offload"] = parts["offload"] / k0 * r * grad_accum
     return sum(parts.values()), parts
