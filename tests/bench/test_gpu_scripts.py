@@ -87,3 +87,27 @@ def test_step_time_host_speed_scales_by_the_dispatch_probe_beside_a_record(tmp_p
     slow, mid, fast = ({**probe, "forward_s": f} for f in (0.009, 0.005, 0.001))
     got = combined([{"measured_seconds": s, "dispatch": d} for s, d in ((0.1, slow), (0.2, fast), (0.3, mid))])
     assert got["dispatch"] is mid and [r["dispatch"] for r in got["measured_rounds"]] == [slow, fast, mid]
+
+
+def test_overhead_pairs_measure_both_steps_in_one_process_and_price_the_ratio():
+    """bench/gpu_overhead.py: the pairs are CASES' techniques beside their bases; a pair's two steps run in alternating
+    rounds (on this CPU, tiny sizes); the predicted overhead is the ratio of the two step times, the table's difference
+    in percentage points."""
+    from bench.gpu_overhead import markdown, measure_pair, pairs, predicted_overhead
+
+    p = pairs()
+    assert p["llama1b-ckpt-full"]["base_name"] == "llama1b-bf16" and "llama1b-bf16" not in p
+    assert all(not v["variant"].get("needs") for v in p.values())          # QLoRA / DP-SGD need wheels: not paired
+    tiny = {"model": "tests/fixtures/models/tiny-gpt2", "batch_size": 1, "seq_len": 16}
+    rec = measure_pair("x", {"base": tiny, "variant": {**tiny, "grad_accum": 2}, "rounds": 2, "steps": 1})
+    assert [sorted(r) for r in rec["rounds"]] == [["base_s", "host_speed_ms", "overhead", "variant_s"]] * 2
+    assert rec["measured_overhead"] == pytest.approx(rec["variant_seconds"] / rec["base_seconds"] - 1)
+    assert predicted_overhead({"predicted_seconds": 0.1}, {"predicted_seconds": 0.125, "predicted_table": "t"}) == {
+        "predicted_base_seconds": 0.1, "predicted_variant_seconds": 0.125, "predicted_overhead": pytest.approx(0.25),
+        "predicted_table": "t"}
+    assert predicted_overhead({"predict_error": "boom"}, {}) == {"predict_error": "boom"}
+    row = {"name": "v", "base_name": "b", "base_seconds": 0.1, "variant_seconds": 0.13, "measured_overhead": 0.3,
+           "predicted_overhead": 0.25, "rounds": [{"overhead": 0.28}, {"overhead": 0.32}]}
+    md = markdown([row])
+    assert "| v (vs b) | 0.1000 / 0.1300 | +30.0% (+28.0% .. +32.0%) | +25.0% | -5.0 pp |" in md
+    assert "1 pairs; |difference| median 5.0 pp, max 5.0 pp, 0 within 3 pp" in md
