@@ -75,12 +75,13 @@ def pytest_collection_finish(session):
     a worker) and what the tests import later (torch._dynamo, sympy, transformers' model modules, the Trainer, ...:
     up to 1.2 million) lives until the process ends, and a full collection walks it all: 0.3-0.9 s each, about 45 in a
     run of the suite, most of them the library's own after each OOM it catches. gc.freeze() moves what is alive out
-    of the collector's sight: after collection, then after each test module (its garbage collected first, which walks
-    only what the module made). Cost: a cycle frozen while alive is never collected (a module-scoped model). The
-    library keeps Python's defaults."""
+    of the collector's sight: after collection, then after each test module, once its module-scoped fixtures are
+    finalized (its garbage collected first, which walks only what the module made). Cost: a cycle that is alive at a
+    freeze and dies later is never collected. The library keeps Python's defaults."""
     _freeze()
 
 
+@pytest.hookimpl(trylast=True)     # after pytest's own teardown (the module's fixtures finalized before the freeze)
 def pytest_runtest_teardown(item, nextitem):
     if nextitem is None or nextitem.path != item.path:
         _freeze()
