@@ -11,7 +11,8 @@ of the rounds' medians) of:
   under torch.utils.checkpoint (non-reentrant, as transformers calls it), and without preserving RNG states;
 - ``llama`` / ``llama-ckpt``: calibrate's 16-layer Llama of width 64 at 1 x 16 tokens, bare and under memlens' full
   checkpointing; ``vit`` / ``vit-ckpt``: a 24-layer ViT of width 64 (transformers ViTForImageClassification, 32 px
-  images of 8 px patches, batch 1), the same two ways.
+  images of 8 px patches, batch 1), the same two ways; ``gpt2`` / ``gpt2-ckpt``: GPT-2's 12 blocks at width 64 (1 x 16
+  tokens), the same two ways.
 
 Each row: forward and backward seconds, the kernel ops and views each dispatched (counted once as calibrate counts
 them), the tensors autograd saved in forward (bare variants), the layers, and the host's speed over the rounds.
@@ -44,7 +45,7 @@ def _out(rec: dict) -> None:
 def variants(torch, dev) -> dict:
     """name -> (make loss: () -> scalar tensor, layers checkpointed)."""
     from torch.utils.checkpoint import checkpoint
-    from transformers import LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
 
     from memlens.models.checkpoint import checkpoint_blocks
 
@@ -64,6 +65,7 @@ def variants(torch, dev) -> dict:
     lcfg = LlamaConfig(**CALIB_LLAMA)
     vcfg = ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, image_size=32,
                      patch_size=8, num_labels=10)
+    gcfg = GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=512, n_positions=64)   # GPT-2's blocks, calibrate's width
     ids = torch.randint(0, 512, (1, 16), device=dev)
     px = torch.randn(1, 3, 32, 32, device=dev, dtype=torch.bfloat16)
     lab = torch.zeros(1, dtype=torch.long, device=dev)
@@ -72,10 +74,13 @@ def variants(torch, dev) -> dict:
         torch.manual_seed(0)
         lm = LlamaForCausalLM(lcfg).to(dev, torch.bfloat16).train()
         vm = ViTForImageClassification(vcfg).to(dev, torch.bfloat16).train()
+        gm = GPT2LMHeadModel(gcfg).to(dev, torch.bfloat16).train()
         if ck:
             checkpoint_blocks(lm, "all", "full")
             checkpoint_blocks(vm, "all", "full")
+            checkpoint_blocks(gm, "all", "full")
         sfx = "-ckpt" if ck else ""
+        out["gpt2" + sfx] = ((lambda m=gm: m(input_ids=ids, labels=ids).loss), 12 if ck else 0)
         out["llama" + sfx] = ((lambda m=lm: m(input_ids=ids, labels=ids).loss), 16 if ck else 0)
         out["vit" + sfx] = ((lambda m=vm: m(pixel_values=px, labels=lab).loss), 24 if ck else 0)
     return out
