@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gpu_overhead.jsonl) priced again with the current model and --table")
     args = ap.parse_args(argv)
     out = args.out
-    todo = {c.name: pairs()[c.name] for c in select([Case(n) for n in pairs()], args.filters)}
+    every = pairs()
+    todo = {c.name: every[c.name] for c in select([Case(n) for n in every], args.filters)}
     done = None
     if args.reprice:
         done = {r["name"]: r for r in read_jsonl(args.reprice) if r.get("name") in todo}
