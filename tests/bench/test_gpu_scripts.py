@@ -28,6 +28,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_opacus_sweep.py": "kills and resumes `memlens sweep --measure` itself (the test is the sweep's own resume)",
     "gpu_ckpt_probe.py": "times tiny models' host work in interleaved rounds in one process (as calibrate does)",
     "gpu_ckpt_sync_probe.py": "one profiled forward per variant of gpu_ckpt_probe's models in one process, no cases",
+    "gpu_ckpt_parts.py": "times tiny models' host work under checkpoint's variants in interleaved rounds in one process",
     "gpu_host_size_probe.py": "times real models' host work at several sizes in interleaved rounds in one process",
     "gpu_dp_probe.py": "runs calibrate's own host measurements in one process",
 }
