@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.gpu_runner import Case, read_jsonl, run_cases, runner_args, select  # noqa: E402
-from bench.gpu_step_time import CASES, _predict_worker, predict, spec_of  # noqa: E402
+from bench.gpu_step_time import CASES, _predict_worker, host_scaled_table, predict, spec_of  # noqa: E402
 
 JSONL, MD = "gpu_overhead.jsonl", "gpu_overhead.md"
 WARMUP = 2
@@ -98,6 +98,15 @@ def predicted_overhead(base: dict, variant: dict) -> dict:
             "predicted_table": variant.get("predicted_table")}
 
 
+def pair_table(table: str, rec: dict, out: str, index: int) -> str | None:
+    """``table`` with its host costs at the host's speed beside ``rec``'s rounds (their median ``host_speed_ms``:
+    gpu_step_time.host_scaled_table), or None where the record has no speeds."""
+    speeds = [r["host_speed_ms"] for r in rec.get("rounds", []) if r.get("host_speed_ms")]
+    if not speeds:
+        return None
+    return host_scaled_table(table, {"name": rec["name"], "host_speed_ms": statistics.median(speeds)}, out, index)
+
+
 def markdown(rows: list[dict]) -> str:
     out = ["| technique (vs base) | measured base / technique s | measured overhead (rounds' range) | predicted overhead "
            "| difference |", "|---|---|---|---|---|"]
@@ -127,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4, help="estimates side by side (default 4)")
     ap.add_argument("--reprice", metavar="JSONL", help="no GPU: the pairs measured in an earlier run (its "
                     "gpu_overhead.jsonl) priced again with the current model and --table")
+    ap.add_argument("--host-speed", action="store_true", help="with --reprice: both steps of a pair priced with --table's "
+                    "host costs at the host's speed beside the pair (the median of its rounds' host_speed_ms over the "
+                    "table's calibration speed), not at the table's reference host")
     args = ap.parse_args(argv)
+    if args.host_speed and not (args.reprice and args.table):
+        ap.error("--host-speed scales a table's host costs: give --reprice FILE and --table TABLE")
     out = args.out
     every = pairs()
     todo = {c.name: every[c.name] for c in select([Case(n) for n in every], args.filters)}
@@ -140,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(todo))
         return 0
     ctx = multiprocessing.get_context("spawn")
+    own = {n: pair_table(args.table, done[n], out, i) for i, n in enumerate(todo)} if args.host_speed else {}
     with ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_predict_worker, initargs=(args.table,)) as pool:
-        bases = {p["base_name"]: pool.submit(predict, p["base_name"], p["base"], args.dry_run) for p in todo.values()}
-        futs = {n: (bases[p["base_name"]], pool.submit(predict, n, p["variant"], args.dry_run)) for n, p in todo.items()}
+        if own:   # each pair at its own host: its base priced with its table too
+            futs = {n: (pool.submit(predict, p["base_name"], p["base"], args.dry_run, own[n]),
+                        pool.submit(predict, n, p["variant"], args.dry_run, own[n])) for n, p in todo.items()}
+        else:
+            bases = {p["base_name"]: pool.submit(predict, p["base_name"], p["base"], args.dry_run) for p in todo.values()}
+            futs = {n: (bases[p["base_name"]], pool.submit(predict, n, p["variant"], args.dry_run)) for n, p in todo.items()}
         # --dry-run measures on the CPU too (this process' subprocesses): the pair's paths, not its numbers
         recs = list(done.values()) if done is not None else run_cases(
             cases, "bench.gpu_overhead:measure_pair", out=out, jsonl=JSONL, filters=args.filters, fresh=args.fresh,

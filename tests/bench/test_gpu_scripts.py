@@ -113,3 +113,20 @@ def test_overhead_pairs_measure_both_steps_in_one_process_and_price_the_ratio():
     md = markdown([row])
     assert "| v (vs b) | 0.1000 / 0.1300 | +30.0% (+28.0% .. +32.0%) | +25.0% | -5.0 pp |" in md
     assert "1 pairs; |difference| median 5.0 pp, max 5.0 pp, 0 within 3 pp" in md
+
+
+def test_overhead_pairs_reprice_at_the_pairs_own_host(tmp_path):
+    """bench/gpu_overhead.py --reprice --host-speed: a pair's table has every host cost times the median of its rounds'
+    host speeds over the table's calibration speed (its env's median); a record without speeds keeps the table."""
+    import json
+
+    from bench.gpu_overhead import pair_table
+
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"host_us": {"forward": 10.0, "ckpt_layer_forward": 900.0},
+                                 "env": {"host_speed_ms": [15.0, 20.0, 25.0], "host_reference_ms": 20.77}, "source": "s"}))
+    rec = {"name": "p", "rounds": [{"host_speed_ms": 12.0}, {"host_speed_ms": 10.0}, {"host_speed_ms": 30.0}]}
+    t = json.loads(open(pair_table(str(table), rec, str(tmp_path), 3)).read())
+    assert t["host_us"] == {"forward": 6.0, "ckpt_layer_forward": 540.0}       # x 12 / 20
+    assert "host_reference_ms" not in t["env"] and t["source"].startswith("s; host costs x 0.600")
+    assert pair_table(str(table), {"name": "p", "rounds": [{"overhead": 0.1}]}, str(tmp_path), 4) is None
