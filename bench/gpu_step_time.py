@@ -215,7 +215,8 @@ def predict(name: str, fields: dict, dry: bool, table: str | None = None) -> dic
     return {"predicted_seconds": st.get("seconds"), "predicted_parts": st.get("parts"),
             "predicted_table": st.get("table"), "calibrated": st.get("calibrated"), "mfu": st.get("mfu"),
             "tokens_per_s": st.get("tokens_per_s"), "param_count": r.data.get("param_count"),
-            "predicted_peak_allocated": r.peak_allocated_bytes, "estimate_seconds": time.perf_counter() - t}
+            "predicted_peak_allocated": r.peak_allocated_bytes, "estimate_seconds": time.perf_counter() - t,
+            "predicted_host_range": (st.get("host_range") or {}).get("seconds")}
 
 
 _WORKER_TABLE: str | None = None     # the table a prediction worker was started with (_predict_worker)

@@ -634,3 +634,42 @@ def test_matmul_flops_read_directly_are_torchs_formulas():
         except AssertionError:
             torchs = 0
         assert _flops(func, args, {}, None) == torchs == flops
+
+
+def test_a_shipped_table_names_the_hosts_spread_and_a_calibrated_or_datasheet_one_does_not():
+    """The shipped tables price the host at the reference speed and name the quartiles of the host speeds measured
+    beside steps on their GPU's machines (bench/results/host_range.md): the factors are those over the reference."""
+    h100 = table_for("h100")
+    assert h100.env["host_reference_ms"] == 20.77 and h100.env["host_range_ms"] == [14.22, 22.78]
+    assert h100.host_range() == pytest.approx((14.22 / 20.77, 22.78 / 20.77))
+    assert datasheet_table("rtx-4090").host_range() is None          # a data sheet: no host measured
+    assert flat_table().host_range() is None                          # as calibrate writes one: its own host, no spread
+    t = flat_table()
+    t.env = {"host_reference_ms": 20.0, "host_range_ms": [25.0, 10.0]}
+    assert t.host_range() is None                                     # a range the wrong way round is not a range
+
+
+def test_a_steps_seconds_at_the_hosts_spread_move_only_its_host_part(linear_sim, monkeypatch):
+    """``host_range``: the step priced again with every host cost times each end of the spread over the reference;
+    the kernels stay. A spread of one speed gives the step's own seconds; the linear step's ops at 1 ms of host each
+    (0.5 and 2 ms at the ends of a 10-40 ms spread over a 20 ms reference) by hand: 1.5 ms an op between the ends."""
+    t = flat_table()
+    t.host_us = {"forward": 1000.0, "backward": 1000.0, "optimizer": 0.0, "view": 0.0}
+    t.env = {"host_reference_ms": 20.0, "host_range_ms": [20.0, 20.0]}
+    monkeypatch.setattr(step_mod, "table_for", lambda gpu: t)
+    st = step_mod.step_time(linear_sim)
+    assert st["host_range"]["host_ms"] == [20.0, 20.0]
+    assert st["host_range"]["seconds"] == pytest.approx([st["seconds"]] * 2)
+    linear_sim._step_time = None
+    t.env = {"host_reference_ms": 20.0, "host_range_ms": [10.0, 40.0]}
+    st2 = step_mod.step_time(linear_sim)
+    assert st2["seconds"] == pytest.approx(st["seconds"])
+    lo, hi = st2["host_range"]["seconds"]
+    kernels = st["seconds"] - st["parts"]["host"]
+    rows = price(linear_sim.timing, t)
+    ops = sum(1 for r in rows if r[0] in ("forward", "backward") and r[3] > 0)
+    # every op's host (0.5 / 2 ms) is longer than every kernel (<= 43 us): the queue waits on the host for all of it
+    # but the kernels that run after the last launch
+    assert lo == pytest.approx(kernels + step_mod.host_at(rows, [1.0] * len(rows), 1, 0.5, (0.0, 0.0)))
+    assert hi - lo == pytest.approx(ops * (2e-3 - 0.5e-3), rel=0.05)
+    assert "host-bound: " in step_mod.describe({**st2, "table": "t"})

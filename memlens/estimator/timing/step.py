@@ -87,6 +87,27 @@ def later_waits(rows: list, mult: list[float], first: dict) -> dict:
     return {b: two[b] - first.get(b, 0.0) for b in two}
 
 
+def _host_waits(wait: dict, later: dict, k: int) -> float:
+    """The step's ``host`` part from its launch queue: the first micro-batch's waits on the host and k - 1 later ones'
+    (FSDP2's all-gathers waited on are collectives, not host)."""
+    return sum(v for b, v in wait.items() if b != "gather") + (k - 1) * sum(v for b, v in later.items() if b != "gather")
+
+
+def host_at(rows: list, mult: list[float], k: int, factor: float, opt: tuple[float, float]) -> float:
+    """The ``host`` part of a step whose host runs ``factor`` times the priced costs (the queue's host column and the
+    optimizer's host work scaled; the kernels as they are): a host-bound step's seconds move with the host's speed,
+    a GPU-bound one's hardly. ``opt``: the optimizer's (GPU, host) seconds.
+
+    >>> rows = [("forward", 0, 1e-3, 4e-4, 0, "matmul")] * 3        # 3 ms of kernels, 1.2 ms of host
+    >>> [round(host_at(rows, [1.0] * 3, 1, f, (0.0, 0.0)) * 1e3, 2) for f in (1.0, 3.0)]   # the first launch; 1.2 ms per op
+    [0.4, 1.6]
+    """
+    rs = rows if factor == 1.0 else [(b, m, g, h * factor, fl, kind) for b, m, g, h, fl, kind in rows]
+    _, wait, _ = queue(rs, mult)
+    later = later_waits(rs, mult, wait) if k > 1 else {}
+    return _host_waits(wait, later, k) + max(0.0, opt[1] * factor - opt[0])
+
+
 def micro_batches(spec) -> tuple[int, int]:
     """(micro-batches per optimizer step, samples in each)."""
     if spec.dp:
@@ -228,8 +249,7 @@ def _step_time(sim, tr) -> dict:
     parts = dict.fromkeys(PARTS, 0.0)
     for bucket, sec in busy.items():
         parts[_BUCKET_PART.get(bucket, "forward")] += sec * k
-    parts["host"] = sum(v for b, v in wait.items() if b != "gather") + (k - 1) * sum(
-        v for b, v in later.items() if b != "gather")
+    parts["host"] = _host_waits(wait, later, k)
     exposed_gather = wait.get("gather", 0.0) + (k - 1) * later.get("gather", 0.0)   # FSDP2's all-gathers waited on
     comm = 0.0   # DTensor's collectives (TP, CP) ran in the queue on the critical path: shown as collectives
     for r, m in zip(rows, mult):
@@ -256,6 +276,7 @@ def _step_time(sim, tr) -> dict:
             parts["recompute"] += k * _dequant_seconds(quantized, share, tab)
     if k > 1:   # micro-batches 2..k add each gradient into .grad (AccumulateGrad: read both, write one)
         parts["backward"] += (k - 1) * 3 * sim.trainable_count * pb / (tab.bandwidth_gbps(sim.trainable_count * pb) * 1e9)
+    opt = (0.0, 0.0)
     if spec.offload_optimizer:   # gradients to the host, parameters back, the step on the CPU (ZeRO-Offload)
         parts["offload"] += tab.pcie_seconds(trainable * pb, "d2h") + tab.pcie_seconds(trainable * pb, "h2d")
         parts["optimizer"] += trainable / HOST_CPU_ADAM_PARAMS_PER_S
@@ -264,6 +285,7 @@ def _step_time(sim, tr) -> dict:
         og *= tab.optimizer_ratio.get(_optimizer_kind(spec), 1.0)
         parts["optimizer"] += og
         parts["host"] += max(0.0, oh - og)
+        opt = (og, oh)
     off = (sim.costs or {}).get("offload_bytes", 0)
     if off:   # save_on_cpu: each saved tensor to pinned host memory in forward and back in backward, on the stream
         parts["offload"] += k * (tab.pcie_seconds(off, "d2h") + tab.pcie_seconds(off, "h2d"))
@@ -278,6 +300,11 @@ def _step_time(sim, tr) -> dict:
     out["gpu_busy_per_micro_batch"] = sum(busy.values())
     out["host_wait_per_micro_batch"] = sum(wait.values())       # the first micro-batch's
     out["host_wait_later_micro_batch"] = sum(later.values())    # each one after it (later_waits)
+    spread = tab.host_range()
+    if spread:
+        ref = (tab.env or {})["host_reference_ms"]
+        out["host_range"] = {"host_ms": [round(ref * f, 2) for f in spread],
+                             "seconds": [seconds - parts["host"] + host_at(rows, mult, k, f, opt) for f in spread]}
     if busy.get("recompute"):
         # what checkpointing adds to one micro-batch, additive over blocks (fit --least-recompute weighs blocks one by
         # one): each recomputed op's kernel (its dispatch hides behind the GPU's work in a step that keeps the GPU busy),
@@ -378,7 +405,28 @@ def describe(st: dict) -> str:
             f"{st['samples_per_s']:.3g} samples/s" if st.get("samples_per_s") else "")
     mfu = f", MFU {st['mfu'] * 100:.0f}%" if st.get("mfu") is not None else ""
     sc = f"; {st['scaled_from']}" if st.get("scaled_from") else ""
-    return f"step {st['seconds']:.3g} s ({parts}), {rate}{mfu} [{st['table']}{sc}]"
+    return f"step {st['seconds']:.3g} s ({parts}){host_bound(st)}, {rate}{mfu} [{st['table']}{sc}]"
+
+
+HOST_BOUND_SPREAD = 0.05   # a step whose seconds move by this share or more across the host range is shown with it
+
+
+def host_bound(st: dict) -> str:
+    """``; 0.213-0.278 s as the host's speed varies (14.2-22.1 ms)`` for a step whose seconds move with the host's
+    speed (its range over the table's host speeds spans :data:`HOST_BOUND_SPREAD` of its seconds or more), else "".
+
+    >>> host_bound({"seconds": 0.267, "host_range": {"host_ms": [14.25, 22.06], "seconds": [0.2133, 0.2782]}})
+    "; host-bound: 0.213-0.278 s as the CPU's dispatch speed varies"
+    >>> host_bound({"seconds": 0.0663, "host_range": {"host_ms": [14.22, 22.78], "seconds": [0.0659, 0.0674]}})
+    ''
+    """
+    hr = st.get("host_range")
+    if not hr or not st.get("seconds"):
+        return ""
+    lo, hi = hr["seconds"]
+    if hi - lo < HOST_BOUND_SPREAD * st["seconds"]:
+        return ""
+    return f"; host-bound: {lo:.3g}-{hi:.3g} s as the CPU's dispatch speed varies"
 
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "recompute", "optimizer": "optim", "collectives": "comm",

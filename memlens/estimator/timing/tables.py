@@ -191,6 +191,17 @@ class TimingTable:
             hit = self._memo["host_scale"] = ref / cal[1] if ok else 1.0
         return hit
 
+    def host_range(self) -> tuple[float, float] | None:
+        """(fast, slow) factors on the priced host costs: the spread of the host's speed beside steps measured on this
+        table's machines (env ``host_range_ms``: the quartiles, bench/host_range.py) over the reference host the
+        table prices at (``host_reference_ms``). None where the table names no such spread (a table calibrate wrote
+        prices its own host, whose spread it did not see)."""
+        env = self.env or {}
+        rng, ref = env.get("host_range_ms"), env.get("host_reference_ms")
+        if not (isinstance(rng, list) and len(rng) == 2 and isinstance(ref, (int, float)) and ref > 0 and 0 < rng[0] <= rng[1]):
+            return None
+        return rng[0] / ref, rng[1] / ref
+
     # ------------------------------------------------------------ files
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
