@@ -94,8 +94,12 @@ def predicted_overhead(base: dict, variant: dict) -> dict:
     b, v = base.get("predicted_seconds"), variant.get("predicted_seconds")
     if not b or not v:
         return {"predict_error": base.get("predict_error") or variant.get("predict_error") or "no step time"}
-    return {"predicted_base_seconds": b, "predicted_variant_seconds": v, "predicted_overhead": v / b - 1,
-            "predicted_table": variant.get("predicted_table")}
+    out = {"predicted_base_seconds": b, "predicted_variant_seconds": v, "predicted_overhead": v / b - 1,
+           "predicted_table": variant.get("predicted_table")}
+    rb, rv = base.get("predicted_host_range"), variant.get("predicted_host_range")
+    if rb and rv:   # both steps at the fast end of the table's host spread, then both at the slow end
+        out["predicted_overhead_range"] = [rv[0] / rb[0] - 1, rv[1] / rb[1] - 1]
+    return out
 
 
 def pair_table(table: str, rec: dict, out: str, index: int) -> str | None:
@@ -109,8 +113,8 @@ def pair_table(table: str, rec: dict, out: str, index: int) -> str | None:
 
 def markdown(rows: list[dict]) -> str:
     out = ["| technique (vs base) | measured base / technique s | measured overhead (rounds' range) | predicted overhead "
-           "| difference |", "|---|---|---|---|---|"]
-    diffs = []
+           "(at the fast .. slow host) | difference |", "|---|---|---|---|---|"]
+    diffs, inside = [], []
     for r in rows:
         m, p = r.get("measured_overhead"), r.get("predicted_overhead")
         if m is None or p is None:
@@ -120,11 +124,17 @@ def markdown(rows: list[dict]) -> str:
         rng = f" ({min(ov) * 100:+.1f}% .. {max(ov) * 100:+.1f}%)" if ov else ""
         d = (p - m) * 100
         diffs.append(abs(d))
+        pr = r.get("predicted_overhead_range")
+        span = f" ({pr[0] * 100:+.1f}% .. {pr[1] * 100:+.1f}%)" if pr else ""
+        if pr:
+            inside.append(min(pr) <= m <= max(pr))
         out.append(f"| {r['name']} (vs {r['base_name']}) | {r['base_seconds']:.4f} / {r['variant_seconds']:.4f} | "
-                   f"{m * 100:+.1f}%{rng} | {p * 100:+.1f}% | {d:+.1f} pp |")
+                   f"{m * 100:+.1f}%{rng} | {p * 100:+.1f}%{span} | {d:+.1f} pp |")
     if diffs:
         out.append(f"\n{len(diffs)} pairs; |difference| median {statistics.median(diffs):.1f} pp, max {max(diffs):.1f} pp, "
-                   f"{sum(d <= 3 for d in diffs)} within 3 pp")
+                   f"{sum(d <= 3 for d in diffs)} within 3 pp" + (f"; the measured overhead inside the predicted one's range "
+                                                                 f"over the host spread for {sum(inside)} of {len(inside)}"
+                                                                 if inside else ""))
     return "\n".join(out) + "\n"
 
 

@@ -144,6 +144,9 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
             p = est(s)
             row.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
                        predicted_step_seconds=predict_step_time(s, p).seconds)
+            st = getattr(p, "step_time", None) or {}
+            if (st.get("host_range") or {}).get("seconds") and st.get("seconds") == row["predicted_step_seconds"]:
+                row["predicted_step_seconds_range"] = st["host_range"]["seconds"]   # at the fast and the slow host
             if b is not None:
                 row.update(fits(p, b).to_dict())
         except MemlensError as e:
@@ -170,7 +173,8 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
              "changes: the settings it changes vs the baseline",
              "saving: 1 - peak / baseline peak (allocated; measured when measured, else estimated)",
              "predicted_step_seconds: the per-op time model of the estimate (memlens.estimator.timing: matmuls and attention "
-             "by shape, other ops by bytes, host dispatch, optimizer, NCCL), not a measurement"]
+             "by shape, other ops by bytes, host dispatch, optimizer, NCCL), not a measurement; its _range and the "
+             "overhead's: the same at the fast and the slow end of the timing table's host spread (step_time.host_range)"]
     if b is not None and b.warning:
         notes.append(b.warning)
     if measure and device.startswith("cpu"):
@@ -206,5 +210,8 @@ def _relative(rows: list[dict[str, Any]], measured: bool) -> None:
             r["time_overhead"] = r["step_seconds"] / b["step_seconds"] - 1
         if r.get("predicted_step_seconds") and b.get("predicted_step_seconds"):
             r["predicted_time_overhead"] = r["predicted_step_seconds"] / b["predicted_step_seconds"] - 1
+        rr, br = r.get("predicted_step_seconds_range"), b.get("predicted_step_seconds_range")
+        if rr and br:   # both at the fast host, then both at the slow one (the table's host spread)
+            r["predicted_time_overhead_range"] = [rr[0] / br[0] - 1, rr[1] / br[1] - 1]
         if measured and r.get("losses") and b.get("losses") and r["losses"][0] is not None and b["losses"][0] is not None:
             r["loss_delta_first_step"] = r["losses"][0] - b["losses"][0]

@@ -32,6 +32,22 @@ def render_compare(result: Result) -> None:
             c.print(f"[dim]{r['technique']}: no estimate ({r['estimate_error_message']})[/dim]")
 
 
+OVERHEAD_SPAN = 0.03   # a predicted overhead that moves by 3 points or more over the host spread shows its range
+
+
+def overhead_span(rng: list[float] | None) -> str:
+    """`` (+52..+75%)``: a predicted overhead's range over the timing table's host spread (the technique and the
+    baseline both at the fast host, then both at the slow one), where it spans :data:`OVERHEAD_SPAN` or more.
+
+    >>> overhead_span([0.519, 0.753]), overhead_span([2.813, 2.589]), overhead_span([0.149, 0.151]), overhead_span(None)
+    (' (+52..+75%)', ' (+259..+281%)', '', '')
+    """
+    if not rng or abs(rng[1] - rng[0]) < OVERHEAD_SPAN:
+        return ""
+    lo, hi = sorted(rng)
+    return f" ({lo * 100:+.0f}..{hi * 100:+.0f}%)"
+
+
 def _columns(d: ComparePayload) -> list[str]:
     cols = ["technique", "kind", "config", "est. peak alloc", "est. vs base"] + (["fits"] if d.usable_bytes is not UNSET else [])
     if d.measured:
@@ -48,7 +64,7 @@ def _row(r: dict, d: ComparePayload) -> list[str]:
         row.append("-" if r.get("fits") is None else ("yes" if r["fits"] else "[red]no[/red]"))
     if not d.measured:
         return row + [f"{r['predicted_step_seconds'] * 1000:.0f} ms" if r.get("predicted_step_seconds") else "-",
-                      signed_pct(r.get("predicted_time_overhead"))]
+                      signed_pct(r.get("predicted_time_overhead")) + overhead_span(r.get("predicted_time_overhead_range"))]
     if r["status"] != "ok":
         return row + [f"[red]{r['status']}[/red]", "-", "-", "-", "-", (r.get("error") or "")[:50]]
     return row + [fmt_bytes(r.get("measured_peak_allocated_bytes")) if r.get("measured_peak_allocated_bytes") else "not measured",

@@ -122,3 +122,26 @@ def test_cli_compare_bad_input(capsys, argv, needle):
     rc = main(["compare", "--model", "explore_models:tiny", "--batch-size", "4", *argv])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and needle in err
+
+
+def test_predicted_overheads_carry_their_range_over_the_hosts_spread(capsys):
+    """Each estimated row's step at the fast and the slow end of its timing table's host spread (the Result's
+    step_time.host_range), and the overhead's range: the technique over the baseline, both at the same end."""
+    from memlens.explore.compare import compare
+    from memlens.report.compare_text import render_compare
+
+    spec = TrainingSpec(model="tests/fixtures/tiny-llama", batch_size=2, seq_len=64, gpu="h100")
+    r = compare(spec, ["fp32", "checkpointing"])
+    base, ck = r.data["rows"]
+    for row in (base, ck):
+        lo, hi = row["predicted_step_seconds_range"]
+        assert lo < row["predicted_step_seconds"] < hi          # a tiny model's step is host-bound: it moves with the host
+    assert ck["predicted_time_overhead_range"] == pytest.approx(
+        [ck["predicted_step_seconds_range"][i] / base["predicted_step_seconds_range"][i] - 1 for i in (0, 1)])
+    # both steps host-bound at either end: the host's speed moves both alike and the overhead hardly (no span shown;
+    # an 8B LoRA step, GPU-bound without checkpointing and host-bound with it, shows +73.4% (+52..+75%): docs/speed.md)
+    lo, hi = sorted(ck["predicted_time_overhead_range"])
+    assert hi - lo < 0.03
+    render_compare(r)
+    out = capsys.readouterr().out
+    assert f"{ck['predicted_time_overhead'] * 100:+.1f}%" in out and ".." not in out
