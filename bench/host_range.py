@@ -91,12 +91,7 @@ def main() -> int:
                       f"their predicted range, {summary['within_10pct_of_range']} within 10% of it (the others outside by "
                       f"{summary['median_outside_pct']}% at the median)", "",
                       "| case | measured s | predicted s | at the fast / slow host | measured |", "|---|---|---|---|---|", *rows]
-        with open(os.path.join(RESULTS, "host_range_check.json"), "w") as f:
-            json.dump(rec, f, indent=1)
-        with open(os.path.join(RESULTS, "host_range.md"), "a") as f:
-            f.write("\n".join(lines) + "\n")
-        print("\n".join(lines))
-        return 0
+        return _write("host_range_check.json", rec, lines, "a")
     paths = sorted(glob.glob(os.path.join(RESULTS, "**", "*.jsonl"), recursive=True))
     got = samples(paths)
     rec = {}
@@ -114,9 +109,15 @@ def main() -> int:
         rec[gpu] = {"samples": len(xs), "files": len({f for _, f in s}), "min": min(xs), "q1": q1, "median": med, "q3": q3,
                     "max": max(xs)}
         lines.append(f"| {gpu} | {len(xs)} | {rec[gpu]['files']} | {min(xs)} | {q1} | {med} | {q3} | {max(xs)} |")
-    with open(os.path.join(RESULTS, "host_range.json"), "w") as f:
+    return _write("host_range.json", rec, lines, "w")
+
+
+def _write(json_name: str, rec: dict, lines: list[str], md_mode: str) -> int:
+    """``rec`` to results/``json_name``, ``lines`` to results/host_range.md (``md_mode`` "w": a new page, "a": a
+    section after it), and printed."""
+    with open(os.path.join(RESULTS, json_name), "w") as f:
         json.dump(rec, f, indent=1)
-    with open(os.path.join(RESULTS, "host_range.md"), "w") as f:
+    with open(os.path.join(RESULTS, "host_range.md"), md_mode) as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

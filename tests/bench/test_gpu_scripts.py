@@ -130,3 +130,29 @@ def test_overhead_pairs_reprice_at_the_pairs_own_host(tmp_path):
     assert t["host_us"] == {"forward": 6.0, "ckpt_layer_forward": 540.0}       # x 12 / 20
     assert "host_reference_ms" not in t["env"] and t["source"].startswith("s; host costs x 0.600")
     assert pair_table(str(table), {"name": "p", "rounds": [{"overhead": 0.1}]}, str(tmp_path), 4) is None
+
+
+def test_host_range_reads_each_measured_round_once_and_checks_steps_against_their_range(tmp_path):
+    """bench/host_range.py: a round's host speed where a record keeps rounds, a record's own else, a calibrate
+    table's median; a record met in two files once; repriced copies left out. --check: a step inside its predicted
+    range, or how far outside."""
+    import json
+
+    from bench.host_range import coverage, samples
+
+    a, b, c = tmp_path / "gpu_overhead.jsonl", tmp_path / "runs.jsonl", tmp_path / "gpu_step_time_repriced.jsonl"
+    rec = {"name": "x", "device": "NVIDIA H100 80GB HBM3", "host_speed_ms": 14.0}
+    a.write_text(json.dumps({"name": "p", "device": "NVIDIA H200", "rounds": [{"host_speed_ms": 12.0}, {"host_speed_ms": 20.0}]})
+                 + "\n" + json.dumps(rec) + "\n")
+    b.write_text(json.dumps(rec) + "\n" + json.dumps({"device": "NVIDIA H100", "host_speed_ms": [10.0, 18.0, 30.0]}) + "\n")
+    c.write_text(json.dumps({**rec, "host_speed_ms": 99.0}) + "\n")
+    got = samples([str(a), str(b), str(c)])
+    assert sorted(x for x, _ in got["h200"]) == [12.0, 20.0] and sorted(x for x, _ in got["h100"]) == [14.0, 18.0]
+    steps = tmp_path / "priced.jsonl"
+    steps.write_text("\n".join(json.dumps(r) for r in [
+        {"name": "in", "measured_seconds": 0.10, "predicted_seconds": 0.11, "predicted_host_range": [0.09, 0.12]},
+        {"name": "out", "measured_seconds": 0.10, "predicted_seconds": 0.13, "predicted_host_range": [0.12, 0.14]},
+        {"name": "unpriced", "measured_seconds": 0.10, "predicted_seconds": None}]) + "\n")
+    rows, summary = coverage(str(steps))
+    assert summary == {"steps": 2, "inside": 1, "within_10pct_of_range": 1, "median_outside_pct": 20.0}
+    assert rows[1] == "| out | 0.1000 | 0.1300 (+30.0%) | 0.1200 - 0.1400 | 20.0% outside |"
