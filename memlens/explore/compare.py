@@ -142,11 +142,7 @@ def compare(spec: TrainingSpec, techniques: list[str] | None = None, *, measure:
         row["cost"] = tech.cost(name)
         try:
             p = est(s)
-            row.update(estimated_peak_allocated_bytes=p.peak_allocated_bytes, estimated_peak_reserved_bytes=p.peak_reserved_bytes,
-                       predicted_step_seconds=predict_step_time(s, p).seconds)
-            st = getattr(p, "step_time", None) or {}
-            if (st.get("host_range") or {}).get("seconds") and st.get("seconds") == row["predicted_step_seconds"]:
-                row["predicted_step_seconds_range"] = st["host_range"]["seconds"]   # at the fast and the slow host
+            row.update(_estimated(s, p))
             if b is not None:
                 row.update(fits(p, b).to_dict())
         except MemlensError as e:
@@ -189,6 +185,17 @@ def _changed(base: TrainingSpec, s: TrainingSpec) -> dict[str, Any]:
     """The spec fields ``s`` sets differently from the baseline's spec ``base``."""
     old, new = base.to_dict(), s.to_dict()
     return {k: v for k, v in new.items() if old.get(k) != v}
+
+
+def _estimated(s: TrainingSpec, p) -> dict[str, Any]:
+    """A row's estimated fields from its Point: the peaks, the predicted step and, where the step is the one its
+    simulation priced, its seconds at the fast and the slow end of the timing table's host spread."""
+    out = {"estimated_peak_allocated_bytes": p.peak_allocated_bytes, "estimated_peak_reserved_bytes": p.peak_reserved_bytes,
+           "predicted_step_seconds": predict_step_time(s, p).seconds}
+    st = getattr(p, "step_time", None) or {}
+    if (st.get("host_range") or {}).get("seconds") and st.get("seconds") == out["predicted_step_seconds"]:
+        out["predicted_step_seconds_range"] = st["host_range"]["seconds"]
+    return out
 
 
 def _peak(row: dict[str, Any]) -> int | None:

@@ -108,6 +108,17 @@ def host_at(rows: list, mult: list[float], k: int, factor: float, opt: tuple[flo
     return _host_waits(wait, later, k) + max(0.0, opt[1] * factor - opt[0])
 
 
+def host_range(tab: TimingTable, beyond_host: float, rows: list, mult: list[float], k: int, opt: tuple[float, float]) -> dict | None:
+    """The step at the two ends of ``tab``'s host spread (:meth:`TimingTable.host_range`): ``host_ms`` (the host's
+    speed there) and ``seconds`` (``beyond_host``, the step's seconds but its host part, plus :func:`host_at` there);
+    None for a table that names no spread."""
+    spread = tab.host_range()
+    if not spread:
+        return None
+    ref = (tab.env or {})["host_reference_ms"]
+    return {"host_ms": [round(ref * f, 2) for f in spread], "seconds": [beyond_host + host_at(rows, mult, k, f, opt) for f in spread]}
+
+
 def micro_batches(spec) -> tuple[int, int]:
     """(micro-batches per optimizer step, samples in each)."""
     if spec.dp:
@@ -265,15 +276,7 @@ def _step_time(sim, tr) -> dict:
     div = shard_degree(spec) * tp if fsdp else ranks if sh.shards_optimizer_state and ranks > 1 else 1
     trainable = sim.trainable_count // max(1, div)
     pb = _dtype_bytes(precision_of(spec).weights)
-    copies = written_layers(tr)
-    quantized = (tr.quantized[0] + copies * tr.layer_quantized[0], tr.quantized[1] + copies * tr.layer_quantized[1])
-    if quantized[0]:   # QLoRA: bitsandbytes dequantizes each 4-bit weight to the compute dtype before its matmul
-        parts["forward"] += k * _dequant_seconds(quantized, 1.0, tab)
-        parts["backward"] += k * _dequant_seconds(quantized, 1.0, tab)
-        if busy.get("recompute"):
-            n_layers = tr.layers or depth_hint(tr)
-            share = ck / n_layers if ck is not None and n_layers else 1.0
-            parts["recompute"] += k * _dequant_seconds(quantized, share, tab)
+    _add_dequant(parts, tr, tab, k, ck, bool(busy.get("recompute")))
     if k > 1:   # micro-batches 2..k add each gradient into .grad (AccumulateGrad: read both, write one)
         parts["backward"] += (k - 1) * 3 * sim.trainable_count * pb / (tab.bandwidth_gbps(sim.trainable_count * pb) * 1e9)
     opt = (0.0, 0.0)
@@ -300,11 +303,9 @@ def _step_time(sim, tr) -> dict:
     out["gpu_busy_per_micro_batch"] = sum(busy.values())
     out["host_wait_per_micro_batch"] = sum(wait.values())       # the first micro-batch's
     out["host_wait_later_micro_batch"] = sum(later.values())    # each one after it (later_waits)
-    spread = tab.host_range()
-    if spread:
-        ref = (tab.env or {})["host_reference_ms"]
-        out["host_range"] = {"host_ms": [round(ref * f, 2) for f in spread],
-                             "seconds": [seconds - parts["host"] + host_at(rows, mult, k, f, opt) for f in spread]}
+    hr = host_range(tab, seconds - parts["host"], rows, mult, k, opt)
+    if hr:
+        out["host_range"] = hr
     if busy.get("recompute"):
         # what checkpointing adds to one micro-batch, additive over blocks (fit --least-recompute weighs blocks one by
         # one): each recomputed op's kernel (its dispatch hides behind the GPU's work in a step that keeps the GPU busy),
@@ -349,6 +350,21 @@ def setting_key(spec) -> str:
 
 def depth_hint(tr) -> int | None:
     return tr.stack.depth if tr.stack is not None else None
+
+
+def _add_dequant(parts: dict, tr, tab: TimingTable, k: int, ck: int | None, recompute: bool) -> None:
+    """QLoRA: bitsandbytes dequantizes each 4-bit weight to the compute dtype before its matmul, in forward, in
+    backward and, for the checkpointed layers' share, in recompute: added to those parts of ``k`` micro-batches."""
+    copies = written_layers(tr)
+    quantized = (tr.quantized[0] + copies * tr.layer_quantized[0], tr.quantized[1] + copies * tr.layer_quantized[1])
+    if not quantized[0]:
+        return
+    parts["forward"] += k * _dequant_seconds(quantized, 1.0, tab)
+    parts["backward"] += k * _dequant_seconds(quantized, 1.0, tab)
+    if recompute:
+        n_layers = tr.layers or depth_hint(tr)
+        share = ck / n_layers if ck is not None and n_layers else 1.0
+        parts["recompute"] += k * _dequant_seconds(quantized, share, tab)
 
 
 def _dequant_seconds(quantized: tuple, grow: float, tab: TimingTable) -> float:
