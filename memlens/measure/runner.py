@@ -269,6 +269,10 @@ def time_rows(predicted: dict | None, measured: dict | None) -> list[dict[str, A
         return {"name": name, "predicted_seconds": p, "measured_seconds": m, "error": round((p - m) / m, 6) if m else None}
 
     out = [row("step", predicted["seconds"], measured["seconds"])]
+    rng = (predicted.get("host_range") or {}).get("seconds")
+    if rng:   # the step at the fast and the slow end of the timing table's host spread: where the measured one falls
+        out[0]["predicted_range"] = rng
+        out[0]["inside_range"] = rng[0] <= measured["seconds"] <= rng[1]
     for k in ("forward", "backward", "optimizer"):
         if k in measured["parts"]:
             out.append(row(k, pp.get(k, 0.0), measured["parts"][k]))

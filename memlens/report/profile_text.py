@@ -29,8 +29,11 @@ def render_profile(result: Result) -> None:
     elif ce:
         c.print(_estimate_vs_measured(ce))
         for r in ce.get("step_time") or []:   # seconds: the per-op time model vs CUDA events per phase
-            c.print(f"  {r['name']} seconds: predicted {r['predicted_seconds']:.4g}, measured {r['measured_seconds']:.4g}"
-                    + ("" if r["error"] is None else f" ({100 * r['error']:+.1f}%)"))
+            rng = r.get("predicted_range")
+            c.print(f"  {r['name']} seconds: predicted {r['predicted_seconds']:.4g}"
+                    + (f" ({rng[0]:.4g}-{rng[1]:.4g} over the host spread)" if rng else "")
+                    + f", measured {r['measured_seconds']:.4g}" + ("" if r["error"] is None else f" ({100 * r['error']:+.1f}%)")
+                    + ("" if not rng else ", inside the range" if r["inside_range"] else ", outside the range"))
     if d.torch_profiler:
         c.print(_top_operators(d.torch_profiler))
     if d.multinode:

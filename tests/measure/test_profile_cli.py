@@ -97,3 +97,21 @@ def test_out_without_matplotlib_writes_json_csv_and_html(tmp_path, monkeypatch, 
     d = json.loads((out / "result.json").read_text())
     assert "matplotlib is not installed" in d["plots_skipped"]
     assert "<h1>memlens profile" in (out / "report.html").read_text()
+
+
+def test_predicted_step_seconds_against_the_measured_by_part_and_host_range():
+    """profile --compare-estimate's seconds: the host and recompute parts folded into forward/backward (as the GPU's
+    phases hold them), each part's error, and where the step's measured seconds fall in its predicted host range."""
+    from memlens.measure.runner import time_rows
+
+    predicted = {"seconds": 0.30, "parts": {"forward": 0.08, "backward": 0.12, "recompute": 0.04, "host": 0.04,
+                                            "optimizer": 0.02}, "host_range": {"host_ms": [14.2, 22.8], "seconds": [0.25, 0.32]}}
+    measured = {"seconds": 0.26, "parts": {"forward": 0.09, "backward": 0.15, "optimizer": 0.02}}
+    rows = {r["name"]: r for r in time_rows(predicted, measured)}
+    # forward 0.08 + 0.04 x 0.08 / 0.24 host; backward 0.12 + 0.04 recompute + 0.04 x 0.16 / 0.24
+    assert rows["forward"]["predicted_seconds"] == pytest.approx(0.08 + 0.04 / 3)
+    assert rows["backward"]["predicted_seconds"] == pytest.approx(0.16 + 0.04 * 2 / 3)
+    assert rows["step"]["error"] == pytest.approx(0.04 / 0.26, abs=1e-6)
+    assert rows["step"]["predicted_range"] == [0.25, 0.32] and rows["step"]["inside_range"] is True
+    assert time_rows({**predicted, "host_range": {"seconds": [0.27, 0.32]}}, measured)[0]["inside_range"] is False
+    assert "predicted_range" not in time_rows({k: v for k, v in predicted.items() if k != "host_range"}, measured)[0]
