@@ -279,11 +279,30 @@ def time_rows(predicted: dict | None, measured: dict | None) -> list[dict[str, A
     return out
 
 
+def _on_the_measured_gpu(spec, measured: Result) -> tuple[Any, str]:
+    """(``spec`` for the GPU ``measured`` ran on, a note where that GPU is not one memlens knows: the estimate is then
+    for ``spec.gpu``, said so). A run on the CPU keeps ``spec``."""
+    from ..core.gpus import GPUS
+    from .calibrate import gpu_name_of
+
+    name = (measured.environment or {}).get("device_name")
+    if not name:
+        return spec, ""
+    gpu = gpu_name_of(name)
+    if gpu in GPUS:
+        return (spec if gpu == spec.gpu else spec.replace(gpu=gpu)), ""
+    return spec, f"The estimate is for the {spec.gpu} (its memory rules and timing table): {name} is not among memlens' GPUs."
+
+
 def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
     """Predicted (``estimate``) vs measured (this profile), per category and per phase.
 
     >>> # rows: {"name", "estimated_bytes", "measured_bytes", "error"}  (error = (est - meas) / meas)
+
+    The estimate is for the GPU the step ran on (its device name, where memlens knows that GPU: its memory rules and
+    its timing table); else for ``spec.gpu``, and the note says so.
     """
+    spec, priced = _on_the_measured_gpu(spec, measured)
     try:
         est = estimate(spec)
     except MemlensError as e:
@@ -308,6 +327,8 @@ def compare_with_estimate(spec, measured: Result) -> dict[str, Any]:
                 cats.append(row(c, e, m))
     note = ("estimate: the same spec simulated on fake tensors (2 steps); measured: this run. "
             "Categories are compared at each side's own peak.")
+    if priced:
+        note += " " + priced
     if not str(measured.data.get("device", "")).startswith("cuda"):
         note += (" On CPU the comparison is not like for like: estimate predicts CUDA memory (512-byte blocks, "
                  "cuBLAS workspaces, CUDA kernels), the CPU ledger counts raw storage bytes.")

@@ -115,3 +115,28 @@ def test_predicted_step_seconds_against_the_measured_by_part_and_host_range():
     assert rows["step"]["predicted_range"] == [0.25, 0.32] and rows["step"]["inside_range"] is True
     assert time_rows({**predicted, "host_range": {"seconds": [0.27, 0.32]}}, measured)[0]["inside_range"] is False
     assert "predicted_range" not in time_rows({k: v for k, v in predicted.items() if k != "host_range"}, measured)[0]
+
+
+def test_the_estimate_beside_a_profile_is_for_the_gpu_it_ran_on(monkeypatch):
+    """profile --compare-estimate on an H200 prices the estimate with the H200's table (not the spec's default h100);
+    on a GPU memlens does not know, the spec's GPU, said in the note."""
+    from memlens.core.result import Result
+    from memlens.core.spec import TrainingSpec
+    from memlens.measure import runner
+
+    seen = []
+
+    def estimate(s):   # the GPU the estimate is asked for, then no estimate (the comparison is not what is tested)
+        seen.append(s.gpu)
+        raise runner.MemlensError("stop here")
+
+    monkeypatch.setattr(runner, "estimate", estimate)
+    spec = TrainingSpec(model=TINY, batch_size=2, seq_len=16)
+    measured = Result(verb="profile", environment={"device_name": "NVIDIA H200"})
+    assert runner._on_the_measured_gpu(spec, measured) == (spec.replace(gpu="h200"), "")
+    assert runner.compare_with_estimate(spec, measured) == {"available": False, "reason": "stop here"} and seen == ["h200"]
+    odd = Result(verb="profile", environment={"device_name": "Some Accelerator 9000"})
+    s2, note = runner._on_the_measured_gpu(spec, odd)
+    assert s2 is spec and note == ("The estimate is for the h100 (its memory rules and timing table): Some Accelerator 9000 "
+                                   "is not among memlens' GPUs.")
+    assert runner._on_the_measured_gpu(spec, Result(verb="profile")) == (spec, "")    # the CPU: no device name
