@@ -32,11 +32,15 @@ RUN = textwrap.dedent("""
 # measured by bench/gpu_peak_probe.py adafactor on an H100 (transformers': 4 MiB more than the
 # estimate); memlens does not model Reduce.cuh's launch configuration (docs/estimate.md, Limits worth knowing)
 REDUCE_BUFFER = pytest.mark.xfail(strict=True, reason="CUDA reduction staging buffer not modelled (measured: 8 MiB)")
+# transformers' Adafactor: 4 MiB over the estimate on an H100, within 64 KiB of it on an H200 (2026-11-28, the twelfth
+# session's GPU run): whether its mean over dim -2 takes the staging buffer differs between the two machines, not modelled
+REDUCE_BUFFER_SOME_GPUS = pytest.mark.xfail(strict=False, reason="CUDA reduction staging buffer not modelled (an H100: "
+                                                                 "4 MiB; an H200: none)")
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused", "adam-fused", "sgd-momentum",
                                        pytest.param("adafactor", marks=REDUCE_BUFFER),
-                                       pytest.param("adafactor-hf", marks=REDUCE_BUFFER)])
+                                       pytest.param("adafactor-hf", marks=REDUCE_BUFFER_SOME_GPUS)])
 def test_optimizer_memory_matches_real_steps(optimizer):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p))
     p = subprocess.run([sys.executable, "-c", RUN, optimizer], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
