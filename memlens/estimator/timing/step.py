@@ -428,8 +428,9 @@ HOST_BOUND_SPREAD = 0.05   # a step whose seconds move by this share or more acr
 
 
 def host_bound(st: dict) -> str:
-    """``; 0.213-0.278 s as the host's speed varies (14.2-22.1 ms)`` for a step whose seconds move with the host's
-    speed (its range over the table's host speeds spans :data:`HOST_BOUND_SPREAD` of its seconds or more), else "".
+    """``; host-bound: 0.213-0.278 s as the CPU's dispatch speed varies`` for a step whose seconds move with the
+    host's speed (its range over the table's host spread, the quartiles measured beside steps on its GPU's machines,
+    spans :data:`HOST_BOUND_SPREAD` of its seconds or more), else "".
 
     >>> host_bound({"seconds": 0.267, "host_range": {"host_ms": [14.25, 22.06], "seconds": [0.2133, 0.2782]}})
     "; host-bound: 0.213-0.278 s as the CPU's dispatch speed varies"
