@@ -151,7 +151,8 @@ class EstimatePayload(Payload):
     liger: dict | None = UNSET                    # --liger: the fused loss's chunk (memlens.models.liger.liger_facts)
     step_seconds: float | None = UNSET            # predicted seconds of one optimizer step (memlens.estimator.timing)
     step_time: dict | None = UNSET                # its parts (forward, backward, recompute, optimizer, collectives, host,
-                                                  # offload), tokens/s, samples/s, MFU, the timing table used
+                                                  # offload), tokens/s, samples/s, MFU, the timing table used, host_range
+                                                  # (the step at the table's fast and slow host: host_ms, seconds)
     outside_allocator_bytes: int | None = UNSET   # TRL GRPO with vLLM colocated: its share of the GPU (not in the peaks;
                                                   # the fit rule adds it to the need)
     compile_model: str | None = UNSET             # --compile: how the compiled step is modelled (estimator.compiled.MODEL)
