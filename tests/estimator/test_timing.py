@@ -673,3 +673,28 @@ def test_a_steps_seconds_at_the_hosts_spread_move_only_its_host_part(linear_sim,
     assert lo == pytest.approx(kernels + step_mod.host_at(rows, [1.0] * len(rows), 1, 0.5, (0.0, 0.0)))
     assert hi - lo == pytest.approx(ops * (2e-3 - 0.5e-3), rel=0.05)
     assert "host-bound: " in step_mod.describe({**st2, "table": "t"})
+
+
+def test_a_written_layers_backward_copies_its_recompute_and_backward_together():
+    """A deep model priced from a shallow one's trace (memlens.estimator.depth copies layer 1, the template): in
+    backward a checkpointed layer's rows run backward, recompute, backward; each copy is that whole span, so the full
+    model's recomputes interleave with its backwards layer by layer as autograd runs them. A stray row another module
+    owns inside the span (here the next layer's) is copied with it; the forward's span is the forward's alone."""
+    from types import SimpleNamespace
+
+    from memlens.estimator.timing.record import expanded
+
+    modules = ["layers.0", "layers.1", "layers.2", "head"]
+    stack = SimpleNamespace(depth=3, layer_of=lambda n: int(n.split(".")[1]) if n.startswith("layers.") else None)
+    trace = SimpleNamespace(stack=stack, layers=5, modules=modules)     # 2 copies of layer 1 beyond the trace's 3
+
+    def r(bucket, mod, tag):
+        return (bucket, mod, 0.0, 0.0, 0, tag)
+
+    rows = [r("forward", 0, "f0"), r("forward", 1, "f1"), r("forward", 2, "f2"), r("forward", 3, "head"),
+            r("backward", 3, "dhead"), r("backward", 2, "b2"),
+            r("backward", 1, "b1a"), r("recompute", 1, "r1a"), r("recompute", 2, "stray"), r("recompute", 1, "r1b"),
+            r("backward", 1, "b1b"), r("backward", 0, "b0")]
+    got = [x[5] for x in expanded(rows, trace)]
+    span = ["b1a", "r1a", "stray", "r1b", "b1b"]
+    assert got == ["f0", "f1", "f1", "f1", "f2", "head", "dhead", "b2", *span * 3, "b0"]

@@ -287,10 +287,25 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
     return out
 
 
+STRAY_ROWS = 3   # rows of another module inside a template layer's span that still belong to its run (see expanded)
+
+
+def _phase(bucket: str) -> str:
+    """The step phase a row's bucket runs in: a checkpointed layer's recompute runs inside backward, layer by layer."""
+    return "backward" if bucket == "recompute" else bucket
+
+
 def expanded(rows: list, trace: OpTrace) -> list:
-    """The priced rows of the full model from a shallow one's: each run of rows in the stack's template layer (the
+    """The priced rows of the full model from a shallow one's: each span of rows in the stack's template layer (the
     layer memlens.estimator.depth copies) followed by ``layers - depth`` copies of itself, as the written log
-    repeats its events; the rows as they are otherwise."""
+    repeats its events; the rows as they are otherwise.
+
+    A span is the template layer's rows of one phase in the order they ran: in backward, a checkpointed layer's first
+    backward ops, its recompute and the rest of its backward are one span, so the copies interleave recompute and
+    backward layer by layer as the autograd engine runs them (copied bucket by bucket, 29 recomputes would run back to
+    back and then 29 backwards: a host-bound stretch the GPU waits through, then GPU work with nothing left to hide).
+    Up to :data:`STRAY_ROWS` rows another module owns inside the span (an op the simulation attributes to the next
+    layer or to no layer, between two runs of the template's) are part of it: they run once per layer too."""
     if trace.stack is None or not trace.layers or trace.layers <= trace.stack.depth:
         return rows
     copies = trace.layers - trace.stack.depth
@@ -299,6 +314,9 @@ def expanded(rows: list, trace: OpTrace) -> list:
     def layer(r) -> int | None:
         return lay[r[1]] if 0 <= r[1] < len(lay) else None
 
+    def same(k: int, ph: str) -> bool:
+        return k < len(rows) and _phase(rows[k][0]) == ph
+
     out: list = []
     i = 0
     while i < len(rows):
@@ -306,13 +324,22 @@ def expanded(rows: list, trace: OpTrace) -> list:
             out.append(rows[i])
             i += 1
             continue
+        ph = _phase(rows[i][0])
         j = i
-        while j < len(rows) and layer(rows[j]) == TEMPLATE and rows[j][0] == rows[i][0]:
-            j += 1
+        while True:
+            while same(j, ph) and layer(rows[j]) == TEMPLATE:
+                j += 1
+            k = j   # a few stray rows, then the template's again: still its span
+            while k - j < STRAY_ROWS and same(k, ph) and layer(rows[k]) != TEMPLATE:
+                k += 1
+            if k > j and same(k, ph) and layer(rows[k]) == TEMPLATE:
+                j = k
+                continue
+            break
         g = j   # the glue code between this layer and its neighbour (outside every layer) runs once per layer too
-        while g < len(rows) and layer(rows[g]) is None and rows[g][0] == rows[i][0]:
+        while same(g, ph) and layer(rows[g]) is None:
             g += 1
-        if g < len(rows) and layer(rows[g]) in (TEMPLATE - 1, TEMPLATE + 1) and rows[g][0] == rows[i][0]:
+        if same(g, ph) and layer(rows[g]) in (TEMPLATE - 1, TEMPLATE + 1):
             j = g
         out.extend(rows[i:j] * (copies + 1))
         i = j
