@@ -22,52 +22,35 @@ One JSON line per record to $OUT/gpu_ckpt_parts.jsonl.
 from __future__ import annotations
 
 import cProfile
-import json
 import os
 import pstats
-import statistics
 import sys
 from functools import partial
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from memlens.measure.host_phases import CALIB_LLAMA, host_speed  # noqa: E402  (no torch)
+from bench.gpu_ckpt_probe import _out, interleaved, stacks, summary  # noqa: E402
+from memlens.measure.host_phases import CALIB_LLAMA  # noqa: E402  (no torch)
 
-ROUNDS, RUNS, PROFILE_RUNS, TOP = 5, 5, 20, 25
+PROFILE_RUNS, TOP = 20, 25
 VARIANTS = ("bare", "hooks", "ckpt", "ckpt-norng", "ckpt-nodet")
-
-
-def _out(rec: dict) -> None:
-    print(json.dumps(rec)[:400], flush=True)
-    os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "out"), "gpu_ckpt_parts.jsonl"), "a") as f:
-        f.write(json.dumps(rec) + "\n")
+JSONL = "gpu_ckpt_parts.jsonl"
 
 
 def models(torch, dev) -> dict:
-    """name -> (build: () -> model in training mode, inputs: model -> loss, blocks)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
-
-    ids = torch.randint(0, 512, (1, 16), device=dev)
-    px = torch.randn(1, 3, 32, 32, device=dev, dtype=torch.bfloat16)
-    lab = torch.zeros(1, dtype=torch.long, device=dev)
-
+    """name -> (build: () -> model in training mode, loss: model -> scalar): gpu_ckpt_probe's stacks and a Llama
+    with LoRA on every projection."""
     def llama_lora():
         from peft import LoraConfig, get_peft_model
-        m = LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA))
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        return get_peft_model(m, LoraConfig(r=8, target_modules=targets))
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    return {
-        "gpt2": (lambda: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=512, n_positions=64)),
-                 lambda m: m(input_ids=ids, labels=ids).loss),
-        "llama": (lambda: LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)), lambda m: m(input_ids=ids, labels=ids).loss),
-        "vit": (lambda: ViTForImageClassification(ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=24,
-                                                            num_attention_heads=4, image_size=32, patch_size=8, num_labels=10)),
-                lambda m: m(pixel_values=px, labels=lab).loss),
-        "llama-lora": (llama_lora, lambda m: m(input_ids=ids, labels=ids).loss),
-    }
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        return get_peft_model(LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)), LoraConfig(r=8, target_modules=targets))
+
+    out = {name: (build, loss) for name, (build, loss, _) in stacks(torch, dev).items()}
+    out["llama-lora"] = (llama_lora, out["llama"][1])
+    return out
 
 
 def variant(torch, dev, build, run, how: str):
@@ -127,28 +110,18 @@ def main() -> int:
     for name, (build, run) in models(torch, dev).items():
         vs = {how: variant(torch, dev, build, run, how) for how in VARIANTS}
         counted = {how: timed_step(torch, fn, sync, True)[2:] for how, (fn, _) in vs.items()}
-        for fn, _ in vs.values():
-            for _ in range(3):
-                timed_step(torch, fn, sync, False)
-        per: dict = {how: [] for how in vs}
-        speeds = []
-        for _ in range(ROUNDS):
-            for how, (fn, _) in vs.items():
-                rs = [timed_step(torch, fn, sync, False)[:2] for _ in range(RUNS)]
-                per[how].append((statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)))
-            speeds.append(host_speed())
-        hs = [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2), round(max(speeds) * 1e3, 2)]
+        per, speeds = interleaved(torch, {how: fn for how, (fn, _) in vs.items()}, sync)
         for how, (fn, calls) in vs.items():
             nf, nb, saved = counted[how]
-            _out({"model": name, "variant": how, "forward_s": statistics.median(x for x, _ in per[how]),
-                  "backward_s": statistics.median(y for _, y in per[how]), "rounds": per[how], "forward_ops": nf,
-                  "backward_ops": nb, "saved_in_forward": saved, "checkpointed_calls": calls, "host_speed_ms": hs, **env})
+            _out({"model": name, "variant": how, **summary(how, per, speeds), "forward_ops": nf, "backward_ops": nb,
+                  "saved_in_forward": saved, "checkpointed_calls": calls, **env}, JSONL)
         bare, ck = profile_forward(torch, vs["bare"][0], sync), profile_forward(torch, vs["ckpt"][0], sync)
         calls = vs["ckpt"][1] * PROFILE_RUNS
         grew = sorted(((k, (ck[k][1] - bare.get(k, (0, 0.0))[1]) / calls * 1e6, (ck[k][0] - bare.get(k, (0, 0.0))[0]) / calls)
                        for k in ck), key=lambda r: -r[1])
         _out({"model": name, "profile": "ckpt - bare, own us and calls per checkpointed call (cProfile)",
-              "total_us": sum(g for _, g, _ in grew) , "top": [[k, round(g, 2), round(c, 2)] for k, g, c in grew[:TOP]], **env})
+              "total_us": sum(g for _, g, _ in grew), "top": [[k, round(g, 2), round(c, 2)] for k, g, c in grew[:TOP]], **env},
+             JSONL)
     return 0
 
 

@@ -35,17 +35,59 @@ from memlens.measure.host_phases import CALIB_LLAMA, host_speed  # noqa: E402  (
 ROUNDS, RUNS, CHAIN = 5, 5, 64
 
 
-def _out(rec: dict) -> None:
-    print(json.dumps(rec), flush=True)
+def _out(rec: dict, name: str = "gpu_ckpt_probe.jsonl") -> None:
+    """One record printed and appended to $OUT/``name``."""
+    print(json.dumps(rec)[:400], flush=True)
     os.makedirs(os.environ.get("OUT", "out"), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "out"), "gpu_ckpt_probe.jsonl"), "a") as f:
+    with open(os.path.join(os.environ.get("OUT", "out"), name), "a") as f:
         f.write(json.dumps(rec) + "\n")
+
+
+def stacks(torch, dev) -> dict:
+    """The probes' tiny models at calibrate's width: name -> (build: () -> model, loss: model -> scalar, blocks)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
+
+    ids = torch.randint(0, 512, (1, 16), device=dev)
+    px = torch.randn(1, 3, 32, 32, device=dev, dtype=torch.bfloat16)
+    lab = torch.zeros(1, dtype=torch.long, device=dev)
+    return {
+        "gpt2": (lambda: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=512, n_positions=64)),
+                 lambda m: m(input_ids=ids, labels=ids).loss, 12),
+        "llama": (lambda: LlamaForCausalLM(LlamaConfig(**CALIB_LLAMA)), lambda m: m(input_ids=ids, labels=ids).loss, 16),
+        "vit": (lambda: ViTForImageClassification(ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=24,
+                                                            num_attention_heads=4, image_size=32, patch_size=8, num_labels=10)),
+                lambda m: m(pixel_values=px, labels=lab).loss, 24),
+    }
+
+
+def interleaved(torch, fns: dict, sync) -> tuple[dict, list[float]]:
+    """Each of ``fns`` (name -> loss fn) timed in ROUNDS interleaved rounds of RUNS steps after 3 warm-up steps:
+    (name -> [(forward s, backward s) median of each round], the host's speed after each round)."""
+    from memlens.measure.host_phases import timed_step
+
+    for fn in fns.values():
+        for _ in range(3):
+            timed_step(torch, fn, sync, False)
+    per: dict = {n: [] for n in fns}
+    speeds = []
+    for _ in range(ROUNDS):
+        for n, fn in fns.items():
+            rs = [timed_step(torch, fn, sync, False)[:2] for _ in range(RUNS)]
+            per[n].append((statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)))
+        speeds.append(host_speed())
+    return per, speeds
+
+
+def summary(n: str, per: dict, speeds: list[float]) -> dict:
+    """A variant's forward and backward seconds (the median of its rounds' medians), its rounds, the host's speed."""
+    return {"forward_s": statistics.median(x for x, _ in per[n]), "backward_s": statistics.median(y for _, y in per[n]),
+            "rounds": per[n], "host_speed_ms": [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2),
+                                                round(max(speeds) * 1e3, 2)]}
 
 
 def variants(torch, dev) -> dict:
     """name -> (make loss: () -> scalar tensor, layers checkpointed)."""
     from torch.utils.checkpoint import checkpoint
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, ViTConfig, ViTForImageClassification
 
     from memlens.models.checkpoint import checkpoint_blocks
 
@@ -62,27 +104,16 @@ def variants(torch, dev) -> dict:
             return x.sum()
         return run
 
-    lcfg = LlamaConfig(**CALIB_LLAMA)
-    vcfg = ViTConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=24, num_attention_heads=4, image_size=32,
-                     patch_size=8, num_labels=10)
-    gcfg = GPT2Config(n_embd=64, n_layer=12, n_head=4, vocab_size=512, n_positions=64)   # GPT-2's blocks, calibrate's width
-    ids = torch.randint(0, 512, (1, 16), device=dev)
-    px = torch.randn(1, 3, 32, 32, device=dev, dtype=torch.bfloat16)
-    lab = torch.zeros(1, dtype=torch.long, device=dev)
     out = {"chain-plain": (chain("plain"), 0), "chain-ckpt": (chain("ckpt"), CHAIN), "chain-ckpt-norng": (chain("norng"), CHAIN)}
+    models = stacks(torch, dev)
     for ck in (False, True):
-        torch.manual_seed(0)
-        lm = LlamaForCausalLM(lcfg).to(dev, torch.bfloat16).train()
-        vm = ViTForImageClassification(vcfg).to(dev, torch.bfloat16).train()
-        gm = GPT2LMHeadModel(gcfg).to(dev, torch.bfloat16).train()
-        if ck:
-            checkpoint_blocks(lm, "all", "full")
-            checkpoint_blocks(vm, "all", "full")
-            checkpoint_blocks(gm, "all", "full")
-        sfx = "-ckpt" if ck else ""
-        out["gpt2" + sfx] = ((lambda m=gm: m(input_ids=ids, labels=ids).loss), 12 if ck else 0)
-        out["llama" + sfx] = ((lambda m=lm: m(input_ids=ids, labels=ids).loss), 16 if ck else 0)
-        out["vit" + sfx] = ((lambda m=vm: m(pixel_values=px, labels=lab).loss), 24 if ck else 0)
+        for name in ("gpt2", "llama", "vit"):
+            build, loss, blocks = models[name]
+            torch.manual_seed(0)
+            m = build().to(dev, torch.bfloat16).train()
+            if ck:
+                checkpoint_blocks(m, "all", "full")
+            out[name + ("-ckpt" if ck else "")] = ((lambda m=m, loss=loss: loss(m)), blocks if ck else 0)
     return out
 
 
@@ -99,23 +130,14 @@ def main() -> int:
     import torch
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     vs = variants(torch, dev)
     counted = {n: step(torch, fn, True)[2] for n, (fn, _) in vs.items()}
-    for fn, _ in vs.values():
-        for _ in range(3):
-            step(torch, fn)
-    per: dict = {n: [] for n in vs}
-    speeds = []
-    for _ in range(ROUNDS):
-        for n, (fn, _) in vs.items():
-            rs = [step(torch, fn) for _ in range(RUNS)]
-            per[n].append((statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)))
-        speeds.append(host_speed())
+    per, speeds = interleaved(torch, {n: fn for n, (fn, _) in vs.items()}, sync)
     for n, (fn, layers) in vs.items():
         f, b, s = counted[n]
-        _out({"variant": n, "forward_s": statistics.median(x for x, _ in per[n]), "backward_s": statistics.median(y for _, y in per[n]),
-              "rounds": per[n], "forward_ops": f, "backward_ops": b, "saved_in_forward": s, "checkpointed_calls": layers,
-              "host_speed_ms": [round(min(speeds) * 1e3, 2), round(statistics.median(speeds) * 1e3, 2), round(max(speeds) * 1e3, 2)],
+        _out({"variant": n, **summary(n, per, speeds), "forward_ops": f, "backward_ops": b, "saved_in_forward": s,
+              "checkpointed_calls": layers,
               "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "torch": torch.__version__})
     return 0
 
