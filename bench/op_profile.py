@@ -75,6 +75,7 @@ def summarize(events) -> dict:
     kernel_s: dict = defaultdict(float)                   # phase -> kernel seconds
     top_ops: dict = defaultdict(int)                      # phase -> aten ops called from outside any aten op
     shapes: dict = defaultdict(lambda: [0.0, 0])          # (phase, op, input shapes) -> [kernel s, calls]: matmuls
+    mem_shapes: dict = defaultdict(lambda: [0.0, 0])      # the same for every other op (memory-bound ones)
     comm: dict = defaultdict(lambda: [0.0, 0])            # phase -> [NCCL kernel s, kernels] (their own stream)
     host: dict = defaultdict(float)                       # phase -> the host's wall seconds in the phase's region
     for ev in events:
@@ -105,13 +106,17 @@ def summarize(events) -> dict:
         row[2] += 1
         if key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::convolution", "aten::cudnn_convolution"):
             s = shapes[(ph, key, str(ev.input_shapes)[:200])]
-            s[0] += sec
-            s[1] += 1
+        else:
+            s = mem_shapes[(ph, key, str(ev.input_shapes)[:200])]
+        s[0] += sec
+        s[1] += 1
     return {"ops": [[ph, op, round(v[0], 7), v[1], v[2]] for (ph, op), v in sorted(ops.items(), key=lambda x: -x[1][0])],
             "cpu_ops": dict(cpu_ops), "top_ops": dict(top_ops), "kernel_s": dict(kernel_s),
             "nccl": {ph: [round(v[0], 7), v[1]] for ph, v in comm.items()}, "host_s": {ph: round(v, 6) for ph, v in host.items()},
             "matmul_shapes": [[ph, op, sh, round(v[0], 7), v[1]] for (ph, op, sh), v in
-                              sorted(shapes.items(), key=lambda x: -x[1][0])[:60]]}
+                              sorted(shapes.items(), key=lambda x: -x[1][0])[:60]],
+            "memory_shapes": [[ph, op, sh, round(v[0], 7), v[1]] for (ph, op, sh), v in
+                              sorted(mem_shapes.items(), key=lambda x: -x[1][0])[:120]]}
 
 
 # ---------------------------------------------------------------- CPU side

@@ -264,6 +264,8 @@ def _op_cases(torch, dev) -> dict:
         "add/bcast": (a.add.Tensor, (x, b)),
         "_to_copy": (a._to_copy.default, (x32,), {"dtype": bf}),
         "_to_copy/strided": (a._to_copy.default, (x32.t(),), {"dtype": bf}),
+        "_to_copy/up": (a._to_copy.default, (x,), {"dtype": f32}),                 # x.float(): bf16 -> fp32
+        "copy_/up": (a.copy_.default, (x32, x)),                                   # into an fp32 buffer
         "clone/strided": (a.clone.default, (x.view(N, 16, H // 16).transpose(0, 1),)),   # .contiguous() of a transpose
         "copy_": (a.copy_.default, (x, x32)),
         "pow": (a.pow.Tensor_Scalar, (x32, 2)),

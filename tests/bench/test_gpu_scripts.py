@@ -31,6 +31,8 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_ckpt_parts.py": "times tiny models' host work under checkpoint's variants in interleaved rounds in one process",
     "gpu_host_size_probe.py": "times real models' host work at several sizes in interleaved rounds in one process",
     "gpu_dp_probe.py": "runs calibrate's own host measurements in one process",
+    "gpu_bandwidth_probe.py": "copy and memory-bound op microbenchmarks (warm and cold L2) in one process, no model step",
+    "gpu_op_ratios.py": "runs calibrate's own op-ratio microbenchmarks in one process, no model step",
 }
 
 

@@ -392,6 +392,30 @@ def test_heads_transposed_out_of_a_projection_are_their_own_layout_falling_back_
     assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 10e9)
 
 
+def test_a_cast_to_fp32_is_an_upcast_priced_at_its_own_rate_where_measured():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    a = torch.ops.aten
+    x16, x32 = torch.empty(64, 32, dtype=torch.bfloat16), torch.empty(64, 32)
+    up = op_facts(a._to_copy.default, (x16,), {"dtype": torch.float32}, x32)
+    assert (up.op, up.nbytes) == ("_to_copy/up", 64 * 32 * (2 + 4))                   # reads 2 bytes, writes 4
+    assert op_facts(a._to_copy.default, (x32,), {"dtype": torch.bfloat16}, x16).op == "_to_copy"   # narrowing
+    assert op_facts(a.copy_.default, (x32, x16), {}, x32).op == "copy_/up"               # into an fp32 buffer
+    assert op_facts(a.copy_.default, (x16, x32), {}, x16).op == "copy_"
+    half = torch.empty(64, 32, dtype=torch.float16)
+    assert op_facts(a._to_copy.default, (half,), {"dtype": torch.float32}, x32).op == "_to_copy/up"
+    assert op_facts(a._to_copy.default, (x32,), {"dtype": torch.float64}, x32.double()).op == "_to_copy"
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"_to_copy": 1.0}
+    assert tab.op_seconds("_to_copy/up", 1e9) == pytest.approx(0.01)      # a table that did not measure it: a cast's
+    tab.op_ratio["_to_copy/up"] = 0.5
+    assert tab.op_seconds("_to_copy/up", 1e9) == pytest.approx(0.02)      # half the rate: twice the time
+    tab = table_for("h200")
+    assert tab.op_ratio["_to_copy/up"] < 0.6 < tab.op_ratio["_to_copy"]     # measured on an H200
+
+
 def test_batch_norm_is_priced_at_the_spatial_size_measured_nearest_its_input():
     import torch
 

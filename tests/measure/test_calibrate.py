@@ -31,7 +31,9 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     # the loss reads its [N/2, 32768] fp32 input as the model counts it: a gather is far under that: clamped at 50
     assert ratios["nll_loss_forward"] == pytest.approx(min(50.0, (N // 2 * 32768 * 4 + N // 2 * 8 + 8) / 1e-3 / 1e9 / 100.0), rel=1e-3)
     assert set(ratios) >= {"_log_softmax", "sum", "native_layer_norm_backward", "native_batch_norm_backward",
-                           "native_batch_norm/hw49", "native_batch_norm_backward/hw12544"}
+                           "native_batch_norm/hw49", "native_batch_norm_backward/hw12544", "_to_copy/up", "copy_/up"}
+    # the upcast reads the bf16 [N, H] and writes it in fp32: 6 N H bytes in 1 ms
+    assert ratios["_to_copy/up"] == pytest.approx(6 * N * H / 1e-3 / 1e9 / 100.0, abs=1e-3)
     assert seen["log"].startswith("memory-bound ops against a copy:")
     # embedding_dense_backward's 1 ms less its [V, H] zero-fill priced at the fill's ratio (measured in the same pass),
     # over the rows' bytes: the bf16 gradient [N, H] and the int64 indices
