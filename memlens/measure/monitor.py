@@ -96,6 +96,9 @@ def top_tensors(n: int = 5, device: str = "cuda") -> list[TensorInfo]:
     return out[:n]
 
 
+SETTLE_S = 0.02   # how long an alert waits before it lists the live tensors (Monitor._alert)
+
+
 class Monitor:
     """Sample memory every ``interval`` seconds in a daemon thread.
 
@@ -199,6 +202,9 @@ class Monitor:
     def _alert(self, now: float, allocated: int) -> None:
         tensors: list[TensorInfo] = []
         if self.dump_top:
+            # the allocator's counters move inside the call that allocates, before its Python tensor exists: give that
+            # call a moment (the wait releases the GIL) so the tensor that crossed is among those listed
+            self._stop.wait(min(self.interval, SETTLE_S))
             try:
                 tensors = top_tensors(self.dump_top, self.dump_device)
             except Exception as e:

@@ -55,6 +55,25 @@ def test_alert_once_per_crossing_with_top_tensors():
     assert mon.peak_allocated_bytes == 99 and mon.errors == []
 
 
+def test_an_alert_lists_the_tensor_whose_allocation_crossed():
+    # the allocator's counters move inside the call that allocates, before its Python tensor exists (a real CUDA run
+    # on an H200 listed no tensor at all): the sampler reports the crossing, then the "allocating" thread makes its
+    # tensor; the alert, taken a moment later, names it
+    crossed, made = threading.Event(), {}
+
+    def sampler():
+        crossed.set()
+        return 100, 100
+
+    with Monitor(interval=0.5, threshold="50B", dump_device="cpu", sampler=sampler) as mon:
+        assert crossed.wait(60)
+        made["x"] = torch.empty(5 * MIB + 3, dtype=torch.uint8)
+        deadline = time.monotonic() + 60
+        while not mon.alerts and time.monotonic() < deadline:
+            time.sleep(0.005)
+    assert mon.alerts and mon.alerts[0].top_tensors[0].bytes == 5 * MIB + 3
+
+
 def test_threshold_as_size_and_no_dump():
     ramp = Ramp([MIB, 2 * MIB, 3 * MIB])
     mon = _run(Monitor(interval=0.001, threshold="2MiB", dump_top=0, sampler=ramp), ramp)
