@@ -15,7 +15,9 @@ same table, summed the same way. ``compare`` lines both up.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import math
 import os
 import sys
 from collections import defaultdict
@@ -135,12 +137,13 @@ def predicted_ops(fields: dict, table: str | None = None) -> dict:
 
     def attach(tracker, rules, spec):
         rec = orig_attach(tracker, rules, spec)
-        rec.names, rec.nm = [], None
+        rec.names, rec.shapes, rec.nm, rec.sh = [], [], None, ()
         recs.append(rec)
         return rec
 
     def op(self, func, args, kwargs, out):
         self.nm = "aten::" + func._schema.name.split("::")[-1]
+        self.sh = _largest(args)
         try:
             orig_op(self, func, args, kwargs, out)
         finally:
@@ -157,6 +160,7 @@ def predicted_ops(fields: dict, table: str | None = None) -> dict:
         orig_add(self, f)
         if hasattr(self, "names"):
             self.names.append(self.nm or ("attention_bwd" if f.kind == "attn_bwd" else f.kind))
+            self.shapes.append(self.sh if self.nm else ())
 
     record.Recorder.add = add
     record.attach, record.Recorder.op, record.Recorder.attention = attach, op, attention
@@ -172,25 +176,66 @@ def predicted_ops(fields: dict, table: str | None = None) -> dict:
         (x for x in reversed(recs) if x.trace.rows and x.trace.size == want), None) or next(
         (x for x in reversed(recs) if x.trace.rows), None)
     out: dict = defaultdict(lambda: [0.0, 0.0, 0])
+    shaped: dict = defaultdict(lambda: [0.0, 0])
     kinds: dict = defaultdict(lambda: defaultdict(int))
     if rec is None:
-        return {"ops": {}, "kinds": {}, "parts": (r.data.get("step_time") or {}).get("parts"), "size": None}
-    names = rec.names
+        return {"ops": {}, "kinds": {}, "parts": (r.data.get("step_time") or {}).get("parts"), "size": None, "shapes": {}}
     priced, i = [], 0
     for p in record.price(rec.trace, tab):     # FSDP2's forward all-gathers are rows of their own (no aten op)
         if p[5] == "gather":
-            priced.append(p + ("nccl:all_gather",))
+            priced.append(p + (("nccl:all_gather", ()),))
             continue
-        priced.append(p + (names[i],))
+        priced.append(p + ((rec.names[i], rec.shapes[i]),))
         i += 1
-    for b, _mod, g, h, _fl, kind, name in record.expanded(priced, rec.trace):
+    for b, _mod, g, h, _fl, kind, (name, shape) in record.expanded(priced, rec.trace):
         row = out[(b, name)]
         row[0] += g
         row[1] += h
         row[2] += 1
         kinds[b][kind] += 1
+        if kind == "memory":
+            sh = shaped[("backward" if b == "recompute" else b, _KERNEL_OP.get(name, name), shape)]
+            sh[0] += g
+            sh[1] += 1
     return {"ops": dict(out), "kinds": {k: dict(v) for k, v in kinds.items()},
-            "parts": (r.data.get("step_time") or {}).get("parts"), "size": rec.trace.size}
+            "parts": (r.data.get("step_time") or {}).get("parts"), "size": rec.trace.size, "shapes": dict(shaped)}
+
+
+# the aten op whose kernels a profile attributes a memory-bound op's time to (the innermost op launching them)
+_KERNEL_OP = {"aten::_to_copy": "aten::copy_", "aten::clone": "aten::copy_", "aten::contiguous": "aten::copy_"}
+
+
+def _largest(args) -> tuple:
+    """The shape of the largest tensor among an op's arguments (lists of tensors included)."""
+    best: tuple = ()
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            shape = getattr(t, "shape", None)
+            if shape is not None and math.prod(shape) > math.prod(best or (0,)):
+                best = tuple(int(d) for d in shape)
+    return best
+
+
+def compare_shapes(rec: dict, pred: dict, top: int = 40) -> str:
+    """Memory-bound ops by (phase, kernel-launching op, largest input shape): measured kernel seconds beside predicted,
+    the largest differences first (one micro-batch; ops the profile attributes elsewhere show as unmatched)."""
+    k = rec["spec"].get("grad_accum", 1)
+    meas: dict = defaultdict(lambda: [0.0, 0])
+    for ph, op, sh, s, n in rec["profile"].get("memory_shapes", []):
+        try:
+            shapes = [tuple(x) for x in ast.literal_eval(sh) if isinstance(x, list) and x and all(isinstance(d, int) for d in x)]
+        except (ValueError, SyntaxError):
+            shapes = []
+        m = meas[(ph, op, max(shapes, key=math.prod) if shapes else ())]
+        m[0] += s
+        m[1] += n
+    pr = {q: (g * k, n * k) for q, (g, n) in pred["shapes"].items()}
+    keys = sorted(set(meas) | set(pr), key=lambda q: -abs(meas.get(q, (0, 0))[0] - pr.get(q, (0, 0))[0]))
+    lines = [f"{'phase':9s} {'op':26s} {'largest input':28s} {'meas ms':>8s} {'n':>5s} {'pred ms':>8s} {'n':>5s}"]
+    for q in keys[:top]:
+        m, p = meas.get(q, (0.0, 0)), pr.get(q, (0.0, 0))
+        lines.append(f"{q[0]:9s} {q[1][:26]:26s} {str(list(q[2]))[:28]:28s} {m[0] * 1e3:8.3f} {m[1]:5d} {p[0] * 1e3:8.3f} {p[1]:5d}")
+    return "\n".join(lines)
 
 
 def compare(rec: dict, pred: dict, top: int = 30) -> str:
@@ -223,6 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table")
     ap.add_argument("--only")
     ap.add_argument("--predict", action="store_true", help="estimate each case here and show the predicted ops beside")
+    ap.add_argument("--shapes", action="store_true", help="with --predict: memory-bound ops by shape (records with "
+                    "memory_shapes), the largest differences first")
     a = ap.parse_args(argv)
     for line in open(a.jsonl):
         rec = json.loads(line)
@@ -240,6 +287,8 @@ def main(argv=None) -> int:
             pred = predicted_ops(rec["spec"], a.table)
             print("  predicted kinds per phase:", pred["kinds"], "at size", pred["size"])
             print(compare(rec, pred))
+            if a.shapes:
+                print(compare_shapes(rec, pred))
         else:
             for ph, op, s, nk, nops in prof["ops"][:25]:
                 print(f"  {ph:9s} {op:45s} {s * 1e3:8.2f} ms  {nk:5d} kernels {nops:5d} ops")

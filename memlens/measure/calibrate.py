@@ -229,6 +229,8 @@ def _op_cases(torch, dev) -> dict:
     x32 = torch.randn(N, H, device=dev, dtype=f32)
     w, b = torch.randn(H, device=dev, dtype=bf), torch.randn(H, device=dev, dtype=bf)
     logits = torch.randn(N // 2, V, device=dev, dtype=f32)
+    scores = torch.randn(2 * N, 1024, device=dev, dtype=f32)          # attention scores over 1,024 keys, softmax in fp32
+    probs = a._softmax.default(scores, -1, False)
     logp = a._log_softmax.default(logits, -1, False)
     target = torch.randint(0, V, (N // 2,), device=dev)
     total = torch.tensor(float(N // 2), device=dev)
@@ -247,6 +249,8 @@ def _op_cases(torch, dev) -> dict:
                                        (img, img, cw, rm, rv, bn_mean, bn_rstd, True, 1e-5, [True, True, True])),
         "_log_softmax": (a._log_softmax.default, (logits, -1, False)),
         "_log_softmax_backward_data": (a._log_softmax_backward_data.default, (logits, logp, -1, f32)),
+        "_softmax": (a._softmax.default, (scores, -1, False)),                      # eager attention's probabilities
+        "_softmax_backward_data": (a._softmax_backward_data.default, (scores, probs, -1, f32)),
         "nll_loss_forward": (a.nll_loss_forward.default, (logp, target, None, 1, -100)),
         "nll_loss_backward": (a.nll_loss_backward.default, (total, logp, target, None, 1, -100, total)),
         "sum": (a.sum.dim_IntList, (x, [0])),
