@@ -239,6 +239,8 @@ def _op_cases(torch, dev) -> dict:
     img = torch.randn(64 * 784, 256, device=dev, dtype=bf)          # BatchNorm1d's (N, C); 4-D ones: _batch_norm_cases
     qkv = torch.randn(4, 1024, 3 * H, device=dev, dtype=bf)         # a fused projection's output, 4 x 1,024 tokens
     heads = qkv[..., H:2 * H].view(4, 1024, H // 64, 64).transpose(1, 2)   # its keys as heads: runs of 64
+    heads2 = qkv[..., :H].view(4, 1024, H // 64, 64).transpose(1, 2)      # its queries alike
+    cos = torch.randn(4, 1, 1024, 64, device=dev, dtype=bf)              # RoPE's cos, broadcast over the heads
     cw, cb = torch.ones(256, device=dev), torch.zeros(256, device=dev)
     rm, rv = torch.zeros(256, device=dev), torch.ones(256, device=dev)
     bn, bn_mean, bn_rstd = a.native_batch_norm.default(img, cw, cb, rm, rv, True, 0.1, 1e-5)
@@ -261,6 +263,8 @@ def _op_cases(torch, dev) -> dict:
         "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
         "cat/heads": (a.cat.default, ([heads[..., 32:], heads[..., :32]], -1)),   # RoPE's rotate_half on heads
         "clone/heads": (a.clone.default, (heads,)),                               # .contiguous() of heads
+        "mul/heads": (a.mul.Tensor, (heads, cos)),                                # RoPE: k * cos
+        "add/heads": (a.add.Tensor, (heads, heads2)),                             # RoPE: k * cos + rotate_half(k) * sin
         "mul": (a.mul.Tensor, (x, y)),
         "mul/bcast": (a.mul.Tensor, (x, w)),                                       # a norm's weight
         "mul/strided": (a.mul.Tensor, (x.t(), y.t())),

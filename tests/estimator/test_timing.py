@@ -385,6 +385,8 @@ def test_heads_transposed_out_of_a_projection_are_their_own_layout_falling_back_
     assert op_facts(cat, ([k[..., 32:], k[..., :32]], -1), {}, torch.empty(2, 4, 16, 64)).op == "cat/heads"
     wide = torch.empty(16, 1024, dtype=torch.bfloat16)
     assert op_facts(cat, ([wide[:, 512:], wide[:, :512]], -1), {}, torch.empty(16, 1024)).op == "cat/strided"
+    cos = torch.empty(2, 1, 16, 64, dtype=torch.bfloat16)                 # RoPE: the keys times a broadcast cos
+    assert op_facts(torch.ops.aten.mul.Tensor, (k, cos), {}, k * cos).op == "mul/heads"
     tab = flat_table(gbps=100.0)
     tab.op_ratio = {"cat/strided": 0.5, "cat": 1.0}
     assert tab.op_seconds("cat/heads", 1e6) == pytest.approx(1e6 / 50e9)      # no heads figure: the strided one
