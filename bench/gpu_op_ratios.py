@@ -2,10 +2,10 @@
 
 calibrate measures every op case of ``memlens.measure.calibrate._op_cases`` against the bandwidth it measures itself;
 this measures them against a shipped table's curve (``--table``), so that a case added to calibrate since the table
-was calibrated can be added to it without re-measuring everything else (``--merge``: only the keys asked for).
+was calibrated can be added to that table (by hand, with a line in its ``env`` naming the record) without re-measuring
+everything else; the record keeps the table's own ratios beside the new ones (how far a re-measure moves them).
 
     python bench/gpu_op_ratios.py --table memlens/data/gpus/h200_timing.json --out OUT.json      # on the GPU
-    python bench/gpu_op_ratios.py --merge OUT.json --table memlens/data/gpus/h200_timing.json --keys _to_copy/up,copy_/up
 """
 from __future__ import annotations
 
@@ -38,32 +38,12 @@ def measure(table: str, out: str) -> None:
     print("wrote", out)
 
 
-def merge(path: str, table: str, keys: list[str]) -> None:
-    with open(path) as f:
-        rec = json.load(f)
-    with open(table) as f:
-        t = json.load(f)
-    for k in keys:
-        t["op_ratio"][k] = rec["op_ratio"][k]
-    t["env"]["op_ratio_added"] = (f"{', '.join(keys)} measured by bench/gpu_op_ratios.py on an {rec['device']} at "
-                                  f"{rec['measured_at']} against this table's bandwidth (raw: {path})")
-    with open(table, "w") as f:
-        json.dump(t, f, indent=1)
-        f.write("\n")
-    print("merged", {k: rec["op_ratio"][k] for k in keys}, "into", table)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", required=True)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_op_ratios.json"))
-    ap.add_argument("--merge", metavar="JSON")
-    ap.add_argument("--keys", default="")
     a = ap.parse_args(argv)
-    if a.merge:
-        merge(a.merge, a.table, [k for k in a.keys.split(",") if k])
-    else:
-        measure(a.table, a.out)
+    measure(a.table, a.out)
     return 0
 
 
