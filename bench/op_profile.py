@@ -5,12 +5,16 @@ step under torch.profiler; every CUDA kernel is attributed to the aten op that l
 of its correlation id) and to a phase (backward when an ancestor is an autograd-engine node, else the step loop's
 phase region around it), then summed per (phase, op name): kernel seconds, kernels, launching ops. Per phase also the kernel seconds and the
 aten ops dispatched (all, and those called from outside another aten op): the phase's duration measured without
-the profiler (CUDA events) minus its kernel seconds is where the GPU waited on the host.
+the profiler (CUDA events) minus its kernel seconds is where the GPU waited on the host. Matmuls and every other op
+are kept by input shapes too (``matmul_shapes``, ``memory_shapes``).
 
-On the CPU (``predicted_ops``): the same spec estimated with the op hook noting each op's name, priced with the
-same table, summed the same way. ``compare`` lines both up.
+On the CPU (``predicted_ops``): the same spec estimated with the op hook noting each op's name and largest input,
+priced with the same table, summed the same way. ``compare`` lines both up per op; ``compare_shapes`` (``--shapes``)
+per op and largest input shape for memory-bound ops, the largest differences first (how the upcast's, softmax
+backward's and RoPE's own rates were found: bench/results/bandwidth_probe.md).
 
     python bench/op_profile.py out/gpu_step_time.jsonl --table memlens/data/gpus/h100_timing.json [--only NAME]
+    python bench/op_profile.py FILE --table T --predict --shapes --only NAME
 """
 from __future__ import annotations
 
