@@ -228,6 +228,7 @@ def _op_cases(torch, dev) -> dict:
     y = torch.randn(N, H, device=dev, dtype=bf)
     x32 = torch.randn(N, H, device=dev, dtype=f32)
     w, b = torch.randn(H, device=dev, dtype=bf), torch.randn(H, device=dev, dtype=bf)
+    rstd = torch.rand(N, 1, device=dev, dtype=f32)                      # one value per row
     logits = torch.randn(N // 2, V, device=dev, dtype=f32)
     scores = torch.randn(2 * N, 1024, device=dev, dtype=f32)          # attention scores over 1,024 keys, softmax in fp32
     probs = a._softmax.default(scores, -1, False)
@@ -267,6 +268,7 @@ def _op_cases(torch, dev) -> dict:
         "add/heads": (a.add.Tensor, (heads, heads2)),                             # RoPE: k * cos + rotate_half(k) * sin
         "mul": (a.mul.Tensor, (x, y)),
         "mul/bcast": (a.mul.Tensor, (x, w)),                                       # a norm's weight
+        "mul/rows": (a.mul.Tensor, (x32, rstd)),                                   # RMSNorm: x * rsqrt(var), fp32
         "mul/strided": (a.mul.Tensor, (x.t(), y.t())),
         "add": (a.add.Tensor, (x, y)),
         "add/bcast": (a.add.Tensor, (x, b)),

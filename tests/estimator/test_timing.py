@@ -260,6 +260,8 @@ def test_a_memory_bound_op_is_priced_by_its_layout_where_measured_else_by_its_na
     x, y, w = torch.empty(64, 32), torch.empty(64, 32), torch.empty(32)
     assert op_facts(mul, (x, y), {}, x * y).op == "mul"
     assert op_facts(mul, (x, w), {}, x * w).op == "mul/bcast"            # a norm's weight, re-read per row
+    r = torch.empty(64, 1)
+    assert op_facts(mul, (x, r), {}, x * r).op == "mul/rows"             # RMSNorm's x * rsqrt(var): one value a row
     assert op_facts(mul, (x.t(), y.t()), {}, x.t() * y.t()).op == "mul/strided"
     cat = torch.ops.aten.cat.default
     halves = [x[:, 16:], x[:, :16]]                                       # RoPE's rotate_half
@@ -269,6 +271,9 @@ def test_a_memory_bound_op_is_priced_by_its_layout_where_measured_else_by_its_na
     assert tab.op_seconds("mul/bcast", 1e9) == pytest.approx(0.02)
     assert tab.op_seconds("mul/strided", 1e9) == pytest.approx(0.01)    # not measured: the op's own rate
     assert tab.op_seconds("cat/strided", 1e9) == pytest.approx(0.01)    # neither: a copy's
+    assert tab.op_seconds("mul/rows", 1e9) == pytest.approx(0.02)       # per-row not measured: as any broadcast
+    tab.op_ratio["mul/rows"] = 0.8
+    assert tab.op_seconds("mul/rows", 1e9) == pytest.approx(1e9 / 80e9)
 
 
 def test_each_rank_prices_its_own_share_of_the_optimizer_step():

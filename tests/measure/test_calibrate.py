@@ -32,7 +32,7 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     assert ratios["nll_loss_forward"] == pytest.approx(min(50.0, (N // 2 * 32768 * 4 + N // 2 * 8 + 8) / 1e-3 / 1e9 / 100.0), rel=1e-3)
     assert set(ratios) >= {"_log_softmax", "sum", "native_layer_norm_backward", "native_batch_norm_backward",
                            "native_batch_norm/hw49", "native_batch_norm_backward/hw12544", "_to_copy/up", "copy_/up",
-                           "_softmax", "_softmax_backward_data", "mul/heads", "add/heads"}
+                           "_softmax", "_softmax_backward_data", "mul/heads", "add/heads", "mul/rows"}
     # softmax's backward reads the gradient and the probabilities, writes the input's gradient: 3 x [2N, 1024] fp32
     assert ratios["_softmax_backward_data"] == pytest.approx(3 * 2 * N * 1024 * 4 / 1e-3 / 1e9 / 100.0, abs=1e-3)
     # the upcast reads the bf16 [N, H] and writes it in fp32: 6 N H bytes in 1 ms

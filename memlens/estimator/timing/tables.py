@@ -130,6 +130,8 @@ class TimingTable:
         ratio = self.op_ratio.get(op)
         if ratio is None and op.endswith("/heads"):   # a table calibrated before heads were: as any strided view
             ratio = self.op_ratio.get(op[:-len("/heads")] + "/strided")
+        if ratio is None and op.endswith("/rows"):    # before a per-row operand was told apart: as any broadcast
+            ratio = self.op_ratio.get(op[:-len("/rows")] + "/bcast")
         if ratio is None:    # a layout the table did not measure (``mul/bcast``): the op's own rate, else a copy's
             ratio = self.op_ratio.get(op.partition("/")[0], 1.0)
         return nbytes / (self.bandwidth_gbps(nbytes) * ratio * 1e9)
