@@ -38,6 +38,9 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     # the upcast reads the bf16 [N, H] and writes it in fp32: 6 N H bytes in 1 ms
     assert ratios["_to_copy/up"] == pytest.approx(6 * N * H / 1e-3 / 1e9 / 100.0, abs=1e-3)
     assert seen["log"].startswith("memory-bound ops against a copy:")
+    # the time model's list of what calibrate measures (a table without some says so) is this list
+    from memlens.estimator.timing.tables import CALIBRATED_OPS
+    assert {k for k in ratios if "/hw" not in k} == CALIBRATED_OPS
     # embedding_dense_backward's 1 ms less its [V, H] zero-fill priced at the fill's ratio (measured in the same pass),
     # over the rows' bytes: the bf16 gradient [N, H] and the int64 indices
     fill, rows = 32768 * H * 2, N * H * 2 + N * 8

@@ -33,6 +33,16 @@ FORMAT = 1
 DTYPES = ("bfloat16", "float16", "float32", "tf32")
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "gpus"
 ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing-table sets it; workers inherit it)
+# the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
+# two alike) past batch norm's spatial sizes: a calibrated table without some (calibrated before they were measured)
+# prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``, ``/rows`` as ``/bcast``, else the op or
+# a copy) and says how many it lacks
+CALIBRATED_OPS = frozenset({
+    "native_batch_norm", "native_batch_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
+    "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "sum", "mean", "native_layer_norm",
+    "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads", "add/heads", "mul",
+    "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided", "_to_copy/up",
+    "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows", "fill_"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
@@ -193,6 +203,11 @@ class TimingTable:
             hit = self._memo["host_scale"] = ref / cal[1] if ok else 1.0
         return hit
 
+    def unmeasured_ops(self) -> list[str]:
+        """The op rates calibrate measures now that this calibrated table lacks (none for a data-sheet table: it
+        measured nothing, and says uncalibrated)."""
+        return sorted(CALIBRATED_OPS - set(self.op_ratio)) if self.calibrated else []
+
     def host_range(self) -> tuple[float, float] | None:
         """(fast, slow) factors on the priced host costs: the spread of the host's speed beside steps measured on this
         table's machines (env ``host_range_ms``: the quartiles, bench/host_range.py) over the reference host the
@@ -265,6 +280,8 @@ def table_for(gpu: str | None, path: str | Path | None = None) -> TimingTable:
         t = read_table(shipped) if shipped.exists() else datasheet_table(name)
         t.note = (f"calibrated on a {t.device_name or name}" if t.calibrated
                   else f"uncalibrated: {name} data-sheet rates (run memlens calibrate on the GPU for measured ones)")
+    if t.unmeasured_ops():
+        t.note += f"; {len(t.unmeasured_ops())} op rates not measured there"
     _CACHE[key] = t
     return t
 
