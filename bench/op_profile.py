@@ -15,6 +15,7 @@ backward's and RoPE's own rates were found: bench/results/bandwidth_probe.md).
 
     python bench/op_profile.py out/gpu_step_time.jsonl --table memlens/data/gpus/h100_timing.json [--only NAME]
     python bench/op_profile.py FILE --table T --predict --shapes --only NAME
+    python bench/op_profile.py FILE --table T --matmuls      # each aligned mm's kernel time beside the table's price
 """
 from __future__ import annotations
 
@@ -266,12 +267,37 @@ def compare(rec: dict, pred: dict, top: int = 30) -> str:
     return "\n".join(lines)
 
 
+def matmuls_vs_table(rec: dict, table: str | None = None) -> list[tuple]:
+    """Each profiled ``aten::mm`` shape (A [M, K] @ B [K, N]) whose dimensions are all 16-byte aligned: (phase, M, K,
+    N, calls, measured us a call, the table's price for it) - its FLOPs at the grid's rate, never under its bytes at the
+    copy's bandwidth nor the kernel floor, as the time model prices a GEMM (memlens.estimator.timing.tables)."""
+    from memlens.estimator.timing.tables import table_for
+
+    tab = table_for(rec["spec"].get("gpu"), table)
+    fp32 = rec["spec"].get("precision") == "fp32"
+    dtype, el = ("float32", 4) if fp32 else ("bfloat16", 2)
+    out = []
+    for ph, op, sh, s, n in rec["profile"].get("matmul_shapes", []):
+        shapes = ast.literal_eval(sh)
+        if op != "aten::mm" or len(shapes) < 2 or len(shapes[0]) != 2 or len(shapes[1]) != 2:
+            continue
+        (m, k), (_, nn) = shapes[0], shapes[1]
+        if any(d * el % 16 for d in (m, k, nn)):      # an unaligned leading dimension: the unaligned grids, not read here
+            continue
+        flops, nbytes = 2 * m * nn * k, el * (m * k + k * nn + m * nn)
+        price = tab.kernel_seconds(flops, tab.matmul_tflops(dtype, m, nn, k), nbytes)
+        out.append((ph, m, k, nn, n, s / n * 1e6, price * 1e6))
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("jsonl")
     ap.add_argument("--table")
     ap.add_argument("--only")
     ap.add_argument("--predict", action="store_true", help="estimate each case here and show the predicted ops beside")
+    ap.add_argument("--matmuls", action="store_true", help="each profiled mm shape's measured TFLOP/s beside the "
+                    "table's rate for it")
     ap.add_argument("--shapes", action="store_true", help="with --predict: memory-bound ops by shape (records with "
                     "memory_shapes), the largest differences first")
     a = ap.parse_args(argv)
@@ -287,6 +313,10 @@ def main(argv=None) -> int:
             extra = "".join([f", NCCL kernels {prof['nccl'][ph][0] * 1e3:.1f} ms" if ph in prof.get("nccl", {}) else "",
                              f", host {prof['host_s'][ph] * 1e3:.1f} ms" if ph in prof.get("host_s", {}) else ""])
             print(f"  {ph}: kernels {ks * 1e3:.1f} ms, aten ops {prof['cpu_ops'].get(ph)} ({prof['top_ops'].get(ph)} top-level){extra}")
+        if a.matmuls:
+            for ph, m, k, n, calls, meas, price in matmuls_vs_table(rec, a.table):
+                print(f"  {ph:9s} {m:6d} x {k:6d} x {n:6d}  {calls:4d} calls  measured {meas:8.1f} us  priced {price:8.1f}"
+                      f"  ({price / meas:.2f})")
         if a.predict:
             pred = predicted_ops(rec["spec"], a.table)
             print("  predicted kinds per phase:", pred["kinds"], "at size", pred["size"])

@@ -88,6 +88,17 @@ def _graphed_seconds(torch, fn: Callable[[], Any], n: int = 20) -> float:
     return _gpu_seconds(torch, g.replay, budget_s=0.01) / n
 
 
+# A GEMM under this many FLOPs (under ~0.3 ms on an H100 / H200) is timed from a CUDA graph: launched from a Python
+# loop, a kernel shorter than the loop's own host time per call (``a @ b``: tens of us) is timed at the host's pace.
+# The tables calibrated before (graphed only under 2e9) priced 4096 x 2048 x 512 at 279 TFLOP/s on an H200 where a
+# step's profile ran it at 613, and 4096 x 2048 x 2048 at 604 against 727-782 (bench/results/bandwidth_probe.md).
+GRAPH_FLOPS = 2e11
+
+
+def _gemm_seconds(torch, fn: Callable[[], Any], flops: float) -> float:
+    return _graphed_seconds(torch, fn, 5) if flops < GRAPH_FLOPS else _gpu_seconds(torch, fn)
+
+
 def _grid(ms, nks, rate: Callable[[int, int, int], float], ns=None) -> list:
     """[m][n][k] of ``rate(m, n, k)`` rounded, over the (M, N, K) axes (N the K grid unless ``ns`` is given)."""
     return [[[round(rate(m, n, k), 3) for k in nks] for n in (ns or nks)] for m in ms]
@@ -107,7 +118,7 @@ def measure_matmul(torch, dev, ms, nks, log) -> dict:
             a = torch.randn(m, k, device=dev, dtype=dtype)
             b = torch.randn(k, n, device=dev, dtype=dtype)
             fn = (lambda: a @ b)
-            sec = _graphed_seconds(torch, fn, 5) if 2 * m * n * k < 2e9 else _gpu_seconds(torch, fn)
+            sec = _gemm_seconds(torch, fn, 2 * m * n * k)
             return 2 * m * n * k / sec / 1e12
 
         grid = _grid(ms, nks, rate)
@@ -180,7 +191,8 @@ def measure_matmul_unaligned(torch, dev, log, ms=UNALIGNED_M, nks=UNALIGNED_NK, 
                 fn = (lambda f=forms[form]: f(a, b))
                 rows, inner = (a.shape[1], a.shape[0]) if form == "tn" else tuple(a.shape)
                 cols = b.shape[0] if form == "linear" else b.shape[1]
-                logs += math.log(2 * rows * inner * cols / _gpu_seconds(torch, fn) / 1e12)
+                flops = 2 * rows * inner * cols
+                logs += math.log(flops / _gemm_seconds(torch, fn, flops) / 1e12)
             return math.exp(logs / len(layouts[which]))
 
         for which, into, ns in (("in", ins, nks), ("out", outs, out_ns)):

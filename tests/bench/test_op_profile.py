@@ -26,3 +26,4 @@ def test_measured_and_predicted_line_up_by_phase_op_and_shape_largest_difference
     # the two measured muls of the scores sum to 8 ms over 32 calls; predicted 2 x 1 ms over 16
     assert lines[1].split() == ["backward", "aten::mul", "[4,", "32,", "1024,", "1024]", "8.000", "32", "2.000", "16"]
     assert lines[2].split() == ["forward", "aten::copy_", "[4,", "1024]", "1.000", "2", "1.000", "2"]
+

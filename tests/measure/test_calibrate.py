@@ -48,10 +48,25 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     assert ratios["embedding_dense_backward/rows"] == pytest.approx(rows / (1e-3 - fill_s) / 1e9 / 100.0, rel=1e-3)
 
 
+def test_a_gemm_shorter_than_a_python_loops_launch_is_timed_from_a_cuda_graph(monkeypatch):
+    # which timer each grid point of measure_matmul used: a graph up to 2e11 FLOPs (4096 x 2048 x 512 among them, timed
+    # at the host's pace before), the plain loop above
+    used = []
+    monkeypatch.setattr(cal, "_graphed_seconds", lambda torch_, fn, n=20: used.append(("graph", n)) or 1e-3)
+    monkeypatch.setattr(cal, "_gpu_seconds", lambda torch_, fn, **kw: used.append(("loop",)) or 1e-3)
+    monkeypatch.setattr(cal, "_DTYPES", {"bfloat16": "bfloat16"})
+    grid = cal.measure_matmul(torch, torch.device("meta"), (4096, 65536), (512, 2048), lambda s: None)
+    # (m, n, k) in grid order: m over (4096, 65536), n and k over (512, 2048)
+    flops = [2 * m * n * k for m in (4096, 65536) for n in (512, 2048) for k in (512, 2048)]
+    assert used == [("graph", 5) if f < 2e11 else ("loop",) for f in flops]
+    assert used.count(("loop",)) == 1 and 2 * 4096 * 2048 * 512 < 2e11     # only 65536 x 2048 x 2048 in the loop
+    assert grid["bfloat16"]["tflops"][0][0][0] == pytest.approx(2 * 4096 * 512 * 512 / 1e-3 / 1e12, abs=1e-3)
+
+
 def test_the_unaligned_grids_are_an_inputs_two_layouts_and_the_outputs(monkeypatch):
     # per dtype: A's rows, A transposed (the input grid), then the output's at N = 64 and 128 (its own N axis)
     times = itertools.cycle([1e-3, 2e-3, 4e-3, 5e-3])
-    monkeypatch.setattr(cal, "_gpu_seconds", lambda torch_, fn, **kw: (fn(), next(times))[1])
+    monkeypatch.setattr(cal, "_gemm_seconds", lambda torch_, fn, flops: (fn(), next(times))[1])
     ins, outs = cal.measure_matmul_unaligned(torch, torch.device("cpu"), lambda s: None, ms=(64,), nks=(64,), out_ns=(64, 128))
     a_rows, a_t = 2 * 64 * 63 * 64 / 1e-3 / 1e12, 2 * 63 * 64 * 64 / 2e-3 / 1e12
     assert ins["bfloat16"]["tflops"] == [[[pytest.approx(math.sqrt(a_rows * a_t), abs=1e-3)]]]
