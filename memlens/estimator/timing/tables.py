@@ -37,6 +37,7 @@ ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing
 # two alike) past batch norm's spatial sizes: a calibrated table without some (calibrated before they were measured)
 # prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``, ``/rows`` as ``/bcast``, else the op or
 # a copy) and says how many it lacks
+_NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast"}   # a layout calibrate measures now -> the one measured before it
 CALIBRATED_OPS = frozenset({
     "native_batch_norm", "native_batch_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
     "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "sum", "mean", "native_layer_norm",
@@ -138,12 +139,12 @@ class TimingTable:
         """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the measured ratio of the op in
         that layout (``name/strided``, ``name/bcast``: memlens.estimator.timing.ops), else of the op, else 1."""
         ratio = self.op_ratio.get(op)
-        if ratio is None and op.endswith("/heads"):   # a table calibrated before heads were: as any strided view
-            ratio = self.op_ratio.get(op[:-len("/heads")] + "/strided")
-        if ratio is None and op.endswith("/rows"):    # before a per-row operand was told apart: as any broadcast
-            ratio = self.op_ratio.get(op[:-len("/rows")] + "/bcast")
-        if ratio is None:    # a layout the table did not measure (``mul/bcast``): the op's own rate, else a copy's
-            ratio = self.op_ratio.get(op.partition("/")[0], 1.0)
+        if ratio is None:
+            name, _, layout = op.partition("/")
+            if layout in _NEAREST_LAYOUT:    # a table calibrated before this layout was told apart: the one it measured
+                ratio = self.op_ratio.get(f"{name}/{_NEAREST_LAYOUT[layout]}")
+            if ratio is None:    # a layout the table did not measure (``mul/bcast``): the op's own rate, else a copy's
+                ratio = self.op_ratio.get(name, 1.0)
         return nbytes / (self.bandwidth_gbps(nbytes) * ratio * 1e9)
 
     def bandwidth_gbps(self, nbytes: float) -> float:
@@ -280,8 +281,9 @@ def table_for(gpu: str | None, path: str | Path | None = None) -> TimingTable:
         t = read_table(shipped) if shipped.exists() else datasheet_table(name)
         t.note = (f"calibrated on a {t.device_name or name}" if t.calibrated
                   else f"uncalibrated: {name} data-sheet rates (run memlens calibrate on the GPU for measured ones)")
-    if t.unmeasured_ops():
-        t.note += f"; {len(t.unmeasured_ops())} op rates not measured there"
+    missing = t.unmeasured_ops()
+    if missing:
+        t.note += f"; {len(missing)} op rates not measured there"
     _CACHE[key] = t
     return t
 
