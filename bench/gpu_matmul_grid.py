@@ -23,16 +23,19 @@ sys.path.insert(0, ROOT)
 
 
 def moved(old: dict, new: dict, top: int = 20) -> list:
-    """[(dtype, m, n, k, old TFLOP/s, new)] of the grid points whose rate changed most (log ratio)."""
+    """[(dtype, m, n, k, old TFLOP/s, new)] of the grid points both grids measured whose rate changed most (log ratio;
+    the new grid's axes may hold points the old one lacks)."""
     rows = []
     for dt, g in new.items():
         o = old.get(dt)
-        if not o or o.get("m") != g["m"] or o.get("n") != g["n"] or o.get("k") != g["k"]:
+        if not o:
             continue
+        at = {(m, n, k): o["tflops"][i][j][l] for i, m in enumerate(o["m"]) for j, n in enumerate(o["n"])
+              for l, k in enumerate(o["k"])}
         for i, m in enumerate(g["m"]):
             for j, n in enumerate(g["n"]):
                 for l, k in enumerate(g["k"]):
-                    a, b = o["tflops"][i][j][l], g["tflops"][i][j][l]
+                    a, b = at.get((m, n, k), 0), g["tflops"][i][j][l]
                     if a > 0 and b > 0:
                         rows.append((dt, m, n, k, a, b))
     rows.sort(key=lambda r: -abs(math.log(r[5] / r[4])))

@@ -34,6 +34,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_bandwidth_probe.py": "copy and memory-bound op microbenchmarks (warm and cold L2) in one process, no model step",
     "gpu_op_ratios.py": "runs calibrate's own op-ratio microbenchmarks in one process, no model step",
     "gpu_matmul_grid.py": "runs calibrate's own GEMM grid measurements in one process, no model step",
+    "gpu_gemm_probe.py": "GEMM microbenchmarks of a profile's shapes (layouts, warm and cold L2) in one process, no model step",
 }
 
 

@@ -47,7 +47,10 @@ CALIBRATED_OPS = frozenset({
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
-GRID_NK = (64, 256, 1024, 4096, 16384)
+# N and K reach 8 and 16: a LoRA adapter's GEMMs have its rank as one dimension, and cuBLAS runs them far under the
+# bytes they move ([16384, 2048] @ [2048, 16] and its backward forms 62-107 us on an H200 where a copy of the same
+# bytes takes 20: bench/results/bandwidth_probe.md); a grid starting at 64 priced them at the copy's rate
+GRID_NK = (8, 16, 64, 256, 1024, 4096, 16384)
 GRID_BYTES = tuple(2 ** e for e in range(12, 32, 2))        # 4 KiB .. 1 GiB
 GRID_SEQ = (128, 512, 2048, 8192)
 GRID_NCCL = tuple(2 ** e for e in range(16, 31, 2))         # 64 KiB .. 1 GiB
