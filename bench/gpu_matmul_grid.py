@@ -61,6 +61,7 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "graph_flops": cal.GRAPH_FLOPS,
               "seconds": round(time.time() - t0, 1), "moved": moved(t["matmul"], new)}
     t["matmul"], t["matmul_unaligned"], t["matmul_unaligned_out"] = new, ins, outs
+    t["env"][cal.MATMUL_TIMER] = cal.matmul_timer()
     t["env"]["matmul_regrid"] = (f"matmul grids measured again by bench/gpu_matmul_grid.py on an {report['device']} "
                                  f"at {time.strftime('%Y-%m-%dT%H:%MZ', time.gmtime())}, every GEMM under "
                                  f"{cal.GRAPH_FLOPS:g} FLOPs timed from a CUDA graph")

@@ -29,7 +29,7 @@ from .calibrate_fsdp import measure_fsdp_host
 from .calibrate_nccl import measure_ranks
 from .host_phases import CALIB_LLAMA, host_rounds
 from ..estimator.timing.tables import (
-    FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, TimingTable, _add_logs,
+    FORMAT, GRID_BYTES, GRID_M, GRID_NCCL, GRID_NK, GRID_SEQ, MATMUL_TIMER, TimingTable, _add_logs,
 )
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32", "tf32": "float32"}
@@ -93,6 +93,12 @@ def _graphed_seconds(torch, fn: Callable[[], Any], n: int = 20) -> float:
 # The tables calibrated before (graphed only under 2e9) priced 4096 x 2048 x 512 at 279 TFLOP/s on an H200 where a
 # step's profile ran it at 613, and 4096 x 2048 x 2048 at 604 against 727-782 (bench/results/bandwidth_probe.md).
 GRAPH_FLOPS = 2e11
+
+
+def matmul_timer() -> str:
+    """What a table's env says of how its GEMM grids were timed (``env[MATMUL_TIMER]``; a calibrated table without it
+    timed GEMMs over 2e9 FLOPs from a Python loop, and says so: memlens.estimator.timing.tables)."""
+    return f"CUDA graph under {GRAPH_FLOPS:g} FLOPs"
 
 
 def _gemm_seconds(torch, fn: Callable[[], Any], flops: float) -> float:
@@ -640,6 +646,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
                     env={"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
                          "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, format=FORMAT)
     t.matmul = measure_matmul(torch, dev, ms, nks, log)
+    t.env[MATMUL_TIMER] = matmul_timer()
     t.attention = measure_attention(torch, dev, seqs, log)
     t.bandwidth = measure_bandwidth(torch, dev, sizes, log)
     t.min_kernel_us, t.host_us = measure_host(torch, dev, log)

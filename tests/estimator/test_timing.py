@@ -108,7 +108,8 @@ def test_a_table_of_another_gpu_is_used_only_when_named_and_says_so(tmp_path, mo
     t = table_for("h200")
     # a flat table measured no op's own rate: it says so for each of calibrate's 34
     assert t.note == ("calibrated table mine.json (NVIDIA H100 80GB HBM3), measured on a h100 and used for the h200 "
-                      "as asked (--timing-table); 34 op rates not measured there")
+                      "as asked (--timing-table); 34 op rates not measured there; mid-size GEMMs timed at the host's "
+                      "pace there")
 
 
 def test_a_bad_table_file_is_one_line(tmp_path):
@@ -131,9 +132,11 @@ def test_an_estimate_carries_its_step_time(linear_sim):
     assert st["micro_batches"] == 1 and st["micro_batch_size"] == 1
     # h100's shipped table is the one `memlens calibrate` measured on an H100 (bench/results/step_time_h100.md)
     # before the op rates calibrate measures since (no H100 was lent again): it says how many it lacks, and which
-    assert st["calibrated"] is True and st["table"] == "calibrated on a NVIDIA H100 80GB HBM3; 7 op rates not measured there"
+    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 7 op rates not measured "
+                                                        "there; mid-size GEMMs timed at the host's pace there")
     assert st["table_unmeasured_ops"] == ["_softmax", "_softmax_backward_data", "_to_copy/up", "add/heads", "copy_/up",
                                           "mul/heads", "mul/rows"]
+    assert st["table_matmul_loop_timed"] is True
     assert 0 < st["mfu"] < 1
 
 
@@ -733,3 +736,20 @@ def test_a_written_layers_backward_copies_its_recompute_and_backward_together():
     got = [x[5] for x in expanded(rows, trace)]
     span = ["b1a", "r1a", "stray", "r1b", "b1b"]
     assert got == ["f0", "f1", "f1", "f1", "f2", "head", "dhead", "b2", *span * 3, "b0"]
+
+
+def test_a_table_says_when_its_gemms_were_timed_from_a_python_loop(tmp_path, monkeypatch):
+    from memlens.measure.calibrate import matmul_timer
+
+    # the H200's grids were measured again graph-timed (bench/gpu_matmul_grid.py): nothing to say
+    h200 = table_for("h200")
+    assert h200.env[tables.MATMUL_TIMER] == matmul_timer() == "CUDA graph under 2e+11 FLOPs"
+    assert not h200.matmul_loop_timed() and h200.note == "calibrated on a NVIDIA H200"
+    src = flat_table()
+    src.env[tables.MATMUL_TIMER] = matmul_timer()
+    monkeypatch.setenv(tables.ENV_TABLE, str(src.write(tmp_path / "graphed.json")))
+    assert "GEMMs" not in table_for("h100").note
+    src.calibrated = False                              # a data-sheet table timed nothing: nothing to say either
+    src.env.pop(tables.MATMUL_TIMER)
+    monkeypatch.setenv(tables.ENV_TABLE, str(src.write(tmp_path / "sheet.json")))
+    assert not table_for("h100").matmul_loop_timed()

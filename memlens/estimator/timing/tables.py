@@ -37,6 +37,10 @@ ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing
 # two alike) past batch norm's spatial sizes: a calibrated table without some (calibrated before they were measured)
 # prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``, ``/rows`` as ``/bcast``, else the op or
 # a copy) and says how many it lacks
+# env key of how calibrate timed the GEMM grids (memlens.measure.calibrate.matmul_timer); a calibrated table without it
+# timed every GEMM over 2e9 FLOPs from a Python loop, so a mid-size one (10-50 us) at the host's pace: its rate up to
+# 5x low (bf16 1024^3 on an H200: 73 TFLOP/s so, 375 graph-timed; bench/results/bandwidth_probe.md, fourteenth section)
+MATMUL_TIMER = "matmul_timer"
 _NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast"}   # a layout calibrate measures now -> the one measured before it
 CALIBRATED_OPS = frozenset({
     "native_batch_norm", "native_batch_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
@@ -212,6 +216,11 @@ class TimingTable:
         measured nothing, and says uncalibrated)."""
         return sorted(CALIBRATED_OPS - set(self.op_ratio)) if self.calibrated else []
 
+    def matmul_loop_timed(self) -> bool:
+        """A calibrated table whose GEMM grids were timed before calibrate graphed mid-size GEMMs (no ``env[MATMUL_TIMER]``):
+        it prices GEMMs of ~10-50 us slow."""
+        return self.calibrated and MATMUL_TIMER not in (self.env or {})
+
     def host_range(self) -> tuple[float, float] | None:
         """(fast, slow) factors on the priced host costs: the spread of the host's speed beside steps measured on this
         table's machines (env ``host_range_ms``: the quartiles, bench/host_range.py) over the reference host the
@@ -287,6 +296,8 @@ def table_for(gpu: str | None, path: str | Path | None = None) -> TimingTable:
     missing = t.unmeasured_ops()
     if missing:
         t.note += f"; {len(missing)} op rates not measured there"
+    if t.matmul_loop_timed():
+        t.note += "; mid-size GEMMs timed at the host's pace there"
     _CACHE[key] = t
     return t
 
