@@ -105,10 +105,15 @@ def _missing(fields: dict) -> str | None:
     return f"{need} is not installed on this machine" if need and importlib.util.find_spec(need) is None else None
 
 
-def spec_of(fields: dict, dry: bool = False):
+def spec_of(fields: dict, dry: bool = False, table: str | None = None):
+    """The case's TrainingSpec; with ``table`` (a timing table file) for the GPU that table was measured on, where the
+    case names none (the step is measured there: its Result says which GPU it prices, not the default H100)."""
     from memlens.core.spec import TrainingSpec
 
     f = {k: v for k, v in fields.items() if k not in META}
+    if table and "gpu" not in f:
+        with open(table) as fh:
+            f["gpu"] = json.load(fh)["gpu"]
     if dry:   # tiny sizes: the script's paths, not its numbers
         f["batch_size"] = min(f.get("batch_size", 1), 2)
         if f.get("seq_len"):
@@ -208,7 +213,7 @@ def predict(name: str, fields: dict, dry: bool, table: str | None = None) -> dic
 
     t = time.perf_counter()
     try:
-        r = estimate(spec_of(fields, dry))
+        r = estimate(spec_of(fields, dry, own))
     except Exception as e:  # noqa: BLE001 - one case's failure, reported in its line
         return {"predict_error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
     st = r.data.get("step_time") or {}

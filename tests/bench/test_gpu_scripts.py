@@ -2,6 +2,7 @@
 the scripts left out are single-case probes or drive memlens' own measured verbs, each named here with why."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -34,6 +35,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_bandwidth_probe.py": "copy and memory-bound op microbenchmarks (warm and cold L2) in one process, no model step",
     "gpu_op_ratios.py": "runs calibrate's own op-ratio microbenchmarks in one process, no model step",
     "gpu_matmul_grid.py": "runs calibrate's own GEMM grid measurements in one process, no model step",
+    "gpu_forward_gaps.py": "marks real steps of a few models in one process (CUDA events beside the host's clock)",
     "gpu_gemm_probe.py": "GEMM microbenchmarks of a profile's shapes (layouts, warm and cold L2) in one process, no model step",
 }
 
@@ -160,3 +162,13 @@ def test_host_range_reads_each_measured_round_once_and_checks_steps_against_thei
     rows, summary = coverage(str(steps))
     assert summary == {"steps": 2, "inside": 1, "within_10pct_of_range": 1, "median_outside_pct": 20.0}
     assert rows[1] == "| out | 0.1000 | 0.1300 (+30.0%) | 0.1200 - 0.1400 | 20.0% outside |"
+
+
+def test_a_step_time_case_is_priced_for_the_gpu_its_table_was_measured_on(tmp_path):
+    from bench.gpu_step_time import spec_of
+
+    table = tmp_path / "t.json"
+    table.write_text(json.dumps({"gpu": "h200"}))
+    assert spec_of({"model": "gpt2", "batch_size": 2}, table=str(table)).gpu == "h200"
+    assert spec_of({"model": "gpt2", "batch_size": 2, "gpu": "a100-80gb"}, table=str(table)).gpu == "a100-80gb"
+    assert spec_of({"model": "gpt2", "batch_size": 2}).gpu == "h100"       # no table: the spec's default
