@@ -189,6 +189,19 @@ def test_readme_shows_lines_of_the_real_run(name):
         assert stale == [], f"README lines that bench/results/readme/{name}.txt does not have (rerun bench/readme_outputs.py): {stale}"
 
 
+@pytest.mark.slow
+def test_the_quickstart_file_is_what_the_code_prints_now(capsys, monkeypatch):
+    """The README quotes bench/results/readme/quick_estimate_gpt2.txt, which bench/readme_outputs.py wrote from some
+    version of the code: its headline lines are what this code prints (a file written from a working tree the
+    commits did not hold had quoted 14.18 GiB reserved where the code said 14.21)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(shlex.split(readme_outputs.command("quick_estimate_gpt2"))) == 0
+    now = capsys.readouterr().out.splitlines()
+    file = (ROOT / "bench/results/readme/quick_estimate_gpt2.txt").read_text().splitlines()
+    heads = ("peak allocated", "peak reserved", "nvidia-smi", "GPU ", "predicted step")
+    assert [ln.rstrip() for ln in now if ln.startswith(heads)] == [ln.rstrip() for ln in file if ln.startswith(heads)]
+
+
 def test_gpu_profile_output_is_the_measured_one():
     """The profile output the README shows (an H100 run) is in the file it names (the README joins the lines the
     80-column run wrapped, so the words are compared)."""
