@@ -22,8 +22,6 @@ from ..estimator import estimate
 from ..models.build import quiet
 from ..models.source import resolve
 from ..step import prepare
-from ..estimator.timing.step import seconds_at_host
-from .host_phases import host_speed
 from .launch import profile_distributed
 from .phase_time import PhaseRegions, PhaseTimer
 from .profiler import Profiler, _resolve_device
@@ -102,13 +100,11 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
             timer.on_phase(name)
             inner(name)
 
-        speeds: list = []
         with prof:
             for i in range(steps):
                 timer.start()
                 step.run(on_phase)
                 times.append(timer.finish())
-                speeds.append(host_speed())   # the host's speed beside each step (a step that is host-bound moves with it)
                 if progress:
                     progress(i + 1, steps)
             if cuda:
@@ -116,7 +112,7 @@ def profile_spec(spec, *, steps: int = 3, warmup: int = 1, device: Any = None, m
         if dp:
             dp.observer = None
     r = prof.result
-    r.data["step_time"] = measured_step_time(times, cuda, speeds)
+    r.data["step_time"] = measured_step_time(times, cuda)
     r.data["model_load"] = load
     r.data["warmup_steps"] = warmup
     r.data["profiled_steps"] = steps
@@ -245,19 +241,15 @@ class SetupMeter:
                          running_max_bytes=int(x["peak"])) for x in self.readings]
 
 
-def measured_step_time(times: list[dict], cuda: bool, speeds: list[float] | None = None) -> dict[str, Any] | None:
-    """The profiled steps' seconds (median) and parts (median per phase), from :class:`PhaseTimer`; ``speeds``: the
-    host's speed after each step (memlens.measure.host_phases.host_speed, seconds), their median as ``host_speed_ms``."""
+def measured_step_time(times: list[dict], cuda: bool) -> dict[str, Any] | None:
+    """The profiled steps' seconds (median) and parts (median per phase), from :class:`PhaseTimer`."""
     if not times:
         return None
     keys = sorted({k for t in times for k in t})
     med = {k: statistics.median(t.get(k, 0.0) for t in times) for k in keys}
-    out = {"seconds": med.pop("step"), "parts": med, "steps": len(times),
-           "measured_by": "CUDA events at the step loop's phase marks (recompute is inside backward)" if cuda
-           else "wall clock at the step loop's phase marks (CPU)"}
-    if speeds:
-        out["host_speed_ms"] = round(statistics.median(speeds) * 1e3, 2)
-    return out
+    return {"seconds": med.pop("step"), "parts": med, "steps": len(times),
+            "measured_by": "CUDA events at the step loop's phase marks (recompute is inside backward)" if cuda
+            else "wall clock at the step loop's phase marks (CPU)"}
 
 
 def time_rows(predicted: dict | None, measured: dict | None) -> list[dict[str, Any]]:
@@ -281,10 +273,6 @@ def time_rows(predicted: dict | None, measured: dict | None) -> list[dict[str, A
     if rng:   # the step at the fast and the slow end of the timing table's host spread: where the measured one falls
         out[0]["predicted_range"] = rng
         out[0]["inside_range"] = rng[0] <= measured["seconds"] <= rng[1]
-    at = seconds_at_host(predicted, measured.get("host_speed_ms"))
-    if at is not None:   # the step priced at the speed this host had beside the measured steps
-        out[0].update(host_speed_ms=measured["host_speed_ms"], predicted_at_host=at,
-                      error_at_host=round((at - measured["seconds"]) / measured["seconds"], 6) if measured["seconds"] else None)
     for k in ("forward", "backward", "optimizer"):
         if k in measured["parts"]:
             out.append(row(k, pp.get(k, 0.0), measured["parts"][k]))

@@ -33,10 +33,7 @@ def render_profile(result: Result) -> None:
             c.print(f"  {r['name']} seconds: predicted {r['predicted_seconds']:.4g}"
                     + (f" ({rng[0]:.4g}-{rng[1]:.4g} over the host spread)" if rng else "")
                     + f", measured {r['measured_seconds']:.4g}" + ("" if r["error"] is None else f" ({100 * r['error']:+.1f}%)")
-                    + ("" if not rng else ", inside the range" if r["inside_range"] else ", outside the range")
-                    + ("" if r.get("predicted_at_host") is None else
-                       f"; priced at this host's speed (its loop {r['host_speed_ms']:.4g} ms): {r['predicted_at_host']:.4g}"
-                       + ("" if r.get("error_at_host") is None else f" ({100 * r['error_at_host']:+.1f}%)")))
+                    + ("" if not rng else ", inside the range" if r["inside_range"] else ", outside the range"))
     if d.torch_profiler:
         c.print(_top_operators(d.torch_profiler))
     if d.multinode:

@@ -110,36 +110,13 @@ def host_at(rows: list, mult: list[float], k: int, factor: float, opt: tuple[flo
 
 def host_range(tab: TimingTable, beyond_host: float, rows: list, mult: list[float], k: int, opt: tuple[float, float]) -> dict | None:
     """The step at the two ends of ``tab``'s host spread (:meth:`TimingTable.host_range`): ``host_ms`` (the host's
-    speed there), ``seconds`` (``beyond_host``, the step's seconds but its host part, plus :func:`host_at` there) and
-    ``reference_ms`` (the host the step's own seconds are priced at); None for a table that names no spread."""
+    speed there) and ``seconds`` (``beyond_host``, the step's seconds but its host part, plus :func:`host_at` there);
+    None for a table that names no spread."""
     spread = tab.host_range()
     if not spread:
         return None
     ref = (tab.env or {})["host_reference_ms"]
-    return {"host_ms": [round(ref * f, 2) for f in spread], "seconds": [beyond_host + host_at(rows, mult, k, f, opt) for f in spread],
-            "reference_ms": ref}
-
-
-def seconds_at_host(st: dict, host_ms: float) -> float | None:
-    """The step of ``st`` (a Result's ``step_time``) on a host whose fixed Python loop (memlens.measure.host_phases.
-    host_speed) takes ``host_ms``: piecewise linear through the step at the two ends of the host spread and at the
-    reference host (``host_range``), the end segments extended, never under the step without its host part; None
-    where the table names no spread (its host is the one it was calibrated on).
-
-    >>> st = {"seconds": 0.10, "parts": {"host": 0.02}, "host_range": {"host_ms": [10.0, 30.0], "seconds": [0.09, 0.13],
-    ...       "reference_ms": 20.0}}
-    >>> [round(seconds_at_host(st, h), 4) for h in (20.0, 15.0, 25.0, 40.0, 1.0)]
-    [0.1, 0.095, 0.115, 0.16, 0.081]
-    """
-    hr = st.get("host_range") or {}
-    ms, secs, ref = hr.get("host_ms"), hr.get("seconds"), hr.get("reference_ms")
-    if not (ms and secs and ref and host_ms and host_ms > 0):
-        return None
-    pts = sorted({(ms[0], secs[0]), (float(ref), st["seconds"]), (ms[1], secs[1])})
-    i = next((j for j in range(1, len(pts) - 1) if host_ms <= pts[j][0]), len(pts) - 1)
-    (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-    y = y0 + (y1 - y0) * (host_ms - x0) / (x1 - x0) if x1 != x0 else y1
-    return max(st["seconds"] - (st.get("parts") or {}).get("host", 0.0), y)
+    return {"host_ms": [round(ref * f, 2) for f in spread], "seconds": [beyond_host + host_at(rows, mult, k, f, opt) for f in spread]}
 
 
 def micro_batches(spec) -> tuple[int, int]:
