@@ -106,8 +106,14 @@ def _gemm_seconds(torch, fn: Callable[[], Any], flops: float) -> float:
 
 
 def _grid(ms, nks, rate: Callable[[int, int, int], float], ns=None) -> list:
-    """[m][n][k] of ``rate(m, n, k)`` rounded, over the (M, N, K) axes (N the K grid unless ``ns`` is given)."""
-    return [[[round(rate(m, n, k), 3) for k in nks] for n in (ns or nks)] for m in ms]
+    """[m][n][k] of ``rate(m, n, k)`` to 4 significant digits, over the (M, N, K) axes (N the K grid unless ``ns`` is
+    given). Not to a fixed number of decimals: the grid's smallest GEMMs (16 x 8 x 8, 2,048 FLOPs in a few us) run
+    under 0.001 TFLOP/s, which 3 decimals would write as 0 - a rate the log-space interpolation cannot use.
+
+    >>> _grid((16,), (8, 4096), lambda m, n, k: 2 * m * n * k / 4e-6 / 1e12)
+    [[[0.000512, 0.2621], [0.2621, 134.2]]]
+    """
+    return [[[float(f"{rate(m, n, k):.4g}") for k in nks] for n in (ns or nks)] for m in ms]
 
 
 def _best(grid: list) -> float:
