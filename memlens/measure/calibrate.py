@@ -296,6 +296,9 @@ def _op_cases(torch, dev) -> dict:
         "mul/strided": (a.mul.Tensor, (x.t(), y.t())),
         "add": (a.add.Tensor, (x, y)),
         "add/bcast": (a.add.Tensor, (x, b)),
+        "add/mixed": (a.add.Tensor, (x32, x)),          # autocast's residual: the fp32 stream plus a bf16 projection
+        "mul/mixed": (a.mul.Tensor, (x32, x)),
+        "native_dropout": (a.native_dropout.default, (x32, 0.1, True)),   # GPT-2's 0.1 on its fp32 stream (RNG + mask)
         "_to_copy": (a._to_copy.default, (x32,), {"dtype": bf}),
         "_to_copy/strided": (a._to_copy.default, (x32.t(),), {"dtype": bf}),
         "_to_copy/up": (a._to_copy.default, (x,), {"dtype": f32}),                 # x.float(): bf16 -> fp32

@@ -106,9 +106,9 @@ def test_a_table_of_another_gpu_is_used_only_when_named_and_says_so(tmp_path, mo
     path = src.write(tmp_path / "mine.json")
     monkeypatch.setenv(tables.ENV_TABLE, str(path))
     t = table_for("h200")
-    # a flat table measured no op's own rate: it says so for each of calibrate's 34
+    # a flat table measured no op's own rate: it says so for each of calibrate's 37
     assert t.note == ("calibrated table mine.json (NVIDIA H100 80GB HBM3), measured on a h100 and used for the h200 "
-                      "as asked (--timing-table); 34 op rates not measured there; mid-size GEMMs timed at the host's "
+                      "as asked (--timing-table); 37 op rates not measured there; mid-size GEMMs timed at the host's "
                       "pace there")
 
 
@@ -132,10 +132,10 @@ def test_an_estimate_carries_its_step_time(linear_sim):
     assert st["micro_batches"] == 1 and st["micro_batch_size"] == 1
     # h100's shipped table is the one `memlens calibrate` measured on an H100 (bench/results/step_time_h100.md)
     # before the op rates calibrate measures since (no H100 was lent again): it says how many it lacks, and which
-    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 7 op rates not measured "
+    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 10 op rates not measured "
                                                         "there; mid-size GEMMs timed at the host's pace there")
-    assert st["table_unmeasured_ops"] == ["_softmax", "_softmax_backward_data", "_to_copy/up", "add/heads", "copy_/up",
-                                          "mul/heads", "mul/rows"]
+    assert st["table_unmeasured_ops"] == ["_softmax", "_softmax_backward_data", "_to_copy/up", "add/heads", "add/mixed",
+                                          "copy_/up", "mul/heads", "mul/mixed", "mul/rows", "native_dropout"]
     assert st["table_matmul_loop_timed"] is True
     assert 0 < st["mfu"] < 1
 

@@ -226,7 +226,9 @@ def _layout(ins: list, binary: bool) -> str:
     """How a memory-bound op reads its inputs, when not plainly: ``/heads`` (an input is read in short runs: attention
     heads transposed out of a projection, RoPE's halves of them), ``/strided`` (another non-contiguous view: a
     transpose, half rows - the kernel gathers with strides) or, for an elementwise binary op, ``/bcast`` (an
-    input is broadcast: a norm's weight, RoPE's cos/sin - one operand re-read per row). A table measures such layouts' rates apart
+    input is broadcast: a norm's weight, RoPE's cos/sin - one operand re-read per row) or ``/mixed`` (operands of two
+    float dtypes: autocast's fp32 residual stream plus a bf16 projection's output - TensorIterator casts each element
+    as it loads it, without the vectorized loads of one dtype). A table measures such layouts' rates apart
     (memlens.measure.calibrate) and prices the op by its own name where it has none."""
     if len(ins) < 1:
         return ""
@@ -234,6 +236,8 @@ def _layout(ins: list, binary: bool) -> str:
         strided = [t for t in ins if t.dim() > 1 and not t.is_contiguous()]
         if strided:
             return "/heads" if any(_short_runs(t) for t in strided) else "/strided"
+        if binary and len({t.dtype for t in ins if t.dim() > 0 and t.is_floating_point()}) > 1:
+            return "/mixed"
         if binary and len(ins) > 1 and len({t.numel() for t in ins if t.dim() > 0}) > 1:
             return "/rows" if _per_row(ins) else "/bcast"
     except RuntimeError:      # a tensor without strides (sparse, nested): as a plain read

@@ -47,7 +47,8 @@ CALIBRATED_OPS = frozenset({
     "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "sum", "mean", "native_layer_norm",
     "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads", "add/heads", "mul",
     "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided", "_to_copy/up",
-    "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows", "fill_"})
+    "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows", "fill_", "add/mixed",
+    "mul/mixed", "native_dropout"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
