@@ -106,9 +106,9 @@ def test_a_table_of_another_gpu_is_used_only_when_named_and_says_so(tmp_path, mo
     path = src.write(tmp_path / "mine.json")
     monkeypatch.setenv(tables.ENV_TABLE, str(path))
     t = table_for("h200")
-    # a flat table measured no op's own rate: it says so for each of calibrate's 37
+    # a flat table measured no op's own rate: it says so for each of calibrate's 38
     assert t.note == ("calibrated table mine.json (NVIDIA H100 80GB HBM3), measured on a h100 and used for the h200 "
-                      "as asked (--timing-table); 37 op rates not measured there; mid-size GEMMs timed at the host's "
+                      "as asked (--timing-table); 38 op rates not measured there; mid-size GEMMs timed at the host's "
                       "pace there")
 
 
@@ -132,10 +132,10 @@ def test_an_estimate_carries_its_step_time(linear_sim):
     assert st["micro_batches"] == 1 and st["micro_batch_size"] == 1
     # h100's shipped table is the one `memlens calibrate` measured on an H100 (bench/results/step_time_h100.md)
     # before the op rates calibrate measures since (no H100 was lent again): it says how many it lacks, and which
-    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 10 op rates not measured "
+    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 11 op rates not measured "
                                                         "there; mid-size GEMMs timed at the host's pace there")
     assert st["table_unmeasured_ops"] == ["_softmax", "_softmax_backward_data", "_to_copy/up", "add/heads", "add/mixed",
-                                          "copy_/up", "mul/heads", "mul/mixed", "mul/rows", "native_dropout"]
+                                          "cat/one", "copy_/up", "mul/heads", "mul/mixed", "mul/rows", "native_dropout"]
     assert st["table_matmul_loop_timed"] is True
     assert 0 < st["mfu"] < 1
 
@@ -753,3 +753,27 @@ def test_a_table_says_when_its_gemms_were_timed_from_a_python_loop(tmp_path, mon
     src.env.pop(tables.MATMUL_TIMER)
     monkeypatch.setenv(tables.ENV_TABLE, str(src.write(tmp_path / "sheet.json")))
     assert not table_for("h100").matmul_loop_timed()
+
+
+def test_two_dtypes_in_one_elementwise_op_and_a_cat_of_one_tensor_are_their_own_rates():
+    import torch
+
+    from memlens.estimator.timing.ops import op_facts
+
+    a = torch.ops.aten
+    x32, x16 = torch.empty(64, 32), torch.empty(64, 32, dtype=torch.bfloat16)
+    mixed = op_facts(a.add.Tensor, (x32, x16), {}, x32 + x16)  # autocast's residual: fp32 stream + bf16 output
+    assert (mixed.op, mixed.nbytes) == ("add/mixed", 64 * 32 * (4 + 2 + 4))
+    assert op_facts(a.add.Tensor, (x16, x16), {}, x16).op == "add"
+    assert op_facts(a.mul.Tensor, (x16, torch.tensor(2.0)), {}, x16).op == "mul"   # a 0-dim operand: not two dtypes
+    drop = op_facts(a.native_dropout.default, (x32, 0.1, True), {}, (torch.empty(64, 32), torch.empty(64, 32, dtype=torch.bool)))
+    assert (drop.op, drop.nbytes) == ("native_dropout", 64 * 32 * (4 + 4 + 1))      # reads x, writes out and the mask
+    kv = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16)       # DynamicCache.update in training: cat onto an empty cache
+    one = op_facts(a.cat.default, ([torch.empty(0, dtype=torch.bfloat16), kv], -2), {}, kv.clone())
+    assert (one.op, one.nbytes) == ("cat/one", 2 * kv.numel() * 2)
+    tab = flat_table(gbps=100.0)
+    tab.op_ratio = {"cat/heads": 0.25, "add": 1.0}
+    assert tab.op_seconds("cat/one", 1e6) == pytest.approx(1e6 / 25e9)        # not measured: as a cat of heads
+    assert tab.op_seconds("add/mixed", 1e6) == pytest.approx(1e6 / 100e9)     # not measured: as the op
+    h200 = table_for("h200")
+    assert h200.op_ratio["add/mixed"] < 0.7 < 1.0 < h200.op_ratio["add"] and h200.op_ratio["cat/one"] < 0.2

@@ -41,14 +41,14 @@ ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing
 # timed every GEMM over 2e9 FLOPs from a Python loop, so a mid-size one (10-50 us) at the host's pace: its rate up to
 # 5x low (bf16 1024^3 on an H200: 73 TFLOP/s so, 375 graph-timed; bench/results/bandwidth_probe.md, fourteenth section)
 MATMUL_TIMER = "matmul_timer"
-_NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast"}   # a layout calibrate measures now -> the one measured before it
+_NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast", "one": "heads"}   # a layout calibrate measures now -> the one measured before it
 CALIBRATED_OPS = frozenset({
     "native_batch_norm", "native_batch_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
     "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "sum", "mean", "native_layer_norm",
     "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads", "add/heads", "mul",
     "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided", "_to_copy/up",
     "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows", "fill_", "add/mixed",
-    "mul/mixed", "native_dropout"})
+    "mul/mixed", "native_dropout", "cat/one"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
