@@ -36,6 +36,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_op_ratios.py": "runs calibrate's own op-ratio microbenchmarks in one process, no model step",
     "gpu_matmul_grid.py": "runs calibrate's own GEMM grid measurements in one process, no model step",
     "gpu_forward_gaps.py": "marks real steps of a few models in one process (CUDA events beside the host's clock)",
+    "gpu_gemm_heat_probe.py": "GEMM microbenchmarks (inputs' scale, copies between) in one process, no model step",
     "gpu_gemm_probe.py": "GEMM microbenchmarks of a profile's shapes (layouts, warm and cold L2) in one process, no model step",
 }
 
