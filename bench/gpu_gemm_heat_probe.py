@@ -22,23 +22,10 @@ sys.path.insert(0, ROOT)
 SHAPES = [(4096, 2048, 8192), (8192, 4096, 2048), (4096, 2048, 2048), (16384, 2048, 8192), (8192, 768, 3072)]   # M, K, N
 
 
-def graphed(torch, fn, reps: int) -> float:
-    from memlens.measure.calibrate import _gpu_seconds
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return _gpu_seconds(torch, g.replay, budget_s=0.2) / reps
-
-
 def main(argv=None) -> int:
     import torch
+
+    from memlens.measure.calibrate import _graphed_seconds as graphed
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)

@@ -51,7 +51,7 @@ def sets_for(nbytes: int) -> int:
 def main(argv=None) -> int:
     import torch
 
-    from memlens.measure.calibrate import _gpu_seconds
+    from memlens.measure.calibrate import _graphed_seconds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("jsonl", nargs="+")
@@ -62,20 +62,20 @@ def main(argv=None) -> int:
     for g in rows:
         key = (g["dtype"], g["m"], g["k"], g["n"])
         if key not in seen:
-            seen[key] = timed(torch, dev, _gpu_seconds, *key)
+            seen[key] = timed(torch, dev, _graphed_seconds, *key)
             print(key, {k: round(v, 1) for k, v in seen[key].items()}, flush=True)
         g["alone_us"] = seen[key]
         if g["dtype"] != "float32" and min(g["m"], g["k"], g["n"]) <= 64:   # a LoRA adapter peft keeps in fp32
             k32 = ("float32",) + key[1:]
             if k32 not in seen:
-                seen[k32] = timed(torch, dev, _gpu_seconds, *k32)
+                seen[k32] = timed(torch, dev, _graphed_seconds, *k32)
             g["alone_us_fp32"] = seen[k32]
     with open(a.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "rows": rows}, f, indent=1)
     return 0
 
 
-def timed(torch, dev, gpu_seconds, dtype: str, m: int, k: int, n: int) -> dict:
+def timed(torch, dev, graphed, dtype: str, m: int, k: int, n: int) -> dict:
     """us a call of the (m x k) @ (k x n) product in each layout, warm and cold (``nn_warm``, ``nt_cold``, ...)."""
     dt = getattr(torch, dtype)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -96,16 +96,8 @@ def timed(torch, dev, gpu_seconds, dtype: str, m: int, k: int, n: int) -> dict:
                     x, w = ops[i % len(ops)]
                     torch.mm(x, w)
 
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                run()
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                run()
-            out[f"{lay}_{'cold' if cold else 'warm'}"] = gpu_seconds(torch, graph.replay, budget_s=0.02) / reps * 1e6
-            del ops, graph
+            out[f"{lay}_{'cold' if cold else 'warm'}"] = graphed(torch, run, 1) / reps * 1e6
+            del ops
     torch.cuda.empty_cache()
     return out
 
