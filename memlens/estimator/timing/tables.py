@@ -33,14 +33,14 @@ FORMAT = 1
 DTYPES = ("bfloat16", "float16", "float32", "tf32")
 DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "gpus"
 ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing-table sets it; workers inherit it)
-# the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
-# two alike) past batch norm's spatial sizes: a calibrated table without some (calibrated before they were measured)
-# prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``, ``/rows`` as ``/bcast``, else the op or
-# a copy) and says how many it lacks
 # env key of how calibrate timed the GEMM grids (memlens.measure.calibrate.matmul_timer); a calibrated table without it
 # timed every GEMM over 2e9 FLOPs from a Python loop, so a mid-size one (10-50 us) at the host's pace: its rate up to
 # 5x low (bf16 1024^3 on an H200: 73 TFLOP/s so, 375 graph-timed; bench/results/bandwidth_probe.md, fourteenth section)
 MATMUL_TIMER = "matmul_timer"
+# the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
+# two alike) past batch norm's spatial sizes: a calibrated table without some (calibrated before they were measured)
+# prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``, ``/rows`` as ``/bcast``, ``cat/one`` as
+# ``cat/heads``, else the op or a copy: ``/mixed`` as the op) and says how many it lacks
 _NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast", "one": "heads"}   # a layout calibrate measures now -> the one measured before it
 CALIBRATED_OPS = frozenset({
     "native_batch_norm", "native_batch_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
