@@ -765,6 +765,8 @@ def test_two_dtypes_in_one_elementwise_op_and_a_cat_of_one_tensor_are_their_own_
     mixed = op_facts(a.add.Tensor, (x32, x16), {}, x32 + x16)  # autocast's residual: fp32 stream + bf16 output
     assert (mixed.op, mixed.nbytes) == ("add/mixed", 64 * 32 * (4 + 2 + 4))
     assert op_facts(a.add.Tensor, (x16, x16), {}, x16).op == "add"
+    w32 = torch.empty(32)                                      # a broadcast fp32 weight: the broadcast's rate
+    assert op_facts(a.mul.Tensor, (x16, w32), {}, x16 * w32).op == "mul/bcast"
     assert op_facts(a.mul.Tensor, (x16, torch.tensor(2.0)), {}, x16).op == "mul"   # a 0-dim operand: not two dtypes
     drop = op_facts(a.native_dropout.default, (x32, 0.1, True), {}, (torch.empty(64, 32), torch.empty(64, 32, dtype=torch.bool)))
     assert (drop.op, drop.nbytes) == ("native_dropout", 64 * 32 * (4 + 4 + 1))      # reads x, writes out and the mask

@@ -236,10 +236,10 @@ def _layout(ins: list, binary: bool) -> str:
         strided = [t for t in ins if t.dim() > 1 and not t.is_contiguous()]
         if strided:
             return "/heads" if any(_short_runs(t) for t in strided) else "/strided"
-        if binary and len({t.dtype for t in ins if t.dim() > 0 and t.is_floating_point()}) > 1:
-            return "/mixed"
         if binary and len(ins) > 1 and len({t.numel() for t in ins if t.dim() > 0}) > 1:
             return "/rows" if _per_row(ins) else "/bcast"
+        if binary and len({t.dtype for t in ins if t.dim() > 0 and t.is_floating_point()}) > 1:
+            return "/mixed"      # same-shape operands (as measured); a broadcast one keeps its broadcast's rate
     except RuntimeError:      # a tensor without strides (sparse, nested): as a plain read
         return ""
     return ""
