@@ -288,6 +288,8 @@ def _op_cases(torch, dev) -> dict:
         "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
         "cat/heads": (a.cat.default, ([heads[..., 32:], heads[..., :32]], -1)),   # RoPE's rotate_half on heads
         "cat/one": (a.cat.default, ([torch.tensor([], device=dev, dtype=bf), heads.contiguous()], -2)),   # KV cache update
+        "slice_backward": (a.slice_backward.default, (heads[..., :32].contiguous(), list(heads.shape), -1, 0, 32, 1)),
+        #                  RoPE's rotate_half backward: a half of each head's gradient into zeros (the fill taken off)
         "clone/heads": (a.clone.default, (heads,)),                               # .contiguous() of heads
         "mul/heads": (a.mul.Tensor, (heads, cos)),                                # RoPE: k * cos
         "add/heads": (a.add.Tensor, (heads, heads2)),                             # RoPE: k * cos + rotate_half(k) * sin

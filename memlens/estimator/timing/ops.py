@@ -325,6 +325,9 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + UPCAST)
     if name == "cat" and sum(1 for t in ins if t.numel()) == 1:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=CAT_ONE)
+    if name in _INTO_ZEROS and ins and outs:
+        # zeros of the input's shape (a kernel of its own), then the gradient copied into the slice: its bytes twice
+        return OpFacts(MEMORY, 0, 2 * _nbytes(ins[0]), None, dtype, op=name, fill=_nbytes(outs[0]))
     return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _layout(ins, name in _BINARY))
 
 
@@ -347,6 +350,12 @@ def _upcast(name: str, ins: list, outs: list) -> bool:
 # whatever the input's layout, a fifth of a copy (GPT-2's [8, 12, 1024, 64]: 37.6 us contiguous, 38.1 as heads, where a
 # copy takes 7.1; bench/results/raw/bandwidth_probe/cat_probe_h200.json): a table measures it apart (``cat/one``).
 CAT_ONE = "cat/one"
+
+# The backward of a slice or a select (RoPE's halves of each head, ``x[..., :d/2]``): at::zeros of the input's shape,
+# then the gradient copied into that view - two kernels on CUDA (Llama-1B's 32 per step: the fills 0.19 ms and the
+# copies into half rows 0.43 ms on an H200, priced 0.17 as one pass over the bytes before). The fill at fill_'s rate,
+# the copy at the op's own where a table measured it.
+_INTO_ZEROS = frozenset({"slice_backward", "select_backward"})
 
 # embedding_dense_backward's work past its zero-fill, priced by the rows it reads (the gradient's N x H and the indices);
 # calibrate measures it at EMBEDDING_CAL (N, H, V, bf16) and takes the fill's time off (memlens.measure.calibrate)

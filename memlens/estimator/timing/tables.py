@@ -48,7 +48,7 @@ CALIBRATED_OPS = frozenset({
     "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads", "add/heads", "mul",
     "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided", "_to_copy/up",
     "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows", "fill_", "add/mixed",
-    "mul/mixed", "native_dropout", "cat/one"})
+    "mul/mixed", "native_dropout", "cat/one", "slice_backward"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
@@ -296,7 +296,7 @@ def table_for(gpu: str | None, path: str | Path | None = None) -> TimingTable:
                   else f"uncalibrated: {name} data-sheet rates (run memlens calibrate on the GPU for measured ones)")
     missing = t.unmeasured_ops()
     if missing:
-        t.note += f"; {len(missing)} op rates not measured there"
+        t.note += f"; {len(missing)} op rate{'s' if len(missing) > 1 else ''} not measured there"
     if t.matmul_loop_timed():
         t.note += "; mid-size GEMMs timed at the host's pace there"
     _CACHE[key] = t
