@@ -46,6 +46,12 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     fill, rows = 32768 * H * 2, N * H * 2 + N * 8
     fill_s = fill / (100e9 * ratios["fill_"])
     assert ratios["embedding_dense_backward/rows"] == pytest.approx(rows / (1e-3 - fill_s) / 1e9 / 100.0, rel=1e-3)
+    # RoPE's half-head slice backward: the [4, 32, 1024, 64] bf16 zero-fill priced off, the half read and written
+    half, whole = 4 * 32 * 1024 * 32 * 2, 4 * 32 * 1024 * 64 * 2
+    assert ratios["slice_backward"] == pytest.approx(2 * half / (1e-3 - whole / (100e9 * ratios["fill_"])) / 1e9 / 100.0, rel=1e-3)
+    # autocast's residual add: fp32 and bf16 [N, H] read, fp32 written; the KV cache's cat: the heads read and written
+    assert ratios["add/mixed"] == pytest.approx((4 + 2 + 4) * N * H / 1e-3 / 1e9 / 100.0, abs=1e-3)
+    assert ratios["cat/one"] == pytest.approx(2 * whole / 1e-3 / 1e9 / 100.0, abs=1e-3)
 
 
 def test_a_gemm_shorter_than_a_python_loops_launch_is_timed_from_a_cuda_graph(monkeypatch):
