@@ -254,8 +254,6 @@ def _op_cases(torch, dev) -> dict:
     w, b = torch.randn(H, device=dev, dtype=bf), torch.randn(H, device=dev, dtype=bf)
     rstd = torch.rand(N, 1, device=dev, dtype=f32)                      # one value per row
     logits = torch.randn(N // 2, V, device=dev, dtype=f32)
-    scores = torch.randn(2 * N, 1024, device=dev, dtype=f32)          # attention scores over 1,024 keys, softmax in fp32
-    probs = a._softmax.default(scores, -1, False)
     logp = a._log_softmax.default(logits, -1, False)
     target = torch.randint(0, V, (N // 2,), device=dev)
     total = torch.tensor(float(N // 2), device=dev)
@@ -271,13 +269,10 @@ def _op_cases(torch, dev) -> dict:
     bn, bn_mean, bn_rstd = a.native_batch_norm.default(img, cw, cb, rm, rv, True, 0.1, 1e-5)
     return {
         **_batch_norm_cases(torch, dev),
+        **_softmax_row_cases(torch, dev),
         "native_batch_norm": (a.native_batch_norm.default, (img, cw, cb, rm, rv, True, 0.1, 1e-5)),
         "native_batch_norm_backward": (a.native_batch_norm_backward.default,
                                        (img, img, cw, rm, rv, bn_mean, bn_rstd, True, 1e-5, [True, True, True])),
-        "_log_softmax": (a._log_softmax.default, (logits, -1, False)),
-        "_log_softmax_backward_data": (a._log_softmax_backward_data.default, (logits, logp, -1, f32)),
-        "_softmax": (a._softmax.default, (scores, -1, False)),                      # eager attention's probabilities
-        "_softmax_backward_data": (a._softmax_backward_data.default, (scores, probs, -1, f32)),
         "nll_loss_forward": (a.nll_loss_forward.default, (logp, target, None, 1, -100)),
         "nll_loss_backward": (a.nll_loss_backward.default, (total, logp, target, None, 1, -100, total)),
         "sum": (a.sum.dim_IntList, (x, [0])),
@@ -313,6 +308,28 @@ def _op_cases(torch, dev) -> dict:
         "embedding_dense_backward/rows": (a.embedding_dense_backward.default, (x, idx, V, -1, False)),   # EMBEDDING_CAL
         "fill_": (a.fill_.Scalar, (logits, 0.0)),
     }
+
+
+SOFTMAX_BYTES = 2**26   # each width's input in _softmax_row_cases: 64 MiB, and 256 rows at least (a block each: every SM busy)
+SOFTMAX_MIN_ROWS = 256
+
+
+def _softmax_row_cases(torch, dev) -> dict:
+    """The four softmax ops over rows of each width of ``ops_kinds.SOFTMAX_WIDTHS``, in fp32 and bf16 (about 3 GiB in all;
+    one output stands for both backwards' outputs: their values do not change the time): ``_log_softmax/w<W>`` and
+    ``_log_softmax/w<W>/16bit`` (the rate moves with the row's width: memlens.estimator.timing.ops)."""
+    from ..estimator.timing.ops_kinds import HALF_ROWS, SOFTMAX_WIDTHS
+
+    a, out = torch.ops.aten, {}
+    for dtype, tag in ((torch.float32, ""), (torch.bfloat16, HALF_ROWS)):
+        for w in SOFTMAX_WIDTHS:
+            x = torch.randn(max(SOFTMAX_MIN_ROWS, SOFTMAX_BYTES // (w * dtype.itemsize)), w, device=dev, dtype=dtype)
+            y = a._softmax.default(x, -1, False)
+            out[f"_log_softmax/w{w}{tag}"] = (a._log_softmax.default, (x, -1, False))
+            out[f"_log_softmax_backward_data/w{w}{tag}"] = (a._log_softmax_backward_data.default, (x, y, -1, dtype))
+            out[f"_softmax/w{w}{tag}"] = (a._softmax.default, (x, -1, False))
+            out[f"_softmax_backward_data/w{w}{tag}"] = (a._softmax_backward_data.default, (x, y, -1, dtype))
+    return out
 
 
 BN_BATCH = 64   # the batch of _batch_norm_cases' images (the per-channel reductions run over batch x H x W)

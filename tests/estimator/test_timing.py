@@ -106,7 +106,7 @@ def test_a_table_of_another_gpu_is_used_only_when_named_and_says_so(tmp_path, mo
     path = src.write(tmp_path / "mine.json")
     monkeypatch.setenv(tables.ENV_TABLE, str(path))
     t = table_for("h200")
-    # a flat table measured no op's own rate: it says so for each of calibrate's 39
+    # a flat table measured no op's own rate: it says so for each of calibrate's 35 and the 4 softmax ops by row width
     assert t.note == ("calibrated table mine.json (NVIDIA H100 80GB HBM3), measured on a h100 and used for the h200 "
                       "as asked (--timing-table); 39 op rates not measured there; mid-size GEMMs timed at the host's "
                       "pace there")
@@ -132,10 +132,10 @@ def test_an_estimate_carries_its_step_time(linear_sim):
     assert st["micro_batches"] == 1 and st["micro_batch_size"] == 1
     # h100's shipped table is the one `memlens calibrate` measured on an H100 (bench/results/step_time_h100.md)
     # before the op rates calibrate measures since (no H100 was lent again): it says how many it lacks, and which
-    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 12 op rates not measured "
+    assert st["calibrated"] is True and st["table"] == ("calibrated on a NVIDIA H100 80GB HBM3; 14 op rates not measured "
                                                         "there; mid-size GEMMs timed at the host's pace there")
-    assert st["table_unmeasured_ops"] == ["_softmax", "_softmax_backward_data", "_to_copy/up", "add/heads", "add/mixed",
-                                          "cat/one", "copy_/up", "mul/heads", "mul/mixed", "mul/rows", "native_dropout",
+    assert st["table_unmeasured_ops"] == ["_log_softmax/w*", "_log_softmax_backward_data/w*", "_softmax/w*",
+                                          "_softmax_backward_data/w*", "_to_copy/up", "add/heads", "add/mixed", "cat/one", "copy_/up", "mul/heads", "mul/mixed", "mul/rows", "native_dropout",
                                           "slice_backward"]
     assert st["table_matmul_loop_timed"] is True
     assert 0 < st["mfu"] < 1
@@ -745,8 +745,10 @@ def test_a_table_says_when_its_gemms_were_timed_from_a_python_loop(tmp_path, mon
     # the H200's grids were measured again graph-timed (bench/gpu_matmul_grid.py): nothing to say
     h200 = table_for("h200")
     assert h200.env[tables.MATMUL_TIMER] == matmul_timer() == "CUDA graph under 2e+11 FLOPs"
-    # (its one op rate not measured: slice_backward's copy, a calibrate case added after the last GPU call)
-    assert not h200.matmul_loop_timed() and h200.note == "calibrated on a NVIDIA H200; 1 op rate not measured there"
+    # and it has every op rate calibrate measures now (the softmax ops by row width among them)
+    assert not h200.matmul_loop_timed() and h200.note == "calibrated on a NVIDIA H200" and not h200.unmeasured_ops()
+    assert table_for("h100").unmeasured_ops()[:4] == ["_log_softmax/w*", "_log_softmax_backward_data/w*",
+                                                      "_softmax/w*", "_softmax_backward_data/w*"]
     src = flat_table()
     src.env[tables.MATMUL_TIMER] = matmul_timer()
     monkeypatch.setenv(tables.ENV_TABLE, str(src.write(tmp_path / "graphed.json")))

@@ -30,17 +30,21 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     assert ratios["mul"] == pytest.approx(3 * N * H * 2 / 1e-3 / 1e9 / 100.0, abs=1e-3)
     # the loss reads its [N/2, 32768] fp32 input as the model counts it: a gather is far under that: clamped at 50
     assert ratios["nll_loss_forward"] == pytest.approx(min(50.0, (N // 2 * 32768 * 4 + N // 2 * 8 + 8) / 1e-3 / 1e9 / 100.0), rel=1e-3)
-    assert set(ratios) >= {"_log_softmax", "sum", "native_layer_norm_backward", "native_batch_norm_backward",
+    assert set(ratios) >= {"_log_softmax/w131072", "sum", "native_layer_norm_backward", "native_batch_norm_backward",
                            "native_batch_norm/hw49", "native_batch_norm_backward/hw12544", "_to_copy/up", "copy_/up",
-                           "_softmax", "_softmax_backward_data", "mul/heads", "add/heads", "mul/rows"}
-    # softmax's backward reads the gradient and the probabilities, writes the input's gradient: 3 x [2N, 1024] fp32
-    assert ratios["_softmax_backward_data"] == pytest.approx(3 * 2 * N * 1024 * 4 / 1e-3 / 1e9 / 100.0, abs=1e-3)
+                           "_softmax/w1024", "_softmax_backward_data/w2048/16bit", "mul/heads", "add/heads", "mul/rows"}
+    # each softmax op at each width in fp32 and bf16 (10 x 2 x 4), 64 MiB of input or 256 rows: softmax's backward
+    # reads the gradient and the probabilities, writes the input's gradient: 3 x [16384, 1024] fp32 in 1 ms
+    assert sum("softmax" in k for k in ratios) == 80
+    assert ratios["_softmax_backward_data/w1024"] == pytest.approx(3 * 2**26 / 1e-3 / 1e9 / 100.0, abs=1e-3)
+    # 262,144 bf16 values a row (512 KiB): 128 rows would make 64 MiB; 256 rows, read and written once
+    assert ratios["_log_softmax/w262144/16bit"] == pytest.approx(2 * 256 * 262144 * 2 / 1e-3 / 1e9 / 100.0, abs=1e-3)
     # the upcast reads the bf16 [N, H] and writes it in fp32: 6 N H bytes in 1 ms
     assert ratios["_to_copy/up"] == pytest.approx(6 * N * H / 1e-3 / 1e9 / 100.0, abs=1e-3)
     assert seen["log"].startswith("memory-bound ops against a copy:")
     # the time model's list of what calibrate measures (a table without some says so) is this list
     from memlens.estimator.timing.tables import CALIBRATED_OPS
-    assert {k for k in ratios if "/hw" not in k} == CALIBRATED_OPS
+    assert {k for k in ratios if "/hw" not in k and "/w" not in k} == CALIBRATED_OPS
     # embedding_dense_backward's 1 ms less its [V, H] zero-fill priced at the fill's ratio (measured in the same pass),
     # over the rows' bytes: the bf16 gradient [N, H] and the int64 indices
     fill, rows = 32768 * H * 2, N * H * 2 + N * 8

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, MATMUL, MEMORY, META, SYNC, VIEW
+from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, HALF_ROWS, MATMUL, MEMORY, META, SOFTMAX_OPS, SOFTMAX_WIDTHS, SYNC, VIEW
 
 
 class OpFacts(NamedTuple):
@@ -321,6 +321,8 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         return OpFacts(MEMORY, 0, nbytes - fill, None, dtype, op=EMBEDDING_ROWS, fill=fill)
     if name in _BATCH_NORM and ins and ins[0].dim() > 2:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _spatial(ins[0]))
+    if name in SOFTMAX_OPS and ins:
+        return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _row_width(name, args, ins[0]))
     if name in _CASTS and _upcast(name, ins, outs):
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + UPCAST)
     if name == "cat" and sum(1 for t in ins if t.numel()) == 1:
@@ -376,6 +378,32 @@ def _spatial(x: torch.Tensor) -> str:
     for d in x.shape[2:]:
         hw *= int(d)
     return "/hw%d" % min(BN_SPATIAL, key=lambda s: abs(math.log(max(hw, 1) / s)))
+
+
+# Softmax and log-softmax (and their backwards) over the last dimension: CUDA runs rows of up to 1,024 elements with a
+# warp each, longer ones with a block per row that reads its row two or three times (max, sum, write), from shared
+# memory while the row fits there and from L2 / HBM past it, so the rate per byte moves with the row's width and
+# dtype: ``_log_softmax`` over fp32 rows ran 0.96 of a copy at 1,024 wide, 0.62 at 32,768 and 0.48 from 65,536 on an
+# H200, over bf16 rows 0.36 at 4,096 and 0.69 at 32,768 (bench/gpu_softmax_rows.py). A table measures each op at
+# these widths (the attention scores' key lengths and the vocabularies of the common tokenizers: GPT-2's 50,257,
+# Llama-3's 128,256 nearest 131,072) in fp32 and in a 16-bit type: ``_log_softmax/w50257`` and
+# ``_log_softmax/w50257/16bit`` (the widths: memlens.estimator.timing.ops_kinds); an op over another width is priced
+# at the nearest (log scale), over another dimension at the op's own rate.
+
+
+def _row_width(name: str, args, x: torch.Tensor) -> str:
+    """``/w<W>`` (fp32) or ``/w<W>/16bit``: the measured width nearest ``x``'s rows, when the op runs over the last
+    dimension (``dim`` is the second argument forward, the third backward); else nothing (the op's own rate)."""
+    pos = 1 if name in ("_softmax", "_log_softmax") else 2
+    try:
+        dim = int(args[pos])
+        if x.dim() < 1 or dim % x.dim() != x.dim() - 1:
+            return ""
+        width = int(x.shape[-1])
+    except (IndexError, TypeError, ValueError, RuntimeError):
+        return ""
+    w = min(SOFTMAX_WIDTHS, key=lambda s: abs(math.log(max(width, 1) / s)))
+    return "/w%d" % w + (HALF_ROWS if x.element_size() == 2 else "")
 
 
 def _copy_in_facts(args, dtype: str, nbytes: int) -> OpFacts:

@@ -14,3 +14,8 @@ MODULE = "module"
 # a checkpointed call entered (torch.utils.checkpoint in forward, its recomputation in backward): the frame, RNG states and
 # saved-tensor hooks it runs on the host, per call (memlens.measure.calibrate.ckpt_layer_costs), no kernel
 CKPT = "ckpt"
+# the softmax ops a table measures by row width (memlens.estimator.timing.ops._row_width): ``<op>/w<W>`` over fp32 rows,
+# ``<op>/w<W>/16bit`` over bf16 / fp16 ones
+SOFTMAX_OPS = frozenset({"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"})
+SOFTMAX_WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 131072, 262144)
+HALF_ROWS = "/16bit"

@@ -28,6 +28,7 @@ from typing import Any
 
 from ...core.errors import SpecError
 from ...core.gpus import GPUS, gpu_facts
+from .ops_kinds import SOFTMAX_OPS
 
 FORMAT = 1
 DTYPES = ("bfloat16", "float16", "float32", "tf32")
@@ -38,17 +39,17 @@ ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing
 # 5x low (bf16 1024^3 on an H200: 73 TFLOP/s so, 375 graph-timed; bench/results/bandwidth_probe.md, fourteenth section)
 MATMUL_TIMER = "matmul_timer"
 # the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
-# two alike) past batch norm's spatial sizes: a calibrated table without some (calibrated before they were measured)
-# prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``, ``/rows`` as ``/bcast``, ``cat/one`` as
-# ``cat/heads``, else the op or a copy: ``/mixed`` as the op) and says how many it lacks
+# two alike) past batch norm's spatial sizes and the softmax ops' row widths: a calibrated table without some
+# (calibrated before they were measured) prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``,
+# ``/rows`` as ``/bcast``, ``cat/one`` as ``cat/heads``, a softmax over rows of some width as the op's one measured
+# width, else the op or a copy: ``/mixed`` as the op) and says how many it lacks
 _NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast", "one": "heads"}   # a layout calibrate measures now -> the one measured before it
 CALIBRATED_OPS = frozenset({
-    "native_batch_norm", "native_batch_norm_backward", "_log_softmax", "_log_softmax_backward_data", "_softmax",
-    "_softmax_backward_data", "nll_loss_forward", "nll_loss_backward", "sum", "mean", "native_layer_norm",
-    "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads", "add/heads", "mul",
-    "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided", "_to_copy/up",
-    "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows", "fill_", "add/mixed",
-    "mul/mixed", "native_dropout", "cat/one", "slice_backward"})
+    "native_batch_norm", "native_batch_norm_backward", "nll_loss_forward", "nll_loss_backward", "sum", "mean",
+    "native_layer_norm", "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads",
+    "add/heads", "mul", "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided",
+    "_to_copy/up", "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows",
+    "fill_", "add/mixed", "mul/mixed", "native_dropout", "cat/one", "slice_backward"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
@@ -215,7 +216,13 @@ class TimingTable:
     def unmeasured_ops(self) -> list[str]:
         """The op rates calibrate measures now that this calibrated table lacks (none for a data-sheet table: it
         measured nothing, and says uncalibrated)."""
-        return sorted(CALIBRATED_OPS - set(self.op_ratio)) if self.calibrated else []
+        if not self.calibrated:
+            return []
+        missing = set(CALIBRATED_OPS - set(self.op_ratio))
+        for op in SOFTMAX_OPS:   # by row width (ops_kinds.SOFTMAX_WIDTHS): a table without them has the op's one rate
+            if not any(k.startswith(op + "/w") for k in self.op_ratio):
+                missing.add(op + "/w*")
+        return sorted(missing)
 
     def matmul_loop_timed(self) -> bool:
         """A calibrated table whose GEMM grids were timed before calibrate graphed mid-size GEMMs (no ``env[MATMUL_TIMER]``):
