@@ -329,6 +329,7 @@ def _payload(spec, sim, tr, tab, seconds, parts, flops, k, mb, ranks, host_total
            "micro_batches": k, "micro_batch_size": mb, "setting": setting_key(spec), "spec": spec.to_dict(), "seq_len": sim.seq_len, "host_seconds": host_total, "ops_priced": len(tr.rows),
            "gpu": spec.gpu, "table_gpu": tab.gpu, "calibrated": tab.calibrated, "table": tab.note,
            "table_unmeasured_ops": tab.unmeasured_ops(), "table_matmul_loop_timed": tab.matmul_loop_timed(),
+           "table_borrowed": tab.borrowed(),
            "model": "per-op: matmuls/attention by shape, other ops by bytes, launch queue, optimizer bytes, NCCL, PCIe "
                     "(memlens.estimator.timing)"}
     L = sim.seq_len

@@ -38,6 +38,8 @@ ENV_TABLE = "MEMLENS_TIMING_TABLE"     # a user's table file (the CLI's --timing
 # timed every GEMM over 2e9 FLOPs from a Python loop, so a mid-size one (10-50 us) at the host's pace: its rate up to
 # 5x low (bf16 1024^3 on an H200: 73 TFLOP/s so, 375 graph-timed; bench/results/bandwidth_probe.md, fourteenth section)
 MATMUL_TIMER = "matmul_timer"
+# env key of what a table took from another GPU's table (borrow_rates), said in its note
+BORROWED = "borrowed"
 # the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
 # two alike) past batch norm's spatial sizes and the softmax ops' row widths: a calibrated table without some
 # (calibrated before they were measured) prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``,
@@ -225,9 +227,16 @@ class TimingTable:
         return sorted(missing)
 
     def matmul_loop_timed(self) -> bool:
-        """A calibrated table whose GEMM grids were timed before calibrate graphed mid-size GEMMs (no ``env[MATMUL_TIMER]``):
-        it prices GEMMs of ~10-50 us slow."""
-        return self.calibrated and MATMUL_TIMER not in (self.env or {})
+        """A calibrated table whose GEMM grids were timed before calibrate graphed mid-size GEMMs (no ``env[MATMUL_TIMER]``,
+        none borrowed from a graph-timed table): it prices GEMMs of ~10-50 us slow."""
+        env = self.env or {}
+        return self.calibrated and MATMUL_TIMER not in env and not (env.get(BORROWED) or {}).get("gemms_under_flops")
+
+    def borrowed(self) -> dict | None:
+        """What this table took from another GPU's (:func:`borrow_rates`): the source's name, the op rates, the GEMMs
+        under how many FLOPs; None where it took nothing."""
+        b = (self.env or {}).get(BORROWED)
+        return b if isinstance(b, dict) and b else None
 
     def host_range(self) -> tuple[float, float] | None:
         """(fast, slow) factors on the priced host costs: the spread of the host's speed beside steps measured on this
@@ -304,6 +313,11 @@ def table_for(gpu: str | None, path: str | Path | None = None) -> TimingTable:
     missing = t.unmeasured_ops()
     if missing:
         t.note += f"; {len(missing)} op rate{'s' if len(missing) > 1 else ''} not measured there"
+    b = t.borrowed()
+    if b:
+        took = [f"{len(b['ops'])} op rate{'s' if len(b['ops']) > 1 else ''}"] if b.get("ops") else []
+        took += [f"GEMMs under {b['gemms_under_flops']:g} FLOPs"] if b.get("gemms_under_flops") else []
+        t.note += f"; {' and '.join(took)} from the {b['from']}'s table"
     if t.matmul_loop_timed():
         t.note += "; mid-size GEMMs timed at the host's pace there"
     _CACHE[key] = t
@@ -365,6 +379,59 @@ def _datasheet_nccl(gpu: str, world: int) -> dict:
 
 
 # ---------------------------------------------------------------- interpolation
+def borrow_rates(t: TimingTable, src: TimingTable, gemms_under_flops: float, why: str) -> list[str]:
+    """Fill what calibrated table ``t`` lacks from ``src``, a table of a GPU of the same chip (an H100 from an H200:
+    the same GH100's SMs, clocks and kernels, HBM3 beside HBM3e) whose rates were measured as calibrate measures them
+    now; ``t.env[BORROWED]`` names what was taken (the note says so). Returns the ops (as ``unmeasured_ops`` names them) taken.
+
+    - every op rate ``t`` does not have (``unmeasured_ops``: a rate is a ratio to the table's own copy bandwidth, so
+      it carries over where the kernel is the same);
+    - the GEMM grids' points under ``gemms_under_flops`` (``src`` timed them from a CUDA graph; ``t`` from a Python
+      loop, at its host's pace), on ``src``'s axes: ``src``'s time, or the bytes' time at ``t``'s bandwidth where
+      that is longer (a roofline: a GEMM bound by memory runs at its GPU's bandwidth); larger GEMMs keep ``t``'s."""
+    lacked = t.unmeasured_ops()
+    for k, v in src.op_ratio.items():
+        t.op_ratio.setdefault(k, v)
+    ops = sorted(set(lacked) - set(t.unmeasured_ops()))
+    for grids, theirs in ((t.matmul, src.matmul), (t.matmul_unaligned, src.matmul_unaligned),
+                          (t.matmul_unaligned_out, src.matmul_unaligned_out)):
+        for dtype, g in theirs.items():
+            if dtype in grids:
+                grids[dtype] = _borrowed_grid(t, grids[dtype], g, dtype, gemms_under_flops)
+    t.env[BORROWED] = {"from": src.device_name or src.gpu, "ops": ops, "gemms_under_flops": gemms_under_flops,
+                       "why": why}
+    t._memo.clear()
+    _add_logs(t)
+    return ops
+
+
+def _borrowed_grid(t: TimingTable, mine: dict, theirs: dict, dtype: str, under: float) -> dict:
+    el = 4 if dtype in ("float32", "tf32") else 2
+    rates = []
+    for i, m in enumerate(theirs["m"]):
+        plane = []
+        for j, n in enumerate(theirs["n"]):
+            row = []
+            for l, k in enumerate(theirs["k"]):
+                flops, rate = 2 * m * n * k, theirs["tflops"][i][j][l]
+                have = m in mine["m"] and n in mine["n"] and k in mine["k"]
+                if (flops >= under and have) or not rate:   # a large GEMM, or one the source did not measure
+                    row.append(mine["tflops"][mine["m"].index(m)][mine["n"].index(n)][mine["k"].index(k)] if have
+                               else _trilinear_rate(mine, m, n, k))
+                    continue
+                nbytes = (m * k + k * n + m * n) * el
+                sec = max(flops / (rate * 1e12), nbytes / (t.bandwidth_gbps(nbytes) * 1e9))
+                row.append(float(f"{flops / sec / 1e12:.4g}"))
+            plane.append(row)
+        rates.append(plane)
+    return {"m": list(theirs["m"]), "n": list(theirs["n"]), "k": list(theirs["k"]), "tflops": rates}
+
+
+def _trilinear_rate(g: dict, m: float, n: float, k: float) -> float:
+    logs = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
+    return float(f"{math.exp(_trilinear(g['m'], g['n'], g['k'], logs, m, n, k)):.4g}")
+
+
 def _add_logs(t: TimingTable) -> None:
     """Cache the logs of every rate (what the interpolation works on); :func:`_strip_logs` drops them on write."""
     for g in t.matmul.values():
