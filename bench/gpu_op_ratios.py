@@ -22,7 +22,8 @@ sys.path.insert(0, ROOT)
 def measure(table: str, out: str) -> None:
     import torch
 
-    from memlens.measure.calibrate import measure_op_ratios
+    from memlens.estimator.timing.tables import read_table
+    from memlens.measure.calibrate import measure_grouped_mm, measure_op_ratios
     from memlens.measure.host_phases import host_speed
 
     with open(table) as f:
@@ -30,6 +31,7 @@ def measure(table: str, out: str) -> None:
     dev = torch.device("cuda")
     bw = {k: shipped["bandwidth"][k] for k in ("bytes", "gbps")}
     ratios = measure_op_ratios(torch, dev, bw, print)
+    ratios.update(measure_grouped_mm(torch, dev, read_table(table), print))   # against the shipped table's GEMM grid
     rec = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "table": os.path.relpath(table, ROOT),
            "measured_at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime()), "op_ratio": ratios,
            "shipped_op_ratio": shipped.get("op_ratio", {}), "host_speed_ms": round(host_speed() * 1e3, 2)}

@@ -94,6 +94,41 @@ CASES_2GPU: dict[str, dict] = {
     "llama1b-zero2": {**L1B, "world_size": 2, "sharding": "zero2"},
     "qwen0.5b-fsdp2-ckpt": {**Q05, "world_size": 2, "sharding": "fsdp", "grad_checkpointing": True},
 }
+# Families the time model was never checked on (--set new): encoder-decoders, encoders, a CNN and a ConvNeXt, Gemma, Phi,
+# a mixture of experts, long context, speech; the specs of the memory generality set (bench/generality_cases.py)
+CASES_NEW: dict[str, dict] = {
+    "t5-base-amp-bf16": dict(model="t5-base", batch_size=16, seq_len=512, target_len=128, precision="amp-bf16"),
+    "bart-base-fp32": dict(model="bart-base", batch_size=16, seq_len=512, target_len=256),
+    "bert-large-amp-fp16": dict(model="bert-large-uncased", batch_size=32, seq_len=512, precision="amp-fp16"),
+    "bert-large-amp-fp16-eager": dict(model="bert-large-uncased", batch_size=16, seq_len=512, precision="amp-fp16",
+                                      attn="eager"),
+    "gpt2-large-amp-bf16-clip": dict(model="gpt2-large", batch_size=4, seq_len=1024, precision="amp-bf16", max_grad_norm=1.0),
+    "gemma2b-bf16": dict(model="gemma-2b", batch_size=2, seq_len=1024, precision="bf16"),
+    "phi1.5-bf16-fused": dict(model="phi-1.5", batch_size=4, seq_len=1024, precision="bf16", optimizer="adamw-fused"),
+    "olmoe-bf16-sgd": dict(model="olmoe-1b-7b", batch_size=2, seq_len=1024, precision="bf16", optimizer="sgd"),
+    "llama1b-bf16-b1-L8192": dict(model="llama-3.2-1b", batch_size=1, seq_len=8192, precision="bf16"),
+    "whisper-small-amp-bf16": dict(model="whisper-small", batch_size=16, precision="amp-bf16"),
+    "convnext-tiny-amp-bf16": dict(model="convnext-tiny-224", batch_size=64, precision="amp-bf16"),
+    "resnet50-fp32": dict(model="resnet-50", batch_size=64),
+    "custom-cnn-fp32-clip": dict(model="bench.generality_models:cnn", batch_size=64, max_grad_norm=1.0),
+}
+# A second set, measured only after the mechanisms the first set showed were priced (--set new2): priced before measured
+CASES_NEW2: dict[str, dict] = {
+    "deberta-v3-base-amp-bf16": dict(model="deberta-v3-base", batch_size=16, seq_len=512, precision="amp-bf16"),
+    "swin-tiny-amp-bf16": dict(model="swin-tiny-patch4-window7-224", batch_size=64, precision="amp-bf16"),
+    "pythia-410m-bf16": dict(model="pythia-410m", batch_size=8, seq_len=1024, precision="bf16"),
+    "bert-base-fp32": dict(model="bert-base-uncased", batch_size=32, seq_len=128),
+    "llama3b-bf16-fused": dict(model="llama-3.2-3b", batch_size=2, seq_len=2048, precision="bf16", optimizer="adamw-fused"),
+    "mistral7b-lora": dict(model="mistral-7b", batch_size=2, seq_len=1024, precision="bf16", lora_rank=16),
+    "qwen7b-lora-ckpt-L2048": dict(model="qwen2.5-7b", batch_size=2, seq_len=2048, precision="bf16", lora_rank=16,
+                                   grad_checkpointing=True),
+    "gpt2xl-bf16-ckpt": dict(model="gpt2-xl", batch_size=4, seq_len=1024, precision="bf16", grad_checkpointing=True),
+    "sd15-amp-bf16": dict(model="sd-1.5", batch_size=8, image_size=512, precision="amp-bf16", needs="diffusers"),
+    "sd15-amp-bf16-ckpt": dict(model="sd-1.5", batch_size=8, image_size=512, precision="amp-bf16",
+                               grad_checkpointing=True, needs="diffusers"),
+    "dit-xl-bf16": dict(model="dit-xl-2-256", batch_size=32, image_size=256, precision="bf16", needs="diffusers"),
+    "qwen2.5-vl-3b-bf16": dict(model="qwen2.5-vl-3b", batch_size=2, seq_len=1024, precision="bf16"),
+}
 META = ("base", "skip", "needs")
 
 
@@ -293,14 +328,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="measure every case this many times, a round over all cases "
                     "at a time (the host's speed drifts over minutes): a case's record is the median of its rounds "
                     "(measured_rounds lists them), its profile the first round's")
+    ap.add_argument("--set", choices=("main", "new", "new2"), default="main", help="main: the cases above (default); "
+                    "new, new2: families the time model was never checked on (one GPU)")
     ap.add_argument("--budget-s", type=float, default=440.0, help="skip the cases left after this many seconds (default 440)")
     args = ap.parse_args(argv)
-    cases = CASES_2GPU if args.gpus == 2 else CASES
+    cases = CASES_2GPU if args.gpus == 2 else {"main": CASES, "new": CASES_NEW, "new2": CASES_NEW2}[args.set]
     if args.host_speed and not (args.reprice and args.table):
         ap.error("--host-speed scales a table's host costs: give --reprice FILE and --table TABLE (the one the records' "
                  "host speeds are compared with)")
     if args.reprice:   # records of both kinds of run (a 1-GPU and a 2-GPU file, comma-separated) are repriced alike
-        cases = {**CASES, **CASES_2GPU}
+        cases = {**CASES, **CASES_2GPU, **CASES_NEW, **CASES_NEW2}
     names = [c.name for c in select([Case(n) for n in cases], args.filters)
              if not args.only or c.name in args.only.split(",")]
     if args.list:

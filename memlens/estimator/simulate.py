@@ -497,6 +497,10 @@ def _same_shapes(args, kwargs) -> bool:
 # forward and backward, two steps: a Mamba-130m config took 454 s), whose memory is not that of
 # the fused CUDA kernel the real run uses when its package (mamba-ssm) is installed.
 FORWARD_OPS_LIMIT = 1000
+# not counted towards it: a tensor's item(), which a fake tensor's tolist() runs once per element (Qwen2.5-VL's
+# get_rope_index reads each row's 1,024 token ids so: 2,570 a row), where CUDA copies the tensor to the host once,
+# and a device read (prim::device), which runs no kernel
+_ITEM = torch.ops.aten._local_scalar_dense.default
 # what SimulationTracker.costs counts: ops a checkpointed block runs again in backward, their matmul/attention/conv
 # FLOPs (torch.utils.flop_counter's formulas) and output bytes; saved tensors offloaded to host memory, their bytes
 # and the part that are copies of parameters (which stay on the device besides)
@@ -788,7 +792,7 @@ class SimulationTracker(StorageTracker):
             self._count_recompute(func, args, kwargs, out, first_new)
         if self.live_layers is not None and self._next > first_new and phase != "forward":
             self._label_outputs(args, out, first_new, spans_only=phase == "backward")
-        if phase == "forward" and self.ops_limit is not None:
+        if phase == "forward" and self.ops_limit is not None and func is not _ITEM:
             self._count_forward_op()
         if func in _EXTRA_WORK:
             self._extra_work(func, args, out)
@@ -798,7 +802,7 @@ class SimulationTracker(StorageTracker):
         """``prim::device``, a tensor's device read (the autograd engine asks it of every gradient: about half the ops
         the mode sees): what :meth:`__torch_dispatch__` does for it, done directly. It makes no storage (nothing to
         log, label or note), is priced as nothing (the timer only marks the phase), and counts as an op of a
-        recomputation and of the module's forward (``ops_limit``)."""
+        recomputation, not of the module's forward (``ops_limit``: it runs no kernel)."""
         if self.phase != "backward" and self._made_by:
             self._made_by.clear()
         t = args[0] if len(args) == 1 and not kwargs else None
@@ -810,8 +814,6 @@ class SimulationTracker(StorageTracker):
             self.timer.op(func, args, kwargs, out)
         if self.recomputing and self._first("backward"):
             self.costs["recompute_ops"] += 1
-        if self.phase == "forward" and self.ops_limit is not None:
-            self._count_forward_op()
         return out
 
     def _count_forward_op(self) -> None:

@@ -18,6 +18,7 @@ own time is read, not the host's launch rate):
 """
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -258,6 +259,7 @@ def _op_cases(torch, dev) -> dict:
     target = torch.randint(0, V, (N // 2,), device=dev)
     total = torch.tensor(float(N // 2), device=dev)
     ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
+    _, mean32, rstd32 = a.native_layer_norm.default(x32, [H], w.float(), b.float(), 1e-5)
     idx = torch.randint(0, V, (N,), device=dev)
     img = torch.randn(64 * 784, 256, device=dev, dtype=bf)          # BatchNorm1d's (N, C); 4-D ones: _batch_norm_cases
     qkv = torch.randn(4, 1024, 3 * H, device=dev, dtype=bf)         # a fused projection's output, 4 x 1,024 tokens
@@ -270,6 +272,7 @@ def _op_cases(torch, dev) -> dict:
     return {
         **_batch_norm_cases(torch, dev),
         **_softmax_row_cases(torch, dev),
+        **_conv_and_norm_cases(torch, dev),
         "native_batch_norm": (a.native_batch_norm.default, (img, cw, cb, rm, rv, True, 0.1, 1e-5)),
         "native_batch_norm_backward": (a.native_batch_norm_backward.default,
                                        (img, img, cw, rm, rv, bn_mean, bn_rstd, True, 1e-5, [True, True, True])),
@@ -278,6 +281,9 @@ def _op_cases(torch, dev) -> dict:
         "sum": (a.sum.dim_IntList, (x, [0])),
         "mean": (a.mean.dim, (x32, [-1], True)),
         "native_layer_norm": (a.native_layer_norm.default, (x, [H], w, b, 1e-5)),
+        "native_layer_norm/fp32": (a.native_layer_norm.default, (x32, [H], w.float(), b.float(), 1e-5)),   # autocast's
+        "native_layer_norm_backward/fp32": (a.native_layer_norm_backward.default,
+                                            (x32, x32, [H], mean32, rstd32, w.float(), b.float(), [True, True, True])),
         "native_layer_norm_backward": (a.native_layer_norm_backward.default, (y, x, [H], mean, rstd, w, b, [True, True, True])),
         "cat": (a.cat.default, ([x, y], -1)),
         "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
@@ -332,30 +338,83 @@ def _softmax_row_cases(torch, dev) -> dict:
     return out
 
 
+def _conv_and_norm_cases(torch, dev) -> dict:
+    """A depthwise 7 x 7 convolution at ConvNeXt-T's first stage (bf16 [64, 96, 56, 56]: no GEMM, CUDA cores),
+    forward and backward, over NCHW and channels-last inputs; group norm over a Stable Diffusion UNet's first block ([8, 320, 64, 64], 32 groups) in bf16
+    and fp32 (autocast runs it in fp32); ResNet's stem max-pool's backward ([64, 64, 112, 112], 3 x 3, stride 2)."""
+    a = torch.ops.aten
+    x = torch.randn(64, 96, 56, 56, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(96, 1, 7, 7, device=dev, dtype=torch.bfloat16)
+    conv = (x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 96)
+    y = a.convolution.default(*conv)
+    xl = x.contiguous(memory_format=torch.channels_last)      # Hugging Face's ConvNeXt feeds them channels-last
+    yl = a.convolution.default(xl, *conv[1:])
+    out = {"convolution/depthwise": (a.convolution.default, conv),
+           "convolution_backward/depthwise": (a.convolution_backward.default,
+                                              (y, x, w, [96], [1, 1], [3, 3], [1, 1], False, [0, 0], 96, [True, True, False])),
+           "convolution/depthwise/nhwc": (a.convolution.default, (xl, *conv[1:])),
+           "convolution_backward/depthwise/nhwc": (a.convolution_backward.default,
+                                                   (yl, xl, w, [96], [1, 1], [3, 3], [1, 1], False, [0, 0], 96,
+                                                    [True, True, False]))}
+    for dtype, tag in ((torch.bfloat16, ""), (torch.float32, "/fp32")):
+        g = torch.randn(8, 320, 64, 64, device=dev, dtype=dtype)
+        gw, gb = torch.ones(320, device=dev, dtype=dtype), torch.zeros(320, device=dev, dtype=dtype)
+        _, gm, gr = a.native_group_norm.default(g, gw, gb, 8, 320, 64 * 64, 32, 1e-5)
+        out[f"native_group_norm{tag}"] = (a.native_group_norm.default, (g, gw, gb, 8, 320, 64 * 64, 32, 1e-5))
+        out[f"native_group_norm_backward{tag}"] = (a.native_group_norm_backward.default,
+                                                  (g, g, gm, gr, gw, 8, 320, 64 * 64, 32, [True, True, True]))
+    p = torch.randn(64, 64, 112, 112, device=dev, dtype=torch.bfloat16)
+    pooled, idx = a.max_pool2d_with_indices.default(p, [3, 3], [2, 2], [1, 1])
+    out["max_pool2d_with_indices_backward"] = (a.max_pool2d_with_indices_backward.default,
+                                               (pooled, p, [3, 3], [2, 2], [1, 1], [1, 1], False, idx))
+    return out
+
+
 BN_BATCH = 64   # the batch of _batch_norm_cases' images (the per-channel reductions run over batch x H x W)
 
 
 def _batch_norm_cases(torch, dev) -> dict:
     """Batch norm forward and backward at each spatial size of ``ops.BN_SPATIAL``, on ResNet-50's stage shapes at batch
-    64 (the channels grow as the images shrink): ``native_batch_norm/hw<S>``."""
-    from ..estimator.timing.ops import BN_SPATIAL
+    64 (the channels grow as the images shrink), in bf16 and fp32: ``native_batch_norm/hw<S>``, ``.../hw<S>/fp32``."""
+    from ..estimator.timing.ops import BN_SPATIAL, FP32
 
     a, out = torch.ops.aten, {}
-    for hw, c in zip(BN_SPATIAL, (64, 256, 512, 1024, 2048)):
+    for (hw, c), (dtype, tag) in itertools.product(zip(BN_SPATIAL, (64, 256, 512, 1024, 2048)),
+                                                   ((torch.bfloat16, ""), (torch.float32, FP32))):
         side = int(round(hw ** 0.5))
-        x = torch.randn(BN_BATCH, c, side, side, device=dev, dtype=torch.bfloat16)
+        x = torch.randn(BN_BATCH, c, side, side, device=dev, dtype=dtype)
         w, b = torch.ones(c, device=dev), torch.zeros(c, device=dev)
         rm, rv = torch.zeros(c, device=dev), torch.ones(c, device=dev)
         _, mean, rstd = a.native_batch_norm.default(x, w, b, rm, rv, True, 0.1, 1e-5)
-        out[f"native_batch_norm/hw{hw}"] = (a.native_batch_norm.default, (x, w, b, rm, rv, True, 0.1, 1e-5))
-        out[f"native_batch_norm_backward/hw{hw}"] = (a.native_batch_norm_backward.default,
-                                                     (x, x, w, rm, rv, mean, rstd, True, 1e-5, [True, True, True]))
+        fwd, bwd = _cudnn_batch_norm(torch, x, w, b, rm, rv)
+        out[f"native_batch_norm/hw{hw}{tag}"] = (a.native_batch_norm.default, (x, w, b, rm, rv, True, 0.1, 1e-5), {}, fwd)
+        out[f"native_batch_norm_backward/hw{hw}{tag}"] = (a.native_batch_norm_backward.default,
+                                                          (x, x, w, rm, rv, mean, rstd, True, 1e-5, [True, True, True]),
+                                                          {}, bwd)
     return out
 
 
+def _cudnn_batch_norm(torch, x, w, b, rm, rv):
+    """What a CUDA GPU runs for ``F.batch_norm`` in training where cuDNN is on (``aten::cudnn_batch_norm`` and its
+    backward; the simulation, on a CPU, records the op it decomposes to there, ``native_batch_norm``): callables timing
+    them, or (None, None) where cuDNN does not run here (the native kernels are timed)."""
+    if x.device.type != "cuda" or not torch.backends.cudnn.is_available() or not torch.backends.cudnn.enabled:
+        return None, None
+    a = torch.ops.aten
+    try:
+        y, save_mean, save_var, reserve = a.cudnn_batch_norm.default(x, w, b, rm, rv, True, 0.1, 1e-5)
+        grad = torch.randn_like(y)
+        a.cudnn_batch_norm_backward.default(x, grad, w, rm, rv, save_mean, save_var, 1e-5, reserve)
+    except RuntimeError:   # a layout or dtype this cuDNN does not take: the native kernels, as PyTorch falls back
+        return None, None
+    return (lambda: a.cudnn_batch_norm.default(x, w, b, rm, rv, True, 0.1, 1e-5),
+            lambda: a.cudnn_batch_norm_backward.default(x, grad, w, rm, rv, save_mean, save_var, 1e-5, reserve))
+
+
 def measure_op_ratios(torch, dev, bandwidth: dict, log) -> dict:
-    """Each op of :func:`_op_cases`: the bytes the time model counts for it (memlens.estimator.timing.ops), over its
-    measured time, over the copy's bandwidth at those bytes: how much faster (> 1: a gather reads one element a row)
+    """Each op of :func:`_op_cases` (``name -> (op, args[, kwargs[, run]])``: ``run`` what the GPU runs for that op
+    where it is another kernel than the op's own - cuDNN's batch norm), the bytes the time model counts for it
+    (memlens.estimator.timing.ops), over its measured time, over the copy's bandwidth at those bytes: how much faster (> 1: a gather reads one element a row)
     or slower (< 1: a softmax reads its input three times, a reduction across rows) it runs than a copy."""
     from ..estimator.timing.ops import op_facts
     from ..estimator.timing.tables import TimingTable
@@ -366,9 +425,10 @@ def measure_op_ratios(torch, dev, bandwidth: dict, log) -> dict:
     for name, case in _op_cases(torch, dev).items():
         func, args = case[0], case[1]
         kwargs = case[2] if len(case) > 2 else {}
+        run = case[3] if len(case) > 3 and case[3] is not None else (lambda: func(*args, **kwargs))
         try:
             res = func(*args, **kwargs)
-            sec = _gpu_seconds(torch, lambda: func(*args, **kwargs))
+            sec = _gpu_seconds(torch, run)
         except RuntimeError as e:   # an op this build does not have for these arguments: priced as a copy
             log(f"op {name}: not measured ({str(e).splitlines()[0][:80]})")
             continue
@@ -389,6 +449,37 @@ def measure_op_ratios(torch, dev, bandwidth: dict, log) -> dict:
     torch.cuda.empty_cache()
     log(f"memory-bound ops against a copy: {out}")
     return out
+
+
+GROUPED_MM_CASE = (16384, 64, 2048, 2048)   # rows (2,048 tokens x top-8), experts, K, N: OLMoE-1B-7B's up projection
+
+
+def measure_grouped_mm(torch, dev, table, log) -> dict:
+    """``torch._grouped_mm`` over a mixture of experts' shape (``GROUPED_MM_CASE``, bf16, the rows split over the
+    experts as a router's random choice splits them): its rate over what ``table``'s dense grid prices for the same
+    FLOPs with each group's last tile half empty (memlens.estimator.timing.ops._grouped_mm_facts), as
+    ``op_ratio["_grouped_mm"]``; nothing where this build of torch has no grouped GEMM for this GPU."""
+    from ..estimator.timing.ops import op_facts
+
+    rows, groups, k, n = GROUPED_MM_CASE
+    a = torch.ops.aten
+    x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(groups, n, k, device=dev, dtype=torch.bfloat16).transpose(-2, -1)   # as nn.Parameter [E, N, K].T
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    counts = torch.bincount(torch.randint(0, groups, (rows,), generator=gen), minlength=groups)
+    offs = torch.cumsum(counts, 0).to(device=dev, dtype=torch.int32)
+    try:
+        out = a._grouped_mm.default(x, w, offs)
+        sec = _gpu_seconds(torch, lambda: a._grouped_mm.default(x, w, offs))
+    except (RuntimeError, AttributeError) as e:   # no grouped GEMM here (before sm90 in some builds): priced dense
+        log(f"grouped GEMM: not measured ({str(e).splitlines()[0][:80]})")
+        return {}
+    f = op_facts(a._grouped_mm.default, (x, w, offs), {}, out)
+    dense = f.flops * f.pad / (table.matmul_tflops("bfloat16", *f.mnk) * 1e12)
+    ratio = round(dense / sec, 4)
+    log(f"grouped GEMM {rows} x {k} x {n} over {groups} experts: {f.flops / sec / 1e12:.0f} TFLOP/s, {ratio} of the "
+        f"dense grid's rate with half a tile of padding per expert")
+    return {"_grouped_mm": ratio}
 
 
 def measure_optimizer_ratios(torch, dev, table, log) -> dict:
@@ -693,6 +784,7 @@ def calibrate(device: str = "cuda", quick: bool = False, nccl: bool = True, log:
     t.matmul_unaligned, t.matmul_unaligned_out = measure_matmul_unaligned(torch, dev, log)
     t.op_ratio = measure_op_ratios(torch, dev, t.bandwidth, log)
     _add_logs(t)
+    t.op_ratio.update(measure_grouped_mm(torch, dev, t, log))
     t.optimizer_ratio = measure_optimizer_ratios(torch, dev, t, log)
     t.pcie_gbps = measure_pcie(torch, dev, log)
     ranks_section(t, torch, torch.cuda.device_count(), nccl, quick, log)

@@ -21,6 +21,7 @@ NOT_CASE_RUNNERS = {   # script: why it has no loop of cases for the runner
     "gpu_compare.py": "memlens.compare(measure=True): the library's own trial runner (memlens.measure.trial)",
     "gpu_sweep.py": "memlens.sweep(measure=True): the library's own trial runner",
     "gpu_budget_rule.py": "memlens.sweep(measure=True): the library's own trial runner",
+    "gpu_depthwise_probe.py": "one process of microbenchmarks (a depthwise convolution by layout) and one model's hooks",
     "gpu_softmax_rows.py": "one process of microbenchmarks (the softmax ops by row width), no model step",
     "gpu_host_probe.py": "times the host's seconds of a few loops on one GPU in one process (no cases, no subprocesses)",
     "gpu_overlap_pattern_probe.py": "one microbenchmark over every GPU (a process per GPU, one NCCL group), no model step",

@@ -189,6 +189,35 @@ def looping_200(spec=None):
     return torch.nn.Sequential(Looping(200)), torch.randn(4, 8), lambda out, batch: out.sum()
 
 
+class ReadsIds(torch.nn.Module):
+    """A forward that reads a long index tensor back to Python (Qwen2.5-VL's get_rope_index: ``input_ids.tolist()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x, ids):
+        offset = sum(ids.tolist()[:2])       # one copy to the host on CUDA; one item() per element on a fake tensor
+        return self.fc(x) * (offset + 1)
+
+
+def reads_ids(spec=None):
+    from memlens.models.vlm import known_tensor
+
+    ids = known_tensor(list(range(3000)), {"device": "meta"})      # values the simulation keeps (as a VLM batch's ids)
+    return ReadsIds(), (torch.randn(4, 8), ids), lambda out, batch: out.sum()
+
+
+def test_a_tensor_read_back_to_python_is_not_a_loop_of_ops_and_one_host_sync():
+    # 3,000 item() calls on the fake tensor: not counted against the 1,000-op guard, and priced as one sync
+    r = estimate(TrainingSpec(model="tests.estimator.test_simulate:reads_ids", optimizer="sgd"))
+    assert r.peak_allocated_bytes > 0
+    from memlens.estimator.simulate import simulate
+    from memlens.estimator.timing.ops_kinds import SYNC
+    sim = simulate(TrainingSpec(model="tests.estimator.test_simulate:reads_ids", optimizer="sgd"))
+    assert [f.kind for _, _, f in sim.timing.rows].count(SYNC) == 1
+
+
 def test_a_python_loop_of_ops_in_one_module_is_refused_in_one_line():
     from memlens.core.errors import MemlensError
 

@@ -44,7 +44,10 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     assert seen["log"].startswith("memory-bound ops against a copy:")
     # the time model's list of what calibrate measures (a table without some says so) is this list
     from memlens.estimator.timing.tables import CALIBRATED_OPS
-    assert {k for k in ratios if "/hw" not in k and "/w" not in k} == CALIBRATED_OPS
+    assert {k for k in ratios if "/hw" not in k and "/w" not in k} == CALIBRATED_OPS - {"_grouped_mm"}
+    # the depthwise convolution's bytes: the bf16 [64, 96, 56, 56] input and output and the [96, 1, 7, 7] weight
+    assert ratios["convolution/depthwise/nhwc"] == pytest.approx((2 * 64 * 96 * 56 * 56 + 96 * 49) * 2 / 1e-3 / 1e9 / 100.0,
+                                                                 abs=1e-3)
     # embedding_dense_backward's 1 ms less its [V, H] zero-fill priced at the fill's ratio (measured in the same pass),
     # over the rows' bytes: the bf16 gradient [N, H] and the int64 indices
     fill, rows = 32768 * H * 2, N * H * 2 + N * 8
@@ -190,3 +193,17 @@ def test_a_failed_measurement_over_the_gpus_keeps_the_table_with_data_sheet_nccl
     assert t.env["fsdp_ranks"] == 2 and t.env["nccl"].startswith("measured over 2 GPUs")
     cal.ranks_section(t, None, 1, True, False, logs.append)       # one GPU: data sheet, said so
     assert t.env["nccl"] == "data sheet (one GPU here)"
+
+
+def test_the_grouped_gemms_ratio_is_the_dense_grids_time_over_the_measured_one(monkeypatch):
+    from memlens.estimator.timing.ops import GROUP_TILE_M
+    from memlens.estimator.timing.tables import TimingTable, _add_logs
+
+    monkeypatch.setattr(cal, "_gpu_seconds", lambda torch_, fn, **kw: (fn(), 1e-3)[1])
+    grid = {"m": [1, 2**20], "n": [1, 2**20], "k": [1, 2**20], "tflops": [[[400.0] * 2] * 2] * 2}
+    t = TimingTable(gpu="h200", matmul={"bfloat16": grid}, bandwidth={"bytes": [1, 2**40], "gbps": [1e3, 1e3]})
+    _add_logs(t)
+    got = cal.measure_grouped_mm(torch, torch.device("meta"), t, lambda s: None)
+    rows, groups, k, n = cal.GROUPED_MM_CASE
+    padded = 2 * (rows + groups * GROUP_TILE_M / 2) * n * k
+    assert got == {"_grouped_mm": pytest.approx(padded / 400e12 / 1e-3, abs=1e-4)}

@@ -37,6 +37,7 @@ class OpFacts(NamedTuple):
     dropout: bool = False          # attention: dropout on the probabilities (the kernel draws Philox numbers per score)
     gathered: int = 0              # FSDP2's all_gather_copy_in: the bytes its group's all-gather fills (seq: the ranks)
     fill: int = 0                  # bytes the op zero-fills before its own kernels (embedding_dense_backward's [V, H])
+    pad: float = 1.0               # matmul: the FLOPs its tiles compute over the FLOPs asked (a grouped GEMM's last tiles)
 
 
 _KIND: dict = {}
@@ -190,17 +191,70 @@ def _gemm_shape(func, args, flops: int) -> tuple[int, int, int]:
     return int(m), int(n), int(k)
 
 
-def _conv_shape(func, args, flops: int) -> tuple[int, int, int]:
-    """The implicit GEMM of a convolution: N = output channels, K = input channels / groups x kernel area, M the rest."""
-    fwd = func._schema.name.endswith("convolution")
-    w = args[1] if fwd else args[2]
-    groups = (args[8] if fwd else args[9]) if len(args) > 9 - fwd else 1
-    n = int(w.shape[0])
-    k = int(w.numel() // max(1, w.shape[0]))
-    m = max(1, flops // max(1, 2 * n * k * (2 if not fwd else 1)))
-    if isinstance(groups, int) and groups > 1:   # grouped / depthwise: each group is its own small GEMM
-        n = max(1, n // groups)
-    return m, n, k
+GROUP_TILE_M = 128   # rows of a grouped GEMM's tile: each group's rows end in a partly empty tile (half one, expected)
+
+
+def _grouped_mm_facts(args, kwargs, out: torch.Tensor, nbytes: int, dtype: str) -> OpFacts:
+    """``torch._grouped_mm`` (a mixture of experts' layers: Hugging Face's ``grouped_mm`` experts, torchtitan): one
+    GEMM per group (expert) - ``[T, K] x [G, K, N]`` with offsets (each token's rows in its expert's group; forward and
+    the inputs' gradient), ``[G, M, K] x [G, K, N]``, or ``[M, T] x [T, N]`` split along T (the weights' gradient, out
+    ``[G, M, N]``). 2 x out x K FLOPs, K the length reduced per group (torch's flop counter has no formula: priced by
+    its bytes before, 4.0 ms where OLMoE's 32 forward grouped GEMMs ran 7.0 on an H200). The kernel schedules every
+    group's tiles over the GPU together, so it runs at about a dense GEMM's rate over all the rows (``mnk``), less
+    what a table measures (``op_ratio["_grouped_mm"]``); with offsets, each group's last tile is half empty on average
+    (``pad``: the rows computed over the rows asked, at ``GROUP_TILE_M``-row tiles)."""
+    a, b = args[0], args[1]
+    offs = args[2] if len(args) > 2 else (kwargs or {}).get("offs")
+    groups = int(offs.numel()) if isinstance(offs, torch.Tensor) else int(a.shape[0]) if a.dim() == 3 else 1
+    split_k = a.dim() == 2 and b.dim() == 2
+    k = max(1, int(a.shape[-1]) // (groups if split_k else 1))
+    n = int(out.shape[-1])
+    rows = max(1, out.numel() // max(1, n))          # every group's output rows together
+    pad = 1.0
+    if isinstance(offs, torch.Tensor) and a.dim() == 2 and b.dim() == 3:
+        pad = (rows + groups * GROUP_TILE_M / 2) / rows
+    return OpFacts(MATMUL, 2 * out.numel() * k, nbytes, (rows, n, k), dtype, aligned=_aligned(a, b, out), pad=pad,
+                   op="_grouped_mm")
+
+
+# (weight, groups, transposed) argument positions per convolution op (cudnn_convolution has no transposed flag)
+_CONV_ARGS = {"convolution": (1, 8, 6), "_convolution": (1, 8, 6), "cudnn_convolution": (1, 5, None),
+              "convolution_backward": (2, 9, 7)}
+DEPTHWISE = "/depthwise"
+NHWC = "/nhwc"     # a depthwise convolution over a channels-last input: cuDNN's NHWC kernels, 3-4x its NCHW ones
+
+
+def _conv_facts(name: str, args, outs: list, nbytes: int, dtype: str) -> OpFacts:
+    """A convolution as the implicit GEMM cuDNN runs: per group M = the output's positions (batch x spatial), N = its
+    output channels / groups, K = input channels / groups x kernel area; FLOPs 2 M N K x groups, twice that backward
+    where both gradients are asked (the input's and the weight's: each a convolution of the forward's size; torch's
+    flop counter prices the weight's gradient of a grouped convolution as if ungrouped: a depthwise 7 x 7 of
+    ConvNeXt-T 97x its FLOPs). A depthwise convolution (one input channel a group) is no GEMM: cuDNN runs it on CUDA
+    cores, far under a GEMM's rate and at a pace set by the input's layout - ``convolution/depthwise`` over NCHW,
+    ``.../nhwc`` over a channels-last input (Hugging Face's ConvNeXt permutes its blocks' outputs back so): 666 and 195
+    us forward, 2,225 and 532 backward, for ConvNeXt-T's first stage on an H200 (bench/gpu_depthwise_probe.py), where a
+    copy of the input takes 22 - memory-bound ops with rates a table measures."""
+    wi, gi, ti = _CONV_ARGS.get(name, (1, 8, 6))
+    x = args[1] if name == "convolution_backward" else args[0]
+    w = args[wi]
+    groups = args[gi] if len(args) > gi and isinstance(args[gi], int) else 1
+    transposed = bool(args[ti]) if ti is not None and len(args) > ti else False
+    kernel = int(w.numel() // max(1, w.shape[0]))          # w.shape[1:] multiplied: channels a group x kernel area
+    if transposed:   # weight [C_in, C_out / g, kh, kw]: each input position scatters into C_out / g x kernel outputs
+        area = kernel // max(1, int(w.shape[1]))
+        m, n, k = int(x.numel() // max(1, x.shape[1])), int(w.shape[1]) * area, int(w.shape[0]) // max(1, groups)
+    else:            # weight [C_out, C_in / g, kh, kw]; the output (the gradient of it, backward) [N, C_out, ...]
+        y = args[0] if name == "convolution_backward" else outs[0]
+        m, n, k = int(y.numel() // max(1, y.shape[1])), int(w.shape[0]) // max(1, groups), kernel
+    passes = 1
+    if name == "convolution_backward":
+        mask = args[10] if len(args) > 10 else (True, True, True)
+        passes = int(bool(mask[0])) + int(bool(mask[1]))
+    if not transposed and groups > 1 and int(w.shape[1]) == 1:
+        nhwc = x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+        return OpFacts(MEMORY, 0, nbytes, None, dtype,
+                       op=name.lstrip("_").replace("cudnn_", "") + DEPTHWISE + (NHWC if nhwc else ""))
+    return OpFacts(CONV, 2 * m * n * k * groups * passes, nbytes, (max(1, m), max(1, n), max(1, k)), dtype)
 
 
 def _group_size(args) -> int:
@@ -298,15 +352,16 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         full = max(sum(_nbytes(t) for t in ins), sum(_nbytes(t) for t in outs))   # the whole buffer (gathered side)
         return OpFacts(COMM, 0, full, None, dtype, _group_size(args), op=_FUNCOL[name])
     if kind == MATMUL:
-        fl = _flops(func, args, kwargs, out)
         name = _op_name(func)
+        if name == "_grouped_mm" and outs:
+            return _grouped_mm_facts(args, kwargs, outs[0], nbytes, dtype)
+        fl = _flops(func, args, kwargs, out)
         mats = (args[1], args[2]) if name in ("addmm", "baddbmm", "addbmm", "_addmm_activation") else tuple(args[:2])
         out_ok = _aligned(*outs[:1])
         return OpFacts(MATMUL, fl, nbytes, _gemm_shape(func, args, fl), dtype, aligned=out_ok and _aligned(*mats),
                        out_unaligned=not out_ok)
     if kind == CONV:
-        fl = _flops(func, args, kwargs, out)
-        return OpFacts(CONV, fl, nbytes, _conv_shape(func, args, fl), dtype)
+        return _conv_facts(_op_name(func), args, outs, nbytes, dtype)
     if kind in (ATTN_FWD, ATTN_BWD):
         q = ins[0] if kind == ATTN_FWD else ins[1]
         return OpFacts(kind, _flops(func, args, kwargs, out), nbytes, None, _dtype(q), int(q.shape[-2]),
@@ -320,7 +375,9 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         fill = _nbytes(outs[0])
         return OpFacts(MEMORY, 0, nbytes - fill, None, dtype, op=EMBEDDING_ROWS, fill=fill)
     if name in _BATCH_NORM and ins and ins[0].dim() > 2:
-        return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _spatial(ins[0]))
+        return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _spatial(ins[0]) + _fp32(ins[0]))
+    if name in _NORMS and ins:
+        return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _fp32(ins[0]))
     if name in SOFTMAX_OPS and ins:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _row_width(name, args, ins[0]))
     if name in _CASTS and _upcast(name, ins, outs):
@@ -368,6 +425,18 @@ _BATCH_NORM = frozenset({"native_batch_norm", "native_batch_norm_backward", "_na
                          "_native_batch_norm_legit_functional", "cudnn_batch_norm", "cudnn_batch_norm_backward"})
 # the spatial sizes a table measures batch norm at (ResNet-50's stages at 224 px: 112^2 ... 7^2)
 BN_SPATIAL = (12544, 3136, 784, 196, 49)
+
+
+# Layer and group norm (and batch norm, by spatial size): a table measures them over 16-bit inputs and over fp32 ones
+# (``/fp32``: autocast runs layer and group norm in fp32, and fp32 training runs every norm so). Their kernels reduce
+# rows or channels, so their time does not follow their bytes: ResNet-50's fp32 batch norms ran 3.6 ms forward on an
+# H200 where the bf16 rate over their bytes priced 10.4; GPT-2's fp32 layer norms 0.21 ms where it priced 0.11.
+_NORMS = frozenset({"native_layer_norm", "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward"})
+FP32 = "/fp32"
+
+
+def _fp32(x: torch.Tensor) -> str:
+    return FP32 if x.dtype == torch.float32 else ""
 
 
 def _spatial(x: torch.Tensor) -> str:

@@ -108,6 +108,8 @@ class Recorder:
         if not self._live() or self.tracker.muted:   # muted: stand-ins and save_on_cpu's host copies (priced per byte over PCIe)
             return
         f = op_facts(func, args, kwargs, out)
+        if f.kind == SYNC and self.trace.rows and self.trace.rows[-1][2].kind == SYNC:
+            return   # item() after item(), nothing between: a fake tensor's tolist(), one copy to the host on CUDA
         if f.kind != META:
             self.add(f)
 
@@ -263,7 +265,10 @@ def price(trace: OpTrace, tab: TimingTable, ckpt_share: float = 0.0) -> list[tup
             # matmul's allow_tf32); torchvision's ResNet-50 fp32 forward convs ran at 105 TFLOP/s on an H200, past the
             # 67 TFLOP/s of its fp32 CUDA cores
             dt = "tf32" if kind == CONV and f.dtype == "float32" else f.dtype
-            gpu = tab.kernel_seconds(f.flops, tab.matmul_tflops(dt, m, n, k, f.aligned, f.out_unaligned), f.nbytes)
+            rate = tab.matmul_tflops(dt, m, n, k, f.aligned, f.out_unaligned)
+            if f.op:   # a grouped GEMM: its measured rate against the dense one's (memlens.estimator.timing.ops)
+                rate *= tab.op_ratio.get(f.op, 1.0)
+            gpu = tab.kernel_seconds(f.flops * f.pad, rate, f.nbytes)
             fl = f.flops
         elif kind in (ATTN_FWD, ATTN_BWD):
             gpu = tab.kernel_seconds(f.flops, tab.attention_tflops(f.dtype, f.seq, kind == ATTN_BWD, f.hd, f.causal, f.dropout),

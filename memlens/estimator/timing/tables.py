@@ -51,7 +51,10 @@ CALIBRATED_OPS = frozenset({
     "native_layer_norm", "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads",
     "add/heads", "mul", "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided",
     "_to_copy/up", "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows",
-    "fill_", "add/mixed", "mul/mixed", "native_dropout", "cat/one", "slice_backward"})
+    "fill_", "add/mixed", "mul/mixed", "native_dropout", "cat/one", "slice_backward", "convolution/depthwise",
+    "convolution_backward/depthwise", "convolution/depthwise/nhwc", "convolution_backward/depthwise/nhwc",
+    "native_layer_norm/fp32", "native_layer_norm_backward/fp32", "native_group_norm", "native_group_norm_backward",
+    "native_group_norm/fp32", "native_group_norm_backward/fp32", "max_pool2d_with_indices_backward", "_grouped_mm"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
@@ -150,6 +153,8 @@ class TimingTable:
         """A memory-bound kernel: its bytes at the copy's bandwidth for that size, times the measured ratio of the op in
         that layout (``name/strided``, ``name/bcast``: memlens.estimator.timing.ops), else of the op, else 1."""
         ratio = self.op_ratio.get(op)
+        if ratio is None and op.count("/") > 1:   # ``name/layout/dtype`` not measured: the layout's own (its other dtype)
+            ratio = self.op_ratio.get(op.rsplit("/", 1)[0])
         if ratio is None:
             name, _, layout = op.partition("/")
             if layout in _NEAREST_LAYOUT:    # a table calibrated before this layout was told apart: the one it measured
@@ -378,7 +383,7 @@ def _datasheet_nccl(gpu: str, world: int) -> dict:
     return out
 
 
-# ---------------------------------------------------------------- interpolation
+# ---------------------------------------------------------------- a table of the same chip
 def borrow_rates(t: TimingTable, src: TimingTable, gemms_under_flops: float, why: str) -> list[str]:
     """Fill what calibrated table ``t`` lacks from ``src``, a table of a GPU of the same chip (an H100 from an H200:
     the same GH100's SMs, clocks and kernels, HBM3 beside HBM3e) whose rates were measured as calibrate measures them
@@ -432,6 +437,7 @@ def _trilinear_rate(g: dict, m: float, n: float, k: float) -> float:
     return float(f"{math.exp(_trilinear(g['m'], g['n'], g['k'], logs, m, n, k)):.4g}")
 
 
+# ---------------------------------------------------------------- logs and interpolation
 def _add_logs(t: TimingTable) -> None:
     """Cache the logs of every rate (what the interpolation works on); :func:`_strip_logs` drops them on write."""
     for g in t.matmul.values():
