@@ -71,10 +71,14 @@ def measure(table: str, out: str) -> None:
 
 
 def main(argv=None) -> int:
+    global TOTAL_BYTES
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--table", required=True)
+    ap.add_argument("--table", required=True, help="the shipped table whose copy bandwidth the ratios are against")
+    ap.add_argument("--mib", type=int, default=TOTAL_BYTES >> 20, help="each case's input, MiB (default 256; "
+                    "calibrate's own cases take 64 or 256 rows)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "softmax_rows.json"))
     a = ap.parse_args(argv)
+    TOTAL_BYTES = a.mib << 20
     measure(a.table, a.out)
     return 0
 
