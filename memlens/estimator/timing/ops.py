@@ -430,7 +430,8 @@ BN_SPATIAL = (12544, 3136, 784, 196, 49)
 # Layer and group norm (and batch norm, by spatial size): a table measures them over 16-bit inputs and over fp32 ones
 # (``/fp32``: autocast runs layer and group norm in fp32, and fp32 training runs every norm so). Their kernels reduce
 # rows or channels, so their time does not follow their bytes: ResNet-50's fp32 batch norms ran 3.6 ms forward on an
-# H200 where the bf16 rate over their bytes priced 10.4; GPT-2's fp32 layer norms 0.21 ms where it priced 0.11.
+# H200 where the bf16 rate over their bytes priced 10.4. (Layer norm's rate also moves with its rows' width - GPT-2's
+# 768-wide fp32 rows ran 0.21 ms where calibrate's 2,048-wide case prices 0.09 -: not measured by width.)
 _NORMS = frozenset({"native_layer_norm", "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward"})
 FP32 = "/fp32"
 
