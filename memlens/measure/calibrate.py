@@ -258,8 +258,6 @@ def _op_cases(torch, dev) -> dict:
     logp = a._log_softmax.default(logits, -1, False)
     target = torch.randint(0, V, (N // 2,), device=dev)
     total = torch.tensor(float(N // 2), device=dev)
-    ln, mean, rstd = a.native_layer_norm.default(x, [H], w, b, 1e-5)
-    _, mean32, rstd32 = a.native_layer_norm.default(x32, [H], w.float(), b.float(), 1e-5)
     idx = torch.randint(0, V, (N,), device=dev)
     img = torch.randn(64 * 784, 256, device=dev, dtype=bf)          # BatchNorm1d's (N, C); 4-D ones: _batch_norm_cases
     qkv = torch.randn(4, 1024, 3 * H, device=dev, dtype=bf)         # a fused projection's output, 4 x 1,024 tokens
@@ -272,6 +270,7 @@ def _op_cases(torch, dev) -> dict:
     return {
         **_batch_norm_cases(torch, dev),
         **_softmax_row_cases(torch, dev),
+        **_layer_norm_cases(torch, dev),
         **_conv_and_norm_cases(torch, dev),
         "native_batch_norm": (a.native_batch_norm.default, (img, cw, cb, rm, rv, True, 0.1, 1e-5)),
         "native_batch_norm_backward": (a.native_batch_norm_backward.default,
@@ -280,11 +279,6 @@ def _op_cases(torch, dev) -> dict:
         "nll_loss_backward": (a.nll_loss_backward.default, (total, logp, target, None, 1, -100, total)),
         "sum": (a.sum.dim_IntList, (x, [0])),
         "mean": (a.mean.dim, (x32, [-1], True)),
-        "native_layer_norm": (a.native_layer_norm.default, (x, [H], w, b, 1e-5)),
-        "native_layer_norm/fp32": (a.native_layer_norm.default, (x32, [H], w.float(), b.float(), 1e-5)),   # autocast's
-        "native_layer_norm_backward/fp32": (a.native_layer_norm_backward.default,
-                                            (x32, x32, [H], mean32, rstd32, w.float(), b.float(), [True, True, True])),
-        "native_layer_norm_backward": (a.native_layer_norm_backward.default, (y, x, [H], mean, rstd, w, b, [True, True, True])),
         "cat": (a.cat.default, ([x, y], -1)),
         "cat/strided": (a.cat.default, ([x[:, H // 2:], y[:, : H // 2]], -1)),      # RoPE's rotate_half
         "cat/heads": (a.cat.default, ([heads[..., 32:], heads[..., :32]], -1)),   # RoPE's rotate_half on heads
@@ -335,6 +329,23 @@ def _softmax_row_cases(torch, dev) -> dict:
             out[f"_log_softmax_backward_data/w{w}{tag}"] = (a._log_softmax_backward_data.default, (x, y, -1, dtype))
             out[f"_softmax/w{w}{tag}"] = (a._softmax.default, (x, -1, False))
             out[f"_softmax_backward_data/w{w}{tag}"] = (a._softmax_backward_data.default, (x, y, -1, dtype))
+    return out
+
+
+def _layer_norm_cases(torch, dev) -> dict:
+    """Layer norm forward and backward over rows of each width of ``ops_kinds.LAYER_NORM_WIDTHS``, bf16 and fp32 (with
+    fp32 weights, as autocast runs it), 64 MiB of input each: ``native_layer_norm/w<W>`` and ``.../w<W>/fp32``."""
+    from ..estimator.timing.ops import FP32
+    from ..estimator.timing.ops_kinds import LAYER_NORM_WIDTHS
+
+    a, out = torch.ops.aten, {}
+    for (dtype, tag), width in itertools.product(((torch.bfloat16, ""), (torch.float32, FP32)), LAYER_NORM_WIDTHS):
+        x = torch.randn(max(SOFTMAX_MIN_ROWS, SOFTMAX_BYTES // (width * dtype.itemsize)), width, device=dev, dtype=dtype)
+        w, b = torch.ones(width, device=dev, dtype=dtype), torch.zeros(width, device=dev, dtype=dtype)
+        _, mean, rstd = a.native_layer_norm.default(x, [width], w, b, 1e-5)
+        out[f"native_layer_norm/w{width}{tag}"] = (a.native_layer_norm.default, (x, [width], w, b, 1e-5))
+        out[f"native_layer_norm_backward/w{width}{tag}"] = (a.native_layer_norm_backward.default,
+                                                            (x, x, [width], mean, rstd, w, b, [True, True, True]))
     return out
 
 

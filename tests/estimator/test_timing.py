@@ -106,9 +106,9 @@ def test_a_table_of_another_gpu_is_used_only_when_named_and_says_so(tmp_path, mo
     path = src.write(tmp_path / "mine.json")
     monkeypatch.setenv(tables.ENV_TABLE, str(path))
     t = table_for("h200")
-    # a flat table measured no op's own rate: it says so for each of calibrate's 47 and the 4 softmax ops by row width
+    # a flat table measured no op's own rate: it says so for each of calibrate's 43 and the 6 ops measured by row width
     assert t.note == ("calibrated table mine.json (NVIDIA H100 80GB HBM3), measured on a h100 and used for the h200 "
-                      "as asked (--timing-table); 51 op rates not measured there; mid-size GEMMs timed at the host's "
+                      "as asked (--timing-table); 49 op rates not measured there; mid-size GEMMs timed at the host's "
                       "pace there")
 
 
@@ -831,8 +831,8 @@ def test_borrowed_rates_fill_only_what_the_table_lacks_and_say_so(tmp_path, monk
     monkeypatch.setenv(tables.ENV_TABLE, str(mine.write(tmp_path / "filled.json")))
     t = table_for("h100")
     assert "_to_copy/up" not in t.unmeasured_ops() and not t.matmul_loop_timed() and t.borrowed()["why"] == "same chip"
-    # what it still lacks (the flat table's 47 + 4 softmax families, less mul and the upcast) and what it took
-    assert t.note.endswith("; 49 op rates not measured there; 1 op rate and GEMMs under 2e+11 FLOPs from the NVIDIA "
+    # what it still lacks (the flat table's 43 + 6 by-width families, less mul and the upcast) and what it took
+    assert t.note.endswith("; 47 op rates not measured there; 1 op rate and GEMMs under 2e+11 FLOPs from the NVIDIA "
                            "H200's table")
 
 
@@ -907,8 +907,11 @@ def test_norms_over_fp32_inputs_have_their_own_rates_and_fall_back_to_the_16_bit
     x32, x16 = torch.empty(64, 128), torch.empty(64, 128, dtype=torch.bfloat16)
     w = torch.empty(128)
     ln32 = op_facts(a.native_layer_norm.default, (x32, [128], w, w, 1e-5), {}, a.native_layer_norm.default(x32, [128], w, w, 1e-5))
-    assert ln32.op == "native_layer_norm/fp32"
-    assert op_facts(a.native_layer_norm.default, (x16, [128], w, w, 1e-5), {}, x16).op == "native_layer_norm"
+    assert ln32.op == "native_layer_norm/w96/fp32"        # 128 wide: nearest 96 of the measured widths (log scale)
+    assert op_facts(a.native_layer_norm.default, (x16, [128], w, w, 1e-5), {}, x16).op == "native_layer_norm/w96"
+    wide = torch.empty(4, 1536)
+    assert op_facts(a.native_layer_norm.default, (wide, [1536], torch.empty(1536), None, 1e-5), {},
+                    wide).op == "native_layer_norm/w1600/fp32"
     img = torch.empty(2, 8, 28, 28)
     bn = op_facts(a.native_batch_norm.default, (img, torch.empty(8), torch.empty(8), None, None, True, 0.1, 1e-5), {},
                   a.native_batch_norm.default(img, torch.empty(8), torch.empty(8), None, None, True, 0.1, 1e-5))
@@ -917,6 +920,6 @@ def test_norms_over_fp32_inputs_have_their_own_rates_and_fall_back_to_the_16_bit
     t.op_ratio.update({"native_batch_norm/hw784": 0.25, "native_layer_norm": 0.5})
     copy = t.op_seconds("copy_", 1e8)
     assert t.op_seconds("native_batch_norm/hw784/fp32", 1e8) == pytest.approx(copy / 0.25)   # its 16-bit layout's rate
-    assert t.op_seconds("native_layer_norm/fp32", 1e8) == pytest.approx(copy / 0.5)          # the op's own
+    assert t.op_seconds("native_layer_norm/w96/fp32", 1e8) == pytest.approx(copy / 0.5)      # the op's own
     t.op_ratio["native_batch_norm/hw784/fp32"] = 0.5
     assert t.op_seconds("native_batch_norm/hw784/fp32", 1e8) == pytest.approx(copy / 0.5)

@@ -30,12 +30,17 @@ def test_op_ratios_are_the_ops_bytes_rate_over_the_copys(monkeypatch):
     assert ratios["mul"] == pytest.approx(3 * N * H * 2 / 1e-3 / 1e9 / 100.0, abs=1e-3)
     # the loss reads its [N/2, 32768] fp32 input as the model counts it: a gather is far under that: clamped at 50
     assert ratios["nll_loss_forward"] == pytest.approx(min(50.0, (N // 2 * 32768 * 4 + N // 2 * 8 + 8) / 1e-3 / 1e9 / 100.0), rel=1e-3)
-    assert set(ratios) >= {"_log_softmax/w131072", "sum", "native_layer_norm_backward", "native_batch_norm_backward",
+    assert set(ratios) >= {"_log_softmax/w131072", "sum", "native_batch_norm_backward",
                            "native_batch_norm/hw49", "native_batch_norm_backward/hw12544", "_to_copy/up", "copy_/up",
+                           "native_layer_norm_backward/w768/fp32", "native_layer_norm/w96",
                            "_softmax/w1024", "_softmax_backward_data/w2048/16bit", "mul/heads", "add/heads", "mul/rows"}
     # each softmax op at each width in fp32 and bf16 (10 x 2 x 4), 64 MiB of input or 256 rows: softmax's backward
     # reads the gradient and the probabilities, writes the input's gradient: 3 x [16384, 1024] fp32 in 1 ms
-    assert sum("softmax" in k for k in ratios) == 80
+    assert sum("softmax" in k for k in ratios) == 80 and sum("layer_norm" in k for k in ratios) == 9 * 2 * 2
+    # a 96-wide fp32 layer norm: 64 MiB of rows read and written, the fp32 weight and bias read, mean and rstd written
+    rows = 2**26 // (96 * 4)
+    assert ratios["native_layer_norm/w96/fp32"] == pytest.approx((2 * rows * 96 + 2 * 96 + 2 * rows) * 4 / 1e-3 / 1e9 / 100.0,
+                                                                 rel=1e-3)
     assert ratios["_softmax_backward_data/w1024"] == pytest.approx(3 * 2**26 / 1e-3 / 1e9 / 100.0, abs=1e-3)
     # 262,144 bf16 values a row (512 KiB): 128 rows would make 64 MiB; 256 rows, read and written once
     assert ratios["_log_softmax/w262144/16bit"] == pytest.approx(2 * 256 * 262144 * 2 / 1e-3 / 1e9 / 100.0, abs=1e-3)

@@ -19,7 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils._pytree import tree_flatten
 
-from .ops_kinds import ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, HALF_ROWS, MATMUL, MEMORY, META, SOFTMAX_OPS, SOFTMAX_WIDTHS, SYNC, VIEW
+from .ops_kinds import (ALLOC, ATTN_BWD, ATTN_FWD, COMM, CONV, HALF_ROWS, LAYER_NORM_OPS, LAYER_NORM_WIDTHS, MATMUL, MEMORY,
+                        META, SOFTMAX_OPS, SOFTMAX_WIDTHS, SYNC, VIEW)
 
 
 class OpFacts(NamedTuple):
@@ -376,6 +377,8 @@ def op_facts(func, args, kwargs, out) -> OpFacts:
         return OpFacts(MEMORY, 0, nbytes - fill, None, dtype, op=EMBEDDING_ROWS, fill=fill)
     if name in _BATCH_NORM and ins and ins[0].dim() > 2:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _spatial(ins[0]) + _fp32(ins[0]))
+    if name in LAYER_NORM_OPS and ins:
+        return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _norm_width(ins[0]) + _fp32(ins[0]))
     if name in _NORMS and ins:
         return OpFacts(MEMORY, 0, nbytes, None, dtype, op=name + _fp32(ins[0]))
     if name in SOFTMAX_OPS and ins:
@@ -427,13 +430,21 @@ _BATCH_NORM = frozenset({"native_batch_norm", "native_batch_norm_backward", "_na
 BN_SPATIAL = (12544, 3136, 784, 196, 49)
 
 
-# Layer and group norm (and batch norm, by spatial size): a table measures them over 16-bit inputs and over fp32 ones
-# (``/fp32``: autocast runs layer and group norm in fp32, and fp32 training runs every norm so). Their kernels reduce
-# rows or channels, so their time does not follow their bytes: ResNet-50's fp32 batch norms ran 3.6 ms forward on an
-# H200 where the bf16 rate over their bytes priced 10.4. (Layer norm's rate also moves with its rows' width - GPT-2's
-# 768-wide fp32 rows ran 0.21 ms where calibrate's 2,048-wide case prices 0.09 -: not measured by width.)
-_NORMS = frozenset({"native_layer_norm", "native_layer_norm_backward", "native_group_norm", "native_group_norm_backward"})
+# Layer, group and batch norm: a table measures them over 16-bit inputs and over fp32 ones (``/fp32``: autocast runs
+# layer and group norm in fp32, and fp32 training runs every norm so). Their kernels reduce rows or channels, so their
+# time does not follow their bytes: ResNet-50's fp32 batch norms ran 3.6 ms forward on an H200 where the bf16 rate over
+# their bytes priced 10.4. Layer norm's rate moves with its rows' width as well (a block or warp a row): Swin-T's
+# 96-wide fp32 rows ran 2.45 ms forward where a 2,048-wide case priced 0.71, GPT-2's 768-wide ones 0.21 where it priced
+# 0.09 - measured at ``LAYER_NORM_WIDTHS``, priced at the nearest (``native_layer_norm/w768/fp32``).
+_NORMS = frozenset({"native_group_norm", "native_group_norm_backward"})
 FP32 = "/fp32"
+
+
+def _norm_width(x: torch.Tensor) -> str:
+    """``/w<W>``: the measured layer-norm width nearest ``x``'s last dimension (the normalized one, as Hugging Face's
+    and timm's layer norms run it; log scale)."""
+    width = int(x.shape[-1]) if x.dim() else 1
+    return "/w%d" % min(LAYER_NORM_WIDTHS, key=lambda s: abs(math.log(max(width, 1) / s)))
 
 
 def _fp32(x: torch.Tensor) -> str:

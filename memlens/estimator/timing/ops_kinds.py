@@ -19,3 +19,7 @@ CKPT = "ckpt"
 SOFTMAX_OPS = frozenset({"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data"})
 SOFTMAX_WIDTHS = (1024, 2048, 4096, 8192, 16384, 32768, 50257, 65536, 131072, 262144)
 HALF_ROWS = "/16bit"
+# layer norm's rows (the normalized width) a table measures it at: ``native_layer_norm/w<W>`` over 16-bit rows,
+# ``.../w<W>/fp32`` over fp32 ones (Swin-T's 96 ... 768, GPT-2 XL's 1,600, the common hidden sizes)
+LAYER_NORM_OPS = frozenset({"native_layer_norm", "native_layer_norm_backward"})
+LAYER_NORM_WIDTHS = (96, 192, 384, 768, 1024, 1600, 2048, 4096, 8192)

@@ -28,7 +28,7 @@ from typing import Any
 
 from ...core.errors import SpecError
 from ...core.gpus import GPUS, gpu_facts
-from .ops_kinds import SOFTMAX_OPS
+from .ops_kinds import LAYER_NORM_OPS, SOFTMAX_OPS
 
 FORMAT = 1
 DTYPES = ("bfloat16", "float16", "float32", "tf32")
@@ -43,18 +43,17 @@ BORROWED = "borrowed"
 # the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
 # two alike) past batch norm's spatial sizes and the softmax ops' row widths: a calibrated table without some
 # (calibrated before they were measured) prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``,
-# ``/rows`` as ``/bcast``, ``cat/one`` as ``cat/heads``, a softmax over rows of some width as the op's one measured
-# width, else the op or a copy: ``/mixed`` as the op) and says how many it lacks
+# ``/rows`` as ``/bcast``, ``cat/one`` as ``cat/heads``, a softmax or layer norm over rows of some width as the op's
+# one measured width, else the op or a copy: ``/mixed`` as the op) and says how many it lacks
 _NEAREST_LAYOUT = {"heads": "strided", "rows": "bcast", "one": "heads"}   # a layout calibrate measures now -> the one measured before it
 CALIBRATED_OPS = frozenset({
-    "native_batch_norm", "native_batch_norm_backward", "nll_loss_forward", "nll_loss_backward", "sum", "mean",
-    "native_layer_norm", "native_layer_norm_backward", "cat", "cat/strided", "cat/heads", "clone/heads", "mul/heads",
-    "add/heads", "mul", "mul/bcast", "mul/rows", "mul/strided", "add", "add/bcast", "_to_copy", "_to_copy/strided",
-    "_to_copy/up", "copy_/up", "clone/strided", "copy_", "pow", "silu_backward", "embedding_dense_backward/rows",
-    "fill_", "add/mixed", "mul/mixed", "native_dropout", "cat/one", "slice_backward", "convolution/depthwise",
-    "convolution_backward/depthwise", "convolution/depthwise/nhwc", "convolution_backward/depthwise/nhwc",
-    "native_layer_norm/fp32", "native_layer_norm_backward/fp32", "native_group_norm", "native_group_norm_backward",
-    "native_group_norm/fp32", "native_group_norm_backward/fp32", "max_pool2d_with_indices_backward", "_grouped_mm"})
+    "native_batch_norm", "native_batch_norm_backward", "nll_loss_forward", "nll_loss_backward", "sum", "mean", "cat",
+    "cat/strided", "cat/heads", "clone/heads", "mul/heads", "add/heads", "mul", "mul/bcast", "mul/rows", "mul/strided",
+    "add", "add/bcast", "_to_copy", "_to_copy/strided", "_to_copy/up", "copy_/up", "clone/strided", "copy_", "pow",
+    "silu_backward", "embedding_dense_backward/rows", "fill_", "add/mixed", "mul/mixed", "native_dropout", "cat/one",
+    "slice_backward", "convolution/depthwise", "convolution_backward/depthwise", "convolution/depthwise/nhwc",
+    "convolution_backward/depthwise/nhwc", "native_group_norm", "native_group_norm_backward", "native_group_norm/fp32",
+    "native_group_norm_backward/fp32", "max_pool2d_with_indices_backward", "_grouped_mm"})
 
 # The grids calibrate measures and the data-sheet tables fill (log2-spaced).
 GRID_M = (16, 64, 256, 1024, 4096, 16384, 65536)
@@ -226,7 +225,7 @@ class TimingTable:
         if not self.calibrated:
             return []
         missing = set(CALIBRATED_OPS - set(self.op_ratio))
-        for op in SOFTMAX_OPS:   # by row width (ops_kinds.SOFTMAX_WIDTHS): a table without them has the op's one rate
+        for op in SOFTMAX_OPS | LAYER_NORM_OPS:   # by row width (ops_kinds): a table without them has the op's one rate
             if not any(k.startswith(op + "/w") for k in self.op_ratio):
                 missing.add(op + "/w*")
         return sorted(missing)
