@@ -6,6 +6,9 @@ One command on the GPU machine, from the repo root (one H100: about 6 minutes):
     python bench/gpu_step_time.py                 # calibrate + the one-GPU cases
     python bench/gpu_step_time.py --gpus 2        # the DDP / FSDP2 cases (calibrate with NCCL first)
     python bench/gpu_step_time.py --dry-run       # CPU: estimates only, tiny sizes (checks the script)
+    python bench/gpu_step_time.py --set new --table memlens/data/gpus/h200_timing.json --profile
+                                                  # families the time model was never checked on (--set new2: more;
+                                                  # its diffusion cases need diffusers: carry its wheel)
     python bench/gpu_step_time.py --only gpt2-fp32,llama1b-bf16 --budget-s 400 --table out/h100_timing.json
                                                   # (case-name substrings as positionals select too; --list names them)
 
@@ -25,8 +28,8 @@ What it does:
    markdown table ($OUT/gpu_step_time.md) printed last: measured vs predicted, error, and the overheads of
    checkpointing and accumulation (measured vs predicted, percentage points).
 
-Skipped, and said so in the table: QLoRA (bitsandbytes is not installed on the GPU machine) and DP-SGD (opacus
-is not installed there).
+Skipped, and said so in the table: a case whose library the GPU machine lacks (``needs``: bitsandbytes for QLoRA,
+opacus for DP-SGD, diffusers for Stable Diffusion and DiT - carry their wheels: ``python -m pip install --no-deps``).
 """
 from __future__ import annotations
 
