@@ -310,8 +310,8 @@ def _op_cases(torch, dev) -> dict:
     }
 
 
-SOFTMAX_BYTES = 2**26   # each width's input in _softmax_row_cases: 64 MiB, and 256 rows at least (a block each: every SM busy)
-SOFTMAX_MIN_ROWS = 256
+ROW_CASE_BYTES = 2**26   # each width's input in the by-width cases (softmax, layer norm): 64 MiB, and 256 rows at least
+ROW_CASE_MIN_ROWS = 256  # (a block a row: every SM busy)
 
 
 def _softmax_row_cases(torch, dev) -> dict:
@@ -323,7 +323,7 @@ def _softmax_row_cases(torch, dev) -> dict:
     a, out = torch.ops.aten, {}
     for dtype, tag in ((torch.float32, ""), (torch.bfloat16, HALF_ROWS)):
         for w in SOFTMAX_WIDTHS:
-            x = torch.randn(max(SOFTMAX_MIN_ROWS, SOFTMAX_BYTES // (w * dtype.itemsize)), w, device=dev, dtype=dtype)
+            x = torch.randn(max(ROW_CASE_MIN_ROWS, ROW_CASE_BYTES // (w * dtype.itemsize)), w, device=dev, dtype=dtype)
             y = a._softmax.default(x, -1, False)
             out[f"_log_softmax/w{w}{tag}"] = (a._log_softmax.default, (x, -1, False))
             out[f"_log_softmax_backward_data/w{w}{tag}"] = (a._log_softmax_backward_data.default, (x, y, -1, dtype))
@@ -340,7 +340,7 @@ def _layer_norm_cases(torch, dev) -> dict:
 
     a, out = torch.ops.aten, {}
     for (dtype, tag), width in itertools.product(((torch.bfloat16, ""), (torch.float32, FP32)), LAYER_NORM_WIDTHS):
-        x = torch.randn(max(SOFTMAX_MIN_ROWS, SOFTMAX_BYTES // (width * dtype.itemsize)), width, device=dev, dtype=dtype)
+        x = torch.randn(max(ROW_CASE_MIN_ROWS, ROW_CASE_BYTES // (width * dtype.itemsize)), width, device=dev, dtype=dtype)
         w, b = torch.ones(width, device=dev, dtype=dtype), torch.zeros(width, device=dev, dtype=dtype)
         _, mean, rstd = a.native_layer_norm.default(x, [width], w, b, 1e-5)
         out[f"native_layer_norm/w{width}{tag}"] = (a.native_layer_norm.default, (x, [width], w, b, 1e-5))

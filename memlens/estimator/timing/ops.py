@@ -440,11 +440,15 @@ _NORMS = frozenset({"native_group_norm", "native_group_norm_backward"})
 FP32 = "/fp32"
 
 
+def _nearest(value: int, measured: tuple) -> int:
+    """The measured size nearest ``value`` on a log scale (a table's widths and spatial sizes)."""
+    return min(measured, key=lambda s: abs(math.log(max(value, 1) / s)))
+
+
 def _norm_width(x: torch.Tensor) -> str:
     """``/w<W>``: the measured layer-norm width nearest ``x``'s last dimension (the normalized one, as Hugging Face's
-    and timm's layer norms run it; log scale)."""
-    width = int(x.shape[-1]) if x.dim() else 1
-    return "/w%d" % min(LAYER_NORM_WIDTHS, key=lambda s: abs(math.log(max(width, 1) / s)))
+    and timm's layer norms run it)."""
+    return "/w%d" % _nearest(int(x.shape[-1]) if x.dim() else 1, LAYER_NORM_WIDTHS)
 
 
 def _fp32(x: torch.Tensor) -> str:
@@ -458,7 +462,7 @@ def _spatial(x: torch.Tensor) -> str:
     hw = 1
     for d in x.shape[2:]:
         hw *= int(d)
-    return "/hw%d" % min(BN_SPATIAL, key=lambda s: abs(math.log(max(hw, 1) / s)))
+    return "/hw%d" % _nearest(hw, BN_SPATIAL)
 
 
 # Softmax and log-softmax (and their backwards) over the last dimension: CUDA runs rows of up to 1,024 elements with a
@@ -483,8 +487,7 @@ def _row_width(name: str, args, x: torch.Tensor) -> str:
         width = int(x.shape[-1])
     except (IndexError, TypeError, ValueError, RuntimeError):
         return ""
-    w = min(SOFTMAX_WIDTHS, key=lambda s: abs(math.log(max(width, 1) / s)))
-    return "/w%d" % w + (HALF_ROWS if x.element_size() == 2 else "")
+    return "/w%d" % _nearest(width, SOFTMAX_WIDTHS) + (HALF_ROWS if x.element_size() == 2 else "")
 
 
 def _copy_in_facts(args, dtype: str, nbytes: int) -> OpFacts:

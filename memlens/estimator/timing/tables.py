@@ -41,7 +41,7 @@ MATMUL_TIMER = "matmul_timer"
 # env key of what a table took from another GPU's table (borrow_rates), said in its note
 BORROWED = "borrowed"
 # the memory-bound ops and layouts calibrate measures a rate for (memlens.measure.calibrate._op_cases; a test keeps the
-# two alike) past batch norm's spatial sizes and the softmax ops' row widths: a calibrated table without some
+# two alike) past batch norm's spatial sizes and the softmax and layer-norm row widths: a calibrated table without some
 # (calibrated before they were measured) prices each as its nearest (an upcast as a cast, ``/heads`` as ``/strided``,
 # ``/rows`` as ``/bcast``, ``cat/one`` as ``cat/heads``, a softmax or layer norm over rows of some width as the op's
 # one measured width, else the op or a copy: ``/mixed`` as the op) and says how many it lacks
@@ -419,9 +419,9 @@ def _borrowed_grid(t: TimingTable, mine: dict, theirs: dict, dtype: str, under: 
             for l, k in enumerate(theirs["k"]):
                 flops, rate = 2 * m * n * k, theirs["tflops"][i][j][l]
                 have = m in mine["m"] and n in mine["n"] and k in mine["k"]
-                if (flops >= under and have) or not rate:   # a large GEMM, or one the source did not measure
-                    row.append(mine["tflops"][mine["m"].index(m)][mine["n"].index(n)][mine["k"].index(k)] if have
-                               else _trilinear_rate(mine, m, n, k))
+                if (flops >= under and have) or not rate:   # a large GEMM, or one the source did not measure: its own
+                    row.append(mine["tflops"][mine["m"].index(m)][mine["n"].index(n)][mine["k"].index(k)] if have else
+                               float(f"{math.exp(_trilinear(mine['m'], mine['n'], mine['k'], mine['log_tflops'], m, n, k)):.4g}"))
                     continue
                 nbytes = (m * k + k * n + m * n) * el
                 sec = max(flops / (rate * 1e12), nbytes / (t.bandwidth_gbps(nbytes) * 1e9))
@@ -429,11 +429,6 @@ def _borrowed_grid(t: TimingTable, mine: dict, theirs: dict, dtype: str, under: 
             plane.append(row)
         rates.append(plane)
     return {"m": list(theirs["m"]), "n": list(theirs["n"]), "k": list(theirs["k"]), "tflops": rates}
-
-
-def _trilinear_rate(g: dict, m: float, n: float, k: float) -> float:
-    logs = [[[math.log(max(v, 1e-6)) for v in row] for row in plane] for plane in g["tflops"]]
-    return float(f"{math.exp(_trilinear(g['m'], g['n'], g['k'], logs, m, n, k)):.4g}")
 
 
 # ---------------------------------------------------------------- logs and interpolation
